@@ -1,0 +1,22 @@
+"""trainops: training kernels for PyTorch (Triton on the GPU, a CPU path, one kernel registry).
+
+    import trainops
+    y = trainops.softmax(x, dim=-1)                 # autograd, torch.compile, any strides
+    p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
+    with trainops.backend("cpu"): ...               # pin a backend
+"""
+
+from . import ops  # noqa: F401  (registers every kernel)
+from . import errors, functional, library, nn, registry
+from .errors import InvalidProblemError, TrainopsError, UnsupportedError
+from .functional import log_softmax, log_softmax_backward, softmax, softmax_backward
+from .plan import KernelChoice, Plan, Precision, plan
+from .registry import backend, kernels, lookup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InvalidProblemError", "KernelChoice", "Plan", "Precision", "TrainopsError", "UnsupportedError",
+    "backend", "errors", "functional", "kernels", "library", "log_softmax", "log_softmax_backward", "lookup",
+    "nn", "plan", "registry", "softmax", "softmax_backward",
+]

@@ -1,0 +1,41 @@
+"""Command line: ``python -m trainops kernels | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _print_table(rows: list[dict]) -> None:
+    if not rows:
+        print("(nothing)")
+        return
+    cols = list(rows[0])
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainops", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("kernels", help="print the kernel registry")
+    bench = sub.add_parser("bench", help="time every op against torch (and peers when installed)")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a self-check)")
+    bench.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
+    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json)")
+    bench.add_argument("--no-peers", action="store_true", help="skip torch.compile and peer libraries")
+    args = parser.parse_args(argv)
+
+    if args.command == "kernels":
+        import trainops
+        _print_table([k.row() for k in trainops.kernels()])
+        return 0
+    from . import bench as bench_module
+    return bench_module.main(quick=args.quick, ops=args.ops, out=args.out, peers=not args.no_peers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

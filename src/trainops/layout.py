@@ -1,0 +1,74 @@
+"""Strided layouts of one-axis reductions, seen without copies.
+
+A reduction along ``dim`` of tensors that share a shape (each with its own strides) is viewed as
+
+    element(o0, o1, i, n) at  base + o0*s_o0 + o1*s_o1 + i*s_i + n*s_n      (per operand)
+
+with ``n`` the reduced axis, ``i`` the batch dim of smallest stride in the reference operand
+(the one a kernel tiles across: contiguous for a non-last-axis reduction), and ``o0, o1`` the
+rest. Batch dims that are contiguous with each other in every operand are merged first, so
+every dense layout of any rank needs at most three batch dims. Rarer layouts (four or more
+unmergeable batch dims) keep the extra leading dims on the host: one launch per index, with
+``base`` offsets given in ``host_bases``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ReductionLayout:
+    n: int
+    outer0: int
+    outer1: int
+    inner: int
+    stride_n: tuple[int, ...]        # one entry per operand
+    stride_outer0: tuple[int, ...]
+    stride_outer1: tuple[int, ...]
+    stride_inner: tuple[int, ...]
+    host_bases: tuple[tuple[int, ...], ...]  # per host launch, one base element offset per operand
+
+    @property
+    def rows(self) -> int:
+        return self.outer0 * self.outer1 * self.inner
+
+
+def reduction_layout(shape: Sequence[int], dim: int, strides: Sequence[Sequence[int]],
+                     reference: int = -1) -> ReductionLayout:
+    """Merge and order the batch dims of ``shape`` (all but ``dim``) jointly for every operand.
+
+    ``strides[k]`` are operand k's strides; dims are ordered by the strides of operand
+    ``reference`` (the output, which is always dense), largest first.
+    """
+    count = len(strides)
+    zero = (0,) * count
+    batch = [(shape[d], tuple(s[d] for s in strides)) for d in range(len(shape)) if d != dim and shape[d] != 1]
+    batch.sort(key=lambda b: -b[1][reference])
+    merged: list[tuple[int, tuple[int, ...]]] = []
+    for size, st in batch:
+        if merged and all(ps == bs * size for ps, bs in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * size, st)
+        else:
+            merged.append((size, st))
+    merged = [(1, zero)] * max(0, 3 - len(merged)) + merged
+    host, (o0, s_o0), (o1, s_o1), (inner, s_i) = merged[:-3], merged[-3], merged[-2], merged[-1]
+    host_bases = tuple(
+        tuple(sum(idx * st[k] for idx, (_, st) in zip(index, host)) for k in range(count))
+        for index in itertools.product(*(range(size) for size, _ in host))
+    )
+    n = shape[dim] if shape else 1
+    s_n = tuple(s[dim] if shape else 0 for s in strides)
+    return ReductionLayout(n, o0, o1, inner, s_n, s_o0, s_o1, s_i, host_bases)
+
+
+def non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when no two indices of a tensor with this shape and these strides share an element."""
+    extent = 1  # one past the largest offset reached by the dims seen so far
+    for st, size in sorted((st, size) for size, st in zip(shape, strides) if size > 1):
+        if st < extent:
+            return False
+        extent += (size - 1) * st
+    return True

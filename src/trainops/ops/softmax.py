@@ -1,0 +1,592 @@
+"""Softmax and log-softmax along one axis, forward and backward: Triton kernels, CPU path, registration.
+
+Along the reduced axis of each row (m = max x, s = sum exp(x - m)):
+
+    softmax               y  = exp(x - m) / s
+    log_softmax           y  = (x - m) - log s
+    softmax_backward      dx = y * (dy - sum(y * dy))
+    log_softmax_backward  dx = dy - exp(y) * sum(dy)
+
+Shapes: any rank 0..8, any ``dim``, any strides (transposed, sliced, expanded). The reduced axis
+is read in place through its stride; nothing is transposed or copied (see layout.py).
+Dtypes: float32, float16, bfloat16, float64 inputs; ``out_dtype`` as torch's ``dtype=`` (the input
+is cast to it first). Accumulation in float32, or float64 when the computing dtype is float64.
+Numerics as torch: max-subtracted; an all -inf row gives NaN; NaN propagates along its row.
+Deterministic and bit-identical run to run: fixed reduction order, no atomics.
+
+Triton plans (chosen in ``_choose_config``):
+    fused    the whole row (or a tile of rows / columns) in registers: one read, one write.
+    looped   one program streams a long row twice: online max/sum, then a second pass
+             newest-chunk-first so its reads hit L2.
+    split    few long rows: two launches, per-chunk partial stats into a workspace, then each
+             chunk combines its row's partials (fixed order) and writes its part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..layout import ReductionLayout, non_overlapping, reduction_layout
+from ..plan import KernelChoice, Launch
+from ..registry import FLOATS, register, register_op, triton_available
+
+MAX_RANK = 8
+FORWARD_OPS = ("softmax", "log_softmax")
+BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
+ACCUMULATOR = "float32 (float64 for float64)"
+
+
+def accumulator_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem: validation shared by every backend
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SoftmaxProblem:
+    """One softmax-family problem: ``op`` over ``dim`` of tensors of ``shape``.
+
+    Inputs: ``x`` (forward) or ``dy, y`` (backward), all of ``dtype`` with the given ``strides``.
+    The output has ``out_dtype`` and ``out_strides`` (torch.empty_like of x, or of y backward).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dim: int
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    device: torch.device
+    strides: tuple[tuple[int, ...], ...]
+    out_strides: tuple[int, ...]
+    index_dtype = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("x",) if self.op in FORWARD_OPS else ("dy", "y")
+
+    @property
+    def backward(self) -> bool:
+        return self.op in BACKWARD_OPS
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the math is done in before accumulation: the output's forward, y's backward."""
+        return self.dtype if self.backward else self.out_dtype
+
+    def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
+        """Cheap checks of concrete tensors against the plan (shape, strides, dtype, device)."""
+        if len(tensors) != len(self.names):
+            raise InvalidProblemError(f"trainops.{self.op}: expected {len(self.names)} tensors "
+                                      f"({', '.join(self.names)}), got {len(tensors)}")
+        for name, t, strides in zip(self.names, tensors, self.strides):
+            _check_tensor(self.op, name, t, self.shape, self.dtype, self.device, strides)
+        if out is not None:
+            _check_tensor(self.op, "out", out, self.shape, self.out_dtype, self.device, self.out_strides)
+
+    def new_output(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.out_strides, dtype=self.out_dtype, device=self.device)
+
+
+def _check_tensor(op, name, t, shape, dtype, device, strides) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; the plan is for {shape}")
+    if t.dtype != dtype:
+        raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
+    if t.device != device:
+        raise argument_error(InvalidProblemError, op, name, f"is on device {t.device}; the plan is for {device}")
+    if t.stride() != strides:
+        raise argument_error(InvalidProblemError, op, name,
+                             f"has strides {t.stride()}; the plan is for {strides} (make a plan for this layout)")
+
+
+def _normalize_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None) -> SoftmaxProblem:
+    """Validate a softmax-family descriptor.
+
+    shape: sizes (rank 0..8). dim: the reduced axis, negative counts from the end.
+    dtype: the inputs' dtype. out_dtype: the output's (default: dtype). device: where it runs.
+    strides: None (contiguous), one stride tuple for every input, or one tuple per input.
+    """
+    names = ("x",) if op in FORWARD_OPS else ("dy", "y")
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise argument_error(InvalidProblemError, op, "shape", f"has a negative size: {shape}")
+    rank = len(shape)
+    if rank > MAX_RANK:
+        raise argument_error(UnsupportedError, op, names[0], f"has rank {rank}; ranks 0 to {MAX_RANK} are supported")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise argument_error(InvalidProblemError, op, "dim", f"must be an int, got {dim!r}")
+    low, high = (-1, 0) if rank == 0 else (-rank, rank - 1)
+    if not low <= dim <= high:
+        raise argument_error(InvalidProblemError, op, "dim",
+                             f"is {dim}, out of range [{low}, {high}] for a tensor of rank {rank}")
+    dim = dim % max(rank, 1)
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, names[0],
+                             f"has dtype {dtype}; supported: float32, float16, bfloat16, float64")
+    out_dtype = dtype if out_dtype is None else out_dtype
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, "dtype",
+                             f"is {out_dtype}; supported: float32, float16, bfloat16, float64")
+    try:
+        device = _normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    contiguous = torch.empty(shape, device="meta").stride()
+    if strides is None:
+        strides = (contiguous,) * len(names)
+    elif len(strides) > 0 and all(isinstance(s, int) for s in strides):
+        strides = (tuple(strides),) * len(names)
+    strides = tuple(tuple(int(v) for v in s) for s in strides)
+    if len(strides) != len(names):
+        raise argument_error(InvalidProblemError, op, "strides", f"needs one stride tuple per input ({', '.join(names)})")
+    for name, st in zip(names, strides):
+        if len(st) != rank or any(v < 0 for v in st):
+            raise argument_error(InvalidProblemError, op, name,
+                                 f"has strides {st}; expected {rank} non-negative strides for shape {shape}")
+    reference = torch.empty_strided(shape, strides[-1], device="meta")
+    out_strides = tuple(torch.empty_like(reference).stride())
+    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides)
+
+
+def descriptor_from_tensors(op: str, tensors: Sequence[torch.Tensor], dim, out_dtype=None) -> dict:
+    """The descriptor of concrete tensors (inputs must agree in shape, dtype and device)."""
+    names = ("x",) if op in FORWARD_OPS else ("dy", "y")
+    ref = tensors[-1]
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != ref.shape:
+            raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)} but y has {tuple(ref.shape)}")
+        if t.dtype != ref.dtype:
+            raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype} but y has {ref.dtype}")
+        if t.device != ref.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but y is on {ref.device}")
+    return dict(shape=tuple(ref.shape), dim=dim, dtype=ref.dtype, device=ref.device, out_dtype=out_dtype,
+                strides=tuple(t.stride() for t in tensors))
+
+
+for _op in FORWARD_OPS + BACKWARD_OPS:
+    register_op(_op, lambda shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None, _op=_op:
+                _describe(_op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides),
+                doc=_describe.__doc__)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path: the same formulas in torch ops, accumulating as the Triton kernels do
+# ----------------------------------------------------------------------------------------------
+
+def _cpu_math(problem: SoftmaxProblem, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    acc = accumulator_dtype(problem.compute_dtype)
+    dim = problem.dim
+    if problem.op in FORWARD_OPS:
+        x = tensors[0].to(problem.out_dtype).to(acc)
+        if x.dim() == 0:
+            x = x.reshape(1)
+        z = x - x.amax(dim, keepdim=True)
+        if problem.op == "softmax":
+            e = z.exp()
+            return e / e.sum(dim, keepdim=True)
+        return z - z.exp().sum(dim, keepdim=True).log()
+    dy, y = (t.to(acc).reshape(t.shape or (1,)) for t in tensors)
+    if problem.op == "softmax_backward":
+        return y * (dy - (y * dy).sum(dim, keepdim=True))
+    return dy - y.exp() * dy.sum(dim, keepdim=True)
+
+
+def _prepare_cpu(problem: SoftmaxProblem) -> Launch:
+    def run(tensors, out):
+        if problem.numel:
+            out.copy_(_cpu_math(problem, tensors).reshape(problem.shape))
+
+    return Launch(run, KernelChoice("softmax_torch_math", "cpu", (("op", problem.op),)),
+                  accumulator_dtype(problem.compute_dtype))
+
+
+for _op in FORWARD_OPS + BACKWARD_OPS:
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+             name=f"{_op}_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _coords(pid, I_BLOCKS, OUTER1):
+        """Program id -> (outer0, outer1, inner block)."""
+        ib = pid % I_BLOCKS
+        rest = pid // I_BLOCKS
+        return rest // OUTER1, rest % OUTER1, ib
+
+    @triton.jit
+    def _row(o0, o1, i0, base, s_o0, s_o1, s_i):
+        """64-bit element offset of a block's first row: pointers move by it before the tile offsets."""
+        return base + o0.to(tl.int64) * s_o0 + o1.to(tl.int64) * s_o1 + i0.to(tl.int64) * s_i
+
+    @triton.jit
+    def _tile(i, n, s_i, s_n, WIDE: tl.constexpr):
+        """Offsets inside a [BLOCK_I, BLOCK_N] tile (block-local rows i, positions n); 64-bit when WIDE."""
+        if WIDE:
+            return i.to(tl.int64)[:, None] * s_i + n.to(tl.int64)[None, :] * s_n
+        return i[:, None] * s_i + n[None, :] * s_n
+
+    @triton.jit
+    def _softmax_fwd_fused(
+        x_ptr, y_ptr,
+        x_base, x_so0, x_so1, x_si, x_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        N, INNER, OUTER1, I_BLOCKS,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr,
+    ):
+        """Whole rows in registers: one read of x, one write of y."""
+        o0, o1, ib = _coords(tl.program_id(0), I_BLOCKS, OUTER1)
+        i0 = ib * BLOCK_I
+        i = tl.arange(0, BLOCK_I)
+        n = tl.arange(0, BLOCK_N)
+        mask = (i0 + i < INNER)[:, None] & (n < N)[None, :]
+        x_ptr += _row(o0, o1, i0, x_base, x_so0, x_so1, x_si)
+        y_ptr += _row(o0, o1, i0, y_base, y_so0, y_so1, y_si)
+        x = tl.load(x_ptr + _tile(i, n, x_si, x_sn, WIDE), mask=mask, other=float("-inf"))
+        x = x.to(y_ptr.dtype.element_ty).to(ACC)
+        z = x - tl.max(x, axis=1)[:, None]
+        e = tl.exp(z)
+        s = tl.sum(e, axis=1)
+        if LOG:
+            y = z - tl.log(s)[:, None]
+        else:
+            y = e * (1.0 / s)[:, None]
+        tl.store(y_ptr + _tile(i, n, y_si, y_sn, WIDE), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fwd_partial_stats(x_ptr, i, i_mask, x_si, x_sn, n_lo, n_hi, OUT_T: tl.constexpr, ACC: tl.constexpr,
+                           BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+        """Online (max, sum exp(x - max)) over positions [n_lo, n_hi) of rows i."""
+        m = tl.full([BLOCK_I], float("-inf"), ACC)
+        s = tl.zeros([BLOCK_I], ACC)
+        for start in range(n_lo, n_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            mask = i_mask[:, None] & (n < n_hi)[None, :]
+            x = tl.load(x_ptr + _tile(i, n, x_si, x_sn, WIDE), mask=mask, other=float("-inf"))
+            x = x.to(OUT_T).to(ACC)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps an all -inf prefix out of NaN
+            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref[:, None]), axis=1)
+            m = m_new
+        return m, s
+
+    @triton.jit
+    def _combine_stats(ws_ptr, rows, TOTAL, SPLITS: tl.constexpr, ACC: tl.constexpr):
+        """Merge the SPLITS partial (max, sum) of each row in a fixed order."""
+        k = tl.arange(0, SPLITS)
+        idx = rows[:, None] * SPLITS + k[None, :]
+        m_k = tl.load(ws_ptr + idx)
+        s_k = tl.load(ws_ptr + TOTAL + idx)
+        m = tl.max(m_k, axis=1)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(s_k * tl.exp(m_k - m_ref[:, None]), axis=1)
+        return m.to(ACC), s.to(ACC)
+
+    @triton.jit
+    def _softmax_fwd_chunked(
+        x_ptr, y_ptr, ws_ptr,
+        x_base, x_so0, x_so1, x_si, x_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        N, INNER, OUTER1, I_BLOCKS, CHUNK, TOTAL,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr, SPLITS: tl.constexpr, PHASE: tl.constexpr,
+    ):
+        """Rows too long for registers, in chunks of CHUNK positions (SPLITS chunks per row).
+
+        PHASE 0 (looped, SPLITS == 1): stats then apply, in one program.
+        PHASE 1 (split): partial stats of one chunk into the workspace.
+        PHASE 2 (split): combine the row's partials, apply to one chunk; programs run in reverse
+        order so the chunks PHASE 1 read last (still in L2) are read first.
+        """
+        pid = tl.program_id(0)
+        if PHASE == 2:
+            pid = tl.num_programs(0) - 1 - pid
+        split = pid % SPLITS
+        o0, o1, ib = _coords(pid // SPLITS, I_BLOCKS, OUTER1)
+        i0 = ib * BLOCK_I
+        i = tl.arange(0, BLOCK_I)
+        i_mask = i0 + i < INNER
+        n_lo = split * CHUNK
+        n_hi = tl.minimum(n_lo + CHUNK, N)
+        rows = (o0 * OUTER1 + o1) * (I_BLOCKS * BLOCK_I) + i0 + i  # workspace row index
+        x_ptr += _row(o0, o1, i0, x_base, x_so0, x_so1, x_si)
+        OUT_T: tl.constexpr = y_ptr.dtype.element_ty
+        if PHASE == 1:
+            m, s = _fwd_partial_stats(x_ptr, i, i_mask, x_si, x_sn, n_lo, n_hi, OUT_T, ACC, BLOCK_I, BLOCK_N, WIDE)
+            tl.store(ws_ptr + rows * SPLITS + split, m)
+            tl.store(ws_ptr + TOTAL + rows * SPLITS + split, s)
+        else:
+            if PHASE == 0:
+                m, s = _fwd_partial_stats(x_ptr, i, i_mask, x_si, x_sn, n_lo, n_hi, OUT_T, ACC,
+                                          BLOCK_I, BLOCK_N, WIDE)
+            else:
+                m, s = _combine_stats(ws_ptr, rows, TOTAL, SPLITS, ACC)
+            y_ptr += _row(o0, o1, i0, y_base, y_so0, y_so1, y_si)
+            log_s = tl.log(s)
+            inv_s = 1.0 / s
+            n_chunks = tl.cdiv(n_hi - n_lo, BLOCK_N)
+            for k in range(n_chunks):
+                n = n_lo + (n_chunks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)  # newest first: L2 hits
+                mask = i_mask[:, None] & (n < n_hi)[None, :]
+                x = tl.load(x_ptr + _tile(i, n, x_si, x_sn, WIDE), mask=mask, other=0.0)
+                z = x.to(OUT_T).to(ACC) - m[:, None]
+                if LOG:
+                    y = z - log_s[:, None]
+                else:
+                    y = tl.exp(z) * inv_s[:, None]
+                tl.store(y_ptr + _tile(i, n, y_si, y_sn, WIDE), y.to(OUT_T), mask=mask)
+
+    @triton.jit
+    def _softmax_bwd_fused(
+        dy_ptr, y_ptr, dx_ptr,
+        dy_base, dy_so0, dy_so1, dy_si, dy_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        dx_base, dx_so0, dx_so1, dx_si, dx_sn,
+        N, INNER, OUTER1, I_BLOCKS,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr,
+    ):
+        """Whole rows in registers: one read of dy and y, one write of dx."""
+        o0, o1, ib = _coords(tl.program_id(0), I_BLOCKS, OUTER1)
+        i0 = ib * BLOCK_I
+        i = tl.arange(0, BLOCK_I)
+        n = tl.arange(0, BLOCK_N)
+        mask = (i0 + i < INNER)[:, None] & (n < N)[None, :]
+        dy_ptr += _row(o0, o1, i0, dy_base, dy_so0, dy_so1, dy_si)
+        y_ptr += _row(o0, o1, i0, y_base, y_so0, y_so1, y_si)
+        dx_ptr += _row(o0, o1, i0, dx_base, dx_so0, dx_so1, dx_si)
+        dy = tl.load(dy_ptr + _tile(i, n, dy_si, dy_sn, WIDE), mask=mask, other=0.0).to(ACC)
+        y = tl.load(y_ptr + _tile(i, n, y_si, y_sn, WIDE), mask=mask, other=0.0).to(ACC)
+        if LOG:
+            dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+        else:
+            dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+        tl.store(dx_ptr + _tile(i, n, dx_si, dx_sn, WIDE), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bwd_partial_sum(dy_ptr, y_ptr, i, i_mask, dy_si, dy_sn, y_si, y_sn, n_lo, n_hi, LOG: tl.constexpr,
+                         ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+        """sum(dy) (log-softmax: y is not read) or sum(y * dy) over positions [n_lo, n_hi) of rows i."""
+        acc = tl.zeros([BLOCK_I, BLOCK_N], ACC)
+        for start in range(n_lo, n_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            mask = i_mask[:, None] & (n < n_hi)[None, :]
+            dy = tl.load(dy_ptr + _tile(i, n, dy_si, dy_sn, WIDE), mask=mask, other=0.0).to(ACC)
+            if LOG:
+                acc += dy
+            else:
+                acc += tl.load(y_ptr + _tile(i, n, y_si, y_sn, WIDE), mask=mask, other=0.0).to(ACC) * dy
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _softmax_bwd_chunked(
+        dy_ptr, y_ptr, dx_ptr, ws_ptr,
+        dy_base, dy_so0, dy_so1, dy_si, dy_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        dx_base, dx_so0, dx_so1, dx_si, dx_sn,
+        N, INNER, OUTER1, I_BLOCKS, CHUNK, TOTAL,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr, SPLITS: tl.constexpr, PHASE: tl.constexpr,
+    ):
+        """Backward of rows too long for registers; PHASE as in _softmax_fwd_chunked."""
+        pid = tl.program_id(0)
+        if PHASE == 2:
+            pid = tl.num_programs(0) - 1 - pid
+        split = pid % SPLITS
+        o0, o1, ib = _coords(pid // SPLITS, I_BLOCKS, OUTER1)
+        i0 = ib * BLOCK_I
+        i = tl.arange(0, BLOCK_I)
+        i_mask = i0 + i < INNER
+        n_lo = split * CHUNK
+        n_hi = tl.minimum(n_lo + CHUNK, N)
+        rows = (o0 * OUTER1 + o1) * (I_BLOCKS * BLOCK_I) + i0 + i
+        dy_ptr += _row(o0, o1, i0, dy_base, dy_so0, dy_so1, dy_si)
+        y_ptr += _row(o0, o1, i0, y_base, y_so0, y_so1, y_si)
+        if PHASE == 1:
+            s = _bwd_partial_sum(dy_ptr, y_ptr, i, i_mask, dy_si, dy_sn, y_si, y_sn, n_lo, n_hi, LOG, ACC,
+                                 BLOCK_I, BLOCK_N, WIDE)
+            tl.store(ws_ptr + rows * SPLITS + split, s)
+        else:
+            if PHASE == 0:
+                s = _bwd_partial_sum(dy_ptr, y_ptr, i, i_mask, dy_si, dy_sn, y_si, y_sn, n_lo, n_hi, LOG, ACC,
+                                     BLOCK_I, BLOCK_N, WIDE)
+            else:
+                s = tl.sum(tl.load(ws_ptr + rows[:, None] * SPLITS + tl.arange(0, SPLITS)[None, :]), axis=1)
+            dx_ptr += _row(o0, o1, i0, dx_base, dx_so0, dx_so1, dx_si)
+            n_chunks = tl.cdiv(n_hi - n_lo, BLOCK_N)
+            for k in range(n_chunks):
+                n = n_lo + (n_chunks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = i_mask[:, None] & (n < n_hi)[None, :]
+                dy = tl.load(dy_ptr + _tile(i, n, dy_si, dy_sn, WIDE), mask=mask, other=0.0).to(ACC)
+                y = tl.load(y_ptr + _tile(i, n, y_si, y_sn, WIDE), mask=mask, other=0.0).to(ACC)
+                if LOG:
+                    dx = dy - tl.exp(y) * s[:, None]
+                else:
+                    dx = y * (dy - s[:, None])
+                tl.store(dx_ptr + _tile(i, n, dx_si, dx_sn, WIDE), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: heuristic, layout, launch
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Block sizes of one launch. kind: "fused" | "looped" | "split" (see the module docstring)."""
+
+    kind: str
+    block_i: int
+    block_n: int
+    num_warps: int
+    splits: int = 1
+    chunk: int = 0  # positions per split (multiple of block_n); 0 for fused
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter (or a plan made without the device): only shapes the grid
+
+
+# Elements one program keeps in registers, per input tensor: about 64 KiB of a 2-byte dtype with
+# 32 warps (32 fp32 values a thread); backward holds two tensors, so half as many.
+_REGISTER_TILE = {1: 32768, 2: 32768, 4: 16384, 8: 8192}
+# Elements one program loads per loop step when streaming (16 KiB per tensor).
+_STREAM_TILE = {1: 8192, 2: 8192, 4: 4096, 8: 2048}
+
+
+def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonConfig:
+    """Pick the plan and block sizes.
+
+    Row-major (the reduced axis is the most contiguous): a row of up to _REGISTER_TILE elements
+    is fused, several short rows to a program so that each moves at least 1/8 of a register tile.
+    Longer rows stream _STREAM_TILE elements a step, one row to a program ("looped"); with
+    fewer than 2 programs per SM the rows are cut into chunks of >= 4 steps ("split"), aiming
+    at 4 programs per SM.
+    Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
+    of BLOCK_I contiguous positions (up to 256 bytes, at least 64 when fused) by BLOCK_N reduced
+    positions; the reduced axis is walked through its stride, never transposed.
+    Warps: one per 2 KiB a tile loads (16 bytes per thread per tensor at least), 1 to 32.
+    """
+    itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
+    tensors = 2 if problem.backward else 1
+    reg_tile = _REGISTER_TILE[itemsize] // tensors
+    stream_tile = _STREAM_TILE[itemsize]
+    n, inner = layout.n, layout.inner
+    block_n_full = _pow2(n)
+
+    def warps(elems: int) -> int:
+        return max(1, min(32, elems * itemsize * tensors // 2048))
+
+    column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
+    if column:
+        block_i = min(_pow2(inner), 256 // itemsize)
+        fitting = reg_tile // block_n_full
+        if fitting >= min(block_i, 64 // itemsize):
+            block_i = min(block_i, fitting)
+            return TritonConfig("fused", block_i, block_n_full, warps(block_i * block_n_full))
+    elif block_n_full <= reg_tile:
+        block_i = min(_pow2(inner), max(1, reg_tile // 8 // block_n_full))
+        return TritonConfig("fused", block_i, block_n_full, warps(block_i * block_n_full))
+    else:
+        block_i = 1
+    block_n = max(1, stream_tile // block_i)
+    programs = -(-layout.rows // block_i)
+    sms = _sm_count(problem.device)
+    if programs >= 2 * sms:
+        return TritonConfig("looped", block_i, block_n, warps(block_i * block_n), 1, block_n_full)
+    splits = min(_pow2(-(-4 * sms // programs)), _pow2(-(-n // (4 * block_n))), 256)
+    chunk = -(-n // (splits * block_n)) * block_n
+    return TritonConfig("split", block_i, block_n, warps(block_i * block_n), _pow2(-(-n // chunk)), chunk)
+
+
+def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None) -> Launch:
+    strides = problem.strides + (problem.out_strides,)
+    layout = reduction_layout(problem.shape, problem.dim, strides)
+    config = config or _choose_config(problem, layout)
+    acc = accumulator_dtype(problem.compute_dtype)
+    log = problem.op.startswith("log_")
+    i_blocks = -(-layout.inner // config.block_i)
+    row_programs = layout.outer0 * layout.outer1 * i_blocks
+    ws_rows = row_programs * config.block_i
+    ws_elems = ws_rows * config.splits * (1 if problem.backward else 2) if config.kind == "split" else 0
+    tile_extent = max((config.block_i - 1) * si + (max(layout.n, config.block_n) - 1) * sn
+                      for si, sn in zip(layout.stride_inner, layout.stride_n))
+    meta = dict(LOG=log, ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_I=config.block_i,
+                BLOCK_N=config.block_n, WIDE=tile_extent >= 2**31 - 1, num_warps=config.num_warps)
+    sizes = [layout.n, layout.inner, layout.outer1, i_blocks]
+    if config.kind != "fused":
+        sizes += [config.chunk, ws_rows * config.splits]
+    kernel = {
+        (False, "fused"): "_softmax_fwd_fused", (True, "fused"): "_softmax_bwd_fused",
+    }.get((problem.backward, config.kind), "_softmax_bwd_chunked" if problem.backward else "_softmax_fwd_chunked")
+    fn = globals()[kernel]
+
+    def operand_args(bases):
+        args = []
+        for k, base in enumerate(bases):
+            args += [base, layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k], layout.stride_n[k]]
+        return args
+
+    launches = [operand_args(bases) + sizes for bases in layout.host_bases]
+    phases = {"fused": (None,), "looped": (0,), "split": (1, 2)}[config.kind]
+
+    def run(tensors, out):
+        if problem.numel == 0:
+            return
+        pointers = list(tensors) + [out]
+        if config.kind != "fused":
+            ws = torch.empty(max(ws_elems, 1), dtype=acc, device=out.device)
+            pointers.append(ws)
+        for args in launches:
+            for phase in phases:
+                extra = {} if phase is None else dict(SPLITS=config.splits, PHASE=phase)
+                fn[(row_programs * config.splits,)](*pointers, *args, **meta, **extra)
+
+    params = (("plan", config.kind), ("BLOCK_I", config.block_i), ("BLOCK_N", config.block_n),
+              ("num_warps", config.num_warps), ("splits", config.splits), ("chunk", config.chunk),
+              ("programs", row_programs * config.splits), ("host_launches", len(launches)))
+    return Launch(run, KernelChoice(kernel.lstrip("_"), "triton", params), acc,
+                  workspace_bytes=ws_elems * acc.itemsize)
+
+
+if triton_available():
+    for _op in FORWARD_OPS + BACKWARD_OPS:
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+                 name=f"{_op}_triton")(_prepare_triton)

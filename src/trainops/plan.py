@@ -1,0 +1,147 @@
+"""Plans: validate a problem once, pick its kernel once, then run it many times.
+
+    p = trainops.plan("softmax", shape=(4096, 32768), dim=-1, dtype=torch.bfloat16, device="cuda")
+    p.can_implement(x)      # True / False for these concrete tensors
+    y = p.run(x)            # cheap checks only, then launch
+    p.kernel                # KernelChoice(name, backend, params)
+    p.precision             # Precision(accumulator, deterministic, bitwise_reproducible)
+    p.workspace_bytes
+
+``plan`` = ``select`` (the op's ``describe`` validates the descriptor into a problem; the registry
+picks the kernel) then the kernel's ``prepare`` (heuristics, layout) into a ``Launch``.
+The functional ops go through ``cached_plan`` so a repeated problem pays none of that again.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from .errors import InvalidProblemError, TrainopsError, UnsupportedError
+from .registry import KernelInfo, lookup, op_spec, pinned_backend
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which kernel a plan launches and with what compile-time parameters (block sizes, warps, grid)."""
+
+    name: str
+    backend: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __getitem__(self, key: str) -> Any:
+        return dict(self.params)[key]
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.backend}:{self.name}({params})"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Numerical guarantees of a plan.
+
+    accumulator: dtype of sums and running maxima. deterministic: no order-dependent atomics.
+    bitwise_reproducible: the same inputs give the same bits on every run on the same device.
+    """
+
+    accumulator: torch.dtype
+    deterministic: bool
+    bitwise_reproducible: bool
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a kernel's ``prepare(problem)`` returns: how to run it, and what it will do."""
+
+    run: Callable[[Sequence[torch.Tensor], torch.Tensor], None]
+    kernel: KernelChoice
+    accumulator: torch.dtype
+    workspace_bytes: int = 0
+    bitwise_reproducible: bool = True
+
+
+class Problem(Protocol):
+    """What every op family's problem descriptor provides to ``Plan``."""
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    index_dtype: torch.dtype | None
+
+    def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None: ...
+
+    def new_output(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A validated problem bound to one kernel. Build with ``trainops.plan(op, **descriptor)``."""
+
+    problem: Any
+    info: KernelInfo
+    launch: Launch = field(repr=False)
+
+    @property
+    def kernel(self) -> KernelChoice:
+        return self.launch.kernel
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.launch.accumulator, self.info.deterministic,
+                         self.info.deterministic and self.launch.bitwise_reproducible)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.launch.workspace_bytes
+
+    def can_implement(self, *tensors: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """True when ``run(*tensors, out=out)`` would accept these tensors."""
+        try:
+            self.problem.check(tensors, out)
+        except TrainopsError:
+            return False
+        return True
+
+    def run(self, *tensors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch on ``tensors`` (shapes, strides, dtypes and device as planned); returns the output."""
+        self.problem.check(tensors, out)
+        if out is None:
+            out = self.problem.new_output()
+        self.launch.run(tensors, out)
+        return out
+
+
+def select(problem) -> Plan:
+    """Bind a validated problem to the registry's kernel for its device and dtype."""
+    info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype)
+    return Plan(problem, info, info.prepare(problem))
+
+
+def plan(op: str, **descriptor) -> Plan:
+    """Validate a problem descriptor for ``op`` and return its plan (see the op's ``describe``).
+
+    Raises InvalidProblemError (bad axis, shapes, device) or UnsupportedError (dtype, rank, backend).
+    """
+    return select(op_spec(op).describe(**descriptor))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached(op: str, backend: str | None, descriptor: tuple) -> Plan:
+    return plan(op, **dict(descriptor))
+
+
+def cached_plan(op: str, **descriptor) -> Plan:
+    """``plan`` behind a cache keyed by the descriptor and the pinned backend (descriptor values must hash)."""
+    return _cached(op, pinned_backend(), tuple(descriptor.items()))
+
+
+def clear_plan_cache() -> None:
+    _cached.cache_clear()
+
+
+__all__ = ["KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
+           "plan", "select", "InvalidProblemError", "UnsupportedError"]

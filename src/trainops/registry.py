@@ -1,0 +1,195 @@
+"""The kernel registry: the one place that maps (op, device type, dtype, index dtype) to a kernel.
+
+Each op family registers its kernels next to their launchers (``ops/<family>.py``)::
+
+    @register("softmax", backend="triton", dtypes=FLOATS, deterministic=True, accumulator="float32")
+    def _prepare_softmax_triton(problem): ...   # returns a callable that launches the kernel
+
+Dispatch (``lookup``) picks the kernel of the pinned backend (``with trainops.backend("cpu"):``),
+or else the default backend of the device type: ``triton`` on CUDA, ``cpu`` on the CPU. There is
+no fallback: if the chosen backend has no kernel for the combination, ``UnsupportedError`` says so.
+
+Running Triton kernels on CPU tensors: set ``TRITON_INTERPRET=1`` before importing trainops and
+pin the backend with ``trainops.backend("triton")``; Triton's interpreter then runs the GPU code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import InvalidProblemError, UnsupportedError
+
+BACKENDS = ("triton", "cpu")
+DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
+def triton_available() -> bool:
+    """True when Triton imports (it is optional: the CPU path works without it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreting() -> bool:
+    """True when Triton's interpreter is on (``TRITON_INTERPRET=1``): Triton kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True, eq=False)
+class KernelInfo:
+    """One registered kernel.
+
+    ``prepare(problem)`` turns a validated problem into a ``Launch`` (see plan.py); it is called
+    once per plan, so heuristics and layout work are paid once.
+    """
+
+    op: str
+    backend: str
+    name: str
+    device_types: tuple[str, ...]
+    dtypes: frozenset
+    deterministic: bool
+    accumulator: str
+    prepare: Callable
+    index_dtypes: frozenset = field(default_factory=frozenset)
+
+    def supports(self, device_type: str, dtype: torch.dtype, index_dtype: torch.dtype | None) -> bool:
+        if device_type not in self.device_types or dtype not in self.dtypes:
+            return False
+        return index_dtype is None or index_dtype in self.index_dtypes
+
+    def row(self) -> dict:
+        """A printable summary (``python -m trainops kernels``)."""
+        order = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64]
+        return {
+            "op": self.op,
+            "backend": self.backend,
+            "kernel": self.name,
+            "devices": ",".join(self.device_types),
+            "dtypes": ",".join(_dtype_name(d) for d in order if d in self.dtypes),
+            "index dtypes": ",".join(_dtype_name(d) for d in order if d in self.index_dtypes) or "-",
+            "deterministic": "yes" if self.deterministic else "no",
+            "accumulator": self.accumulator,
+        }
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What the plan API needs to know about an op: how to validate a problem descriptor."""
+
+    name: str
+    describe: Callable  # (**descriptor) -> problem; raises InvalidProblemError / UnsupportedError
+    doc: str = ""
+
+
+_KERNELS: dict[tuple[str, str], KernelInfo] = {}
+_OPS: dict[str, OpSpec] = {}
+_pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
+
+
+def register_op(name: str, describe: Callable, doc: str = "") -> None:
+    """Declare an op and the function that validates its problem descriptors."""
+    _OPS[name] = OpSpec(name, describe, doc)
+
+
+def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator: str,
+             name: str | None = None, index_dtypes=(), device_types: tuple[str, ...] | None = None):
+    """Decorator: register ``prepare`` as the ``backend`` kernel of ``op``.
+
+    ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter)
+    and ``("cpu",)`` for the CPU backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if device_types is None:
+        if backend == "triton":
+            device_types = ("cuda", "cpu") if triton_interpreting() else ("cuda",)
+        else:
+            device_types = ("cpu",)
+
+    def decorate(prepare: Callable) -> Callable:
+        key = (op, backend)
+        if key in _KERNELS:
+            raise ValueError(f"a {backend} kernel for {op!r} is registered already")
+        _KERNELS[key] = KernelInfo(
+            op=op, backend=backend, name=name or prepare.__name__.lstrip("_"),
+            device_types=tuple(device_types), dtypes=frozenset(dtypes), deterministic=deterministic,
+            accumulator=accumulator, prepare=prepare, index_dtypes=frozenset(index_dtypes),
+        )
+        return prepare
+
+    return decorate
+
+
+def kernels() -> list[KernelInfo]:
+    """Every registered kernel, sorted by op and backend."""
+    return sorted(_KERNELS.values(), key=lambda k: (k.op, BACKENDS.index(k.backend)))
+
+
+def ops() -> list[str]:
+    return sorted(_OPS)
+
+
+def op_spec(op: str) -> OpSpec:
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise UnsupportedError(f"trainops: unknown op {op!r}; known ops: {', '.join(ops())}") from None
+
+
+def pinned_backend() -> str | None:
+    """The backend pinned by the innermost ``trainops.backend(...)`` block, or None."""
+    return _pinned_backend.get()
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Pin the backend (``"triton"`` or ``"cpu"``) for every trainops op run inside the block.
+
+    Pinning ``"triton"`` on CPU tensors works only with ``TRITON_INTERPRET=1`` set before import.
+    """
+    if name not in BACKENDS:
+        raise InvalidProblemError(f"trainops.backend: argument 'name' is {name!r}; expected one of {BACKENDS}")
+    token = _pinned_backend.set(name)
+    try:
+        yield
+    finally:
+        _pinned_backend.reset(token)
+
+
+def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dtype | None = None,
+           *, backend: str | None = None) -> KernelInfo:
+    """The kernel that runs ``op`` for this device type and dtype, or ``UnsupportedError``.
+
+    ``backend`` defaults to the pinned one, else to the device type's default backend.
+    """
+    op_spec(op)
+    chosen = backend or pinned_backend() or DEFAULT_BACKEND.get(device_type)
+    where = f"device '{device_type}', dtype {_dtype_name(dtype)}"
+    if index_dtype is not None:
+        where += f", index dtype {_dtype_name(index_dtype)}"
+    if chosen is None:
+        raise UnsupportedError(f"trainops.{op}: no backend runs on {where}")
+    info = _KERNELS.get((op, chosen))
+    if info is None:
+        hint = " (is triton installed?)" if chosen == "triton" and not triton_available() else ""
+        raise UnsupportedError(f"trainops.{op}: no {chosen} kernel is registered{hint}; asked for {where}")
+    if not info.supports(device_type, dtype, index_dtype):
+        hint = ""
+        if chosen == "triton" and device_type == "cpu":
+            hint = " (Triton kernels run on CPU tensors only with TRITON_INTERPRET=1 set before import)"
+        raise UnsupportedError(f"trainops.{op}: the {chosen} kernel does not support {where}{hint}")
+    return info

@@ -1,0 +1,446 @@
+"""Softmax family: forward and backward, every backend, against float64 references."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import trainops
+from trainops.ops import softmax as softmax_ops
+from trainops.plan import clear_plan_cache
+
+from conftest import BACKEND_DEVICES, HAS_CUDA
+from numerics import FLOATS, TOLERANCE, assert_close, interpreter_rounding
+
+OPS = ["softmax", "log_softmax"]
+LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "offset"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
+    def new_output(self):
+        out = torch.empty_strided(self.shape, self.out_strides, dtype=self.out_dtype, device=self.device)
+        return out.fill_(float("nan"))
+    monkeypatch.setattr(softmax_ops.SoftmaxProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def make_tensor(shape, dim, layout, dtype, device, gen, scale=3.0):
+    """A random tensor of ``shape`` with the given memory layout (values never all zero)."""
+    rank = len(shape)
+    if layout == "contiguous" or rank == 0:
+        base = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device)
+    if layout == "transposed":
+        perm = list(reversed(range(rank)))
+        base = torch.randn([shape[p] for p in perm], generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device).permute(*perm)
+    if layout == "sliced":
+        base = torch.randn([2 * s + 1 for s in shape], generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device)[tuple(slice(1, None, 2) for _ in shape)][tuple(slice(0, s) for s in shape)]
+    if layout == "expanded":
+        batch = [d for d in range(rank) if d != dim % rank] or [dim % rank]
+        e = batch[0]
+        small = list(shape)
+        small[e] = 1
+        base = torch.randn(small, generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device).expand(shape)
+    if layout == "offset":
+        flat = torch.randn(math.prod(shape) + 3, generator=gen, dtype=torch.float64) * scale
+        return flat.to(dtype).to(device)[3:].view(shape)
+    raise ValueError(layout)
+
+
+def reference_forward(op, x, dim, out_dtype):
+    x = x.to(out_dtype).double().cpu()
+    return torch.softmax(x, dim) if op == "softmax" else torch.log_softmax(x, dim)
+
+
+def reference_backward(op, dy, y, dim):
+    dy, y = dy.double().cpu(), y.double().cpu()
+    if op == "softmax":
+        return y * (dy - (y * dy).sum(dim, keepdim=True))
+    return dy - y.exp() * dy.sum(dim, keepdim=True)
+
+
+def check_forward(op, x, dim, out_dtype=None):
+    out_dtype = out_dtype or x.dtype
+    y = getattr(trainops, op)(x, dim, dtype=out_dtype)
+    assert y.dtype == out_dtype and y.device == x.device
+    assert_close(y, reference_forward(op, x, dim, out_dtype), min(out_dtype, x.dtype, key=_precision),
+                 f"{op} {tuple(x.shape)} dim={dim} {x.dtype}->{out_dtype} strides={x.stride()}")
+    return y
+
+
+def check_backward(op, dy, y, dim, input_dtype=None):
+    dx = getattr(trainops, f"{op}_backward")(dy, y, dim, input_dtype)
+    assert dx.dtype == (input_dtype or y.dtype)
+    assert_close(dx, reference_backward(op, dy, y, dim), min(dx.dtype, y.dtype, key=_precision),
+                 f"{op}_backward {tuple(y.shape)} dim={dim} {y.dtype} strides={dy.stride()},{y.stride()}")
+    return dx
+
+
+def _precision(dtype):
+    return -TOLERANCE[dtype]
+
+
+def random_case(seed, max_rank=4, max_size=24):
+    rng = random.Random(seed)
+    rank = rng.randint(1, max_rank)
+    shape = tuple(rng.choice([1, 2, 3, rng.randint(1, max_size)]) for _ in range(rank))
+    dim = rng.randrange(-rank, rank)
+    return shape, dim, rng.choice(LAYOUTS)
+
+
+# ---- forward and backward over random shapes, axes and layouts ----------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_axes_layouts(backend, device, op, dtype, seed):
+    shape, dim, layout = random_case(seed * 7919 + FLOATS.index(dtype))
+    gen = torch.Generator().manual_seed(seed)
+    x = make_tensor(shape, dim, layout, dtype, device, gen)
+    y = check_forward(op, x, dim)
+    dy = make_tensor(shape, dim, random.Random(seed).choice(LAYOUTS), dtype, device, gen, scale=1.0)
+    check_backward(op, dy, y, dim)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", OPS)
+def test_every_layout_every_axis(backend, device, op, layout):
+    shape = (3, 5, 17)
+    gen = torch.Generator().manual_seed(1)
+    for dim in range(-3, 3):
+        x = make_tensor(shape, dim, layout, torch.float32, device, gen)
+        y = check_forward(op, x, dim)
+        check_backward(op, make_tensor(shape, dim, layout, torch.float32, device, gen), y, dim)
+
+
+def test_expanded_along_the_reduced_axis(backend, device):
+    x = torch.randn(4, 1, device=device).expand(4, 9)  # stride 0 along dim 1
+    check_forward("softmax", x, 1)
+    check_forward("log_softmax", x, 1)
+    y = torch.softmax(torch.randn(4, 9, device=device), 1)
+    check_backward("softmax", torch.randn(1, 9, device=device).expand(4, 9), y, 1)  # stride 0 across rows
+    check_backward("log_softmax", torch.randn(1, 9, device=device).expand(4, 9), y.log(), 1)
+
+
+def test_rank_8_without_mergeable_dims(backend, device):
+    # Every dim sliced: no two batch dims merge, so leading dims run as host launches.
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 1, 2, 3, 2, 1, 2, 5)
+    for dim in (-1, 3, 0):
+        x = make_tensor(shape, dim, "sliced", torch.float32, device, gen)
+        y = check_forward("log_softmax", x, dim)
+        check_backward("log_softmax", make_tensor(shape, dim, "transposed", torch.float32, device, gen), y, dim)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                (torch.float16, torch.float64), (torch.float64, torch.float32)],
+                         ids=str)
+def test_dtype_argument(backend, device, op, in_dtype, out_dtype):
+    x = (torch.randn(6, 40) * 4).to(in_dtype).to(device)
+    y = getattr(trainops, op)(x, -1, dtype=out_dtype)
+    assert y.dtype == out_dtype
+    x_cast = interpreter_rounding(x, out_dtype) if backend == "triton" else x.to(out_dtype)
+    assert_close(y, reference_forward(op, x_cast, -1, out_dtype), min(out_dtype, in_dtype, key=_precision), op)
+    torch_y = getattr(torch, op)(x_cast.cpu(), -1)
+    assert_close(y, torch_y, min(out_dtype, in_dtype, key=_precision), "matches torch's dtype= semantics")
+    dx = check_backward(op, torch.randn_like(y), y, -1, input_dtype=in_dtype)
+    assert dx.dtype == in_dtype
+
+
+# ---- every plan: fused, looped (long rows), split (few long rows), row and column layouts -------
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Shrink the register and stream tiles so small shapes take the looped and split plans."""
+    monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
+    monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 64, 2: 64, 4: 32, 8: 32})
+    monkeypatch.setattr(softmax_ops, "_sm_count", lambda device: 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape,dim,expected", [
+    ((3, 1000), -1, "split"),      # 3 rows < 2 per SM: rows split into chunks
+    ((20, 150), -1, "looped"),     # enough rows: one program streams each row twice
+    ((2, 300, 5), 1, "split"),     # column layout, long reduced axis, few programs
+    ((6, 70, 12), 1, "looped"),    # column layout streamed
+    ((7, 40), 0, "split"),
+])
+@pytest.mark.parametrize("op", OPS)
+def test_streaming_plans(small_tiles, op, dtype, shape, dim, expected):
+    device = BACKEND_DEVICES["triton"]
+    gen = torch.Generator().manual_seed(5)
+    with trainops.backend("triton"):
+        x = make_tensor(shape, dim, "contiguous", dtype, device, gen)
+        plan = trainops.plan(op, shape=shape, dim=dim, dtype=dtype, device=device)
+        assert plan.kernel["plan"] == expected, plan.kernel
+        assert plan.workspace_bytes > 0 if expected == "split" else plan.workspace_bytes == 0
+        y = check_forward(op, x, dim)
+        bwd = trainops.plan(f"{op}_backward", shape=shape, dim=dim, dtype=dtype, device=device)
+        assert bwd.kernel["plan"] == expected, bwd.kernel
+        check_backward(op, make_tensor(shape, dim, "transposed", dtype, device, gen), y, dim)
+
+
+def test_streaming_plans_with_minus_inf_prefix(small_tiles):
+    # The first chunks of a row are all -inf: the online max must not turn them into NaN.
+    device = BACKEND_DEVICES["triton"]
+    with trainops.backend("triton"):
+        for rows in (3, 20):
+            x = torch.randn(rows, 300, device=device)
+            x[:, :200] = float("-inf")
+            x[0] = float("-inf")            # a whole row of -inf is NaN, as in torch
+            x[1, 250] = float("nan")        # NaN propagates along its row only
+            for op in OPS:
+                assert_close(getattr(trainops, op)(x, -1), getattr(torch, op)(x.cpu(), -1), torch.float32, op)
+
+
+# ---- edge cases ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+def test_special_values_match_torch(backend, device, op):
+    x = torch.randn(8, 33) * 3
+    x[0] = float("-inf")                      # all -inf: NaN row
+    x[1, :5] = float("-inf")                  # partly -inf: zeros / -inf there
+    x[2, 7] = float("nan")                    # NaN row
+    x[3] = 1e30                               # huge but equal
+    x[4, 3] = 3e38                            # near float32 max
+    x[5, 0] = float("inf")                    # +inf: NaN row as torch
+    x[6] = -1e30
+    x = x.to(device)
+    y = getattr(trainops, op)(x, -1)
+    assert_close(y, getattr(torch, op)(x.cpu(), -1), torch.float32, op)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,dim", [((0,), 0), ((3, 0), 1), ((0, 5), 1), ((4, 0, 2), 0), ((), 0), ((), -1),
+                                       ((1,), 0), ((5, 1), 1), ((1, 7), 0)])
+def test_empty_scalar_and_length_one(backend, device, op, shape, dim):
+    x = torch.randn(shape).to(device)
+    y = getattr(trainops, op)(x, dim)
+    assert y.shape == x.shape
+    assert_close(y, getattr(torch, op)(x.cpu(), dim), torch.float32, op)
+    dx = getattr(trainops, f"{op}_backward")(torch.randn(shape).to(device), y, dim)
+    assert dx.shape == x.shape and not dx.isnan().any()
+
+
+def test_long_row_large_values(backend, device):
+    x = (torch.randn(2, 5000, dtype=torch.float64) * 50 + 1e4).float().to(device)
+    for op in OPS:
+        check_forward(op, x, -1)
+
+
+def test_bitwise_reproducible(backend, device):
+    gen = torch.Generator().manual_seed(11)
+    x = make_tensor((9, 130), -1, "contiguous", torch.bfloat16, device, gen)
+    dy = make_tensor((9, 130), -1, "contiguous", torch.bfloat16, device, gen)
+    for op in OPS:
+        a, b = getattr(trainops, op)(x, -1), getattr(trainops, op)(x, -1)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        ga = getattr(trainops, f"{op}_backward")(dy, a, -1)
+        gb = getattr(trainops, f"{op}_backward")(dy, a, -1)
+        assert torch.equal(ga.view(torch.int16), gb.view(torch.int16))
+
+
+# ---- autograd, torch.compile, modules ------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+def test_gradcheck_float64(backend, device, op):
+    gen = torch.Generator().manual_seed(2)
+    for shape, dim, layout in [((3, 7), -1, "contiguous"), ((2, 4, 3), 1, "transposed")]:
+        x = make_tensor(shape, dim, layout, torch.float64, device, gen).detach().requires_grad_()
+        fn = getattr(trainops, op)
+        assert torch.autograd.gradcheck(lambda t: fn(t, dim), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: fn(t, dim), (x,))
+
+
+def test_gradients_match_torch_with_dtype(backend, device):
+    x = torch.randn(5, 12, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(5, 12, device=device)
+    for op in OPS:
+        (getattr(trainops, op)(x, -1, dtype=torch.float32) * w).sum().backward()
+        ours, x.grad = x.grad, None
+        (getattr(torch, op)(x, -1, dtype=torch.float32) * w).sum().backward()
+        assert ours.dtype == torch.bfloat16
+        assert_close(ours, x.grad, torch.bfloat16, op)
+        x.grad = None
+
+
+def test_torch_compile_fullgraph(backend, device):
+    def f(x, w):
+        return (trainops.softmax(x, -1) * w).sum() + trainops.log_softmax(x.t(), 0).mean()
+
+    x = torch.randn(6, 10, device=device, requires_grad=True)
+    w = torch.randn(6, 10, device=device)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w)
+    loss.backward()
+    expected_x = x.detach().clone().requires_grad_()
+    (torch.softmax(expected_x, -1) * w).sum().add(torch.log_softmax(expected_x.t(), 0).mean()).backward()
+    assert_close(loss, f(x, w), torch.float32, "loss")
+    assert_close(x.grad, expected_x.grad, torch.float32, "grad")
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), trainops.nn.LogSoftmax(dim=-1))
+    compiled = torch.compile(m, fullgraph=True)
+    x = torch.randn(4, 8)
+    assert_close(compiled(x), torch.log_softmax(m[0](x), -1), torch.float32, "inductor")
+
+
+def test_nn_modules_drop_in(backend, device):
+    x = torch.randn(3, 4, 5, device=device)
+    for ours, theirs in [(trainops.nn.Softmax(dim=1), torch.nn.Softmax(dim=1)),
+                         (trainops.nn.LogSoftmax(dim=-1), torch.nn.LogSoftmax(dim=-1))]:
+        assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+        assert_close(ours(x), theirs(x.cpu()), torch.float32, repr(ours))
+    with pytest.warns(UserWarning, match="Implicit dimension"):
+        assert_close(trainops.nn.Softmax()(x), torch.softmax(x.cpu(), 0), torch.float32, "legacy dim")
+
+
+# ---- the plan API --------------------------------------------------------------------------------
+
+def test_plan_run_and_out(backend, device):
+    x = torch.randn(16, 64, device=device).t()  # transposed: reduce dim 0 contiguous-ly
+    p = trainops.plan("softmax", shape=x.shape, dim=0, dtype=x.dtype, device=device, strides=x.stride())
+    assert p.can_implement(x)
+    assert not p.can_implement(x.contiguous())  # other strides: another plan
+    assert not p.can_implement(x.double())
+    out = torch.full((16, 64), float("nan"), device=device).t()
+    assert p.run(x, out=out) is out
+    assert_close(out, torch.softmax(x.cpu(), 0), torch.float32, "out=")
+    assert p.precision.accumulator == torch.float32 and p.precision.deterministic
+    assert p.precision.bitwise_reproducible
+    assert p.kernel.backend == backend
+
+
+def test_functional_calls_reuse_plans(backend, device):
+    from trainops.plan import _cached
+    x = torch.randn(64, 64, device=device)
+    trainops.softmax(x, -1)
+    hits = _cached.cache_info().hits
+    trainops.softmax(x, -1)
+    assert _cached.cache_info().hits == hits + 1
+
+
+# ---- registry ------------------------------------------------------------------------------------
+
+def test_registry_table_and_dispatch():
+    rows = {(k.op, k.backend) for k in trainops.kernels()}
+    for op in ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]:
+        assert (op, "triton") in rows and (op, "cpu") in rows
+    assert trainops.lookup("softmax", "cuda", torch.bfloat16).backend == "triton"
+    assert trainops.lookup("softmax", "cpu", torch.float32).backend == "cpu"
+    with trainops.backend("triton"):
+        assert trainops.lookup("softmax", "cpu", torch.float32).backend == "triton"  # interpreter on
+    with trainops.backend("cpu"):
+        with pytest.raises(trainops.UnsupportedError, match="device 'cuda'"):
+            trainops.lookup("softmax", "cuda", torch.float32)
+    with pytest.raises(trainops.UnsupportedError, match="int32"):
+        trainops.lookup("softmax", "cuda", torch.int32)
+    for k in trainops.kernels():
+        assert k.deterministic and k.row()["accumulator"]
+
+
+def test_cli_kernels_table(capsys):
+    from trainops.__main__ import main
+    main(["kernels"])
+    out = capsys.readouterr().out
+    assert "log_softmax_backward" in out and "triton" in out and "cpu" in out
+
+
+# ---- errors: type and message name the argument --------------------------------------------------
+
+def test_error_dim_out_of_range(backend, device):
+    with pytest.raises(trainops.InvalidProblemError, match="'dim' is 2, out of range"):
+        trainops.softmax(torch.randn(3, 4, device=device), 2)
+    with pytest.raises(trainops.InvalidProblemError, match="'dim'"):
+        trainops.log_softmax(torch.randn(3, device=device), -2)
+    with pytest.raises(trainops.InvalidProblemError, match="'dim' must be an int"):
+        trainops.softmax(torch.randn(3, device=device), None)
+
+
+def test_error_rank_too_large(backend, device):
+    with pytest.raises(trainops.UnsupportedError, match="'x' has rank 9"):
+        trainops.softmax(torch.randn([1] * 9, device=device), 0)
+
+
+def test_error_integer_dtype(backend, device):
+    with pytest.raises(trainops.UnsupportedError, match="'x' has dtype torch.int64"):
+        trainops.softmax(torch.arange(6, device=device), 0)
+    with pytest.raises(trainops.UnsupportedError, match="'dtype' is torch.int32"):
+        trainops.softmax(torch.randn(6, device=device), 0, dtype=torch.int32)
+
+
+def test_error_backward_mismatch(backend, device):
+    y = torch.softmax(torch.randn(3, 4), -1).to(device)
+    with pytest.raises(trainops.InvalidProblemError, match="'dy' has shape"):
+        trainops.softmax_backward(torch.randn(3, 5, device=device), y, -1)
+    with pytest.raises(trainops.InvalidProblemError, match="'dy' has dtype"):
+        trainops.log_softmax_backward(torch.randn(3, 4, device=device, dtype=torch.float64), y, -1)
+
+
+def test_error_not_a_tensor():
+    with pytest.raises(trainops.InvalidProblemError, match="'x' must be a torch.Tensor"):
+        trainops.softmax([1.0, 2.0], 0)
+
+
+def test_error_plan_descriptor():
+    with pytest.raises(trainops.InvalidProblemError, match="'shape' has a negative size"):
+        trainops.plan("softmax", shape=(3, -1), dim=0, dtype=torch.float32, device="cpu")
+    with pytest.raises(trainops.InvalidProblemError, match="'x' has strides"):
+        trainops.plan("softmax", shape=(3, 4), dim=0, dtype=torch.float32, device="cpu", strides=(1,))
+    with pytest.raises(trainops.InvalidProblemError, match="'device'"):
+        trainops.plan("softmax", shape=(3, 4), dim=0, dtype=torch.float32, device="nowhere")
+    with pytest.raises(trainops.UnsupportedError, match="unknown op 'softmaxx'"):
+        trainops.plan("softmaxx", shape=(3, 4), dim=0, dtype=torch.float32, device="cpu")
+    with pytest.raises(trainops.InvalidProblemError, match="'name'"):
+        with trainops.backend("cuda"):
+            pass
+
+
+def test_error_plan_run_wrong_tensors():
+    p = trainops.plan("softmax", shape=(3, 4), dim=1, dtype=torch.float32, device="cpu")
+    with pytest.raises(trainops.InvalidProblemError, match="'out' has shape"):
+        p.run(torch.randn(3, 4), out=torch.empty(3, 3))  # buffer too small
+    with pytest.raises(trainops.InvalidProblemError, match="'out' has dtype"):
+        p.run(torch.randn(3, 4), out=torch.empty(3, 4, dtype=torch.float16))
+    with pytest.raises(trainops.InvalidProblemError, match="'x' has shape"):
+        p.run(torch.randn(4, 4))
+    with pytest.raises(trainops.InvalidProblemError, match="expected 1 tensors"):
+        p.run(torch.randn(3, 4), torch.randn(3, 4))
+    if HAS_CUDA:
+        with pytest.raises(trainops.InvalidProblemError, match="'x' is on device cuda"):
+            p.run(torch.randn(3, 4, device="cuda"))
+    cuda_plan = trainops.plan("softmax", shape=(3, 4), dim=1, dtype=torch.float32, device="cuda:0")
+    with pytest.raises(trainops.InvalidProblemError, match="'x' is on device cpu"):
+        cuda_plan.run(torch.randn(3, 4))
+
+
+# ---- real sizes on the GPU machine ------------------------------------------------------------
+
+GPU_CASES = [((4096, 32768), -1), ((1024, 131072), -1), ((128, 262144), -1), ((32, 512, 4096), 1),
+             ((32768, 1024), -1), ((8, 1048576), -1), ((3, 1048577), -1), ((4096, 4096), 0), ((1000, 77, 3), 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape,dim", GPU_CASES, ids=str)
+def test_gpu_real_sizes(shape, dim, dtype):
+    gen = torch.Generator().manual_seed(0)
+    with trainops.backend("triton"):
+        for op in OPS:
+            x = (torch.randn(shape, generator=gen) * 3).to(dtype).cuda()
+            y = check_forward(op, x, dim)
+            check_backward(op, (torch.randn(shape, generator=gen)).to(dtype).cuda(), y, dim)
+            a = getattr(trainops, op)(x, dim)
+            assert torch.equal(a, getattr(trainops, op)(x, dim))
