@@ -8,7 +8,7 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    out, ref = out.detach().double(), ref.detach().double().to(out.device)
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
@@ -16,7 +16,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     """Same shape, NaN exactly where the reference has NaN, relative-norm error within tolerance."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    out, ref = out.detach().double(), ref.detach().double().to(out.device)
     nan_out, nan_ref = out.isnan(), ref.isnan()
     assert torch.equal(nan_out, nan_ref), f"{what}: NaN at {nan_out.sum()} places, reference at {nan_ref.sum()}"
     inf_ref = ref.isinf()

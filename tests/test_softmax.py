@@ -56,12 +56,12 @@ def make_tensor(shape, dim, layout, dtype, device, gen, scale=3.0):
 
 
 def reference_forward(op, x, dim, out_dtype):
-    x = x.to(out_dtype).double().cpu()
+    x = x.to(out_dtype).double()
     return torch.softmax(x, dim) if op == "softmax" else torch.log_softmax(x, dim)
 
 
 def reference_backward(op, dy, y, dim):
-    dy, y = dy.double().cpu(), y.double().cpu()
+    dy, y = dy.double(), y.double()
     if op == "softmax":
         return y * (dy - (y * dy).sum(dim, keepdim=True))
     return dy - y.exp() * dy.sum(dim, keepdim=True)
@@ -162,7 +162,7 @@ def test_dtype_argument(backend, device, op, in_dtype, out_dtype):
 def small_tiles(monkeypatch):
     """Shrink the register and stream tiles so small shapes take the looped and split plans."""
     monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
-    monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 64, 2: 64, 4: 32, 8: 32})
+    monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 128, 2: 128, 4: 64, 8: 64})
     monkeypatch.setattr(softmax_ops, "_sm_count", lambda device: 2)
 
 
@@ -340,8 +340,9 @@ def test_registry_table_and_dispatch():
         assert (op, "triton") in rows and (op, "cpu") in rows
     assert trainops.lookup("softmax", "cuda", torch.bfloat16).backend == "triton"
     assert trainops.lookup("softmax", "cpu", torch.float32).backend == "cpu"
-    with trainops.backend("triton"):
-        assert trainops.lookup("softmax", "cpu", torch.float32).backend == "triton"  # interpreter on
+    if not HAS_CUDA:  # the interpreter is on: Triton kernels take CPU tensors
+        with trainops.backend("triton"):
+            assert trainops.lookup("softmax", "cpu", torch.float32).backend == "triton"
     with trainops.backend("cpu"):
         with pytest.raises(trainops.UnsupportedError, match="device 'cuda'"):
             trainops.lookup("softmax", "cuda", torch.float32)

@@ -484,56 +484,62 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter (or a plan made without the device): only shapes the grid
 
 
-# Elements one program keeps in registers, per input tensor: about 64 KiB of a 2-byte dtype with
-# 32 warps (32 fp32 values a thread); backward holds two tensors, so half as many.
-_REGISTER_TILE = {1: 32768, 2: 32768, 4: 16384, 8: 8192}
-# Elements one program loads per loop step when streaming (16 KiB per tensor).
-_STREAM_TILE = {1: 8192, 2: 8192, 4: 4096, 8: 2048}
+# Elements of a row (per tensor) one program keeps in registers: a fused plan up to here.
+# Measured on the H100 (benchmarks/NOTES.md): 32768 fp32 or bf16 elements fused beat streaming
+# by 30-40%, forward and backward.
+_REGISTER_TILE = {1: 32768, 2: 32768, 4: 32768, 8: 16384}
+# Elements one program loads per loop step when streaming a long row (32 KiB per tensor).
+_STREAM_TILE = {1: 16384, 2: 16384, 4: 8192, 8: 4096}
+# Contiguous positions a column tile spans (64 B of bf16, 128 B of fp32 were best measured).
+_COLUMN_BLOCK = 32
+# Split plans aim at this many programs per SM.
+_SPLIT_PROGRAMS_PER_SM = 16
 
 
 def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonConfig:
-    """Pick the plan and block sizes.
+    """Pick the plan, block sizes and warps (measured on the H100: benchmarks/NOTES.md).
 
     Row-major (the reduced axis is the most contiguous): a row of up to _REGISTER_TILE elements
     is fused, several short rows to a program so that each moves at least 1/8 of a register tile.
     Longer rows stream _STREAM_TILE elements a step, one row to a program ("looped"); with
-    fewer than 2 programs per SM the rows are cut into chunks of >= 4 steps ("split"), aiming
-    at 4 programs per SM.
+    fewer than 2 programs per SM the rows are cut into chunks of half a stream tile ("split"),
+    aiming at _SPLIT_PROGRAMS_PER_SM programs per SM.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
-    of BLOCK_I contiguous positions (up to 256 bytes, at least 64 when fused) by BLOCK_N reduced
-    positions; the reduced axis is walked through its stride, never transposed.
-    Warps: one per 2 KiB a tile loads (16 bytes per thread per tensor at least), 1 to 32.
+    of _COLUMN_BLOCK contiguous positions by BLOCK_N reduced positions; the reduced axis is
+    walked through its stride, never transposed.
+    Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
+    streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
-    tensors = 2 if problem.backward else 1
-    reg_tile = _REGISTER_TILE[itemsize] // tensors
-    stream_tile = _STREAM_TILE[itemsize]
+    reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
     n, inner = layout.n, layout.inner
     block_n_full = _pow2(n)
+    backward = problem.backward
 
-    def warps(elems: int) -> int:
-        return max(1, min(32, elems * itemsize * tensors // 2048))
+    def fused(block_i: int) -> TritonConfig:
+        tile = block_i * block_n_full
+        warps = min(8, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
+        return TritonConfig("fused", block_i, block_n_full, warps)
 
     column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     if column:
-        block_i = min(_pow2(inner), 256 // itemsize)
+        block_i = min(_pow2(inner), _COLUMN_BLOCK)
         fitting = reg_tile // block_n_full
-        if fitting >= min(block_i, 64 // itemsize):
-            block_i = min(block_i, fitting)
-            return TritonConfig("fused", block_i, block_n_full, warps(block_i * block_n_full))
+        if fitting >= min(block_i, _COLUMN_BLOCK // 2):
+            return fused(min(block_i, fitting))
     elif block_n_full <= reg_tile:
-        block_i = min(_pow2(inner), max(1, reg_tile // 8 // block_n_full))
-        return TritonConfig("fused", block_i, block_n_full, warps(block_i * block_n_full))
+        return fused(min(_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
     else:
         block_i = 1
-    block_n = max(1, stream_tile // block_i)
     programs = -(-layout.rows // block_i)
     sms = _sm_count(problem.device)
     if programs >= 2 * sms:
-        return TritonConfig("looped", block_i, block_n, warps(block_i * block_n), 1, block_n_full)
-    splits = min(_pow2(-(-4 * sms // programs)), _pow2(-(-n // (4 * block_n))), 256)
+        block_n = max(1, stream_tile // block_i)
+        return TritonConfig("looped", block_i, block_n, 32 if backward else 16, 1, block_n_full)
+    block_n = max(1, stream_tile // 2 // block_i)
+    splits = min(_pow2(-(-_SPLIT_PROGRAMS_PER_SM * sms // programs)), _pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
-    return TritonConfig("split", block_i, block_n, warps(block_i * block_n), _pow2(-(-n // chunk)), chunk)
+    return TritonConfig("split", block_i, block_n, 16 if backward else 8, _pow2(-(-n // chunk)), chunk)
 
 
 def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None) -> Launch:
