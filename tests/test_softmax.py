@@ -324,12 +324,14 @@ def test_plan_run_and_out(backend, device):
 
 
 def test_functional_calls_reuse_plans(backend, device):
-    from trainops.plan import _cached
+    from trainops.plan import plan_cache_info
     x = torch.randn(64, 64, device=device)
     trainops.softmax(x, -1)
-    hits = _cached.cache_info().hits
+    before = plan_cache_info()
     trainops.softmax(x, -1)
-    assert _cached.cache_info().hits == hits + 1
+    trainops.softmax(x.t(), -1)  # another layout: another plan
+    after = plan_cache_info()
+    assert (after["hits"], after["misses"]) == (before["hits"] + 1, before["misses"] + 1)
 
 
 # ---- registry ------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ def _define(name: str, impl: Callable, fake: Callable, backward: Callable | None
 
 
 def _run_softmax_family(op: str, tensors: tuple[Tensor, ...], dim: int, out_dtype) -> Tensor:
-    descriptor = softmax_ops.descriptor_from_tensors(op, tensors, dim, out_dtype)
-    return cached_plan(op, **descriptor).run(*tensors)
+    key = (dim, out_dtype, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    plan = cached_plan(op, key, lambda: softmax_ops.descriptor_from_tensors(op, tensors, dim, out_dtype))
+    return plan.run_unchecked(tensors)
 
 
 # ---- forward ops: y = softmax(x) / log_softmax(x); backward from the saved output y -----------

@@ -14,7 +14,6 @@ The functional ops go through ``cached_plan`` so a repeated problem pays none of
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -109,6 +108,10 @@ class Plan:
     def run(self, *tensors: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on ``tensors`` (shapes, strides, dtypes and device as planned); returns the output."""
         self.problem.check(tensors, out)
+        return self.run_unchecked(tensors, out)
+
+    def run_unchecked(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``run`` without the checks, for callers whose plan came from these very tensors."""
         if out is None:
             out = self.problem.new_output()
         self.launch.run(tensors, out)
@@ -129,19 +132,37 @@ def plan(op: str, **descriptor) -> Plan:
     return select(op_spec(op).describe(**descriptor))
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached(op: str, backend: str | None, descriptor: tuple) -> Plan:
-    return plan(op, **dict(descriptor))
+_PLANS: dict[tuple, Plan] = {}
+_PLAN_CACHE_SIZE = 4096
+_stats = {"hits": 0, "misses": 0}
 
 
-def cached_plan(op: str, **descriptor) -> Plan:
-    """``plan`` behind a cache keyed by the descriptor and the pinned backend (descriptor values must hash)."""
-    return _cached(op, pinned_backend(), tuple(descriptor.items()))
+def cached_plan(op: str, key: tuple, descriptor: Callable[[], dict]) -> Plan:
+    """The plan for ``key`` (which must determine the descriptor), made once by ``plan(op, **descriptor())``.
+
+    Keys also carry the pinned backend. The functional ops call this on every launch, so the
+    hit path is one tuple build and one dict look-up.
+    """
+    key = (op, pinned_backend(), key)
+    found = _PLANS.get(key)
+    if found is not None:
+        _stats["hits"] += 1
+        return found
+    _stats["misses"] += 1
+    made = plan(op, **descriptor())
+    if len(_PLANS) >= _PLAN_CACHE_SIZE:
+        _PLANS.clear()
+    _PLANS[key] = made
+    return made
+
+
+def plan_cache_info() -> dict:
+    return {**_stats, "size": len(_PLANS)}
 
 
 def clear_plan_cache() -> None:
-    _cached.cache_clear()
+    _PLANS.clear()
 
 
 __all__ = ["KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
-           "plan", "select", "InvalidProblemError", "UnsupportedError"]
+           "plan", "plan_cache_info", "select", "InvalidProblemError", "UnsupportedError"]

@@ -195,25 +195,20 @@ for _op in FORWARD_OPS + BACKWARD_OPS:
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU path: the same formulas in torch ops, accumulating as the Triton kernels do
+# CPU path: ATen's CPU kernels, accumulating as the Triton kernels do
 # ----------------------------------------------------------------------------------------------
 
 def _cpu_math(problem: SoftmaxProblem, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """ATen's vectorized CPU kernels on inputs cast to the accumulator dtype (the same formulas)."""
     acc = accumulator_dtype(problem.compute_dtype)
     dim = problem.dim
     if problem.op in FORWARD_OPS:
         x = tensors[0].to(problem.out_dtype).to(acc)
-        if x.dim() == 0:
-            x = x.reshape(1)
-        z = x - x.amax(dim, keepdim=True)
-        if problem.op == "softmax":
-            e = z.exp()
-            return e / e.sum(dim, keepdim=True)
-        return z - z.exp().sum(dim, keepdim=True).log()
-    dy, y = (t.to(acc).reshape(t.shape or (1,)) for t in tensors)
+        return torch._softmax(x, dim, False) if problem.op == "softmax" else torch._log_softmax(x, dim, False)
+    dy, y = (t.to(acc) for t in tensors)
     if problem.op == "softmax_backward":
-        return y * (dy - (y * dy).sum(dim, keepdim=True))
-    return dy - y.exp() * dy.sum(dim, keepdim=True)
+        return torch._softmax_backward_data(dy, y, dim, acc)
+    return torch._log_softmax_backward_data(dy, y, dim, acc)
 
 
 def _prepare_cpu(problem: SoftmaxProblem) -> Launch:
@@ -221,7 +216,7 @@ def _prepare_cpu(problem: SoftmaxProblem) -> Launch:
         if problem.numel:
             out.copy_(_cpu_math(problem, tensors).reshape(problem.shape))
 
-    return Launch(run, KernelChoice("softmax_torch_math", "cpu", (("op", problem.op),)),
+    return Launch(run, KernelChoice("softmax_aten_cpu", "cpu", (("op", problem.op),)),
                   accumulator_dtype(problem.compute_dtype))
 
 
@@ -570,24 +565,23 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
             args += [base, layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k], layout.stride_n[k]]
         return args
 
-    launches = [operand_args(bases) + sizes for bases in layout.host_bases]
-    phases = {"fused": (None,), "looped": (0,), "split": (1, 2)}[config.kind]
+    phases = {"fused": ({},), "looped": (dict(SPLITS=1, PHASE=0),),
+              "split": (dict(SPLITS=config.splits, PHASE=1), dict(SPLITS=config.splits, PHASE=2))}[config.kind]
+    calls = [(operand_args(bases) + sizes, {**meta, **phase}) for bases in layout.host_bases for phase in phases]
+    grid = (row_programs * config.splits,)
 
     def run(tensors, out):
         if problem.numel == 0:
             return
-        pointers = list(tensors) + [out]
+        pointers = (*tensors, out)
         if config.kind != "fused":
-            ws = torch.empty(max(ws_elems, 1), dtype=acc, device=out.device)
-            pointers.append(ws)
-        for args in launches:
-            for phase in phases:
-                extra = {} if phase is None else dict(SPLITS=config.splits, PHASE=phase)
-                fn[(row_programs * config.splits,)](*pointers, *args, **meta, **extra)
+            pointers += (torch.empty(max(ws_elems, 1), dtype=acc, device=out.device),)
+        for args, kwargs in calls:
+            fn[grid](*pointers, *args, **kwargs)
 
     params = (("plan", config.kind), ("BLOCK_I", config.block_i), ("BLOCK_N", config.block_n),
               ("num_warps", config.num_warps), ("splits", config.splits), ("chunk", config.chunk),
-              ("programs", row_programs * config.splits), ("host_launches", len(launches)))
+              ("programs", grid[0]), ("host_launches", len(layout.host_bases)))
     return Launch(run, KernelChoice(kernel.lstrip("_"), "triton", params), acc,
                   workspace_bytes=ws_elems * acc.itemsize)
 
