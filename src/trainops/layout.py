@@ -63,12 +63,3 @@ def reduction_layout(shape: Sequence[int], dim: int, strides: Sequence[Sequence[
     s_n = tuple(s[dim] if shape else 0 for s in strides)
     return ReductionLayout(n, o0, o1, inner, s_n, s_o0, s_o1, s_i, host_bases)
 
-
-def non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """True when no two indices of a tensor with this shape and these strides share an element."""
-    extent = 1  # one past the largest offset reached by the dims seen so far
-    for st, size in sorted((st, size) for size, st in zip(shape, strides) if size > 1):
-        if st < extent:
-            return False
-        extent += (size - 1) * st
-    return True

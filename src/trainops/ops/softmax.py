@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
-from ..layout import ReductionLayout, non_overlapping, reduction_layout
+from ..layout import ReductionLayout, reduction_layout
 from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 
