@@ -59,6 +59,11 @@ def _inputs(op: str, shape, dim: int, dtype, device, seed: int):
     return (dy, y)
 
 
+def _min_bytes(op: str, shape, dtype) -> int:
+    """The fewest bytes the op moves: x read, y written (forward); dy and y read, dx written (backward)."""
+    return math.prod(shape) * dtype.itemsize * (3 if op.endswith("_backward") else 2)
+
+
 def _torch_impl(op: str, dim: int) -> Callable:
     if op == "softmax":
         return lambda x: torch.softmax(x, dim)
@@ -140,10 +145,9 @@ def run_gpu(cases, peers: bool, log=print) -> tuple[list[Row], dict]:
     log(f"copy ceiling {ceiling:.0f} GB/s; L2 {l2 / 2**20:.0f} MiB")
     rows: list[Row] = []
     for op, shape, dim, dtype in cases:
-        nbytes = math.prod(shape) * dtype.itemsize * (3 if op.endswith("_backward") else 2)
+        nbytes = _min_bytes(op, shape, dtype)
         sets = [_inputs(op, shape, dim, dtype, device, seed) for seed in range(1 if nbytes > 4 * l2 else 4)]
-        ref = _formula_impl(op, dim)(*[t.double() for t in sets[0]]) if op.endswith("_backward") else \
-            _torch_impl(op, dim)(sets[0][0].double())
+        ref = _formula_impl(op, dim)(*[t.double() for t in sets[0]])
         for name, fn in implementations(op, dim, len(shape), peers).items():
             try:
                 out = fn(*sets[0])
@@ -180,9 +184,8 @@ def run_cpu(log=print) -> tuple[list[Row], dict]:
             for _ in range(reps):
                 fn(*inputs)
             ms = (time.perf_counter() - t0) / reps * 1e3
-            nbytes = math.prod(shape) * dtype.itemsize * (3 if op.endswith("_backward") else 2)
             rows.append(Row(op, "x".join(map(str, shape)), dim, "float32", name, round(ms, 4),
-                            round(nbytes / ms / 1e6, 1), float("nan"), err))
+                            round(_min_bytes(op, shape, dtype) / ms / 1e6, 1), float("nan"), err))
             log(f"  {op:22s} {rows[-1].shape:>12s} {name:9s} {ms:8.3f} ms  err {err:.1e}")
     return rows, {}
 
@@ -192,11 +195,10 @@ def environment() -> dict:
     env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "triton": triton.__version__, "python": platform.python_version(), "trainops": trainops.__version__}
     env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor()})"
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
         env["liger_kernel"] = version("liger_kernel")
-    except Exception:
+    except PackageNotFoundError:
         env["liger_kernel"] = None
     return env
 
