@@ -351,7 +351,9 @@ def test_registry_table_and_dispatch():
     with pytest.raises(trainops.UnsupportedError, match="int32"):
         trainops.lookup("softmax", "cuda", torch.int32)
     for k in trainops.kernels():
-        assert k.deterministic and k.row()["accumulator"]
+        assert k.row()["accumulator"]
+        if k.op in ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward"):
+            assert k.deterministic
 
 
 def test_cli_kernels_table(capsys):

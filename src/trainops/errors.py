@@ -17,6 +17,10 @@ class InvalidProblemError(TrainopsError, ValueError):
     """The problem itself is wrong: axis out of range, mismatched shapes, buffer too small, wrong device."""
 
 
+class IndexOutOfRangeError(TrainopsError, IndexError):
+    """An index value names a position outside the axis it indexes (checked before anything is written)."""
+
+
 def argument_error(cls: type[TrainopsError], op: str, argument: str, message: str) -> TrainopsError:
     """Build ``cls`` with the uniform message ``trainops.<op>: argument '<argument>' <message>``."""
     return cls(f"trainops.{op}: argument '{argument}' {message}")

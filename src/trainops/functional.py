@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import library
-from .errors import InvalidProblemError, argument_error
+from .errors import InvalidProblemError, UnsupportedError, argument_error
 
 
 def _check(op: str, name: str, t, dim) -> None:
@@ -60,3 +60,74 @@ def log_softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dty
     _check("log_softmax_backward", "dy", dy, dim)
     _check("log_softmax_backward", "y", y, dim)
     return library.log_softmax_backward(dy, y, dim, input_dtype)
+
+
+def _check_index(op: str, index) -> None:
+    if not isinstance(index, Tensor):
+        raise argument_error(InvalidProblemError, op, "index", f"must be a torch.Tensor, got {type(index).__name__}")
+
+
+def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool = True) -> Tensor:
+    """out = x.index_select(dim, index.flatten()) reshaped to x.shape[:dim] + index.shape + x.shape[dim+1:].
+
+    ONNX Gather: ``index`` any rank, int32 or int64, negative values count from the end of ``dim``.
+    x: float32/float16/bfloat16/float64, any strides. Differentiable in x (gradient:
+    ``gather_backward``, deterministic). ``check_index=True`` raises ``IndexError`` (a trainops
+    ``IndexOutOfRangeError``) for an index outside [-x.shape[dim], x.shape[dim]) before anything is
+    written; on the GPU the check is one min/max reduction and one host synchronisation, so pass
+    ``check_index=False`` when the indices are known valid (unchecked out-of-range indices then
+    read nothing and give zeros).
+    """
+    _check("gather", "x", x, dim)
+    _check_index("gather", index)
+    return library.gather(x, index, dim, True, check_index)
+
+
+def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, deterministic: bool = True,
+                    check_index: bool = True) -> Tensor:
+    """GatherGrad: dx of ``input_shape``, zero, then dx[.., index[n], ..] += dy[.., n, ..] along ``dim``.
+
+    dy: shape input_shape[:dim] + index.shape + input_shape[dim+1:], any float dtype, any strides;
+    dx has dy's dtype. Sums accumulate in float32 (float64 for float64).
+    ``deterministic=True`` (default): sorted-index kernel, bit-identical run to run, no float
+    atomics; repeated and skewed indices are split across programs. ``False``: float atomics
+    (half types then add into a float32 workspace the size of dx). ``check_index`` as ``gather``.
+    """
+    _check("gather_backward", "dy", dy, dim)
+    _check_index("gather_backward", index)
+    try:
+        input_shape = [int(s) for s in input_shape]
+    except TypeError:
+        raise argument_error(InvalidProblemError, "gather_backward", "input_shape",
+                             f"must be a sequence of ints, got {input_shape!r}") from None
+    return library.gather_backward(dy, index, dim, input_shape, deterministic, None, False, True, check_index)
+
+
+def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False, *,
+              check_index: bool = True) -> Tensor:
+    """out = weight[input], as ``torch.nn.functional.embedding`` (same signature and semantics).
+
+    input: int32/int64 of any shape, values in [0, num_embeddings); weight: (num_embeddings, D).
+    Gradient to weight through the deterministic sorted-index GatherGrad kernel: the padding_idx
+    row receives none; ``scale_grad_by_freq`` divides each row's gradient by its count in input.
+    ``check_index`` as ``gather`` (IndexError names the range). ``max_norm`` and ``sparse=True``
+    are not supported (UnsupportedError).
+    """
+    op = "embedding"
+    _check_index(op, input)
+    if not isinstance(weight, Tensor):
+        raise argument_error(InvalidProblemError, op, "weight", f"must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise argument_error(InvalidProblemError, op, "weight", f"must be 2-D, got shape {tuple(weight.shape)}")
+    if max_norm is not None:
+        raise argument_error(UnsupportedError, op, "max_norm", "is not supported (renormalising rows in place)")
+    if sparse:
+        raise argument_error(UnsupportedError, op, "sparse", "is not supported (sparse gradients)")
+    rows = weight.shape[0]
+    if padding_idx is not None:
+        if not isinstance(padding_idx, int) or not -rows <= padding_idx < rows:
+            raise argument_error(InvalidProblemError, op, "padding_idx",
+                                 f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
+        padding_idx %= rows
+    return library.embedding(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)

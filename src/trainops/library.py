@@ -8,11 +8,12 @@ picks the kernel and a repeated problem pays no validation or heuristics again.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from .ops import gather as gather_ops
 from .ops import softmax as softmax_ops
 from .plan import cached_plan
 
@@ -110,3 +111,120 @@ softmax_backward = _define("softmax_backward", _softmax_backward_impl, _backward
                            _softmax_backward_grad, _save_backward_inputs)
 log_softmax_backward = _define("log_softmax_backward", _log_softmax_backward_impl, _backward_fake,
                                _log_softmax_backward_grad, _save_backward_inputs)
+
+
+# ---- gather family: gather / embedding forward, gather_backward (GatherGrad) -----------------
+
+def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, check_index: bool) -> Tensor:
+    if x.dim() and gather_ops.three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
+        x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
+    key = (x.shape, x.stride(), x.dtype, x.device, index.shape, index.dtype, index.device, dim,
+           negative_indices, check_index)
+    plan = cached_plan("gather", key, lambda: dict(
+        x_shape=tuple(x.shape), x_strides=x.stride(), negative_indices=negative_indices, check_index=check_index,
+        **gather_ops.gather_descriptor("gather", "x", x, index, dim)))
+    return plan.run_unchecked((x, index))
+
+
+def _gather_shape(x_shape: Sequence[int], index: Tensor, dim: int) -> list[int]:
+    dim %= len(x_shape)
+    return [*x_shape[:dim], *index.shape, *x_shape[dim + 1:]]
+
+
+def _gather_impl(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
+                 check_index: bool = True) -> Tensor:
+    return _run_gather(x, index, dim, negative_indices, check_index)
+
+
+def _gather_fake(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
+                 check_index: bool = True) -> Tensor:
+    return x.new_empty(_gather_shape(x.shape, index, dim))
+
+
+def _save_gather(ctx, inputs, output) -> None:
+    x, index, dim, negative_indices, _ = inputs
+    ctx.save_for_backward(index)
+    ctx.dim, ctx.input_shape, ctx.negative_indices = dim, list(x.shape), negative_indices
+
+
+def _gather_grad(ctx, dy: Tensor):
+    (index,) = ctx.saved_tensors
+    dx = gather_backward(dy, index, ctx.dim, ctx.input_shape, True, None, False, ctx.negative_indices, False)
+    return dx, None, None, None, None
+
+
+def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
+                          deterministic: bool = True, padding_idx: Optional[int] = None,
+                          scale_grad_by_freq: bool = False, negative_indices: bool = True,
+                          check_index: bool = True) -> Tensor:
+    input_shape, rank = tuple(input_shape), len(input_shape)
+    if rank and -rank <= dim < rank and gather_ops.three_axis_strides(
+            dy.shape, dy.stride(), dim % rank, dim % rank + index.dim()) is None:
+        dy = dy.contiguous()  # rare layouts whose batch / index / inner dims do not merge: one copy of dy
+    key = (dy.shape, dy.stride(), dy.dtype, dy.device, index.shape, index.dtype, index.device, dim, input_shape,
+           deterministic, padding_idx, scale_grad_by_freq, negative_indices, check_index)
+    plan = cached_plan("gather_backward", key, lambda: dict(
+        input_shape=input_shape, dy_shape=tuple(dy.shape), dy_strides=dy.stride(), deterministic=deterministic, padding_idx=padding_idx,
+        scale_grad_by_freq=scale_grad_by_freq, negative_indices=negative_indices, check_index=check_index,
+        **gather_ops.gather_descriptor("gather_backward", "dy", dy, index, dim)))
+    return plan.run_unchecked((dy, index))
+
+
+def _gather_backward_fake(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
+                          deterministic: bool = True, padding_idx: Optional[int] = None,
+                          scale_grad_by_freq: bool = False, negative_indices: bool = True,
+                          check_index: bool = True) -> Tensor:
+    return dy.new_empty(input_shape)
+
+
+def _save_gather_backward(ctx, inputs, output) -> None:
+    _, index, dim, input_shape, _, padding_idx, scale_grad_by_freq, negative_indices, _ = inputs
+    ctx.save_for_backward(index)
+    ctx.dim, ctx.size = dim, input_shape[dim]
+    ctx.padding_idx, ctx.scale_grad_by_freq, ctx.negative_indices = padding_idx, scale_grad_by_freq, negative_indices
+
+
+def _gather_backward_grad(ctx, g: Tensor):
+    # dx[s] = f(s) * sum_{index[n] = s} dy[n]  =>  d/d dy[n] = f(index[n]) * g[index[n]]
+    (index,) = ctx.saved_tensors
+    dim = ctx.dim % g.dim()
+    if ctx.padding_idx is not None or ctx.scale_grad_by_freq:
+        rows = index.reshape(-1).long()
+        rows = torch.where(rows < 0, rows + ctx.size, rows)
+        factor = torch.ones(ctx.size, dtype=g.dtype, device=g.device)
+        if ctx.scale_grad_by_freq:
+            counts = torch.zeros(ctx.size, dtype=g.dtype, device=g.device)
+            counts.index_add_(0, rows.clamp(0, ctx.size - 1), ((rows >= 0) & (rows < ctx.size)).to(g.dtype))
+            factor = factor / counts.clamp(min=1)
+        if ctx.padding_idx is not None:
+            factor[ctx.padding_idx % ctx.size] = 0
+        g = g * factor.view([-1 if d == dim else 1 for d in range(g.dim())])
+    return gather(g, index, ctx.dim, ctx.negative_indices, False), None, None, None, None, None, None, None, None
+
+
+def _embedding_impl(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
+                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+    return _run_gather(weight, index, 0, False, check_index)
+
+
+def _embedding_fake(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
+                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+    return weight.new_empty([*index.shape, *weight.shape[1:]])
+
+
+def _save_embedding(ctx, inputs, output) -> None:
+    index, weight, padding_idx, scale_grad_by_freq, _ = inputs
+    ctx.save_for_backward(index)
+    ctx.weight_shape, ctx.padding_idx, ctx.scale_grad_by_freq = list(weight.shape), padding_idx, scale_grad_by_freq
+
+
+def _embedding_grad(ctx, dy: Tensor):
+    (index,) = ctx.saved_tensors
+    dw = gather_backward(dy, index, 0, ctx.weight_shape, True, ctx.padding_idx, ctx.scale_grad_by_freq, False, False)
+    return None, dw, None, None, None
+
+
+gather = _define("gather", _gather_impl, _gather_fake, _gather_grad, _save_gather)
+gather_backward = _define("gather_backward", _gather_backward_impl, _gather_backward_fake,
+                          _gather_backward_grad, _save_gather_backward)
+embedding = _define("embedding", _embedding_impl, _embedding_fake, _embedding_grad, _save_embedding)

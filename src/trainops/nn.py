@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from .errors import UnsupportedError, argument_error
 
 
 def _legacy_softmax_dim(name: str, ndim: int) -> int:
@@ -49,3 +50,25 @@ class LogSoftmax(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+class Embedding(torch.nn.Embedding):
+    """``torch.nn.Embedding`` whose lookup and weight gradient run ``trainops.functional.embedding``.
+
+    Same constructor, parameters, state dict and ``from_pretrained``; the weight gradient comes
+    from the deterministic sorted-index kernel. ``max_norm`` and ``sparse=True`` raise
+    UnsupportedError. ``check_index`` (attribute, default True) as in ``trainops.gather``.
+    """
+
+    check_index: bool = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.max_norm is not None:
+            raise argument_error(UnsupportedError, "nn.Embedding", "max_norm", "is not supported")
+        if self.sparse:
+            raise argument_error(UnsupportedError, "nn.Embedding", "sparse", "is not supported (sparse gradients)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse, check_index=self.check_index)

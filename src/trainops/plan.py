@@ -120,7 +120,8 @@ class Plan:
 
 def select(problem) -> Plan:
     """Bind a validated problem to the registry's kernel for its device and dtype."""
-    info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype)
+    info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype,
+                  deterministic=getattr(problem, "deterministic", True))
     return Plan(problem, info, info.prepare(problem))
 
 

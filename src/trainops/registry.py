@@ -8,6 +8,8 @@ Each op family registers its kernels next to their launchers (``ops/<family>.py`
 Dispatch (``lookup``) picks the kernel of the pinned backend (``with trainops.backend("cpu"):``),
 or else the default backend of the device type: ``triton`` on CUDA, ``cpu`` on the CPU. There is
 no fallback: if the chosen backend has no kernel for the combination, ``UnsupportedError`` says so.
+A backend may register two kernels for one op, a deterministic one and a non-deterministic one
+(atomics); ``lookup(..., deterministic=False)`` asks for the latter where it exists.
 
 Running Triton kernels on CPU tensors: set ``TRITON_INTERPRET=1`` before importing trainops and
 pin the backend with ``trainops.backend("triton")``; Triton's interpreter then runs the GPU code.
@@ -95,7 +97,7 @@ class OpSpec:
     doc: str = ""
 
 
-_KERNELS: dict[tuple[str, str], KernelInfo] = {}
+_KERNELS: dict[tuple[str, str, bool], KernelInfo] = {}
 _OPS: dict[str, OpSpec] = {}
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
 
@@ -121,9 +123,10 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
             device_types = ("cpu",)
 
     def decorate(prepare: Callable) -> Callable:
-        key = (op, backend)
+        key = (op, backend, deterministic)
         if key in _KERNELS:
-            raise ValueError(f"a {backend} kernel for {op!r} is registered already")
+            kind = "deterministic" if deterministic else "non-deterministic"
+            raise ValueError(f"a {kind} {backend} kernel for {op!r} is registered already")
         _KERNELS[key] = KernelInfo(
             op=op, backend=backend, name=name or prepare.__name__.lstrip("_"),
             device_types=tuple(device_types), dtypes=frozenset(dtypes), deterministic=deterministic,
@@ -136,7 +139,7 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
 
 def kernels() -> list[KernelInfo]:
     """Every registered kernel, sorted by op and backend."""
-    return sorted(_KERNELS.values(), key=lambda k: (k.op, BACKENDS.index(k.backend)))
+    return sorted(_KERNELS.values(), key=lambda k: (k.op, BACKENDS.index(k.backend), not k.deterministic))
 
 
 def ops() -> list[str]:
@@ -171,10 +174,13 @@ def backend(name: str) -> Iterator[None]:
 
 
 def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dtype | None = None,
-           *, backend: str | None = None) -> KernelInfo:
+           *, backend: str | None = None, deterministic: bool = True) -> KernelInfo:
     """The kernel that runs ``op`` for this device type and dtype, or ``UnsupportedError``.
 
     ``backend`` defaults to the pinned one, else to the device type's default backend.
+    ``deterministic=True`` (the default) takes the backend's deterministic kernel; ``False``
+    takes its non-deterministic one where it registers one (atomics: faster, not bit-stable),
+    else the deterministic one.
     """
     op_spec(op)
     chosen = backend or pinned_backend() or DEFAULT_BACKEND.get(device_type)
@@ -183,7 +189,11 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         where += f", index dtype {_dtype_name(index_dtype)}"
     if chosen is None:
         raise UnsupportedError(f"trainops.{op}: no backend runs on {where}")
-    info = _KERNELS.get((op, chosen))
+    info = _KERNELS.get((op, chosen, True))
+    if not deterministic:
+        info = _KERNELS.get((op, chosen, False), info)
+    if info is None and deterministic and (op, chosen, False) in _KERNELS:
+        raise UnsupportedError(f"trainops.{op}: the {chosen} backend has no deterministic kernel; asked for {where}")
     if info is None:
         hint = " (is triton installed?)" if chosen == "triton" and not triton_available() else ""
         raise UnsupportedError(f"trainops.{op}: no {chosen} kernel is registered{hint}; asked for {where}")
