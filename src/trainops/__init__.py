@@ -3,6 +3,7 @@
     import trainops
     y = trainops.softmax(x, dim=-1)                 # autograd, torch.compile, any strides
     e = trainops.embedding(tokens, weight)          # deterministic, fast weight gradient
+    loss = trainops.cross_entropy(logits, labels)   # loss and gradient in one pass
     p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
     with trainops.backend("cpu"): ...               # pin a backend
 """
@@ -10,7 +11,7 @@
 from . import ops  # noqa: F401  (registers every kernel)
 from . import errors, functional, library, nn, registry
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
-from .functional import (embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
+from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
                          softmax_backward)
 from .plan import KernelChoice, Plan, Precision, plan
 from .registry import backend, kernels, lookup
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "KernelChoice", "Plan", "Precision", "TrainopsError",
-    "UnsupportedError", "backend", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
+    "UnsupportedError", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",
 ]

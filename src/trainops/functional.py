@@ -131,3 +131,44 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
                                  f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
         padding_idx %= rows
     return library.embedding(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
+                  ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
+                  z_loss: float = 0.0, return_lse: bool = False, loss_dtype: torch.dtype | None = None,
+                  check_target: bool = True):
+    """Softmax cross-entropy, as ``torch.nn.functional.cross_entropy`` (same signature and results).
+
+    input: (C,), (N, C) or (N, C, d1, ...) logits, float32/float16/bfloat16/float64, any strides.
+    target: class indices (int32/int64, shape without C; ``ignore_index`` rows count for nothing)
+    or class probabilities (input's shape and dtype). weight: (C,) per-class weights.
+    reduction "mean" divides by the summed target weights of the non-ignored rows (by the row
+    count for probability targets); an all-ignored batch gives NaN, as torch.
+    Extras: ``z_loss`` adds z_loss * lse^2 per non-ignored row (averaged over those rows for
+    "mean"); ``return_lse`` also returns the per-row logsumexp (float32, float64 for float64;
+    not differentiable); ``loss_dtype`` (e.g. torch.float32 for bf16 logits) sets the loss dtype.
+    When input requires grad, the gradient is computed in the same pass as the loss (one read of
+    the logits, one write of the gradient for rows of up to 32768 classes; longer rows read the
+    logits twice); backward multiplies it by the upstream gradient, or hands it over unchanged
+    when that is exactly 1 (one host sync). Double backward and a second backward through the
+    same loss after such a hand-over raise UnsupportedError. ``check_target`` raises IndexError
+    for a class index outside [0, C) that is not ignore_index: before the launch (one min/max and
+    one host sync on the GPU) when no gradient is computed or under torch.compile; in eager
+    training the kernel flags such rows and the backward raises, inside the sync it makes anyway.
+    Unchecked, such rows are left out. Accumulates in float32; deterministic.
+    """
+    if size_average is not None or reduce is not None:
+        raise argument_error(UnsupportedError, "cross_entropy", "size_average", "and 'reduce' are deprecated in "
+                             "torch; use reduction=")
+    for name, t in (("input", input), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, "cross_entropy", name,
+                                 f"must be a torch.Tensor, got {type(t).__name__}")
+    compute_grad = input.requires_grad and torch.is_grad_enabled()
+    # Training in eager mode: the kernel flags bad targets and backward raises, folding the check
+    # into the host sync it makes anyway. Otherwise the op checks before launching (one sync).
+    deferred = check_target and compute_grad and not torch.compiler.is_compiling()
+    loss, lse, _, _ = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
+                                            float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
+                                            deferred)
+    return (loss, lse) if return_lse else loss

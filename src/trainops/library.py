@@ -13,6 +13,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .errors import UnsupportedError
+from .ops import cross_entropy as ce_ops
 from .ops import gather as gather_ops
 from .ops import softmax as softmax_ops
 from .plan import cached_plan
@@ -228,3 +230,81 @@ gather = _define("gather", _gather_impl, _gather_fake, _gather_grad, _save_gathe
 gather_backward = _define("gather_backward", _gather_backward_impl, _gather_backward_fake,
                           _gather_backward_grad, _save_gather_backward)
 embedding = _define("embedding", _embedding_impl, _embedding_fake, _embedding_grad, _save_embedding)
+
+
+# ---- cross-entropy: loss and gradient in one pass; the backward scales the saved gradient ----
+
+def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                        reduction: str, label_smoothing: float, z_loss: float, loss_dtype: Optional[torch.dtype],
+                        compute_grad: bool, check_target: bool,
+                        deferred_check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if logits.dim() > 2 and ce_ops.row_strides(logits.shape, logits.stride()) is None:
+        logits = logits.contiguous()  # rare layouts whose d1..dk do not merge: one copy
+    if target.is_floating_point():
+        target = target if ce_ops.row_strides(target.shape, target.stride()) is not None else target.contiguous()
+    else:
+        target = target.contiguous()
+    tensors = (logits, target) if weight is None else (logits, target, weight)
+    key = (*[(t.shape, t.stride(), t.dtype, t.device) for t in tensors], ignore_index, reduction, label_smoothing,
+           z_loss, loss_dtype, compute_grad, check_target)
+    plan = cached_plan("cross_entropy", key, lambda: ce_ops.descriptor_from_tensors(
+        logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        z_loss=z_loss, loss_dtype=loss_dtype, compute_grad=compute_grad, check_target=check_target))
+    return plan.run_unchecked(tensors)
+
+
+def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                        compute_grad, check_target, deferred_check):
+    batch = [] if logits.dim() == 1 else [logits.shape[0], *logits.shape[2:]]
+    loss = logits.new_empty(batch if reduction == "none" else [], dtype=loss_dtype or logits.dtype)
+    lse = logits.new_empty(batch, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    grad = logits.new_empty(list(logits.shape) if compute_grad else [0])
+    return loss, lse, grad, logits.new_empty([1], dtype=torch.int32)
+
+
+def _save_cross_entropy(ctx, inputs, output) -> None:
+    logits, *_, reduction, _, _, _, compute_grad, _, deferred_check = inputs
+    ctx.reduction, ctx.ndim, ctx.deferred_check = reduction, logits.dim(), deferred_check
+    ctx.save_for_backward(output[2], output[3])
+    ctx.consumed = False
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero-filled logits-sized gradient for the unused grad output
+
+
+_NO_GRADS = (None,) * 10
+
+
+def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
+    grad, bad = ctx.saved_tensors
+    if dloss is None:
+        return None, *_NO_GRADS
+    if torch.is_grad_enabled():
+        raise UnsupportedError("trainops.cross_entropy: double backward is not supported (the gradient is "
+                               "computed in the forward pass)")
+    if grad.numel() == 0 and dloss.numel():
+        raise UnsupportedError("trainops.cross_entropy: no gradient was computed in the forward (input did not "
+                               "require grad when the loss was computed)")
+    if ctx.consumed:
+        raise UnsupportedError("trainops.cross_entropy: a second backward through the same loss "
+                               "(retain_graph=True) is not supported: the first one handed its gradient buffer over")
+    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
+    unit = False
+    if not tracing and (ctx.deferred_check or ctx.reduction != "none"):
+        # one host sync for both: the deferred target check and "is the upstream gradient exactly 1?"
+        unit_now = (dloss == 1) if ctx.reduction != "none" else torch.zeros((), dtype=torch.bool, device=bad.device)
+        bad_target, unit = torch.stack([bad[0] != 0, unit_now.reshape(())]).tolist()
+        if bad_target:
+            raise ce_ops.IndexOutOfRangeError(
+                "trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
+                "ignore_index (found by the fused kernel; such rows were left out of the loss)")
+    if unit:  # loss.backward(): hand over the fused gradient as it is
+        ctx.consumed = True
+        return grad, *_NO_GRADS
+    if ctx.reduction == "none":
+        scale = dloss.unsqueeze(1) if ctx.ndim > 1 else dloss
+        return grad * scale.to(grad.dtype), *_NO_GRADS
+    return grad * dloss.to(grad.dtype), *_NO_GRADS
+
+
+cross_entropy = _define("cross_entropy", _cross_entropy_impl, _cross_entropy_fake, _cross_entropy_grad,
+                        _save_cross_entropy)

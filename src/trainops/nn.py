@@ -72,3 +72,18 @@ class Embedding(torch.nn.Embedding):
     def forward(self, input: Tensor) -> Tensor:
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse, check_index=self.check_index)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` computed by ``trainops.functional.cross_entropy`` (fused gradient).
+
+    Same constructor, buffers and results; extra keyword-only ``z_loss`` and ``loss_dtype``.
+    """
+
+    def __init__(self, *args, z_loss: float = 0.0, loss_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.z_loss, self.loss_dtype = z_loss, loss_dtype
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+                               label_smoothing=self.label_smoothing, z_loss=self.z_loss, loss_dtype=self.loss_dtype)

@@ -1,3 +1,3 @@
 """One module per op family: Triton kernels, launcher, CPU path and registrations together."""
 
-from . import gather, softmax  # noqa: F401
+from . import cross_entropy, gather, softmax  # noqa: F401

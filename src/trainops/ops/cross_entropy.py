@@ -1,0 +1,635 @@
+"""Softmax cross-entropy loss, forward and gradient in one pass: Triton kernel, CPU path, registration.
+
+Logits (N, C) or (N, C, d1, ..., dk) (or (C,)) are seen as R = N * d1 * ... * dk rows of C classes,
+read through their strides. Per row, with lse = log sum_c exp(x_c), w the class weights (1 when
+absent), eps the label smoothing, z the z-loss coefficient and p = softmax(x):
+
+  class-index target t (rows with t == ignore_index count for nothing):
+    loss = (1 - eps) * w_t * (lse - x_t) + eps / C * sum_c w_c * (lse - x_c) + z * lse^2
+    dloss/dx_c = p_c * ((1 - eps) * w_t + eps / C * sum(w) + 2 z lse) - (1 - eps) * w_t * [c = t] - eps / C * w_c
+  class-probability target q (q' = (1 - eps) * q + eps / C):
+    loss = sum_c w_c * q'_c * (lse - x_c) + z * lse^2
+    dloss/dx_c = p_c * (sum_k w_k q'_k + 2 z lse) - w_c * q'_c
+
+Reductions as torch.nn.functional.cross_entropy: "mean" divides the cross-entropy terms by the
+summed target weights of the non-ignored rows (by R for probability targets) and the z-loss term
+by the number of non-ignored rows; "sum" adds the rows; "none" returns them (shape (N, d1, ...)).
+A batch with every row ignored gives NaN for "mean", as torch does, and a zero gradient.
+
+Fused: when a gradient is wanted, the kernel writes dloss/dlogits for an upstream gradient of 1
+in the same pass that computes the loss; the backward only scales it by the upstream gradient
+(and in eager mode skips even that when the upstream gradient is exactly 1, at the price of one
+host synchronisation). Rows of up to REGISTER_ROW classes stay in registers: one read of the
+logits, one write of the gradient. Longer rows are read twice, the second time newest chunk
+first so that the re-read hits L2.
+
+Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
+int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
+Deterministic: fixed reduction order, no atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
+from ..plan import KernelChoice, Launch
+from ..registry import FLOATS, register, register_op, triton_available
+
+TARGET_DTYPES = frozenset({torch.int32, torch.int64})
+REDUCTIONS = ("mean", "sum", "none")
+ACCUMULATOR = "float32 (float64 for float64)"
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
+    """(size, stride) of dims walked as one axis, or None when they do not merge."""
+    if 0 in shape:
+        return 0, 0
+    size, stride = 1, 0
+    for s, st in reversed([(s, st) for s, st in zip(shape, strides) if s != 1]):
+        if size == 1:
+            size, stride = s, st
+        elif st == stride * size:
+            size *= s
+        else:
+            return None
+    return size, stride
+
+
+def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int, int] | None:
+    """(stride of N, stride of C, stride of the merged d1..dk) of a logits-shaped tensor, or None."""
+    if len(shape) == 1:
+        return 0, strides[0], 0
+    spatial = _merge(shape[2:], strides[2:])
+    return None if spatial is None else (strides[0], strides[1], spatial[1])
+
+
+def _normalize_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem: validation shared by every backend
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CrossEntropyProblem:
+    """One cross-entropy problem. Tensors: logits, target, then weight when ``has_weight``.
+
+    Outputs of ``run``: (loss, lse, grad, bad): loss as reduced (or per row), lse per row
+    (float32, float64 for float64 logits), grad like logits (contiguous) when ``compute_grad``
+    else empty, bad = [1] when an out-of-range class index was met (and ignored), else [0].
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    target_dtype: torch.dtype
+    device: torch.device
+    strides: tuple[int, ...]
+    target_strides: tuple[int, ...]
+    probabilities: bool
+    has_weight: bool
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    loss_dtype: torch.dtype
+    compute_grad: bool
+    check_target: bool
+
+    @property
+    def index_dtype(self):
+        return None if self.probabilities else self.target_dtype
+
+    @property
+    def classes(self) -> int:
+        return self.shape[0] if len(self.shape) == 1 else self.shape[1]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return () if len(self.shape) == 1 else (self.shape[0],) + self.shape[2:]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.batch_shape)
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        return self.shape if self.probabilities else self.batch_shape
+
+    @property
+    def lse_dtype(self) -> torch.dtype:
+        return accumulator_dtype(self.dtype)
+
+    def check(self, tensors: Sequence[torch.Tensor], out) -> None:
+        names = ("logits", "target", "weight") if self.has_weight else ("logits", "target")
+        if len(tensors) != len(names):
+            raise InvalidProblemError(f"trainops.cross_entropy: expected {len(names)} tensors ({', '.join(names)}), "
+                                      f"got {len(tensors)}")
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported: the op returns three tensors")
+        specs = [(self.shape, self.dtype, self.strides), (self.target_shape, self.target_dtype, self.target_strides)]
+        if self.has_weight:
+            specs.append(((self.classes,), None, None))
+        for name, t, (shape, dtype, strides) in zip(names, tensors, specs):
+            if not isinstance(t, torch.Tensor):
+                raise argument_error(InvalidProblemError, self.op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise argument_error(InvalidProblemError, self.op, name, f"has shape {tuple(t.shape)}; the plan is for {shape}")
+            if dtype is not None and t.dtype != dtype:
+                raise argument_error(InvalidProblemError, self.op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
+            if t.device != self.device:
+                raise argument_error(InvalidProblemError, self.op, name, f"is on {t.device}; the plan is for {self.device}")
+            if strides is not None and t.stride() != strides:
+                raise argument_error(InvalidProblemError, self.op, name,
+                                     f"has strides {t.stride()}; the plan is for {strides}")
+
+    def new_output(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, lse, grad, bad): bad[0] becomes 1 if a class index is out of range (and not ignored)."""
+        loss_shape = self.batch_shape if self.reduction == "none" else ()
+        loss = torch.empty(loss_shape, dtype=self.loss_dtype, device=self.device)
+        lse = torch.empty(self.batch_shape, dtype=self.lse_dtype, device=self.device)
+        grad = torch.empty(self.shape if self.compute_grad else (0,), dtype=self.dtype, device=self.device)
+        return loss, lse, grad, torch.zeros(1, dtype=torch.int32, device=self.device)
+
+
+def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target_shape=None, target_strides=None,
+              has_weight=False, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+              loss_dtype=None, compute_grad=True, check_target=True) -> CrossEntropyProblem:
+    """Validate a cross-entropy descriptor.
+
+    shape: logits (C,), (N, C) or (N, C, d1, ...); dtype: theirs. target_dtype: int32/int64 for
+    class indices, or a float dtype for class probabilities (then target_shape == shape).
+    target_shape: checked when given (class indices: shape without C). strides / target_strides:
+    None (contiguous) or the tensors' strides; logits' d1..dk must merge into one strided axis.
+    has_weight: a per-class weight of C elements is passed. The rest as torch's cross_entropy,
+    plus z_loss (coefficient of lse^2), loss_dtype (default: dtype), compute_grad (write the
+    gradient in the same pass) and check_target (validate class indices; a host sync on the GPU).
+    """
+    op = "cross_entropy"
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}") from None
+    if not shape or any(s < 0 for s in shape) or shape[0 if len(shape) == 1 else 1] == 0:
+        raise argument_error(InvalidProblemError, op, "input", f"has shape {shape}; expected (C,), (N, C) or "
+                             "(N, C, d1, ...) with C >= 1 and non-negative sizes")
+    if len(shape) > 8:
+        raise argument_error(UnsupportedError, op, "input", f"has rank {len(shape)}; ranks 1 to 8 are supported")
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, "input", f"has dtype {dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    probabilities = isinstance(target_dtype, torch.dtype) and target_dtype.is_floating_point
+    if probabilities:
+        if target_dtype != dtype:
+            raise argument_error(InvalidProblemError, op, "target", f"holds probabilities of dtype {target_dtype}; "
+                                 f"expected the input's dtype {dtype}")
+    elif not isinstance(target_dtype, torch.dtype) or target_dtype not in TARGET_DTYPES:
+        raise argument_error(InvalidProblemError, op, "target", f"has dtype {target_dtype}; expected class indices "
+                             f"(int32 or int64) or class probabilities ({dtype})")
+    if reduction not in REDUCTIONS:
+        raise argument_error(InvalidProblemError, op, "reduction", f"is {reduction!r}; expected one of {REDUCTIONS}")
+    label_smoothing, z_loss = float(label_smoothing), float(z_loss)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise argument_error(InvalidProblemError, op, "label_smoothing", f"is {label_smoothing}; expected [0, 1]")
+    if not math.isfinite(z_loss) or z_loss < 0:
+        raise argument_error(InvalidProblemError, op, "z_loss", f"is {z_loss}; expected a finite value >= 0")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise argument_error(InvalidProblemError, op, "ignore_index", f"must be an int, got {ignore_index!r}")
+    loss_dtype = dtype if loss_dtype is None else loss_dtype
+    if loss_dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, "loss_dtype", f"is {loss_dtype}; expected a float dtype")
+    try:
+        device = _normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    batch = () if len(shape) == 1 else (shape[0],) + shape[2:]
+    expected_target = shape if probabilities else batch
+    if target_shape is not None and tuple(target_shape) != expected_target:
+        raise argument_error(InvalidProblemError, op, "target", f"has shape {tuple(target_shape)}; input of shape "
+                             f"{shape} needs {expected_target}")
+    contiguous = torch.empty(shape, device="meta").stride()
+    strides = contiguous if strides is None else tuple(int(s) for s in strides)
+    if len(strides) != len(shape) or row_strides(shape, strides) is None:
+        raise argument_error(UnsupportedError, op, "input", f"has strides {strides} whose d1..dk do not merge; "
+                             "pass input.contiguous()")
+    target_strides = (torch.empty(expected_target, device="meta").stride() if target_strides is None
+                      else tuple(int(s) for s in target_strides))
+    if probabilities and row_strides(shape, target_strides) is None:
+        raise argument_error(UnsupportedError, op, "target", f"has strides {target_strides} whose d1..dk do not "
+                             "merge; pass target.contiguous()")
+    return CrossEntropyProblem(op, shape, dtype, target_dtype, device, strides, target_strides, probabilities,
+                               bool(has_weight), ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                               bool(compute_grad), bool(check_target))
+
+
+register_op("cross_entropy", _describe, doc=_describe.__doc__)
+
+
+def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
+    """Raise IndexOutOfRangeError unless every class index is in [0, C) or equals ignore_index (one sync)."""
+    if problem.probabilities or target.numel() == 0:
+        return
+    valid = torch.where(target == problem.ignore_index, 0, target)
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
+    if lo < 0 or hi >= problem.classes:
+        bad = lo if lo < 0 else hi
+        raise IndexOutOfRangeError(
+            f"trainops.cross_entropy: argument 'target' holds class {bad}, out of range [0, {problem.classes - 1}] "
+            f"and not ignore_index ({problem.ignore_index})")
+
+
+def normalizers(problem: CrossEntropyProblem, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """[cross-entropy divisor, z-loss divisor] on the device (no sync): the reduction's denominators."""
+    acc = accumulator_dtype(problem.dtype)
+    if problem.reduction != "mean":
+        return torch.ones(2, dtype=acc, device=target.device)
+    if problem.probabilities:
+        return torch.full((2,), float(problem.rows), dtype=acc, device=target.device)
+    target = target.reshape(-1)
+    valid = (target != problem.ignore_index) & (target >= 0) & (target < problem.classes)
+    count = valid.sum(dtype=acc)
+    if weight is None:
+        return torch.stack([count, count])
+    picked = weight.to(acc)[torch.where(valid, target, 0).long()]
+    return torch.stack([torch.where(valid, picked, 0).sum(), count])
+
+
+def finish_loss(problem: CrossEntropyProblem, row_loss: torch.Tensor, norm: torch.Tensor | None,
+                loss: torch.Tensor) -> None:
+    """loss <- the reduction of the (already normalised) per-row losses.
+
+    "mean" over a zero total weight (every row ignored, or no rows) is NaN, as torch's 0 / 0: from
+    ``norm`` when given, else the kernel has written NaN into row 0.
+    """
+    if problem.reduction == "none":
+        loss.copy_(row_loss.view(problem.batch_shape))
+    elif problem.reduction == "mean" and row_loss.numel() == 0:
+        loss.fill_(float("nan"))
+    elif problem.reduction == "mean" and norm is not None:
+        loss.copy_(torch.where(norm[0] == 0, float("nan"), row_loss.sum()))
+    else:
+        loss.copy_(row_loss.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path: the same formulas in torch ops, in the accumulator dtype
+# ----------------------------------------------------------------------------------------------
+
+def _cpu_math(problem: CrossEntropyProblem, logits, target, weight):
+    """(normalised per-row loss, lse, gradient for an upstream gradient of 1, normalizers): the formulas above."""
+    acc = accumulator_dtype(problem.dtype)
+    c, eps, z = problem.classes, problem.label_smoothing, problem.z_loss
+    x = logits.to(acc).reshape(1, c) if logits.dim() == 1 else logits.to(acc).movedim(1, -1).reshape(-1, c)
+    w = torch.ones(c, dtype=acc) if weight is None else weight.to(acc)
+    norm = normalizers(problem, target, weight)
+    lse = torch.logsumexp(x, dim=1)
+    p = torch.exp(x - lse[:, None])
+    if problem.probabilities:
+        q = target.to(acc).reshape(1, c) if target.dim() == 1 else target.to(acc).movedim(1, -1).reshape(-1, c)
+        q = (1 - eps) * q + eps / c
+        wq = w * q
+        valid = torch.ones(x.shape[0], dtype=torch.bool)
+        ce = (wq * (lse[:, None] - x)).sum(1)
+        scale = wq.sum(1)
+        direct = wq
+    else:
+        t = target.reshape(-1).long()
+        valid = (t != problem.ignore_index) & (t >= 0) & (t < c)
+        ts = torch.where(valid, t, 0)
+        wt = w[ts]
+        ce = (1 - eps) * wt * (lse - x.gather(1, ts[:, None])[:, 0])
+        scale = (1 - eps) * wt
+        if eps:  # (0 * a -inf logit would be NaN)
+            ce = ce + eps / c * (lse * w.sum() - x @ w)
+            scale = scale + eps / c * w.sum()
+        direct = eps / c * w.expand_as(x).clone()
+        direct.scatter_add_(1, ts[:, None], ((1 - eps) * wt)[:, None])
+    row_loss = torch.where(valid, ce / norm[0] + z * lse * lse / norm[1], 0)
+    grad = None
+    if problem.compute_grad:
+        a = scale / norm[0] + 2 * z * lse / norm[1]
+        grad = torch.where(valid[:, None], p * a[:, None] - direct / norm[0], 0)
+    return row_loss, lse, grad, norm
+
+
+def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
+    def run(tensors, out):
+        logits, target, weight = (*tensors, None)[:3]
+        if problem.check_target:
+            check_targets(problem, target)
+        loss, lse, grad, bad = out
+        row_loss, row_lse, row_grad, norm = _cpu_math(problem, logits, target, weight)
+        if not problem.probabilities:
+            t = target.reshape(-1)
+            bad.copy_(((t != problem.ignore_index) & ((t < 0) | (t >= problem.classes))).any().view(1))
+        finish_loss(problem, row_loss, norm, loss)
+        lse.copy_(row_lse.view(problem.batch_shape))
+        if problem.compute_grad:
+            if logits.dim() == 1:
+                grad.copy_(row_grad.view(-1))
+            else:
+                grad.copy_(row_grad.view(problem.batch_shape + (problem.classes,)).movedim(-1, 1))
+
+    return Launch(run, KernelChoice("cross_entropy_cpu", "cpu"), accumulator_dtype(problem.dtype))
+
+
+register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=TARGET_DTYPES, deterministic=True,
+         accumulator=ACCUMULATOR, name="cross_entropy_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c,
+                 PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
+        """Logits, class weights and smoothed target probabilities of one chunk of classes."""
+        x = tl.load(x_ptr + c * x_sc, mask=mask, other=float("-inf"), eviction_policy=EVICT).to(ACC)
+        w = 1.0
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + c, mask=mask, other=0.0).to(ACC)
+        q = 0.0
+        if PROBS:
+            q = tl.load(t_ptr + c * t_sc, mask=mask, other=0.0).to(ACC) * (1.0 - smoothing) + eps_c
+        return x, w, q
+
+    @triton.jit
+    def _ce_sums(x, w, q, mask, va, vb, vw, PROBS: tl.constexpr, SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        """Per-lane sums the loss needs besides lse (see the module docstring)."""
+        if PROBS:
+            wq = tl.where(mask, w * q, 0.0)
+            va += wq
+            vb += wq * tl.where(mask, x, 0.0)
+        elif SMOOTH:
+            va += tl.where(mask, w * x, 0.0)
+            if HAS_WEIGHT:
+                vw += tl.where(mask, w, 0.0)
+        return va, vb, vw
+
+    @triton.jit
+    def _ce_grad(p, w, q, c, a, hit, target, valid, inv_norm, eps_c, PROBS: tl.constexpr, SMOOTH: tl.constexpr):
+        """dloss/dx for one chunk (upstream gradient 1) from p = softmax(x); zeros for an ignored row."""
+        g = p * a
+        if PROBS:
+            g -= w * q * inv_norm
+        else:
+            g -= tl.where(c == target, hit, 0.0)
+            if SMOOTH:
+                g -= eps_c * w * inv_norm
+        return tl.where(valid, g, 0.0)
+
+    @triton.jit
+    def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr,
+                C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss,
+                ignore_index, smoothing, z_coef, ce_norm, z_norm,
+                PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
+                ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
+                FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr):
+        """Loss, lse and (GRAD) the gradient of row r."""
+        n = r // S
+        s = r % S
+        x_ptr += n * x_sn + s * x_ss
+        g_ptr += n * g_sn + s * g_ss
+        t_ptr += n * t_sn + s * t_ss
+        cols = tl.arange(0, BLOCK_C)
+        eps_c = smoothing / C
+        if PROBS:
+            valid = True
+            target = -1
+            w_t = 0.0
+            x_t = 0.0
+        else:
+            target = tl.load(t_ptr).to(tl.int64)
+            valid = (target != ignore_index) & (target >= 0) & (target < C)
+            tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)  # reported by the caller, not used
+            safe_t = tl.where(valid, target, 0)
+            x_t = tl.load(x_ptr + safe_t * x_sc, mask=valid, other=0.0).to(ACC)
+            w_t = 1.0
+            if HAS_WEIGHT:
+                w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(ACC)
+        va = tl.zeros([BLOCK_C], ACC)
+        vb = tl.zeros([BLOCK_C], ACC)
+        vw = tl.zeros([BLOCK_C], ACC)
+        if CHUNKS == 1:  # the row in registers: exp once
+            mask = cols < C
+            x, w, q = _ce_load(x_ptr, t_ptr, w_ptr, cols, mask, x_sc, t_sc, smoothing, eps_c, PROBS, HAS_WEIGHT, ACC,
+                               "evict_first")
+            va, vb, vw = _ce_sums(x, w, q, mask, va, vb, vw, PROBS, SMOOTH, HAS_WEIGHT)
+            m = tl.max(x, axis=0)
+            m_ref = tl.where(m == float("-inf"), 0.0, m)
+            e = tl.exp(x - m_ref)
+            total = tl.sum(e, axis=0)
+            lse = m_ref + tl.log(total)
+        else:  # online max / sum over chunks
+            m = tl.full([], float("-inf"), ACC)
+            total = tl.zeros([], ACC)
+            for k in range(CHUNKS):
+                c = k * BLOCK_C + cols
+                mask = c < C
+                x, w, q = _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c, PROBS, HAS_WEIGHT,
+                                   ACC, FIRST_PASS_EVICT)
+                va, vb, vw = _ce_sums(x, w, q, mask, va, vb, vw, PROBS, SMOOTH, HAS_WEIGHT)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                total = total * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
+                m = m_new
+            m_ref = tl.where(m == float("-inf"), 0.0, m)
+            lse = m_ref + tl.log(total)
+        if PROBS:
+            ce = lse * tl.sum(va, axis=0) - tl.sum(vb, axis=0)
+            scale = tl.sum(va, axis=0)
+        else:
+            ce = (1.0 - smoothing) * w_t * (lse - x_t)
+            scale = (1.0 - smoothing) * w_t
+            if SMOOTH:
+                w_total = C * 1.0
+                if HAS_WEIGHT:
+                    w_total = tl.sum(vw, axis=0)
+                ce += eps_c * (lse * w_total - tl.sum(va, axis=0))
+                scale += eps_c * w_total
+        row_loss = tl.where(valid, ce / ce_norm + z_coef * lse * lse / z_norm, 0.0)
+        row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" over no weight: 0 / 0
+        tl.store(loss_ptr + r, row_loss)
+        tl.store(lse_ptr + r, lse)
+        if GRAD:
+            a = scale / ce_norm + 2.0 * z_coef * lse / z_norm
+            hit = (1.0 - smoothing) * w_t / ce_norm
+            inv_norm = 1.0 / ce_norm
+            if CHUNKS == 1:
+                g = _ce_grad(e * (1.0 / total), w, q, cols, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
+                tl.store(g_ptr + cols * g_sc, g.to(g_ptr.dtype.element_ty), mask=cols < C, cache_modifier=GRAD_STORE)
+            else:
+                for k in range(CHUNKS):  # newest chunk first: its bytes are the likeliest still in L2
+                    c = (CHUNKS - 1 - k) * BLOCK_C + cols
+                    mask = c < C
+                    x, w, q = _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c, PROBS,
+                                       HAS_WEIGHT, ACC, "evict_first")
+                    g = _ce_grad(tl.exp(x - lse), w, q, c, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
+                    tl.store(g_ptr + c * g_sc, g.to(g_ptr.dtype.element_ty), mask=mask, cache_modifier=GRAD_STORE)
+
+    @triton.jit
+    def _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """(summed weight of the non-ignored targets, their count): "mean"'s divisors, fixed order."""
+        total = tl.zeros([BLOCK], ACC)
+        count = tl.zeros([BLOCK], ACC)
+        for start in range(0, R, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            t = tl.load(t_ptr + i, mask=i < R, other=ignore_index).to(tl.int64)
+            valid = (t != ignore_index) & (t >= 0) & (t < C)
+            w = 1.0
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + tl.where(valid, t, 0), mask=valid, other=0.0).to(ACC)
+            total += tl.where(valid, w, 0.0)
+            count += tl.where(valid, 1.0, 0.0)
+        return tl.sum(total, axis=0), tl.sum(count, axis=0)
+
+    @triton.jit
+    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, R,
+                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+                 PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
+                 FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr, MEAN_BY_TARGETS: tl.constexpr):
+        """Rows pid, pid + programs, ... (a persistent grid): loss, lse and the gradient of each.
+
+        CHUNKS == 1: the row stays in registers (one read). Else pass 1 streams the row (online
+        max / sum), pass 2 re-reads it newest chunk first and writes the gradient; few programs
+        per SM keep the rows in flight small enough for that re-read to hit L2.
+        """
+        smoothing = tl.load(consts_ptr).to(ACC)  # in ACC: a float argument would arrive as float32
+        z_coef = tl.load(consts_ptr + 1).to(ACC)
+        if MEAN_BY_TARGETS:  # every program sums the targets' weights the same way: no extra launch
+            ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, ACC, 1024)
+        else:
+            ce_norm = tl.load(consts_ptr + 2).to(ACC)
+            z_norm = tl.load(consts_ptr + 3).to(ACC)
+        for r in range(tl.program_id(0), R, tl.num_programs(0)):
+            _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr,
+                    C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index, smoothing, z_coef,
+                    ce_norm, z_norm,
+                    PROBS, HAS_WEIGHT, SMOOTH, GRAD, ACC, BLOCK_C, CHUNKS, FIRST_PASS_EVICT, GRAD_STORE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+# Classes one program keeps in registers (one read of the row); longer rows stream _STREAM_BLOCK
+# classes a step. As the softmax family (benchmarks/NOTES.md): 32K-element register tiles. Whole
+# 128K-256K rows in registers spill (7x slower); for bf16 rows 32K-class steps at 16 warps were
+# best of six settings on the H100 (2.80 vs 2.98-3.24 ms, 8192x128256, one run).
+REGISTER_ROW = {1: 32768, 2: 32768, 4: 32768, 8: 16384}
+_STREAM_BLOCK = {1: 16384, 2: 32768, 4: 8192, 8: 4096}
+_STREAM_WARPS = 16
+# Persistent grids: programs per SM. Streaming rows re-read each row; one row in flight per SM
+# (132 x 256 KiB for 128K bf16 classes) fits in the H100's 50 MiB L2, more would not.
+_STREAM_PROGRAMS_PER_SM = 1
+_FUSED_PROGRAMS_PER_SM = 8
+# Cache hints: the first pass over a streamed row asks L2 to keep it for the second; gradient
+# stores stream past L2 (".cs") so they do not evict it.
+_FIRST_PASS_EVICT = "evict_last"
+_GRAD_STORE = ".cs"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: shapes the grid only
+
+
+def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int]:
+    """(BLOCK_C, CHUNKS, num_warps, programs per SM)."""
+    c, size = problem.classes, problem.dtype.itemsize
+    full = _pow2(c)
+    if full <= REGISTER_ROW[size] or problem.probabilities and full <= REGISTER_ROW[size] // 2:
+        return full, 1, min(32, max(4, full // 1024)), _FUSED_PROGRAMS_PER_SM
+    block = _STREAM_BLOCK[size] // (2 if problem.probabilities else 1)
+    return block, -(-c // block), _STREAM_WARPS, _STREAM_PROGRAMS_PER_SM
+
+
+def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
+    acc = accumulator_dtype(problem.dtype)
+    c = problem.classes
+    s = 1 if len(problem.shape) <= 2 else math.prod(problem.shape[2:])
+    x_strides = row_strides(problem.shape, problem.strides)
+    t_strides = row_strides(problem.shape, problem.target_strides) if problem.probabilities else (s, 0, 1)
+    g_strides = row_strides(problem.shape, torch.empty(problem.shape, device="meta").stride())
+    block, chunks, warps, per_sm = _choose_block(problem)
+    mean_by_targets = problem.reduction == "mean" and not problem.probabilities
+    programs = _sm_count(problem.device) * per_sm
+    smooth = problem.label_smoothing > 0
+    meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
+                ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
+                FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets)
+
+    fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
+    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm], dtype=acc,
+                          device=problem.device)
+
+    def run(tensors, out):
+        logits, target, weight = (*tensors, None)[:3]
+        if problem.check_target:
+            check_targets(problem, target)
+        loss, lse, grad, bad = out
+        rows = problem.rows
+        row_loss = torch.empty(rows, dtype=acc, device=logits.device)
+        if rows:
+            g = grad if problem.compute_grad else logits
+            _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g,
+                                             row_loss, lse, bad, consts, rows, c, s, *x_strides, *t_strides, *g_strides,
+                                             problem.ignore_index, **meta)
+        finish_loss(problem, row_loss, None, loss)
+
+    params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
+              ("plan", "fused" if chunks == 1 else "two-pass"))
+    return Launch(run, KernelChoice("ce_rows", "triton", params), acc,
+                  workspace_bytes=problem.rows * acc.itemsize)
+
+
+if triton_available():
+    register("cross_entropy", backend="triton", dtypes=FLOATS, index_dtypes=TARGET_DTYPES, deterministic=True,
+             accumulator=ACCUMULATOR, name="cross_entropy_triton")(_prepare_triton)
+
+
+def descriptor_from_tensors(logits, target, weight, **options) -> dict:
+    """The descriptor of concrete tensors (checks types, devices and the weight's length)."""
+    op = "cross_entropy"
+    for name, t in (("input", logits), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if target.device != logits.device:
+        raise argument_error(InvalidProblemError, op, "target", f"is on {target.device} but input is on {logits.device}")
+    if weight is not None:
+        classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1] if logits.dim() > 1 else None
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != classes:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise argument_error(InvalidProblemError, op, "weight", f"has shape {shape}; expected ({classes},), one "
+                                 "weight per class")
+        if not weight.is_floating_point() or weight.device != logits.device:
+            raise argument_error(InvalidProblemError, op, "weight", f"must be a float tensor on {logits.device}, got "
+                                 f"{weight.dtype} on {weight.device}")
+    return dict(shape=tuple(logits.shape), dtype=logits.dtype, target_dtype=target.dtype, device=logits.device,
+                strides=logits.stride(), target_shape=tuple(target.shape), target_strides=target.stride(),
+                has_weight=weight is not None, **options)

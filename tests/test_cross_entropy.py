@@ -1,0 +1,309 @@
+"""Fused cross-entropy: loss, logsumexp and gradient against float64 references, every backend."""
+
+import random
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainops
+from trainops.ops import cross_entropy as ce_ops
+from trainops.plan import clear_plan_cache
+
+from conftest import HAS_CUDA
+from numerics import FLOATS, assert_close, interpreter_rounding
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Loss, lse and gradient buffers start as NaN, so anything left unwritten fails."""
+    original = ce_ops.CrossEntropyProblem.new_output
+
+    def new_output(self):
+        return tuple(t.fill_(float("nan")) if t.is_floating_point() else t for t in original(self))
+    monkeypatch.setattr(ce_ops.CrossEntropyProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+@pytest.fixture(params=["registers", "two-pass"])
+def row_plan(request, monkeypatch):
+    """Run with rows in registers, or force the two-pass streaming plan with tiny chunks."""
+    if request.param == "two-pass":
+        for size in (1, 2, 4, 8):
+            monkeypatch.setitem(ce_ops.REGISTER_ROW, size, 4)
+            monkeypatch.setitem(ce_ops._STREAM_BLOCK, size, 8)
+    return request.param
+
+
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def reference(x, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
+    """(loss, lse, dloss/dx) in float64 from torch's own cross_entropy plus the z-loss term."""
+    x = x.detach().double().cpu().requires_grad_()
+    target = target.cpu()
+    target = target.double() if target.is_floating_point() else target.long()
+    w = None if weight is None else weight.double().cpu()
+    loss = F.cross_entropy(x, target, w, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    lse = torch.logsumexp(x, dim=0 if x.dim() == 1 else 1)
+    if z_loss:
+        valid = torch.ones_like(lse, dtype=torch.bool) if target.is_floating_point() else target != ignore_index
+        z = torch.where(valid, z_loss * lse * lse, 0)
+        loss = loss + (z if reduction == "none" else z.sum() / (valid.sum() if reduction == "mean" else 1))
+    if x.numel():
+        grad, = torch.autograd.grad(loss.sum(), x) if loss.numel() else (torch.zeros_like(x),)
+    else:
+        grad = torch.zeros_like(x)
+    return loss.detach(), lse.detach(), grad
+
+
+def make_logits(shape, dtype, device, gen, layout="contiguous", scale=3.0):
+    if layout == "transposed" and len(shape) == 2:
+        base = torch.randn(shape[::-1], generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device).t()
+    if layout == "sliced":
+        base = torch.randn([s + 3 for s in shape], generator=gen, dtype=torch.float64) * scale
+        return base.to(dtype).to(device)[tuple(slice(1, 1 + s) for s in shape)]
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def check(x, target, dtype, what, **options):
+    """Loss (forward), gradient (backward with a random upstream scale) and lse against the reference."""
+    x = x.detach().requires_grad_()
+    loss, lse = trainops.cross_entropy(x, target, **options, return_lse=True)
+    ref_options = {k: v for k, v in options.items() if k not in ("loss_dtype", "check_target")}
+    ref_loss, ref_lse, ref_grad = reference(x, target, **ref_options)
+    assert loss.dtype == options.get("loss_dtype", x.dtype) and loss.shape == ref_loss.shape
+    tolerance_dtype = dtype if options.get("loss_dtype") is None else max(dtype, torch.float32, key=_bits)
+    assert_close(loss, ref_loss, tolerance_dtype, f"{what}: loss")
+    assert_close(lse, ref_lse, torch.float64 if dtype == torch.float64 else torch.float32, f"{what}: lse")
+    upstream = torch.rand(loss.shape, dtype=torch.float64) + 0.5
+    loss.backward(upstream.to(loss.dtype).to(loss.device))
+    expected = ref_grad * (upstream.to(loss.dtype).double().unsqueeze(-1 if x.dim() == 2 else 1)
+                           if loss.dim() else upstream.to(loss.dtype).double())
+    assert_close(x.grad, expected, dtype, f"{what}: grad")
+
+
+def _bits(dtype):
+    return {torch.float16: 16, torch.bfloat16: 8, torch.float32: 32, torch.float64: 64}[dtype]
+
+
+# ---- class-index targets ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_class_targets_random(backend, device, row_plan, dtype, target_dtype):
+    gen = torch.Generator().manual_seed(seed_of(backend, row_plan, dtype, target_dtype))
+    rnd = random.Random(gen.initial_seed())
+    for trial in range(4):
+        rank = rnd.choice([1, 2, 2, 3, 4])
+        classes = rnd.randint(1, 40)
+        shape = [classes] if rank == 1 else [rnd.randint(1, 6), classes] + [rnd.randint(1, 3) for _ in range(rank - 2)]
+        batch = [] if rank == 1 else [shape[0]] + shape[2:]
+        x = make_logits(shape, dtype, device, gen, layout=("transposed", "sliced", "contiguous")[trial % 3])
+        target = torch.randint(0, classes, batch, generator=gen)
+        if target.numel() > 1:
+            target.view(-1)[0] = -100
+        options = dict(reduction=rnd.choice(["mean", "sum", "none"]), label_smoothing=rnd.choice([0.0, 0.0, 0.15]),
+                       z_loss=rnd.choice([0.0, 1e-3]))
+        if rnd.random() < 0.5:
+            options["weight"] = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.1).to(dtype).to(device)
+        check(x, target.to(target_dtype).to(device), dtype, f"{shape} {options.keys()}", **options)
+
+
+def test_ignore_index_label_smoothing_and_weights_together(backend, device, row_plan):
+    gen = torch.Generator().manual_seed(2)
+    x = make_logits([9, 13], torch.float64, device, gen)
+    target = torch.tensor([3, 7, 7, 0, 12, 5, 5, 7, 1], device=device)
+    weight = torch.rand(13, generator=gen, dtype=torch.float64).to(device)
+    for reduction in ("mean", "sum", "none"):
+        check(x, target, torch.float64, reduction, weight=weight, ignore_index=7, label_smoothing=0.3,
+              reduction=reduction, z_loss=0.01)
+
+
+def test_loss_dtype_float32_from_bfloat16(backend, device):
+    gen = torch.Generator().manual_seed(3)
+    x = make_logits([6, 50], torch.bfloat16, device, gen)
+    check(x, torch.randint(0, 50, (6,), generator=gen).to(device), torch.bfloat16, "fp32 loss",
+          loss_dtype=torch.float32)
+
+
+def test_extreme_logits(backend, device, row_plan):
+    x = torch.tensor([[0.0, float("-inf"), 2.0, 1e4], [-1e4, 3.0, float("-inf"), 0.0]], device=device)
+    check(x, torch.tensor([3, 1], device=device), torch.float32, "huge and -inf")
+    loss = trainops.cross_entropy(x, torch.tensor([1, 2], device=device), reduction="none")
+    assert torch.isinf(loss).all()  # the target's logit is -inf, as torch
+
+
+def test_every_row_ignored_and_empty_batch(backend, device):
+    x = torch.randn(4, 5, device=device, requires_grad=True)
+    ignored = torch.full((4,), -100, device=device)
+    loss = trainops.cross_entropy(x, ignored)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(x.detach().cpu(), ignored.cpu()))
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert trainops.cross_entropy(x, ignored, reduction="sum").item() == 0
+    empty = torch.randn(0, 5, device=device)
+    target = torch.zeros(0, dtype=torch.long, device=device)
+    assert torch.isnan(trainops.cross_entropy(empty, target))
+    assert trainops.cross_entropy(empty, target, reduction="none").shape == (0,)
+
+
+# ---- probability targets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_probability_targets(backend, device, row_plan, dtype):
+    gen = torch.Generator().manual_seed(seed_of("probs", backend, row_plan, dtype))
+    for shape, options in [([5, 11], {}), ([3, 7, 2, 2], dict(label_smoothing=0.2, reduction="sum")),
+                           ([4, 9], dict(reduction="none", z_loss=0.05)), ([17], {})]:
+        x = make_logits(shape, dtype, device, gen)
+        q = torch.softmax(torch.randn(shape, generator=gen, dtype=torch.float64), dim=0 if len(shape) == 1 else 1)
+        q = interpreter_rounding(q.float(), dtype).to(dtype) if dtype != torch.float64 else q
+        if len(shape) > 1 and shape[1] == 11:
+            options = dict(weight=(torch.rand(11, generator=gen, dtype=torch.float64) + 0.2).to(dtype).to(device))
+        check(x, q.to(device), dtype, f"probabilities {shape}", **options)
+
+
+# ---- module, autograd, compile -----------------------------------------------------------------------
+
+def test_nn_cross_entropy_loss_is_drop_in(backend, device):
+    weight = torch.rand(6, device=device) + 0.1
+    ours = trainops.nn.CrossEntropyLoss(weight=weight, ignore_index=1, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(weight=weight.cpu(), ignore_index=1, label_smoothing=0.1)
+    assert isinstance(ours, torch.nn.CrossEntropyLoss) and "weight" in dict(ours.named_buffers())
+    x = torch.randn(8, 6, device=device)
+    t = torch.randint(0, 6, (8,), device=device)
+    assert_close(ours(x, t), theirs(x.cpu(), t.cpu()), torch.float32, "module")
+
+
+def test_gradcheck(backend, device):
+    x = torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    t = torch.tensor([0, 4, -100, 2], device=device)
+    w = torch.rand(5, dtype=torch.float64, device=device) + 0.5
+    for reduction in ("mean", "sum", "none"):
+        # the factor 2 keeps the upstream gradient away from 1 (the hand-over path gives its buffer once)
+        f = lambda x: 2 * trainops.cross_entropy(x, t, w, reduction=reduction, label_smoothing=0.1,  # noqa: E731
+                                                 z_loss=0.01)
+        assert torch.autograd.gradcheck(f, (x,))
+    q = torch.softmax(torch.randn(4, 5, dtype=torch.float64, device=device), 1)
+    assert torch.autograd.gradcheck(lambda x: 3 * trainops.cross_entropy(x, q, label_smoothing=0.2), (x,))
+
+
+def test_backward_hand_over_and_its_limits(backend, device):
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    t = torch.tensor([1, 2, 3], device=device)
+    loss = trainops.cross_entropy(x, t)
+    loss.backward(retain_graph=True)
+    ref = reference(x, t)[2]
+    assert_close(x.grad, ref, torch.float32, "handed-over gradient")
+    with pytest.raises(trainops.UnsupportedError, match="second backward"):
+        loss.backward()
+    loss = trainops.cross_entropy(x, t)
+    with pytest.raises(trainops.UnsupportedError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    with torch.no_grad():
+        loss = trainops.cross_entropy(x, t)  # no gradient computed, no buffer allocated
+    assert loss.grad_fn is None
+
+
+def test_torch_compile_fullgraph(backend, device):
+    torch._dynamo.reset()
+    x = torch.randn(6, 10, device=device, requires_grad=True)
+    t = torch.tensor([0, 9, -100, 3, 3, 5], device=device)
+    w = torch.rand(10, device=device) + 0.5
+
+    def step(x):
+        return trainops.cross_entropy(x * 2, t, w, label_smoothing=0.1, z_loss=1e-3)
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    loss.backward()
+    x_ref = x.detach().clone().requires_grad_()
+    step(x_ref).backward()
+    assert torch.allclose(loss, step(x)) and torch.allclose(x.grad, x_ref.grad)
+
+
+def test_torch_compile_inductor():
+    torch._dynamo.reset()
+    model = torch.nn.Linear(8, 12)
+    criterion = trainops.nn.CrossEntropyLoss(label_smoothing=0.05)
+    x, t = torch.randn(5, 8), torch.tensor([0, 11, 3, 3, 7])
+    compiled = torch.compile(lambda x: criterion(model(x), t), fullgraph=True)
+    compiled(x).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(model(x), t, label_smoothing=0.05).backward()
+    for ours, theirs in zip(grads, model.parameters()):
+        assert_close(ours, theirs.grad, torch.float32, "inductor")
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+def test_bad_arguments_name_the_argument(backend, device):
+    x = torch.randn(4, 5, device=device)
+    t = torch.tensor([0, 1, 2, 3], device=device)
+    cases = [
+        (IndexError, r"'target' holds class 5, out of range \[0, 4\]",
+         lambda: trainops.cross_entropy(x, torch.tensor([0, 5, 1, 1], device=device))),
+        (trainops.IndexOutOfRangeError, "class -3", lambda: trainops.cross_entropy(x, t - 3)),
+        (trainops.InvalidProblemError, "'target' has shape", lambda: trainops.cross_entropy(x, t[:3])),
+        (trainops.InvalidProblemError, "'target' has dtype torch.int16",
+         lambda: trainops.cross_entropy(x, t.to(torch.int16))),
+        (trainops.InvalidProblemError, "'target' holds probabilities of dtype torch.float64",
+         lambda: trainops.cross_entropy(x, x.double())),
+        (trainops.InvalidProblemError, r"'weight' has shape \(4,\); expected \(5,\)",
+         lambda: trainops.cross_entropy(x, t, torch.ones(4, device=device))),
+        (trainops.InvalidProblemError, "'reduction'", lambda: trainops.cross_entropy(x, t, reduction="avg")),
+        (trainops.InvalidProblemError, "'label_smoothing'", lambda: trainops.cross_entropy(x, t, label_smoothing=2.0)),
+        (trainops.InvalidProblemError, "'z_loss'", lambda: trainops.cross_entropy(x, t, z_loss=-1.0)),
+        (trainops.UnsupportedError, "'input' has dtype torch.int64", lambda: trainops.cross_entropy(t[:, None], t)),
+        (trainops.InvalidProblemError, "'input' has shape", lambda: trainops.cross_entropy(x[:, :0], t)),
+        (trainops.InvalidProblemError, "'target' must be a torch.Tensor", lambda: trainops.cross_entropy(x, [0])),
+    ]
+    for error, pattern, call in cases:
+        with pytest.raises(error, match=pattern):
+            call()
+    # training in eager mode: the fused kernel flags the bad class and backward raises
+    xg = x.clone().requires_grad_()
+    loss = trainops.cross_entropy(xg, torch.tensor([0, 5, -100, 1], device=device))
+    with pytest.raises(IndexError, match="'target' holds a class index out of range"):
+        loss.backward()
+    assert xg.grad is None
+    unchecked = trainops.cross_entropy(x, torch.tensor([0, 5, 1, 1], device=device), check_target=False,
+                                       reduction="none")
+    assert unchecked[1] == 0 and torch.isfinite(unchecked).all()  # an unchecked bad class counts for nothing
+
+
+def test_plan_reports_the_row_plan():
+    device = "cuda" if HAS_CUDA else "cpu"
+    with trainops.backend("triton"):
+        short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
+                              device=device)
+        long = trainops.plan("cross_entropy", shape=(8, 262144), dtype=torch.bfloat16, target_dtype=torch.int64,
+                             device=device)
+    assert short.kernel["plan"] == "fused" and long.kernel["plan"] == "two-pass"
+    assert short.precision.deterministic and short.precision.accumulator == torch.float32
+
+
+# ---- GPU, real sizes ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,classes", [(8192, 32000), (2048, 128256), (512, 262144)])
+def test_real_vocabularies(rows, classes):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, classes, device="cuda", generator=gen) * 2).bfloat16().requires_grad_()
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
+    t[::7] = -100
+    loss = trainops.cross_entropy(x, t, label_smoothing=0.1, loss_dtype=torch.float32)
+    loss.backward()
+    xd = x.detach().double().requires_grad_()
+    ref = F.cross_entropy(xd, t, label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "loss")
+    assert_close(x.grad, xd.grad, torch.bfloat16, "grad")
+    again = trainops.cross_entropy(x.detach().requires_grad_(), t, label_smoothing=0.1, loss_dtype=torch.float32)
+    assert torch.equal(again, loss)
