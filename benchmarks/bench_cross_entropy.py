@@ -24,6 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
+from trainops.bench import copy_ceiling_gbps  # noqa: E402
 from trainops.ops import cross_entropy as ce_ops  # noqa: E402
 from trainops.plan import clear_plan_cache  # noqa: E402
 
@@ -110,11 +111,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     log = lambda s: print(s, flush=True)  # noqa: E731
-    src = torch.randn(256 * 2**20, device="cuda")
-    dst = torch.empty_like(src)
-    ceiling = 2 * src.numel() * 4 / triton.testing.do_bench(lambda: dst.copy_(src), rep=300,
-                                                              return_mode="median") / 1e6
-    del src, dst
+    ceiling = copy_ceiling_gbps("cuda")
     log(f"{torch.cuda.get_device_name()}: copy ceiling {ceiling:.0f} GB/s")
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction as liger

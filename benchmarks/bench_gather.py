@@ -25,6 +25,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
+from trainops.bench import copy_ceiling_gbps  # noqa: E402
 from trainops.ops import gather as gather_ops  # noqa: E402
 from trainops.plan import clear_plan_cache  # noqa: E402
 
@@ -151,11 +152,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     log = lambda s: print(s, flush=True)  # noqa: E731
-    src = torch.randn(256 * 2**20, device="cuda")
-    dst = torch.empty_like(src)
-    ceiling = 2 * src.numel() * 4 / triton.testing.do_bench(lambda: dst.copy_(src), rep=300,
-                                                              return_mode="median") / 1e6
-    del src, dst
+    ceiling = copy_ceiling_gbps("cuda")
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
     log(f"{torch.cuda.get_device_name()}: copy ceiling {ceiling:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
     try:

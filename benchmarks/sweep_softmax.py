@@ -11,6 +11,7 @@ import sys
 import torch
 import triton.testing
 
+from trainops.layout import next_pow2
 from trainops.ops import softmax as S
 
 CASES = [("softmax", (32768, 1024), -1, torch.bfloat16), ("softmax", (16384, 4096), -1, torch.bfloat16),
@@ -27,19 +28,19 @@ def variants(problem, layout):
     column = default.block_i > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     if column:
         for bi, w in itertools.product((16, 32, 64, 128), (4, 8, 16, 32)):
-            if bi * S._pow2(n) <= 65536:
-                yield S.TritonConfig("fused", bi, S._pow2(n), w)
+            if bi * next_pow2(n) <= 65536:
+                yield S.TritonConfig("fused", bi, next_pow2(n), w)
         return
-    if S._pow2(n) <= 65536:
+    if next_pow2(n) <= 65536:
         for w in (4, 8, 16, 32):
-            yield S.TritonConfig("fused", default.block_i if default.kind == "fused" else 1, S._pow2(n), w)
+            yield S.TritonConfig("fused", default.block_i if default.kind == "fused" else 1, next_pow2(n), w)
     if n >= 16384:
         for bn, w in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16, 32)):
-            yield S.TritonConfig("looped", 1, bn, w, 1, S._pow2(n))
+            yield S.TritonConfig("looped", 1, bn, w, 1, next_pow2(n))
         for splits, bn, w in itertools.product((2, 4, 8, 16, 32), (4096, 8192), (8, 16)):
             chunk = -(-n // (splits * bn)) * bn
             if chunk >= bn:
-                yield S.TritonConfig("split", 1, bn, w, S._pow2(-(-n // chunk)), chunk)
+                yield S.TritonConfig("split", 1, bn, w, next_pow2(-(-n // chunk)), chunk)
 
 
 def main():

@@ -163,7 +163,7 @@ def small_tiles(monkeypatch):
     """Shrink the register and stream tiles so small shapes take the looped and split plans."""
     monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
     monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 128, 2: 128, 4: 64, 8: 64})
-    monkeypatch.setattr(softmax_ops, "_sm_count", lambda device: 2)
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -63,3 +63,23 @@ def reduction_layout(shape: Sequence[int], dim: int, strides: Sequence[Sequence[
     s_n = tuple(s[dim] if shape else 0 for s in strides)
     return ReductionLayout(n, o0, o1, inner, s_n, s_o0, s_o1, s_i, host_bases)
 
+
+
+def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
+    """(size, stride) of a group of dims walked as one axis, or None when they do not merge."""
+    if 0 in shape:
+        return 0, 0  # nothing to walk
+    size, stride = 1, 0
+    for s, st in reversed([(s, st) for s, st in zip(shape, strides) if s != 1]):
+        if size == 1:
+            size, stride = s, st
+        elif st == stride * size:
+            size *= s
+        else:
+            return None
+    return size, stride
+
+
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1): Triton block sizes."""
+    return 1 << max(0, int(v) - 1).bit_length()

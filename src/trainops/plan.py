@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .errors import InvalidProblemError, TrainopsError, UnsupportedError
+from .errors import InvalidProblemError, TrainopsError, UnsupportedError, argument_error
 from .registry import KernelInfo, lookup, op_spec, pinned_backend
 
 
@@ -118,6 +118,21 @@ class Plan:
         return out
 
 
+def check_tensor(op: str, name: str, t, shape, dtype, device, strides=None) -> None:
+    """The cheap check of one concrete tensor against a plan: type, shape, dtype, device, strides."""
+    if not isinstance(t, torch.Tensor):
+        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; the plan is for {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
+    if t.device != device:
+        raise argument_error(InvalidProblemError, op, name, f"is on device {t.device}; the plan is for {device}")
+    if strides is not None and t.stride() != tuple(strides):
+        raise argument_error(InvalidProblemError, op, name,
+                             f"has strides {t.stride()}; the plan is for {tuple(strides)} (make a plan for this layout)")
+
+
 def select(problem) -> Plan:
     """Bind a validated problem to the registry's kernel for its device and dtype."""
     info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype,
@@ -165,5 +180,5 @@ def clear_plan_cache() -> None:
     _PLANS.clear()
 
 
-__all__ = ["KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
+__all__ = ["check_tensor", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
            "plan", "plan_cache_info", "select", "InvalidProblemError", "UnsupportedError"]

@@ -46,6 +46,21 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def normalize_device(device) -> torch.device:
+    """torch.device(device), with "cuda" resolved to the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter: it only shapes grids)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "-" if dtype is None else str(dtype).replace("torch.", "")
 

@@ -37,8 +37,9 @@ from typing import Sequence
 import torch
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..plan import KernelChoice, Launch
-from ..registry import FLOATS, register, register_op, triton_available
+from ..layout import merge_dims, next_pow2
+from ..plan import KernelChoice, Launch, check_tensor
+from ..registry import FLOATS, normalize_device, register, register_op, sm_count, triton_available
 
 TARGET_DTYPES = frozenset({torch.int32, torch.int64})
 REDUCTIONS = ("mean", "sum", "none")
@@ -49,34 +50,12 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _merge(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
-    """(size, stride) of dims walked as one axis, or None when they do not merge."""
-    if 0 in shape:
-        return 0, 0
-    size, stride = 1, 0
-    for s, st in reversed([(s, st) for s, st in zip(shape, strides) if s != 1]):
-        if size == 1:
-            size, stride = s, st
-        elif st == stride * size:
-            size *= s
-        else:
-            return None
-    return size, stride
-
-
 def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int, int] | None:
     """(stride of N, stride of C, stride of the merged d1..dk) of a logits-shaped tensor, or None."""
     if len(shape) == 1:
         return 0, strides[0], 0
-    spatial = _merge(shape[2:], strides[2:])
+    spatial = merge_dims(shape[2:], strides[2:])
     return None if spatial is None else (strides[0], strides[1], spatial[1])
-
-
-def _normalize_device(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,17 +123,7 @@ class CrossEntropyProblem:
         if self.has_weight:
             specs.append(((self.classes,), None, None))
         for name, t, (shape, dtype, strides) in zip(names, tensors, specs):
-            if not isinstance(t, torch.Tensor):
-                raise argument_error(InvalidProblemError, self.op, name, f"must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape:
-                raise argument_error(InvalidProblemError, self.op, name, f"has shape {tuple(t.shape)}; the plan is for {shape}")
-            if dtype is not None and t.dtype != dtype:
-                raise argument_error(InvalidProblemError, self.op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
-            if t.device != self.device:
-                raise argument_error(InvalidProblemError, self.op, name, f"is on {t.device}; the plan is for {self.device}")
-            if strides is not None and t.stride() != strides:
-                raise argument_error(InvalidProblemError, self.op, name,
-                                     f"has strides {t.stride()}; the plan is for {strides}")
+            check_tensor(self.op, name, t, shape, dtype, self.device, strides)
 
     def new_output(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, lse, grad, bad): bad[0] becomes 1 if a class index is out of range (and not ignored)."""
@@ -212,7 +181,7 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
     if loss_dtype not in FLOATS:
         raise argument_error(UnsupportedError, op, "loss_dtype", f"is {loss_dtype}; expected a float dtype")
     try:
-        device = _normalize_device(device)
+        device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     batch = () if len(shape) == 1 else (shape[0],) + shape[2:]
@@ -532,10 +501,6 @@ if triton_available():
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 # Classes one program keeps in registers (one read of the row); longer rows stream _STREAM_BLOCK
 # classes a step. As the softmax family (benchmarks/NOTES.md): 32K-element register tiles. Whole
 # 128K-256K rows in registers spill (7x slower); for bf16 rows 32K-class steps at 16 warps were
@@ -553,16 +518,10 @@ _FIRST_PASS_EVICT = "evict_last"
 _GRAD_STORE = ".cs"
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter: shapes the grid only
-
-
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int]:
     """(BLOCK_C, CHUNKS, num_warps, programs per SM)."""
     c, size = problem.classes, problem.dtype.itemsize
-    full = _pow2(c)
+    full = next_pow2(c)
     if full <= REGISTER_ROW[size] or problem.probabilities and full <= REGISTER_ROW[size] // 2:
         return full, 1, min(32, max(4, full // 1024)), _FUSED_PROGRAMS_PER_SM
     block = _STREAM_BLOCK[size] // (2 if problem.probabilities else 1)
@@ -578,7 +537,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     g_strides = row_strides(problem.shape, torch.empty(problem.shape, device="meta").stride())
     block, chunks, warps, per_sm = _choose_block(problem)
     mean_by_targets = problem.reduction == "mean" and not problem.probabilities
-    programs = _sm_count(problem.device) * per_sm
+    programs = sm_count(problem.device) * per_sm
     smooth = problem.label_smoothing > 0
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,

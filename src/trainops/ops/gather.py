@@ -41,8 +41,9 @@ from typing import Sequence
 import torch
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..plan import KernelChoice, Launch
-from ..registry import FLOATS, register, register_op, triton_available
+from ..layout import merge_dims, next_pow2
+from ..plan import KernelChoice, Launch, check_tensor
+from ..registry import FLOATS, normalize_device, register, register_op, triton_available
 
 INDEX_DTYPES = frozenset({torch.int32, torch.int64})
 ACCUMULATOR = "float32 (float64 for float64)"
@@ -53,32 +54,10 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
-    """(size, stride) of a group of dims walked as one, or None when they do not merge."""
-    if 0 in shape:
-        return 0, 0  # nothing to walk
-    size, stride = 1, 0
-    for s, st in reversed([(s, st) for s, st in zip(shape, strides) if s != 1]):
-        if size == 1:
-            size, stride = s, st
-        elif st == stride * size:
-            size *= s
-        else:
-            return None
-    return size, stride
-
-
 def three_axis_strides(shape: Sequence[int], strides: Sequence[int], lo: int, hi: int):
     """Strides of ``shape`` seen as (shape[:lo], shape[lo:hi], shape[hi:]), or None if a group does not merge."""
     groups = [merge_dims(shape[a:b], strides[a:b]) for a, b in ((0, lo), (lo, hi), (hi, len(shape)))]
     return None if None in groups else tuple(g[1] for g in groups)
-
-
-def _normalize_device(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,10 +102,10 @@ class GatherProblem:
     def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
         _check_count(self.op, tensors, ("x", "index"))
         x, index = tensors
-        _check_tensor(self.op, "x", x, self.x_shape, self.dtype, self.device, self.x_strides)
-        _check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
+        check_tensor(self.op, "x", x, self.x_shape, self.dtype, self.device, self.x_strides)
+        check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
         if out is not None:
-            _check_tensor(self.op, "out", out, self.out_shape, self.dtype, self.device,
+            check_tensor(self.op, "out", out, self.out_shape, self.dtype, self.device,
                           torch.empty(self.out_shape, device="meta").stride())
 
     def new_output(self) -> torch.Tensor:
@@ -170,10 +149,10 @@ class GatherBackwardProblem:
     def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
         _check_count(self.op, tensors, ("dy", "index"))
         dy, index = tensors
-        _check_tensor(self.op, "dy", dy, self.dy_shape, self.dtype, self.device, self.dy_strides)
-        _check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
+        check_tensor(self.op, "dy", dy, self.dy_shape, self.dtype, self.device, self.dy_strides)
+        check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
         if out is not None:
-            _check_tensor(self.op, "out", out, self.input_shape, self.dtype, self.device,
+            check_tensor(self.op, "out", out, self.input_shape, self.dtype, self.device,
                           torch.empty(self.input_shape, device="meta").stride())
 
     def new_output(self) -> torch.Tensor:
@@ -184,20 +163,6 @@ def _check_count(op, tensors, names) -> None:
     if len(tensors) != len(names):
         raise InvalidProblemError(f"trainops.{op}: expected {len(names)} tensors ({', '.join(names)}), "
                                   f"got {len(tensors)}")
-
-
-def _check_tensor(op, name, t, shape, dtype, device, strides=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; the plan is for {shape}")
-    if t.dtype != dtype:
-        raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
-    if t.device != device:
-        raise argument_error(InvalidProblemError, op, name, f"is on device {t.device}; the plan is for {device}")
-    if strides is not None and t.stride() != strides:
-        raise argument_error(InvalidProblemError, op, name,
-                             f"has strides {t.stride()}; the plan is for {strides} (make a plan for this layout)")
 
 
 def _shape(op, name, shape) -> tuple[int, ...]:
@@ -235,7 +200,7 @@ def _common(op, x_name, x_shape, dim, index_shape, dtype, index_dtype, device):
     if index_dtype not in INDEX_DTYPES:
         raise argument_error(UnsupportedError, op, "index", f"has dtype {index_dtype}; supported: int32, int64")
     try:
-        device = _normalize_device(device)
+        device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     return x_shape, dim % rank, index_shape, device
@@ -559,10 +524,6 @@ if triton_available():
 # Launchers: heuristic, layout, launch
 # ----------------------------------------------------------------------------------------------
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 # Inner elements one program covers (per row of x or dx): whole rows up to _ROW_BLOCK. A gather
 # tile holds about _TILE elements (BLOCK_N rows of BLOCK_I); a gradient tile about _ROW_TILE.
 # Measured on the H100 (benchmarks/NOTES.md): 4096-element gradient tiles, one 8 KiB bf16 row
@@ -580,8 +541,8 @@ _HOT_STEP = 16
 
 def _tile_shape(n: int, inner: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_I, num_warps) of a [index positions x inner elements] tile."""
-    block_i = min(_pow2(inner), _ROW_BLOCK)
-    block_n = max(1, min(_pow2(n), _TILE // block_i))
+    block_i = min(next_pow2(inner), _ROW_BLOCK)
+    block_n = max(1, min(next_pow2(n), _TILE // block_i))
     return block_n, block_i, 4 if block_n * block_i <= 2048 else 8
 
 
@@ -614,10 +575,10 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
                                              problem.dim + len(problem.index_shape))
     acc = accumulator_dtype(problem.dtype)
     chunks = -(-n // _CHUNK)
-    block_i = min(_pow2(i), _ROW_BLOCK)
-    block_v = max(1, min(_pow2(s), _ROW_TILE // block_i))
+    block_i = min(next_pow2(i), _ROW_BLOCK)
+    block_v = max(1, min(next_pow2(s), _ROW_TILE // block_i))
     warps = 4 if block_v * block_i <= 2048 else 8
-    hot_block = min(_pow2(i), max(1, _HOT_TILE // _CHUNK))
+    hot_block = min(next_pow2(i), max(1, _HOT_TILE // _CHUNK))
     v_blocks = -(-s // block_v)
     row_grid = (b * v_blocks, -(-i // block_i))
     hot_grid = (b * chunks, -(-i // hot_block))

@@ -31,9 +31,9 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
-from ..layout import ReductionLayout, reduction_layout
-from ..plan import KernelChoice, Launch
-from ..registry import FLOATS, register, register_op, triton_available
+from ..layout import ReductionLayout, next_pow2, reduction_layout
+from ..plan import KernelChoice, Launch, check_tensor
+from ..registry import FLOATS, normalize_device, register, register_op, sm_count, triton_available
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
@@ -90,33 +90,12 @@ class SoftmaxProblem:
             raise InvalidProblemError(f"trainops.{self.op}: expected {len(self.names)} tensors "
                                       f"({', '.join(self.names)}), got {len(tensors)}")
         for name, t, strides in zip(self.names, tensors, self.strides):
-            _check_tensor(self.op, name, t, self.shape, self.dtype, self.device, strides)
+            check_tensor(self.op, name, t, self.shape, self.dtype, self.device, strides)
         if out is not None:
-            _check_tensor(self.op, "out", out, self.shape, self.out_dtype, self.device, self.out_strides)
+            check_tensor(self.op, "out", out, self.shape, self.out_dtype, self.device, self.out_strides)
 
     def new_output(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.out_strides, dtype=self.out_dtype, device=self.device)
-
-
-def _check_tensor(op, name, t, shape, dtype, device, strides) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; the plan is for {shape}")
-    if t.dtype != dtype:
-        raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype}; the plan is for {dtype}")
-    if t.device != device:
-        raise argument_error(InvalidProblemError, op, name, f"is on device {t.device}; the plan is for {device}")
-    if t.stride() != strides:
-        raise argument_error(InvalidProblemError, op, name,
-                             f"has strides {t.stride()}; the plan is for {strides} (make a plan for this layout)")
-
-
-def _normalize_device(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None) -> SoftmaxProblem:
@@ -151,7 +130,7 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
         raise argument_error(UnsupportedError, op, "dtype",
                              f"is {out_dtype}; supported: float32, float16, bfloat16, float64")
     try:
-        device = _normalize_device(device)
+        device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     contiguous = torch.empty(shape, device="meta").stride()
@@ -469,16 +448,6 @@ class TritonConfig:
     chunk: int = 0  # positions per split (multiple of block_n); 0 for fused
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter (or a plan made without the device): only shapes the grid
-
-
 # Elements of a row (per tensor) one program keeps in registers: a fused plan up to here.
 # Measured on the H100 (benchmarks/NOTES.md): 32768 fp32 or bf16 elements fused beat streaming
 # by 30-40%, forward and backward.
@@ -508,7 +477,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
     reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
     n, inner = layout.n, layout.inner
-    block_n_full = _pow2(n)
+    block_n_full = next_pow2(n)
     backward = problem.backward
 
     def fused(block_i: int) -> TritonConfig:
@@ -518,23 +487,23 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     if column:
-        block_i = min(_pow2(inner), _COLUMN_BLOCK)
+        block_i = min(next_pow2(inner), _COLUMN_BLOCK)
         fitting = reg_tile // block_n_full
         if fitting >= min(block_i, _COLUMN_BLOCK // 2):
             return fused(min(block_i, fitting))
     elif block_n_full <= reg_tile:
-        return fused(min(_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
+        return fused(min(next_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
     else:
         block_i = 1
     programs = -(-layout.rows // block_i)
-    sms = _sm_count(problem.device)
+    sms = sm_count(problem.device)
     if programs >= 2 * sms:
         block_n = max(1, stream_tile // block_i)
         return TritonConfig("looped", block_i, block_n, 32 if backward else 16, 1, block_n_full)
     block_n = max(1, stream_tile // 2 // block_i)
-    splits = min(_pow2(-(-_SPLIT_PROGRAMS_PER_SM * sms // programs)), _pow2(-(-n // block_n)), 256)
+    splits = min(next_pow2(-(-_SPLIT_PROGRAMS_PER_SM * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
-    return TritonConfig("split", block_i, block_n, 16 if backward else 8, _pow2(-(-n // chunk)), chunk)
+    return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
 
 
 def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None) -> Launch:
