@@ -307,3 +307,46 @@ def test_real_vocabularies(rows, classes):
     assert_close(x.grad, xd.grad, torch.bfloat16, "grad")
     again = trainops.cross_entropy(x.detach().requires_grad_(), t, label_smoothing=0.1, loss_dtype=torch.float32)
     assert torch.equal(again, loss)
+
+
+# ---- gradient written over the logits --------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_inplace_backward_matches_torch(backend, device, row_plan, reduction):
+    gen = torch.Generator().manual_seed(seed_of("inplace", backend, row_plan, reduction))
+    hidden = torch.randn(7, 6, generator=gen, dtype=torch.float64).to(device)
+    head = torch.randn(6, 19, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    target = torch.randint(0, 19, (7,), generator=gen).to(device)
+    target[3] = -100
+    logits = hidden @ head
+    loss = trainops.cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, z_loss=0.01,
+                                  inplace_backward=True)
+    upstream = torch.rand(loss.shape, generator=gen, dtype=torch.float64).to(device) + 0.5
+    loss.backward(upstream)
+    ref_loss, _, ref_grad = reference(hidden @ head.detach(), target, reduction=reduction, label_smoothing=0.1,
+                                      z_loss=0.01)
+    scale = upstream.cpu().unsqueeze(1) if reduction == "none" else upstream.cpu()
+    assert_close(loss, ref_loss, torch.float64, "in-place loss")
+    assert_close(head.grad, hidden.cpu().t() @ (ref_grad * scale), torch.float64, "in-place grad through the head")
+    assert_close(logits.detach(), ref_grad * scale, torch.float64, "the logits now hold the gradient")
+
+
+def test_inplace_backward_under_torch_compile(backend, device):
+    torch._dynamo.reset()
+    hidden = torch.randn(6, 7, device=device)
+    head = torch.randn(7, 5, device=device, requires_grad=True)
+    target = torch.tensor([0, 4, 4, -100, 2, 1], device=device)
+    step = torch.compile(lambda w: trainops.cross_entropy(hidden @ w, target, inplace_backward=True),
+                         fullgraph=True, backend="aot_eager")
+    step(head).backward()
+    ours, head.grad = head.grad, None
+    F.cross_entropy(hidden @ head, target).backward()
+    assert_close(ours, head.grad, torch.float32, "compiled in-place")
+
+
+def test_inplace_backward_needs_a_non_leaf(backend, device):
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    with pytest.raises(trainops.InvalidProblemError, match="'inplace_backward' needs a non-leaf"):
+        trainops.cross_entropy(x, torch.tensor([0, 1, 2], device=device), inplace_backward=True)
+    with torch.no_grad():  # nothing to write: the flag is moot
+        trainops.cross_entropy(x, torch.tensor([0, 1, 2], device=device), inplace_backward=True)

@@ -136,7 +136,7 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
 def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
                   ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
                   z_loss: float = 0.0, return_lse: bool = False, loss_dtype: torch.dtype | None = None,
-                  check_target: bool = True):
+                  check_target: bool = True, inplace_backward: bool = False):
     """Softmax cross-entropy, as ``torch.nn.functional.cross_entropy`` (same signature and results).
 
     input: (C,), (N, C) or (N, C, d1, ...) logits, float32/float16/bfloat16/float64, any strides.
@@ -155,7 +155,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     for a class index outside [0, C) that is not ignore_index: before the launch (one min/max and
     one host sync on the GPU) when no gradient is computed or under torch.compile; in eager
     training the kernel flags such rows and the backward raises, inside the sync it makes anyway.
-    Unchecked, such rows are left out. Accumulates in float32; deterministic.
+    Unchecked, such rows are left out. ``inplace_backward=True`` writes the gradient over the
+    logits (saving a logits-sized buffer): input must be a non-leaf tensor nothing else needs
+    afterwards (e.g. the LM head's output); its values are gone after the call (autograd raises if
+    another op saved them). Accumulates in float32; deterministic.
     """
     if size_average is not None or reduce is not None:
         raise argument_error(UnsupportedError, "cross_entropy", "size_average", "and 'reduce' are deprecated in "
@@ -165,6 +168,15 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
             raise argument_error(InvalidProblemError, "cross_entropy", name,
                                  f"must be a torch.Tensor, got {type(t).__name__}")
     compute_grad = input.requires_grad and torch.is_grad_enabled()
+    if inplace_backward and compute_grad:
+        if input.is_leaf:
+            raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
+                                 "needs a non-leaf input (its gradient would alias the leaf's own values)")
+        deferred = check_target and not torch.compiler.is_compiling()
+        loss, lse = _InplaceCrossEntropy.apply(input, target, weight, ignore_index, reduction,
+                                               float(label_smoothing), float(z_loss), loss_dtype,
+                                               check_target and not deferred, deferred)
+        return (loss, lse) if return_lse else loss
     # Training in eager mode: the kernel flags bad targets and backward raises, folding the check
     # into the host sync it makes anyway. Otherwise the op checks before launching (one sync).
     deferred = check_target and compute_grad and not torch.compiler.is_compiling()
@@ -172,3 +184,22 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
                                             float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
                                             deferred)
     return (loss, lse) if return_lse else loss
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """cross_entropy whose forward kernel writes the gradient over the logits (``inplace_backward``)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                check_target, deferred_check):
+        loss, lse, bad = library.cross_entropy_inplace(logits, target, weight, ignore_index, reduction,
+                                                       label_smoothing, z_loss, loss_dtype, check_target)
+        ctx.save_for_backward(logits, bad)
+        ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.consumed = reduction, logits.dim(), deferred_check, False
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        grad, bad = ctx.saved_tensors
+        return (library.scale_fused_gradient(ctx, grad, bad, dloss, in_place=True),) + (None,) * 9

@@ -21,8 +21,8 @@ from .plan import cached_plan
 
 
 def _define(name: str, impl: Callable, fake: Callable, backward: Callable | None = None,
-            setup_context: Callable | None = None):
-    op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=())
+            setup_context: Callable | None = None, mutates_args: tuple[str, ...] = ()):
+    op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args)
     op.register_fake(fake)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
@@ -238,6 +238,14 @@ def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor]
                         reduction: str, label_smoothing: float, z_loss: float, loss_dtype: Optional[torch.dtype],
                         compute_grad: bool, check_target: bool,
                         deferred_check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                              compute_grad, check_target, False)
+
+
+def _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                       compute_grad, check_target, grad_into_input):
+    if grad_into_input and ce_ops.row_strides(logits.shape, logits.stride()) is None:
+        raise UnsupportedError("trainops.cross_entropy: inplace_backward needs logits whose d1..dk merge")
     if logits.dim() > 2 and ce_ops.row_strides(logits.shape, logits.stride()) is None:
         logits = logits.contiguous()  # rare layouts whose d1..dk do not merge: one copy
     if target.is_floating_point():
@@ -246,10 +254,11 @@ def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor]
         target = target.contiguous()
     tensors = (logits, target) if weight is None else (logits, target, weight)
     key = (*[(t.shape, t.stride(), t.dtype, t.device) for t in tensors], ignore_index, reduction, label_smoothing,
-           z_loss, loss_dtype, compute_grad, check_target)
+           z_loss, loss_dtype, compute_grad, check_target, grad_into_input)
     plan = cached_plan("cross_entropy", key, lambda: ce_ops.descriptor_from_tensors(
         logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, loss_dtype=loss_dtype, compute_grad=compute_grad, check_target=check_target))
+        z_loss=z_loss, loss_dtype=loss_dtype, compute_grad=compute_grad, check_target=check_target,
+        grad_into_input=grad_into_input))
     return plan.run_unchecked(tensors)
 
 
@@ -278,6 +287,16 @@ def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
     grad, bad = ctx.saved_tensors
     if dloss is None:
         return None, *_NO_GRADS
+    return scale_fused_gradient(ctx, grad, bad, dloss, in_place=False), *_NO_GRADS
+
+
+def scale_fused_gradient(ctx, grad: Tensor, bad: Tensor, dloss: Tensor, in_place: bool) -> Tensor:
+    """dloss/dlogits from the gradient the forward kernel wrote (for an upstream gradient of 1).
+
+    Eager mode: one host sync answers both "did the kernel flag a bad target?" (deferred check)
+    and "is the upstream gradient exactly 1?"; then the buffer is handed over unchanged.
+    ``in_place``: the buffer is the caller's (the logits'), so scaling happens in it.
+    """
     if torch.is_grad_enabled():
         raise UnsupportedError("trainops.cross_entropy: double backward is not supported (the gradient is "
                                "computed in the forward pass)")
@@ -290,20 +309,39 @@ def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
     tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
     unit = False
     if not tracing and (ctx.deferred_check or ctx.reduction != "none"):
-        # one host sync for both: the deferred target check and "is the upstream gradient exactly 1?"
         unit_now = (dloss == 1) if ctx.reduction != "none" else torch.zeros((), dtype=torch.bool, device=bad.device)
         bad_target, unit = torch.stack([bad[0] != 0, unit_now.reshape(())]).tolist()
         if bad_target:
             raise ce_ops.IndexOutOfRangeError(
                 "trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
                 "ignore_index (found by the fused kernel; such rows were left out of the loss)")
+    ctx.consumed = unit or in_place
     if unit:  # loss.backward(): hand over the fused gradient as it is
-        ctx.consumed = True
-        return grad, *_NO_GRADS
-    if ctx.reduction == "none":
-        scale = dloss.unsqueeze(1) if ctx.ndim > 1 else dloss
-        return grad * scale.to(grad.dtype), *_NO_GRADS
-    return grad * dloss.to(grad.dtype), *_NO_GRADS
+        return grad
+    scale = dloss.to(grad.dtype)
+    if ctx.reduction == "none" and ctx.ndim > 1:
+        scale = scale.unsqueeze(1)
+    return grad.mul_(scale) if in_place else grad * scale
+
+
+def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                                reduction: str, label_smoothing: float, z_loss: float,
+                                loss_dtype: Optional[torch.dtype], check_target: bool) -> tuple[Tensor, Tensor, Tensor]:
+    loss, lse, _, bad = _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                           loss_dtype, True, check_target, True)
+    return loss, lse, bad
+
+
+def _cross_entropy_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                loss_dtype, check_target):
+    loss, lse, _, bad = _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                            z_loss, loss_dtype, False, check_target, False)
+    return loss, lse, bad
+
+
+# The gradient written over the logits (no autograd of its own: functional.py wraps it).
+cross_entropy_inplace = _define("cross_entropy_inplace", _cross_entropy_inplace_impl, _cross_entropy_inplace_fake,
+                                mutates_args=("logits",))
 
 
 cross_entropy = _define("cross_entropy", _cross_entropy_impl, _cross_entropy_fake, _cross_entropy_grad,

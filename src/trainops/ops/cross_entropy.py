@@ -87,6 +87,7 @@ class CrossEntropyProblem:
     loss_dtype: torch.dtype
     compute_grad: bool
     check_target: bool
+    grad_into_input: bool = False
 
     @property
     def index_dtype(self):
@@ -130,13 +131,14 @@ class CrossEntropyProblem:
         loss_shape = self.batch_shape if self.reduction == "none" else ()
         loss = torch.empty(loss_shape, dtype=self.loss_dtype, device=self.device)
         lse = torch.empty(self.batch_shape, dtype=self.lse_dtype, device=self.device)
-        grad = torch.empty(self.shape if self.compute_grad else (0,), dtype=self.dtype, device=self.device)
+        grad_shape = self.shape if self.compute_grad and not self.grad_into_input else (0,)
+        grad = torch.empty(grad_shape, dtype=self.dtype, device=self.device)
         return loss, lse, grad, torch.zeros(1, dtype=torch.int32, device=self.device)
 
 
 def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target_shape=None, target_strides=None,
               has_weight=False, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-              loss_dtype=None, compute_grad=True, check_target=True) -> CrossEntropyProblem:
+              loss_dtype=None, compute_grad=True, check_target=True, grad_into_input=False) -> CrossEntropyProblem:
     """Validate a cross-entropy descriptor.
 
     shape: logits (C,), (N, C) or (N, C, d1, ...); dtype: theirs. target_dtype: int32/int64 for
@@ -145,7 +147,8 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
     None (contiguous) or the tensors' strides; logits' d1..dk must merge into one strided axis.
     has_weight: a per-class weight of C elements is passed. The rest as torch's cross_entropy,
     plus z_loss (coefficient of lse^2), loss_dtype (default: dtype), compute_grad (write the
-    gradient in the same pass) and check_target (validate class indices; a host sync on the GPU).
+    gradient in the same pass), check_target (validate class indices; a host sync on the GPU) and
+    grad_into_input (write the gradient over the logits, which must then be the run's own tensor).
     """
     op = "cross_entropy"
     try:
@@ -199,9 +202,11 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
     if probabilities and row_strides(shape, target_strides) is None:
         raise argument_error(UnsupportedError, op, "target", f"has strides {target_strides} whose d1..dk do not "
                              "merge; pass target.contiguous()")
+    if grad_into_input and not compute_grad:
+        raise argument_error(InvalidProblemError, op, "grad_into_input", "needs compute_grad=True")
     return CrossEntropyProblem(op, shape, dtype, target_dtype, device, strides, target_strides, probabilities,
                                bool(has_weight), ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
-                               bool(compute_grad), bool(check_target))
+                               bool(compute_grad), bool(check_target), bool(grad_into_input))
 
 
 register_op("cross_entropy", _describe, doc=_describe.__doc__)
@@ -307,10 +312,11 @@ def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
         finish_loss(problem, row_loss, norm, loss)
         lse.copy_(row_lse.view(problem.batch_shape))
         if problem.compute_grad:
+            target_grad = logits if problem.grad_into_input else grad
             if logits.dim() == 1:
-                grad.copy_(row_grad.view(-1))
+                target_grad.copy_(row_grad.view(-1))
             else:
-                grad.copy_(row_grad.view(problem.batch_shape + (problem.classes,)).movedim(-1, 1))
+                target_grad.copy_(row_grad.view(problem.batch_shape + (problem.classes,)).movedim(-1, 1))
 
     return Launch(run, KernelChoice("cross_entropy_cpu", "cpu"), accumulator_dtype(problem.dtype))
 
@@ -534,7 +540,8 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     s = 1 if len(problem.shape) <= 2 else math.prod(problem.shape[2:])
     x_strides = row_strides(problem.shape, problem.strides)
     t_strides = row_strides(problem.shape, problem.target_strides) if problem.probabilities else (s, 0, 1)
-    g_strides = row_strides(problem.shape, torch.empty(problem.shape, device="meta").stride())
+    g_strides = x_strides if problem.grad_into_input else row_strides(
+        problem.shape, torch.empty(problem.shape, device="meta").stride())
     block, chunks, warps, per_sm = _choose_block(problem)
     mean_by_targets = problem.reduction == "mean" and not problem.probabilities
     programs = sm_count(problem.device) * per_sm
@@ -555,7 +562,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
         rows = problem.rows
         row_loss = torch.empty(rows, dtype=acc, device=logits.device)
         if rows:
-            g = grad if problem.compute_grad else logits
+            g = logits if problem.grad_into_input or not problem.compute_grad else grad
             _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g,
                                              row_loss, lse, bad, consts, rows, c, s, *x_strides, *t_strides, *g_strides,
                                              problem.ignore_index, **meta)
