@@ -148,9 +148,12 @@ def test_every_row_ignored_and_empty_batch(backend, device):
     loss.backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
     assert trainops.cross_entropy(x, ignored, reduction="sum").item() == 0
-    empty = torch.randn(0, 5, device=device)
+    empty = torch.randn(0, 5, device=device, requires_grad=True)
     target = torch.zeros(0, dtype=torch.long, device=device)
-    assert torch.isnan(trainops.cross_entropy(empty, target))
+    loss = trainops.cross_entropy(empty, target)
+    assert torch.isnan(loss)
+    loss.backward()  # an empty training batch: an empty gradient, as torch
+    assert empty.grad.shape == (0, 5)
     assert trainops.cross_entropy(empty, target, reduction="none").shape == (0,)
 
 

@@ -196,6 +196,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
                                                        label_smoothing, z_loss, loss_dtype, check_target)
         ctx.save_for_backward(logits, bad)
         ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.consumed = reduction, logits.dim(), deferred_check, False
+        ctx.compute_grad = True
         ctx.mark_non_differentiable(lse)
         return loss, lse
 

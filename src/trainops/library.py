@@ -166,8 +166,8 @@ def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequ
     key = (dy.shape, dy.stride(), dy.dtype, dy.device, index.shape, index.dtype, index.device, dim, input_shape,
            deterministic, padding_idx, scale_grad_by_freq, negative_indices, check_index)
     plan = cached_plan("gather_backward", key, lambda: dict(
-        input_shape=input_shape, dy_shape=tuple(dy.shape), dy_strides=dy.stride(), deterministic=deterministic, padding_idx=padding_idx,
-        scale_grad_by_freq=scale_grad_by_freq, negative_indices=negative_indices, check_index=check_index,
+        input_shape=input_shape, dy_shape=tuple(dy.shape), dy_strides=dy.stride(), deterministic=deterministic,
+        padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq, negative_indices=negative_indices, check_index=check_index,
         **gather_ops.gather_descriptor("gather_backward", "dy", dy, index, dim)))
     return plan.run_unchecked((dy, index))
 
@@ -244,10 +244,10 @@ def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor]
 
 def _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
                        compute_grad, check_target, grad_into_input):
-    if grad_into_input and ce_ops.row_strides(logits.shape, logits.stride()) is None:
-        raise UnsupportedError("trainops.cross_entropy: inplace_backward needs logits whose d1..dk merge")
-    if logits.dim() > 2 and ce_ops.row_strides(logits.shape, logits.stride()) is None:
-        logits = logits.contiguous()  # rare layouts whose d1..dk do not merge: one copy
+    if ce_ops.row_strides(logits.shape, logits.stride()) is None:  # rare layouts whose d1..dk do not merge
+        if grad_into_input:
+            raise UnsupportedError("trainops.cross_entropy: inplace_backward needs logits whose d1..dk merge")
+        logits = logits.contiguous()  # one copy
     if target.is_floating_point():
         target = target if ce_ops.row_strides(target.shape, target.stride()) is not None else target.contiguous()
     else:
@@ -274,6 +274,7 @@ def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_s
 def _save_cross_entropy(ctx, inputs, output) -> None:
     logits, *_, reduction, _, _, _, compute_grad, _, deferred_check = inputs
     ctx.reduction, ctx.ndim, ctx.deferred_check = reduction, logits.dim(), deferred_check
+    ctx.compute_grad = compute_grad
     ctx.save_for_backward(output[2], output[3])
     ctx.consumed = False
     ctx.mark_non_differentiable(*output[1:])
@@ -300,7 +301,7 @@ def scale_fused_gradient(ctx, grad: Tensor, bad: Tensor, dloss: Tensor, in_place
     if torch.is_grad_enabled():
         raise UnsupportedError("trainops.cross_entropy: double backward is not supported (the gradient is "
                                "computed in the forward pass)")
-    if grad.numel() == 0 and dloss.numel():
+    if not ctx.compute_grad:
         raise UnsupportedError("trainops.cross_entropy: no gradient was computed in the forward (input did not "
                                "require grad when the loss was computed)")
     if ctx.consumed:

@@ -30,6 +30,14 @@ from .errors import InvalidProblemError, UnsupportedError
 BACKENDS = ("triton", "cpu")
 DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+INDEX_DTYPES = frozenset({torch.int32, torch.int64})
+# Every float kernel sums in float32, or in float64 when it computes in float64.
+ACCUMULATOR = "float32 (float64 for float64)"
+
+
+def accumulator_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and running maxima are kept in (see ACCUMULATOR)."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def triton_available() -> bool:

@@ -39,15 +39,10 @@ import torch
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
 from ..plan import KernelChoice, Launch, check_tensor
-from ..registry import FLOATS, normalize_device, register, register_op, sm_count, triton_available
+from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
+                        register_op, sm_count, triton_available)
 
-TARGET_DTYPES = frozenset({torch.int32, torch.int64})
 REDUCTIONS = ("mean", "sum", "none")
-ACCUMULATOR = "float32 (float64 for float64)"
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int, int] | None:
@@ -168,7 +163,7 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
         if target_dtype != dtype:
             raise argument_error(InvalidProblemError, op, "target", f"holds probabilities of dtype {target_dtype}; "
                                  f"expected the input's dtype {dtype}")
-    elif not isinstance(target_dtype, torch.dtype) or target_dtype not in TARGET_DTYPES:
+    elif not isinstance(target_dtype, torch.dtype) or target_dtype not in INDEX_DTYPES:
         raise argument_error(InvalidProblemError, op, "target", f"has dtype {target_dtype}; expected class indices "
                              f"(int32 or int64) or class probabilities ({dtype})")
     if reduction not in REDUCTIONS:
@@ -321,7 +316,7 @@ def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
     return Launch(run, KernelChoice("cross_entropy_cpu", "cpu"), accumulator_dtype(problem.dtype))
 
 
-register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=TARGET_DTYPES, deterministic=True,
+register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=INDEX_DTYPES, deterministic=True,
          accumulator=ACCUMULATOR, name="cross_entropy_cpu")(_prepare_cpu)
 
 
@@ -524,7 +519,7 @@ _FIRST_PASS_EVICT = "evict_last"
 _GRAD_STORE = ".cs"
 
 
-def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int]:
+def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
     """(BLOCK_C, CHUNKS, num_warps, programs per SM)."""
     c, size = problem.classes, problem.dtype.itemsize
     full = next_pow2(c)
@@ -575,7 +570,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
 
 
 if triton_available():
-    register("cross_entropy", backend="triton", dtypes=FLOATS, index_dtypes=TARGET_DTYPES, deterministic=True,
+    register("cross_entropy", backend="triton", dtypes=FLOATS, index_dtypes=INDEX_DTYPES, deterministic=True,
              accumulator=ACCUMULATOR, name="cross_entropy_triton")(_prepare_triton)
 
 

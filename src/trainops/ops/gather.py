@@ -43,15 +43,10 @@ import torch
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
 from ..plan import KernelChoice, Launch, check_tensor
-from ..registry import FLOATS, normalize_device, register, register_op, triton_available
+from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
+                        register_op, triton_available)
 
-INDEX_DTYPES = frozenset({torch.int32, torch.int64})
-ACCUMULATOR = "float32 (float64 for float64)"
 MAX_RANK = 8
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def three_axis_strides(shape: Sequence[int], strides: Sequence[int], lo: int, hi: int):
@@ -64,20 +59,12 @@ def three_axis_strides(shape: Sequence[int], strides: Sequence[int], lo: int, hi
 # Problems: validation shared by every backend
 # ----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class GatherProblem:
-    """``gather`` of ``x`` (x_shape, x_strides) along ``dim`` by an index of ``index_shape``."""
+class _GatherShapes:
+    """The (B, S, I) view both gather problems share; ``x_shape`` is x's (and dx's) shape."""
 
-    op: str
     x_shape: tuple[int, ...]
     dim: int
     index_shape: tuple[int, ...]
-    dtype: torch.dtype
-    index_dtype: torch.dtype
-    device: torch.device
-    x_strides: tuple[int, ...]
-    negative_indices: bool
-    check_index: bool
 
     @property
     def batch(self) -> int:
@@ -96,28 +83,49 @@ class GatherProblem:
         return math.prod(self.index_shape)
 
     @property
-    def out_shape(self) -> tuple[int, ...]:
+    def gathered_shape(self) -> tuple[int, ...]:
+        """x_shape[:dim] + index_shape + x_shape[dim+1:]: gather's output, gather_backward's dy."""
         return self.x_shape[:self.dim] + self.index_shape + self.x_shape[self.dim + 1:]
 
-    def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
-        _check_count(self.op, tensors, ("x", "index"))
-        x, index = tensors
-        check_tensor(self.op, "x", x, self.x_shape, self.dtype, self.device, self.x_strides)
-        check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
+    def _check(self, tensors, out, name, shape, strides, out_shape) -> None:
+        """``tensors`` = (name: shape, strides, dtype; index); ``out`` contiguous of ``out_shape``."""
+        if len(tensors) != 2:
+            raise InvalidProblemError(f"trainops.{self.op}: expected 2 tensors ({name}, index), got {len(tensors)}")
+        check_tensor(self.op, name, tensors[0], shape, self.dtype, self.device, strides)
+        check_tensor(self.op, "index", tensors[1], self.index_shape, self.index_dtype, self.device)
         if out is not None:
-            check_tensor(self.op, "out", out, self.out_shape, self.dtype, self.device,
-                          torch.empty(self.out_shape, device="meta").stride())
-
-    def new_output(self) -> torch.Tensor:
-        return torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            check_tensor(self.op, "out", out, out_shape, self.dtype, self.device,
+                         torch.empty(out_shape, device="meta").stride())
 
 
 @dataclass(frozen=True)
-class GatherBackwardProblem:
-    """``gather_backward``: dy (x_shape[:dim] + index_shape + x_shape[dim+1:]) into dx of ``input_shape``."""
+class GatherProblem(_GatherShapes):
+    """``gather`` of ``x`` (x_shape, x_strides) along ``dim`` by an index of ``index_shape``."""
 
     op: str
-    input_shape: tuple[int, ...]
+    x_shape: tuple[int, ...]
+    dim: int
+    index_shape: tuple[int, ...]
+    dtype: torch.dtype
+    index_dtype: torch.dtype
+    device: torch.device
+    x_strides: tuple[int, ...]
+    negative_indices: bool
+    check_index: bool
+
+    def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
+        self._check(tensors, out, "x", self.x_shape, self.x_strides, self.gathered_shape)
+
+    def new_output(self) -> torch.Tensor:
+        return torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class GatherBackwardProblem(_GatherShapes):
+    """``gather_backward``: dy (x_shape[:dim] + index_shape + x_shape[dim+1:]) into dx of ``x_shape``."""
+
+    op: str
+    x_shape: tuple[int, ...]
     dim: int
     index_shape: tuple[int, ...]
     dtype: torch.dtype
@@ -130,39 +138,11 @@ class GatherBackwardProblem:
     negative_indices: bool
     check_index: bool
 
-    batch = GatherProblem.batch
-    inner = GatherProblem.inner
-    gathered = GatherProblem.gathered
-
-    @property
-    def x_shape(self) -> tuple[int, ...]:
-        return self.input_shape
-
-    @property
-    def size(self) -> int:
-        return self.input_shape[self.dim]
-
-    @property
-    def dy_shape(self) -> tuple[int, ...]:
-        return self.input_shape[:self.dim] + self.index_shape + self.input_shape[self.dim + 1:]
-
     def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
-        _check_count(self.op, tensors, ("dy", "index"))
-        dy, index = tensors
-        check_tensor(self.op, "dy", dy, self.dy_shape, self.dtype, self.device, self.dy_strides)
-        check_tensor(self.op, "index", index, self.index_shape, self.index_dtype, self.device)
-        if out is not None:
-            check_tensor(self.op, "out", out, self.input_shape, self.dtype, self.device,
-                          torch.empty(self.input_shape, device="meta").stride())
+        self._check(tensors, out, "dy", self.gathered_shape, self.dy_strides, self.x_shape)
 
     def new_output(self) -> torch.Tensor:
-        return torch.empty(self.input_shape, dtype=self.dtype, device=self.device)
-
-
-def _check_count(op, tensors, names) -> None:
-    if len(tensors) != len(names):
-        raise InvalidProblemError(f"trainops.{op}: expected {len(names)} tensors ({', '.join(names)}), "
-                                  f"got {len(tensors)}")
+        return torch.empty(self.x_shape, dtype=self.dtype, device=self.device)
 
 
 def _shape(op, name, shape) -> tuple[int, ...]:
@@ -571,7 +551,7 @@ def _prepare_gather_triton(problem: GatherProblem) -> Launch:
 
 def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
     b, s, i, n = problem.batch, problem.size, problem.inner, problem.gathered
-    dy_sb, dy_sn, dy_si = three_axis_strides(problem.dy_shape, problem.dy_strides, problem.dim,
+    dy_sb, dy_sn, dy_si = three_axis_strides(problem.gathered_shape, problem.dy_strides, problem.dim,
                                              problem.dim + len(problem.index_shape))
     acc = accumulator_dtype(problem.dtype)
     chunks = -(-n // _CHUNK)
@@ -619,7 +599,7 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
 
 def _prepare_gather_backward_atomic(problem: GatherBackwardProblem) -> Launch:
     b, s, i, n = problem.batch, problem.size, problem.inner, problem.gathered
-    dy_sb, dy_sn, dy_si = three_axis_strides(problem.dy_shape, problem.dy_strides, problem.dim,
+    dy_sb, dy_sn, dy_si = three_axis_strides(problem.gathered_shape, problem.dy_strides, problem.dim,
                                              problem.dim + len(problem.index_shape))
     acc = accumulator_dtype(problem.dtype)
     separate_acc = acc != problem.dtype  # half types add into a float32 buffer, then cast

@@ -33,16 +33,12 @@ import torch
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..layout import ReductionLayout, next_pow2, reduction_layout
 from ..plan import KernelChoice, Launch, check_tensor
-from ..registry import FLOATS, normalize_device, register, register_op, sm_count, triton_available
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
+                        sm_count, triton_available)
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
 BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
-ACCUMULATOR = "float32 (float64 for float64)"
-
-
-def accumulator_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------
