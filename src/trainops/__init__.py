@@ -5,11 +5,14 @@
     e = trainops.embedding(tokens, weight)          # deterministic, fast weight gradient
     loss = trainops.cross_entropy(logits, labels)   # loss and gradient in one pass
     p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
+    opt = trainops.optim.AdamW(model.parameters())  # multi-tensor fused step (SGD, Adam, AdamW, LAMB)
+    scaler = trainops.amp.GradScaler("cuda")        # torch's GradScaler on trainops kernels
     with trainops.backend("cpu"): ...               # pin a backend
 """
 
 from . import ops  # noqa: F401  (registers every kernel)
 from . import errors, functional, library, nn, registry
+from . import amp, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
 from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
                          softmax_backward)
@@ -19,7 +22,7 @@ from .registry import backend, kernels, lookup
 __version__ = "0.1.0"
 
 __all__ = [
-    "IndexOutOfRangeError", "InvalidProblemError", "KernelChoice", "Plan", "Precision", "TrainopsError",
+    "IndexOutOfRangeError", "InvalidProblemError", "amp", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
     "UnsupportedError", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",

@@ -1,3 +1,3 @@
 """One module per op family: Triton kernels, launcher, CPU path and registrations together."""
 
-from . import cross_entropy, gather, softmax  # noqa: F401
+from . import amp, cross_entropy, gather, grad, optimizers, softmax  # noqa: F401

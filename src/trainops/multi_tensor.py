@@ -1,0 +1,235 @@
+"""Multi-tensor launches: one kernel over many tensors (optimizer steps, finite checks, accumulation).
+
+The tensors of a bucket (same device, same dtype per column) are cut into blocks of ``block``
+elements, one Triton program per block. A kernel receives
+
+    addresses    int64 [n_columns, n_tensors]  data pointers, one row per column (param, grad, ...)
+    block_tensor int32 [n_blocks]               which tensor a block belongs to
+    first_block  int32 [n_tensors]              the first block of each tensor
+    numels       int64 [n_tensors]
+
+and turns an address into a typed pointer with ``.to(tl.pointer_type(dtype))``. The block tables
+depend only on the sizes and are cached by them; the address table is rebuilt (and copied to the
+device without a host synchronisation) only when some address changed, e.g. when gradients were
+set to None and re-allocated. A steady training step therefore launches its kernels and copies
+nothing, and a CUDA-graph capture replays the same tables.
+
+Every column's tensor must be laid out like its row's first column (same shape and strides) and
+be dense (no gaps, no overlap), so that one flat offset addresses the same element in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import InvalidProblemError, argument_error
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``t.numel()`` consecutive memory slots (any dim order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted((s, st) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_columns(op: str, names: Sequence[str], columns: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Each row's tensors share shape, strides and device with the row's first column, and are dense."""
+    lead_name, lead = names[0], columns[0]
+    for name, column in zip(names, columns):
+        if len(column) != len(lead):
+            raise argument_error(InvalidProblemError, op, name, f"has {len(column)} tensors; '{lead_name}' has {len(lead)}")
+    for i, first in enumerate(lead):
+        if not is_dense(first):
+            raise argument_error(InvalidProblemError, op, f"{lead_name}[{i}]",
+                                 f"is not dense (strides {first.stride()} for shape {tuple(first.shape)})")
+        for name, column in zip(names[1:], columns[1:]):
+            t = column[i]
+            if t.shape != first.shape or t.stride() != first.stride() or t.device != first.device:
+                raise argument_error(
+                    InvalidProblemError, op, f"{name}[{i}]",
+                    f"has shape {tuple(t.shape)}, strides {t.stride()} on {t.device}; '{lead_name}[{i}]' has "
+                    f"shape {tuple(first.shape)}, strides {first.stride()} on {first.device}")
+
+
+@dataclass
+class BlockTables:
+    """Device tables of one launch: see the module docstring. ``aligned``: every column address is a
+    multiple of 16 bytes (the kernels may then use 16-byte vector accesses)."""
+
+    addresses: torch.Tensor
+    block_tensor: torch.Tensor
+    first_block: torch.Tensor
+    numels: torch.Tensor
+    n_tensors: int
+    n_blocks: int
+    aligned: bool
+
+
+class TensorTable:
+    """The cached tables of one bucket. ``tables(columns, scalars, validate)`` returns them.
+
+    The cache key is every tensor's address plus the lead column's sizes. ``validate`` (the
+    launcher's shape/stride/dtype checks) runs only when that key changes, so a steady step pays
+    one pass of ``data_ptr()`` calls and nothing else. (A tensor at an address of the previous step
+    is assumed to keep its layout: torch's own checks keep a gradient's shape, dtype and device
+    equal to its parameter's, and the state tensors are ours.)
+    """
+
+    def __init__(self, block: int):
+        self.block = block
+        self._sizes_key: tuple | None = None
+        self._key: tuple | None = None
+        self._blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._tables: BlockTables | None = None
+
+    def tables(self, columns: Sequence[Sequence[torch.Tensor]], scalars: Sequence[Sequence[torch.Tensor]] = (),
+               validate=None) -> BlockTables:
+        """Tables for ``columns`` (blocked by the first column's sizes); ``scalars`` (e.g. per-tensor
+        step counters) only add rows of addresses, after the columns."""
+        lead = columns[0]
+        addresses = tuple(t.data_ptr() for row in (*columns, *scalars) for t in row)
+        sizes = tuple(t.numel() for t in lead)
+        key = (addresses, sizes)
+        if key == self._key:
+            return self._tables
+        if validate is not None:
+            validate()
+        device = lead[0].device
+        if (device, sizes) != self._sizes_key:
+            counts = [-(-n // self.block) for n in sizes]
+            first, total = [], 0
+            for c in counts:
+                first.append(total)
+                total += c
+            owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32),
+                                            torch.tensor(counts, dtype=torch.int64))
+            self._blocks = (owner.to(device, non_blocking=True),
+                            torch.tensor(first, dtype=torch.int32).to(device, non_blocking=True),
+                            torch.tensor(sizes, dtype=torch.int64).to(device, non_blocking=True), total)
+            self._sizes_key = (device, sizes)
+        # Pageable host memory with non_blocking=True: staged by the driver, no stream sync.
+        address_table = torch.tensor(addresses, dtype=torch.int64).view(len(columns) + len(scalars), len(lead)).to(
+            device, non_blocking=True)
+        n_column_addresses = len(columns) * len(lead)
+        owner, first, numels, total = self._blocks
+        self._tables = BlockTables(address_table, owner, first, numels, len(lead), total,
+                                   all(a % 16 == 0 for a in addresses[:n_column_addresses]))
+        self._key = key
+        return self._tables
+
+
+class TableCache:
+    """TensorTables by key (e.g. (param group, device, dtype, layout)); owned by an optimizer or scaler."""
+
+    def __init__(self):
+        self._tables: dict = {}
+
+    def get(self, key, block: int) -> TensorTable:
+        table = self._tables.get((key, block))
+        if table is None:
+            table = self._tables[(key, block)] = TensorTable(block)
+        return table
+
+
+def bucket_by(tensors: Sequence[torch.Tensor], *keys) -> dict:
+    """Indices of ``tensors`` grouped by (device, dtype) and any extra per-index keys."""
+    out: dict = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.device, t.dtype, *(k[i] for k in keys)), []).append(i)
+    return out
+
+
+@dataclass(frozen=True)
+class MultiTensorProblem:
+    """The problem of a multi-tensor op: device, dtype (of its lead column) and compile-time options.
+
+    The tensors themselves vary step to step; the launcher checks them (``check_columns``).
+    """
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    options: tuple = ()
+    index_dtype: None = None
+
+    def option(self, name: str, default=None):
+        return dict(self.options).get(name, default)
+
+
+def multi_tensor_describer(op: str):
+    """The ``describe`` of a multi-tensor op: ``(dtype, device, **options) -> MultiTensorProblem``."""
+    from .registry import normalize_device
+
+    def describe(dtype: torch.dtype, device="cuda", **options) -> MultiTensorProblem:
+        if not isinstance(dtype, torch.dtype):
+            raise argument_error(InvalidProblemError, op, "dtype", f"must be a torch.dtype, got {dtype!r}")
+        return MultiTensorProblem(op, normalize_device(device), dtype, tuple(sorted(options.items())))
+
+    describe.__doc__ = f"Problem of the multi-tensor op {op!r}: dtype and device of its lead column, options."
+    return describe
+
+
+def column_dtypes_ok(op: str, name: str, column: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    for i, t in enumerate(column):
+        if t.dtype != dtype:
+            raise argument_error(InvalidProblemError, op, f"{name}[{i}]", f"has dtype {t.dtype}; expected {dtype}")
+
+
+from .registry import triton_available  # noqa: E402
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_of_program(block_tensor, first_block, numels, BLOCK: tl.constexpr):
+        """(tensor index, first flat offset, tensor numel) of this program's block."""
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        return t, (pid - tl.load(first_block + t)).to(tl.int64) * BLOCK, tl.load(numels + t)
+
+    @triton.jit
+    def load_block(pointer, offsets, limit, MASKED: tl.constexpr):
+        """pointer[offsets], masked to offsets < limit (zeros there) only on the tail block.
+
+        Full blocks load unmasked: a mask against a loaded limit would defeat 16-byte vector loads.
+        """
+        if MASKED:
+            value = tl.load(pointer + offsets, mask=offsets < limit, other=0.0)
+        else:
+            value = tl.load(pointer + offsets)
+        return value
+
+    @triton.jit
+    def store_block(pointer, offsets, limit, value, MASKED: tl.constexpr):
+        if MASKED:
+            tl.store(pointer + offsets, value, mask=offsets < limit)
+        else:
+            tl.store(pointer + offsets, value)
+
+    @triton.jit
+    def column_pointer(addresses, n_tensors, column, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+        """Typed pointer to tensor ``t`` of ``column``; ALIGNED promises 16-byte alignment (vector loads)."""
+        pointer = tl.load(addresses + column * n_tensors + t).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            pointer = tl.multiple_of(pointer, 16)
+        return pointer
+
+    @triton.jit
+    def runtime_scalar(value, IS_POINTER: tl.constexpr):
+        """A hyper-parameter given either as a number or as a pointer to a one-element tensor."""
+        if IS_POINTER:
+            return tl.load(value).to(tl.float32)
+        else:
+            return value
+
+    TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                 torch.float64: tl.float64}

@@ -1,0 +1,367 @@
+"""Fused multi-tensor optimizers: SGD, Adam, AdamW, LAMB (torch.optim.Optimizer subclasses).
+
+    opt = trainops.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Same constructor arguments, param groups, ``zero_grad`` and ``state_dict`` layout as torch.optim's
+optimizer of the same name (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+``momentum_buffer``), so state moves between the two in both directions. One step launches a few
+kernels per (param group, dtype), not one per tensor (see trainops.ops.optimizers for the math).
+
+Options beyond torch:
+    max_grad_norm    clip by the global L2 norm of all gradients inside the step (torch's
+                     clip_grad_norm_ semantics); the norm is left in ``opt.grad_norm`` (a tensor).
+    skip_nonfinite   skip the whole step (parameters, state and step counters untouched) when any
+                     gradient is inf/NaN, with no host synchronisation. Always on under
+                     trainops.amp.GradScaler and whenever max_grad_norm is set; off by default
+                     otherwise, as torch (whose step writes NaN), since it costs one more read of
+                     the gradients.
+    master_weights   for float16/bfloat16 parameters: keep a float32 copy (state "master_param")
+                     that the step updates; the parameter holds its rounding.
+    state_dtype      dtype of the moment buffers: float32 (default; float64 for float64
+                     parameters) or torch.bfloat16 to halve their memory (less precise).
+
+Under torch.amp.GradScaler or trainops.amp.GradScaler, the step unscales the gradients itself
+(``_step_supports_amp_scaling``) and skips when the scaler found inf/NaN, on the device.
+
+Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
+state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,
+sparse or complex gradients raise InvalidProblemError / UnsupportedError; parameters without a
+gradient are skipped, as torch does; a loaded state whose tensor shapes do not match raises.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .errors import InvalidProblemError, UnsupportedError
+from .multi_tensor import TableCache
+from .ops import amp as amp_ops
+from .ops import grad as grad_ops
+from .ops import optimizers as optimizer_ops
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery: gathering grads per group, lazy state, fused unscale / clip / skip, state_dict."""
+
+    _step_supports_amp_scaling = True
+    _state_names: tuple[str, ...] = ()
+    _has_step_counter = True
+    _name = "optimizer"
+
+    def __init__(self, params, defaults: dict, *, max_grad_norm: float | None = None, skip_nonfinite: bool = False,
+                 master_weights: bool = False, state_dtype: torch.dtype | None = None):
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'max_grad_norm' is {max_grad_norm}; "
+                                      "it must be positive (or None)")
+        if state_dtype not in (None, torch.float32, torch.bfloat16, torch.float64):
+            raise UnsupportedError(f"trainops.optim.{self._name}: argument 'state_dtype' is {state_dtype}; "
+                                   "expected None, torch.float32, torch.bfloat16 or torch.float64")
+        defaults = dict(defaults, master_weights=bool(master_weights), state_dtype=state_dtype)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.grad_norm: torch.Tensor | None = None
+        self._tables = TableCache()
+        self._buckets: dict = {}
+        self._state_version = 0
+
+    # -- per-group gathering -------------------------------------------------------------------
+
+    def _state_dtype(self, group, p) -> torch.dtype:
+        if group.get("state_dtype") is not None:
+            return group["state_dtype"]
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def _init_state(self, group, p, state) -> None:
+        """Create whatever state ``p`` lacks (lazily, at its first step)."""
+        dtype = self._state_dtype(group, p)
+        if self._has_step_counter and "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for name in self._state_names:
+            if name not in state:
+                state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if group.get("master_weights") and p.dtype in _HALF and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32)
+
+    def _gather(self, index: int, group) -> dict:
+        """{(device, dtype): {"params", "grads", "states"}} for the group's params that have a grad.
+
+        The buckets (params, their states, and the checks and lazy state creation behind them) are
+        rebuilt only when the set of params with a gradient changes or the state was reloaded;
+        a steady step only collects the current gradients.
+        """
+        params = [p for p in group["params"] if p.grad is not None]
+        key = (self._state_version, len(self.state), group.get("amsgrad"), group.get("master_weights"),
+               group.get("state_dtype"), tuple(map(id, params)))
+        cached = self._buckets.get(index)
+        if cached is None or cached[0] != key:
+            cached = self._buckets[index] = (key, self._build_buckets(index, group, params))
+        buckets = {}
+        for where, (bucket_params, states) in cached[1].items():
+            grads = [p.grad for p in bucket_params]
+            for g in grads:
+                if g.is_sparse:
+                    raise UnsupportedError(f"trainops.optim.{self._name}: a parameter of param group {index} has a "
+                                           "sparse gradient; the fused optimizers take dense gradients only")
+            buckets[where] = {"params": bucket_params, "grads": grads, "states": states}
+        return buckets
+
+    def _build_buckets(self, index: int, group, params) -> dict:
+        buckets: dict = {}
+        devices = set()
+        for p in params:
+            if p.is_complex() or not p.is_floating_point():
+                raise UnsupportedError(f"trainops.optim.{self._name}: parameters must be real floating point; "
+                                       f"param group {index} holds one of dtype {p.dtype}")
+            devices.add(p.device)
+            if len(devices) > 1:
+                raise InvalidProblemError(f"trainops.optim.{self._name}: param group {index} holds parameters on "
+                                          f"{' and '.join(sorted(map(str, devices)))}; put each device's parameters "
+                                          "in its own param group")
+            state = self.state[p]
+            self._init_state(group, p, state)
+            bucket_params, states = buckets.setdefault((p.device, p.dtype), ([], []))
+            bucket_params.append(p)
+            states.append(state)
+        return buckets
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step over every param group (see the module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        check = self.skip_nonfinite or self.max_grad_norm is not None or getattr(self, "_trainops_check_finite", False)
+        gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
+        clip = None
+        self.grad_norm = None
+        if check:
+            grads = [g for _, buckets in gathered for b in buckets.values() for g in b["grads"]]
+            if grads:
+                devices = {g.device for g in grads}
+                if len(devices) > 1:
+                    raise UnsupportedError(f"trainops.optim.{self._name}: max_grad_norm / skip_nonfinite / GradScaler "
+                                           f"checks need all parameters on one device; found {sorted(map(str, devices))}")
+                device = grads[0].device
+                stats = amp_ops.grad_stats(grads, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
+                                           max_norm=self.max_grad_norm, tables=self._tables)
+                found_inf, clip, self.grad_norm = stats.found_inf, stats.clip, stats.norm
+                if getattr(self, "found_inf", None) is not None and found_inf is not self.found_inf:
+                    self.found_inf.copy_(found_inf)
+        for index, (group, buckets) in enumerate(gathered):
+            for (device, dtype), bucket in buckets.items():
+                table = self._tables.get((self._name, index, device, dtype), optimizer_ops._BLOCK)
+                self._step_bucket(group, bucket, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
+                                  clip=_on(clip, device), table=table)
+        return loss
+
+    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; ``set_to_none=False`` zeroes every gradient with one multi-tensor launch per device/dtype."""
+        if set_to_none:
+            return super().zero_grad(set_to_none=True)
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    grads.append(p.grad)
+        with torch.no_grad():
+            for device in {g.device for g in grads}:
+                grad_ops.zero_([g for g in grads if g.device == device], tables=self._tables)
+
+    @staticmethod
+    def _masters(group, bucket):
+        if group.get("master_weights") and bucket["params"][0].dtype in _HALF:
+            return [s["master_param"] for s in bucket["states"]]
+        return None
+
+    # -- state_dict ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then each state tensor restored in our dtypes (float32 moments and master
+        copies, float32 step counters on the parameter's device) straight from ``state_dict``:
+        torch's own load would first round moments to the parameter dtype."""
+        super().load_state_dict(state_dict)
+        self._state_version += 1
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        for saved_id, p, group in zip(saved_ids, params, groups):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            state = self.state[p]
+            for key, value in saved.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if key == "step":
+                    state[key] = value.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone()
+                    continue
+                if value.shape != p.shape:
+                    raise InvalidProblemError(
+                        f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id} has shape "
+                        f"{tuple(value.shape)}; the parameter has shape {tuple(p.shape)}")
+                dtype = torch.float32 if key == "master_param" else self._state_dtype(group, p)
+                state[key] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def _betas(name: str, betas) -> tuple:
+    if len(betas) != 2:
+        raise InvalidProblemError(f"trainops.optim.{name}: argument 'betas' must have two values, got {betas!r}")
+    for b in betas:
+        if not isinstance(b, torch.Tensor) and not 0.0 <= b < 1.0:
+            raise InvalidProblemError(f"trainops.optim.{name}: argument 'betas' holds {b}; each must be in [0, 1)")
+    return tuple(betas)
+
+
+def _non_negative(name: str, **values) -> None:
+    for key, value in values.items():
+        if not isinstance(value, torch.Tensor) and value < 0:
+            raise InvalidProblemError(f"trainops.optim.{name}: argument '{key}' is {value}; it must be >= 0")
+
+
+class SGD(FusedOptimizer):
+    """torch.optim.SGD, fused: momentum, dampening, nesterov, weight_decay, maximize (state: momentum_buffer)."""
+
+    _has_step_counter = False
+    _name = "SGD"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float | torch.Tensor = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
+                 state_dtype: torch.dtype | None = None):
+        _non_negative("SGD", lr=lr, momentum=momentum, weight_decay=weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise InvalidProblemError("trainops.optim.SGD: nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=maximize),
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
+                         state_dtype=state_dtype)
+
+    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+        buffers, fresh = None, None
+        if group["momentum"] != 0:
+            buffers, fresh = [], []
+            for p, state in zip(bucket["params"], bucket["states"]):
+                fresh.append(state.get("momentum_buffer") is None)
+                if fresh[-1]:
+                    # The kernel sets a fresh buffer to the gradient (torch's first step). Zeros, in case
+                    # that step is skipped on the device (found_inf): the next step then starts from 0,
+                    # which is torch's first step again whenever dampening is 0.
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
+                                                                memory_format=torch.preserve_format)
+                buffers.append(state["momentum_buffer"])
+        optimizer_ops.sgd_step(bucket["params"], bucket["grads"], buffers, fresh, lr=group["lr"],
+                               momentum=group["momentum"], dampening=group["dampening"],
+                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                               maximize=group["maximize"], masters=self._masters(group, bucket), grad_scale=grad_scale,
+                               found_inf=found_inf, clip=clip, table=table)
+
+
+class Adam(FusedOptimizer):
+    """torch.optim.Adam, fused: amsgrad, maximize, L2 weight_decay (``decoupled_weight_decay=True`` is AdamW)."""
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _name = "Adam"
+    _decoupled_default = False
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: bool | None = None, max_grad_norm: float | None = None,
+                 skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None):
+        _non_negative(self._name, lr=lr, eps=eps, weight_decay=weight_decay)
+        decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
+        super().__init__(params, dict(lr=lr, betas=_betas(self._name, betas), eps=eps, weight_decay=weight_decay,
+                                      amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled),
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
+                         state_dtype=state_dtype)
+
+    def _init_state(self, group, p, state) -> None:
+        super()._init_state(group, p, state)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
+                                                       memory_format=torch.preserve_format)
+
+    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+        states = bucket["states"]
+        beta1, beta2 = group["betas"]
+        optimizer_ops.adam_step(
+            bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None, [s["step"] for s in states],
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
+            masters=self._masters(group, bucket), grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table)
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW, fused: decoupled weight decay (default 0.01), amsgrad, maximize."""
+
+    _name = "AdamW"
+    _decoupled_default = True
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
+                 state_dtype: torch.dtype | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True,
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
+                         state_dtype=state_dtype)
+
+
+class LAMB(FusedOptimizer):
+    """LAMB (You et al. 2019): Adam moments, update u = m^ / (sqrt(v^) + eps) + weight_decay * p,
+    per-tensor trust ratio ||p|| / ||u|| (1 when either norm is 0), p -= lr * ratio * u.
+
+    Global gradient clipping as in NVIDIA's FusedLAMB is ``max_grad_norm`` (off by default).
+    State: step, exp_avg, exp_avg_sq (torch has no LAMB; the keys follow torch's Adam).
+    """
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _name = "LAMB"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float | torch.Tensor = 0.01, *, bias_correction: bool = True, maximize: bool = False,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
+                 state_dtype: torch.dtype | None = None):
+        _non_negative("LAMB", lr=lr, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, dict(lr=lr, betas=_betas("LAMB", betas), eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction, maximize=maximize),
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
+                         state_dtype=state_dtype)
+
+    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+        states = bucket["states"]
+        beta1, beta2 = group["betas"]
+        optimizer_ops.lamb_step(
+            bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], bias_correction=group["bias_correction"], maximize=group["maximize"],
+            masters=self._masters(group, bucket), grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table)
+
+
+__all__ = ["Adam", "AdamW", "FusedOptimizer", "LAMB", "SGD"]

@@ -1,0 +1,463 @@
+"""Fused optimizers against torch.optim: bit for bit on the CPU path, within float rounding on Triton."""
+
+import pytest
+import torch
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+
+from conftest import HAS_CUDA
+from numerics import interpreter_rounding, relative_error
+
+@pytest.fixture(autouse=True, params=["block-default", "block-64"])
+def block_size(request, monkeypatch):
+    """Default blocks (these small tensors are all tail blocks), or 64-element blocks, so that the
+    unmasked full-block code and the masked tail code both run."""
+    from trainops.ops import amp, grad, optimizers
+    if request.param == "block-64":
+        for module in (amp, grad, optimizers):
+            monkeypatch.setattr(module, "_BLOCK", 64)
+        monkeypatch.setattr(amp, "_SUM_CHUNK", 3)  # several chunks in the norm's second reduction stage
+    return request.param
+
+
+CASES = {
+    "sgd": (dict(lr=0.05), {}),
+    "sgd-momentum-wd": (dict(lr=0.05, momentum=0.9, weight_decay=0.01), {}),
+    "sgd-nesterov-maximize": (dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True), {}),
+    "sgd-dampening": (dict(lr=0.05, momentum=0.9, dampening=0.3), {}),
+    "adam": (dict(lr=0.01), {}),
+    "adam-l2-amsgrad": (dict(lr=0.01, weight_decay=0.1, amsgrad=True), {}),
+    "adam-maximize": (dict(lr=0.01, betas=(0.8, 0.99), maximize=True), {}),
+    "adamw": (dict(lr=0.01, weight_decay=0.1), {}),
+    "adamw-amsgrad": (dict(lr=0.01, weight_decay=0.1, amsgrad=True, eps=1e-6), {}),
+}
+CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+
+
+def classes(case):
+    name = CLASSES[case.split("-")[0]]
+    return getattr(torch.optim, name), getattr(trainops.optim, name)
+
+
+def make_model(device, dtype=torch.float32, seed=1):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5), torch.nn.Tanh(),
+                                torch.nn.Linear(5, 3, bias=False))
+    return model.to(device=device, dtype=dtype)
+
+
+def train(model, opt, steps, *, seed=2, clip=None, scaler=None, bad_steps=()):
+    """A few steps on random data; gradients of ``bad_steps`` get an inf. Returns the per-step scales."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    scales = []
+    for step in range(steps):
+        x = torch.randn(16, 7, generator=gen).to(device)
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step in bad_steps:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+    return scales
+
+
+def assert_same_params(ours, ref, exact, what):
+    for i, (a, b) in enumerate(zip(ours.parameters(), ref.parameters())):
+        if exact:
+            assert torch.equal(a, b), f"{what}: parameter {i} differs"
+        else:
+            assert relative_error(a, b) < 2e-6, f"{what}: parameter {i}: {relative_error(a, b):.2e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch(case, backend, device):
+    kwargs, _ = CASES[case]
+    torch_cls, our_cls = classes(case)
+    ref, ours = make_model("cpu"), make_model(device)
+    train(ref, torch_cls(ref.parameters(), **kwargs), 5)
+    opt = our_cls(ours.parameters(), **kwargs)
+    train(ours, opt, 5)
+    assert_same_params(ours, ref, backend == "cpu", case)
+    assert all("step" not in s or s["step"].item() == 5 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("case", ["sgd-momentum-wd", "adamw-amsgrad", "adam-l2-amsgrad"])
+def test_clip_by_global_norm_matches_torch(case, backend, device):
+    kwargs, _ = CASES[case]
+    torch_cls, our_cls = classes(case)
+    ref, ours = make_model("cpu"), make_model(device)
+    train(ref, torch_cls(ref.parameters(), **kwargs), 4, clip=0.01)
+    opt = our_cls(ours.parameters(), max_grad_norm=0.01, **kwargs)
+    train(ours, opt, 4)
+    assert_same_params(ours, ref, backend == "cpu", case)
+    assert opt.grad_norm is not None and opt.grad_norm.item() > 0.01
+
+
+def test_param_groups_and_params_without_grad(backend, device):
+    def groups(model):
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        return [{"params": layers[0].parameters(), "lr": 0.02},
+                {"params": list(layers[1].parameters()) + list(layers[2].parameters()), "weight_decay": 0.3}]
+    ref, ours = make_model("cpu"), make_model(device)
+    for m in (ref, ours):
+        m[2].bias.requires_grad_(False)
+    train(ref, torch.optim.AdamW(groups(ref), lr=0.01), 3)
+    opt = trainops.optim.AdamW(groups(ours), lr=0.01)
+    train(ours, opt, 3)
+    assert_same_params(ours, ref, backend == "cpu", "groups")
+    assert ours[2].bias not in opt.state
+
+
+def test_tensor_learning_rate(backend, device):
+    ref, ours = make_model("cpu"), make_model(device)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), 3)
+    lr = torch.tensor(0.01, device=device)
+    train(ours, trainops.optim.AdamW(ours.parameters(), lr=lr), 3)
+    assert_same_params(ours, ref, backend == "cpu", "tensor lr")
+
+
+def _lamb_reference(params, grads_per_step, lr, betas, eps, wd):
+    """LAMB in float64, straight from the formula."""
+    params = [p.double().clone() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grads_per_step, start=1):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.double()
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            u = (m[i] / (1 - betas[0] ** step)) / ((v[i] / (1 - betas[1] ** step)).sqrt() + eps) + wd * p
+            ratio = p.norm() / u.norm() if p.norm() > 0 and u.norm() > 0 else 1.0
+            params[i] = p - lr * ratio * u
+    return params
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_lamb_matches_float64_formula(wd, backend, device):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(37, 5), (300,), (1,), (4, 4, 3)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    start[2].zero_()  # ||p|| = 0: trust ratio 1
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    params = [p.clone().to(device).requires_grad_() for p in start]
+    opt = trainops.optim.LAMB(params, lr=0.02, weight_decay=wd)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(device)
+        opt.step()
+    ref = _lamb_reference(start, grads, 0.02, (0.9, 0.999), 1e-6, wd)
+    for p, r, s in zip(params, ref, start):
+        assert relative_error(p.detach() - s.to(device), r - s.double()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD", "LAMB"])
+def test_half_params_with_master_weights(opt_name, dtype, backend, device):
+    """The float32 master follows a float32 run fed the same (half) gradients; the parameter is its rounding."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(64, 9), (130,)]
+    start = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    kwargs = dict(lr=0.01, momentum=0.9) if opt_name == "SGD" else dict(lr=0.01)
+    half = [p.clone().to(device).requires_grad_() for p in start]
+    full = [p.float().clone().to(device).requires_grad_() for p in start]
+    ours = getattr(trainops.optim, opt_name)(half, master_weights=True, **kwargs)
+    ref = getattr(trainops.optim, opt_name)(full, **kwargs)
+    for _ in range(4):
+        for h, f in zip(half, full):
+            g = torch.randn(h.shape, generator=gen).to(dtype).to(device)
+            h.grad, f.grad = g, g.float()
+        ours.step()
+        ref.step()
+    for h, f in zip(half, full):
+        master = ours.state[h]["master_param"]
+        assert master.dtype == torch.float32
+        assert relative_error(master, f.detach()) < 2e-6
+        assert torch.equal(h.detach(), interpreter_rounding(master, dtype) if backend == "triton" else master.to(dtype))
+
+
+def test_bfloat16_state(backend, device):
+    ref, ours = make_model("cpu"), make_model(device)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), 3)
+    opt = trainops.optim.AdamW(ours.parameters(), lr=0.01, state_dtype=torch.bfloat16)
+    train(ours, opt, 3)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert relative_error(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["sgd-momentum-wd", "adamw-amsgrad", "adam-l2-amsgrad"])
+def test_state_dict_round_trips_with_torch(case, backend, device):
+    """torch -> ours -> torch: both continue exactly as an uninterrupted torch run (CPU path)."""
+    kwargs, _ = CASES[case]
+    torch_cls, our_cls = classes(case)
+    ref = make_model("cpu")
+    ref_opt = torch_cls(ref.parameters(), **kwargs)
+    train(ref, ref_opt, 3, seed=5)
+
+    ours = make_model(device)
+    ours.load_state_dict(ref.state_dict())
+    opt = our_cls(ours.parameters(), **kwargs)
+    opt.load_state_dict(ref_opt.state_dict())
+    train(ours, opt, 2, seed=6)
+
+    back = make_model("cpu")
+    back.load_state_dict(ours.state_dict())
+    back_opt = torch_cls(back.parameters(), **kwargs)
+    back_opt.load_state_dict(opt.state_dict())
+    train(back, back_opt, 2, seed=7)
+
+    train(ref, ref_opt, 2, seed=6)
+    assert_same_params(ours, ref, backend == "cpu", f"{case} after loading torch's state")
+    train(ref, ref_opt, 2, seed=7)
+    assert_same_params(back, ref, backend == "cpu", f"{case} after torch loaded ours")
+    for s in opt.state.values():
+        assert all(t.dtype == torch.float32 for t in s.values() if torch.is_tensor(t))
+
+
+def test_load_state_dict_rejects_mismatched_shapes():
+    model = make_model("cpu")
+    opt = trainops.optim.AdamW(model.parameters())
+    train(model, opt, 1)
+    state = opt.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(InvalidProblemError, match="exp_avg"):
+        trainops.optim.AdamW(make_model("cpu").parameters()).load_state_dict(state)
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "AdamW", "LAMB"])
+def test_nonfinite_gradient_skips_the_step(opt_name, backend, device):
+    model = make_model(device)
+    kwargs = dict(lr=0.1, momentum=0.9) if opt_name == "SGD" else dict(lr=0.1)
+    opt = getattr(trainops.optim, opt_name)(model.parameters(), skip_nonfinite=True, **kwargs)
+    train(model, opt, 2)
+    params = [p.detach().clone() for p in model.parameters()]
+    states = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    train(model, opt, 2, bad_steps=(0, 1))
+    for p, before in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), before)
+        for key, value in states[id(p)].items():
+            assert torch.equal(opt.state[p][key], value), key
+    train(model, opt, 1)
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), params))
+
+
+# ----------------------------------------------------------------------------------------------
+# GradScaler
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scaler_cls, opt_cls", [
+    (trainops.amp.GradScaler, torch.optim.AdamW), (trainops.amp.GradScaler, trainops.optim.AdamW),
+    (torch.amp.GradScaler, trainops.optim.AdamW)], ids=["ours-torch-opt", "ours-ours", "torch-scaler-ours"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_grad_scaler_matches_torch(scaler_cls, opt_cls, clip, backend, device):
+    """Growth, back-off on injected infs, skipped steps and parameters as torch's GradScaler."""
+    kwargs = dict(lr=0.01, weight_decay=0.1)
+    ref = make_model("cpu")
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    ref_scales = train(ref, torch.optim.AdamW(ref.parameters(), **kwargs), 7, clip=clip, scaler=ref_scaler,
+                       bad_steps=(1, 4))
+    ours = make_model(device)
+    scaler = scaler_cls(device, init_scale=2.0 ** 10, growth_interval=2)
+    scales = train(ours, opt_cls(ours.parameters(), **kwargs), 7, clip=clip, scaler=scaler, bad_steps=(1, 4))
+    assert scales == ref_scales
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    assert_same_params(ours, ref, backend == "cpu", "scaler")
+
+
+def test_grad_scaler_fused_path_clips_inside_the_step(backend, device):
+    """A trainops optimizer with max_grad_norm under the scaler: one check+norm pass, no unscale_ call."""
+    ref = make_model("cpu")
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+    ref_scales = train(ref, torch.optim.Adam(ref.parameters(), lr=0.01), 6, clip=0.1, scaler=ref_scaler,
+                       bad_steps=(2,))
+    ours = make_model(device)
+    scaler = trainops.amp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=3)
+    opt = trainops.optim.Adam(ours.parameters(), lr=0.01, max_grad_norm=0.1)
+    assert train(ours, opt, 6, scaler=scaler, bad_steps=(2,)) == ref_scales
+    assert_same_params(ours, ref, backend == "cpu", "fused scaler + clip")
+
+
+@pytest.mark.parametrize("found, tracker, interval, scale", [
+    (0.0, 0, 3, 4.0), (0.0, 2, 3, 4.0), (1.0, 2, 3, 4.0), (0.0, 0, 1, 3e38), (3.0, 0, 1, 8.0)])
+def test_update_scale_matches_torch(found, tracker, interval, scale, backend, device):
+    args = [torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32), torch.tensor(found)]
+    ref = [a.clone() for a in args]
+    torch._amp_update_scale_(ref[0], ref[1], ref[2], 2.0, 0.5, interval)
+    ours = [a.to(device) for a in args]
+    trainops.ops.amp.update_scale_(ours[0], ours[1], ours[2], 2.0, 0.5, interval)
+    assert torch.equal(ours[0].cpu(), ref[0]) and torch.equal(ours[1].cpu(), ref[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_and_unscale(dtype, backend, device):
+    gen = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(s, generator=gen).to(dtype).to(device) for s in [(5000,), (3, 7), (0,), (1,)]]
+    found = torch.zeros((), device=device)
+    trainops.ops.amp.all_finite(tensors, found)
+    assert found.item() == 0
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = [x.clone() for x in tensors]
+        t[0][4321] = bad
+        found = torch.zeros((), device=device)
+        trainops.ops.amp.all_finite(t, found)
+        assert found.item() == 1
+    inv = torch.tensor(0.25, device=device)
+    expected = [x.float() * 0.25 for x in tensors]
+    found = torch.zeros((), device=device)
+    trainops.ops.amp.unscale_(tensors, inv, found)
+    assert found.item() == 0
+    for x, e in zip(tensors, expected):
+        assert torch.equal(x, e.to(dtype))
+
+
+def test_grad_stats_norm(backend, device):
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(s, generator=gen).to(device) for s in [(9000,), (33, 7), (2,)]]
+    stats = trainops.ops.amp.grad_stats(grads, grad_scale=torch.tensor(4.0, device=device), max_norm=1.0)
+    ref = torch.cat([g.double().flatten() / 4 for g in grads]).norm()
+    assert abs(stats.norm.item() - ref.item()) / ref.item() < 1e-6
+    assert abs(stats.clip.item() - 1.0 / (ref.item() + 1e-6)) < 1e-6
+    assert stats.found_inf.item() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient accumulation and zeroing
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dst_dtype, src_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_accumulate(dst_dtype, src_dtype, backend, device):
+    gen = torch.Generator().manual_seed(10)
+    shapes = [(4100,), (3, 5), (0,), (1,)]
+    dst = [torch.randn(s, generator=gen).to(dst_dtype).to(device) for s in shapes]
+    src = [torch.randn(s, generator=gen).to(src_dtype).to(device) for s in shapes]
+    expected = [d.double() + 0.5 * s.double() for d, s in zip(dst, src)]
+    trainops.grad.accumulate_(dst, src, scale=0.5)
+    tol = {torch.float32: 1e-7, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dst_dtype]
+    for d, e in zip(dst, expected):
+        assert relative_error(d, e) < tol
+
+
+def test_optimizer_zero_grad_keeps_zeroed_tensors(backend, device):
+    model = make_model(device)
+    opt = trainops.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, 1)
+    grads = [p.grad for p in model.parameters()]
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is g and bool((g == 0).all()) for p, g in zip(model.parameters(), grads))
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero(backend, device):
+    tensors = [torch.full(s, float("nan"), device=device, dtype=dt)
+               for s, dt in [((4097,), torch.float32), ((3, 3), torch.bfloat16), ((5,), torch.float32)]]
+    trainops.grad.zero_(tensors)
+    assert all(bool((t == 0).all()) for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+def test_mixed_devices_in_a_group_raise():
+    a = torch.zeros(3, requires_grad=True)
+    b = torch.zeros(3, device="meta", requires_grad=True)
+    a.grad, b.grad = torch.ones(3), torch.ones(3, device="meta")
+    with pytest.raises(InvalidProblemError, match="param group 0 holds parameters on cpu and meta"):
+        trainops.optim.AdamW([a, b]).step()
+
+
+def test_sparse_gradient_raises():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(UnsupportedError, match="sparse"):
+        trainops.optim.SGD(emb.parameters(), lr=0.1).step()
+
+
+def test_bad_arguments_raise():
+    params = make_model("cpu").parameters()
+    with pytest.raises(InvalidProblemError, match="max_grad_norm"):
+        trainops.optim.AdamW(params, max_grad_norm=0.0)
+    with pytest.raises(InvalidProblemError, match="betas"):
+        trainops.optim.Adam(make_model("cpu").parameters(), betas=(0.9, 1.5))
+    with pytest.raises(UnsupportedError, match="state_dtype"):
+        trainops.optim.Adam(make_model("cpu").parameters(), state_dtype=torch.int8)
+    with pytest.raises(InvalidProblemError, match="nesterov"):
+        trainops.optim.SGD(make_model("cpu").parameters(), nesterov=True)
+
+
+def test_mismatched_columns_raise():
+    p, g = [torch.zeros(4)], [torch.zeros(5)]
+    with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
+        trainops.ops.optimizers.adam_step(p, g, [torch.zeros(4)], [torch.zeros(4)], None, [torch.zeros(())], lr=0.1,
+                                          beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True,
+                                          amsgrad=False, maximize=False)
+    with pytest.raises(InvalidProblemError, match="src"):
+        trainops.grad.accumulate_([torch.zeros(3)], [torch.zeros(3), torch.zeros(2)])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes and CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["adamw-amsgrad", "sgd-nesterov-maximize", "adam-l2-amsgrad"])
+def test_gpu_large_matches_torch(case):
+    kwargs, _ = CASES[case]
+    torch_cls, our_cls = classes(case)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(4096, 4097), (1 << 20,), (3,), (129, 257)]
+    ref = [torch.randn(s, device="cuda", generator=gen).requires_grad_() for s in shapes]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    ref_opt, opt = torch_cls(ref, **kwargs), our_cls(ours, **kwargs)
+    for _ in range(3):
+        for a, b in zip(ref, ours):
+            a.grad = torch.randn(a.shape, device="cuda", generator=gen)
+            b.grad = a.grad.clone()
+        ref_opt.step()
+        opt.step()
+    for a, b in zip(ours, ref):
+        assert relative_error(a, b) < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_step_captures_in_a_cuda_graph():
+    params = [torch.randn(1000, device="cuda", requires_grad=True) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    lr = torch.tensor(0.01, device="cuda")
+    opt = trainops.optim.AdamW(params, lr=lr, max_grad_norm=1.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()  # warm-up: state, tables and kernels built outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    ref = [p.detach().clone() for p in params]
+    ref_opt = trainops.optim.AdamW(ref, lr=0.01, max_grad_norm=1.0)
+    ref_opt.load_state_dict(opt.state_dict())
+    for r, p in zip(ref, params):
+        r.grad = p.grad.clone()
+    graph.replay()
+    lr.fill_(0.005)
+    graph.replay()
+    ref_opt.step()
+    ref_opt.param_groups[0]["lr"] = 0.005
+    ref_opt.step()
+    torch.cuda.synchronize()
+    for a, b in zip(params, ref):
+        assert relative_error(a, b) < 1e-6
