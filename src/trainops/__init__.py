@@ -16,14 +16,15 @@ from . import amp, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
 from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
                          softmax_backward)
-from .plan import KernelChoice, Plan, Precision, plan
+from .patch import PatchReport, patch
+from .plan import KernelChoice, Plan, Precision, plan, track_kernels
 from .registry import backend, kernels, lookup
 
 __version__ = "0.1.0"
 
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
-    "UnsupportedError", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
+    "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainops kernels | bench``."""
+"""Command line: ``python -m trainops kernels | bench | train``."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trainops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("kernels", help="print the kernel registry")
+    sub.add_parser("train", help="train a byte-level GPT on the standard library's sources (--help for options)")
     bench = sub.add_parser("bench", help="time every op against torch (and peers when installed)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a self-check)")
     bench.add_argument("--ops", default="all", help="comma-separated op names (default: all)")

@@ -14,8 +14,9 @@ The functional ops go through ``cached_plan`` so a repeated problem pays none of
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -163,13 +164,36 @@ def cached_plan(op: str, key: tuple, descriptor: Callable[[], dict]) -> Plan:
     found = _PLANS.get(key)
     if found is not None:
         _stats["hits"] += 1
-        return found
-    _stats["misses"] += 1
-    made = plan(op, **descriptor())
-    if len(_PLANS) >= _PLAN_CACHE_SIZE:
-        _PLANS.clear()
-    _PLANS[key] = made
-    return made
+    else:
+        _stats["misses"] += 1
+        found = plan(op, **descriptor())
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        _PLANS[key] = found
+    if _tracked:
+        usage = (op, found.info.backend, found.kernel.name, str(found.problem.dtype).replace("torch.", ""))
+        for counts in _tracked:
+            counts[usage] = counts.get(usage, 0) + 1
+    return found
+
+
+_tracked: list[dict] = []
+
+
+@contextlib.contextmanager
+def track_kernels() -> Iterator[dict]:
+    """Count the kernels trainops dispatches inside the block.
+
+        with trainops.track_kernels() as used:
+            train_step()
+        used  # {(op, backend, kernel name, dtype): calls}
+    """
+    counts: dict = {}
+    _tracked.append(counts)
+    try:
+        yield counts
+    finally:
+        _tracked.remove(counts)
 
 
 def plan_cache_info() -> dict:
@@ -181,4 +205,4 @@ def clear_plan_cache() -> None:
 
 
 __all__ = ["check_tensor", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
-           "plan", "plan_cache_info", "select", "InvalidProblemError", "UnsupportedError"]
+           "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError", "UnsupportedError"]

@@ -33,6 +33,7 @@ from ..registry import FLOATS, register, register_op, triton_available
 # Triton kernels are registered for the dtypes training keeps gradients in; float64 runs on the CPU path.
 TRITON_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _BLOCK = 2048
+_TABLES = TableCache()  # tables of calls that bring none (entries check their tensors' addresses)
 _WARPS = 4
 _ACC = "float32 (float64 for float64)"
 _SUM_CHUNK = 8192  # per-block partials summed by one program of the second reduction stage
@@ -79,7 +80,7 @@ def all_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, *, tabl
         return
     device = _single_device("all_finite", "tensors", tensors)
     _scalar_tensor("all_finite", "found_inf", found_inf, device)
-    tables = tables or TableCache()
+    tables = tables or _TABLES
     for (dev, dtype), idx in bucket_by(tensors).items():
         _launch("all_finite", dev, dtype).run([[tensors[i] for i in idx]], found_inf, tables.get(("all_finite", dtype), _BLOCK))
 
@@ -92,7 +93,7 @@ def unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf
     device = _single_device("unscale", "tensors", tensors)
     _scalar_tensor("unscale", "inv_scale", inv_scale, device)
     _scalar_tensor("unscale", "found_inf", found_inf, device)
-    tables = tables or TableCache()
+    tables = tables or _TABLES
     for (dev, dtype), idx in bucket_by(tensors).items():
         _launch("unscale", dev, dtype).run([[tensors[i] for i in idx]], inv_scale, found_inf,
                                            tables.get(("unscale", dtype), _BLOCK))
@@ -134,7 +135,7 @@ def grad_stats(grads: Sequence[torch.Tensor], *, grad_scale: torch.Tensor | None
         _scalar_tensor("grad_stats", "grad_scale", grad_scale, device)
     if max_norm is not None and not max_norm > 0:
         raise argument_error(InvalidProblemError, "grad_stats", "max_norm", f"is {max_norm}; it must be positive")
-    tables = tables or TableCache()
+    tables = tables or _TABLES
     buckets = bucket_by(grads)
     lead_dtype = torch.float64 if any(dtype == torch.float64 for _, dtype in buckets) else next(iter(buckets))[1]
     launch = _launch("grad_stats", device, lead_dtype)

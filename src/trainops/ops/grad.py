@@ -20,6 +20,7 @@ from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
 
 _BLOCK = 2048
+_TABLES = TableCache()  # tables of calls that bring none (entries check their tensors' addresses)
 _WARPS = 4
 
 for _op in ("accumulate", "zero"):
@@ -47,7 +48,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
     dst, src = _dense_list("accumulate", "dst", dst), _dense_list("accumulate", "src", src)
     if len(dst) != len(src):
         raise argument_error(InvalidProblemError, "accumulate", "src", f"has {len(src)} tensors; 'dst' has {len(dst)}")
-    tables = tables or TableCache()
+    tables = tables or _TABLES
     for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items():
         columns = [[dst[i] for i in idx], [src[i] for i in idx]]
         _launch("accumulate", device, dtype, src_dtype=src_dtype).run(
@@ -58,7 +59,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
 def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) -> None:
     """Set every element of every tensor to zero, in place."""
     tensors = _dense_list("zero", "tensors", tensors)
-    tables = tables or TableCache()
+    tables = tables or _TABLES
     for (device, dtype), idx in bucket_by(tensors).items():
         columns = [[tensors[i] for i in idx]]
         _launch("zero", device, dtype).run(columns, tables.get(("zero", device, dtype), _BLOCK),
