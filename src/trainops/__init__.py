@@ -12,7 +12,7 @@
 
 from . import ops  # noqa: F401  (registers every kernel)
 from . import errors, functional, library, nn, registry
-from . import amp, grad, optim
+from . import amp, distributed, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
 from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
                          softmax_backward)
@@ -23,7 +23,7 @@ from .registry import backend, kernels, lookup
 __version__ = "0.1.0"
 
 __all__ = [
-    "IndexOutOfRangeError", "InvalidProblemError", "amp", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
+    "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
     "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",

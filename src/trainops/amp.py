@@ -74,8 +74,10 @@ class GradScaler(torch.amp.GradScaler):
         return found
 
     def step(self, optimizer, *args, **kwargs):
-        """As torch.amp.GradScaler.step; a trainops optimizer checks and unscales inside its own step."""
-        if not self._enabled or not isinstance(optimizer, FusedOptimizer) or "closure" in kwargs:
+        """As torch.amp.GradScaler.step; a trainops optimizer (or trainops.distributed.ShardedOptimizer)
+        checks and unscales inside its own step."""
+        fused = isinstance(optimizer, FusedOptimizer) or getattr(optimizer, "_trainops_checks_finite", False)
+        if not self._enabled or not fused or "closure" in kwargs:
             return super().step(optimizer, *args, **kwargs)
         state = self._per_optimizer_states[id(optimizer)]
         scale, _ = self._check_scale_growth_tracker("step")
