@@ -48,6 +48,11 @@ from .ops import amp as amp_ops
 from .optim import LAMB, AdamW, FusedOptimizer
 
 
+# torch 2.13 renames the tensor collectives (the old names warn); older torch has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass(eq=False)
 class _Bucket:
     params: list                       # the parameters whose gradients this bucket carries
@@ -154,7 +159,7 @@ def _start_reduce(bucket: _Bucket, out_shard: torch.Tensor | None, comm_dtype, g
         bucket.received = torch.empty_like(sent)
         bucket.work = dist.all_to_all_single(bucket.received, sent, group=group, async_op=True)
     elif out_shard is not None:
-        bucket.work = dist.reduce_scatter_tensor(out_shard, bucket.grad, group=group, async_op=True)
+        bucket.work = _reduce_scatter(out_shard, bucket.grad, group=group, async_op=True)
     else:
         bucket.work = dist.all_reduce(bucket.grad, group=group, async_op=True)
 
@@ -206,7 +211,7 @@ class GradientSync:
                 shard = torch.empty(bucket.numel // self.world, dtype=torch.float32, device=bucket.grad.device)
                 _finish_reduce(bucket, shard, self.world)
                 gathered = torch.empty(bucket.numel, dtype=self.comm_dtype, device=bucket.grad.device)
-                dist.all_gather_into_tensor(gathered, shard.to(self.comm_dtype), group=self.group)
+                _all_gather(gathered, shard.to(self.comm_dtype), group=self.group)
                 bucket.grad.copy_(gathered)
             else:
                 bucket.work.wait()
@@ -318,15 +323,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             found_inf, self.grad_norm = stats.found_inf, squares.sqrt()
             if self.max_grad_norm is not None:
                 clip = torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
-        self.inner.grad_scale, self.inner.found_inf, self.inner.clip = grad_scale, found_inf, clip
+        self.inner.grad_scale, self.inner.found_inf, self.inner._trainops_clip = grad_scale, found_inf, clip
         try:
             self.inner.step()
         finally:
-            del self.inner.grad_scale, self.inner.found_inf, self.inner.clip
+            del self.inner.grad_scale, self.inner.found_inf, self.inner._trainops_clip
         if self.world > 1:
             # NCCL gathers in place (this rank's slice of the output is the input); other backends get a copy.
             in_place = dist.get_backend(self.group) == "nccl"
-            works = [dist.all_gather_into_tensor(flat, shard.detach() if in_place else shard.detach().clone(),
+            works = [_all_gather(flat, shard.detach() if in_place else shard.detach().clone(),
                                                  group=self.group, async_op=True)
                      for flat, shard, _ in self._shards]
             for work in works:
@@ -359,7 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 local = state[key] if key in state else torch.zeros_like(shard, dtype=torch.float32)
                 out = torch.empty(self.buckets[b].numel, dtype=local.dtype, device=local.device)
                 if self.world > 1:
-                    dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+                    _all_gather(out, local.contiguous(), group=self.group)
                 else:
                     out.copy_(local)
                 gathered[key] = out

@@ -143,7 +143,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         check = self.skip_nonfinite or self.max_grad_norm is not None or getattr(self, "_trainops_check_finite", False)
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
-        clip = getattr(self, "clip", None)  # a clip factor computed elsewhere (trainops.distributed)
+        clip = getattr(self, "_trainops_clip", None)  # a clip factor computed elsewhere (trainops.distributed)
         self.grad_norm = None
         if check:
             grads = [g for _, buckets in gathered for b in buckets.values() for g in b["grads"]]
