@@ -118,14 +118,16 @@ class _BucketedGrads:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, p, offset)))
 
     def _hook(self, bucket: _Bucket, p, offset: int):
+        view = bucket.grad[offset:offset + p.numel()].view_as(p)  # made once: the hook runs every backward
+        view_ptr = view.data_ptr()
+
         def hook(param):
-            view = bucket.grad[offset:offset + param.numel()].view_as(param)
-            if param.grad.data_ptr() != view.data_ptr():
+            if param.grad.data_ptr() != view_ptr:
                 view.copy_(param.grad)
             bucket.ready.add(id(param))
             if self._set_none:
                 param.grad = None
-            elif param.grad.data_ptr() != view.data_ptr() and param.grad.stride() == view.stride():
+            elif param.grad.data_ptr() != view_ptr and param.grad.stride() == view.stride():
                 param.grad = view  # the gradient now lives in the bucket: no copy back after the reduction
             if len(bucket.ready) == len(bucket.params) and bucket.work is None:
                 self._launch(bucket)
