@@ -1,9 +1,9 @@
 """Data-parallel step time with NCCL: trainops GradientSync / ShardedOptimizer against torch DDP and ZeRO.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py [--out results/distributed-....json]
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py [--batch 8] [--out results/distributed-....json]
 
 Model: the training demo's GPT (plain torch.nn modules, the same for every variant) at 12 layers,
-width 1024, context 256, 8 sequences per rank, bf16 autocast. A step is forward, backward,
+width 1024, context 256, ``--batch`` sequences per rank (default 8), bf16 autocast. A step is forward, backward,
 gradient synchronisation and the optimizer step; median of 20 steps after 5 warm-up steps, on
 random tokens. Bytes: what each rank sends per step for its gradient and parameter collectives
 (ring algorithms send (w-1)/w of a buffer per reduce-scatter or all-gather, twice that per
@@ -72,13 +72,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="sequences of 256 tokens per rank")
     args = parser.parse_args()
     dist.init_process_group("nccl", timeout=dt.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    cfg = train.Config(n_layer=12, d_model=1024, n_head=16, context=256, batch=8, accumulate=1, steps=0, lr=1e-4,
-                       data_bytes=0)
+    cfg = train.Config(n_layer=12, d_model=1024, n_head=16, context=256, batch=args.batch, accumulate=1, steps=0,
+                       lr=1e-4, data_bytes=0)
     gen = torch.Generator(device=device).manual_seed(rank)
     x = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     y = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
@@ -102,8 +103,9 @@ def main() -> int:
             if step >= 5:
                 times.append(1e3 * (time.perf_counter() - t0))
         sent = SENT_PER_PARAM[name] * n_params * (world - 1) / world
-        row = dict(impl=name, params=n_params, world=world, median_ms=round(statistics.median(times), 2),
-                   bytes_sent_per_rank=int(sent), peak_memory_mib=round(torch.cuda.max_memory_allocated(device) / 2**20))
+        row = dict(impl=name, params=n_params, world=world, batch_per_rank=cfg.batch,
+                   median_ms=round(statistics.median(times), 2), bytes_sent_per_rank=int(sent),
+                   peak_memory_mib=round(torch.cuda.max_memory_allocated(device) / 2**20))
         rows.append(row)
         if rank == 0:
             print(f"{name:40s} {row['median_ms']:8.2f} ms/step  {sent / 2**20:8.1f} MiB sent/rank  "

@@ -6,13 +6,13 @@ import torch
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
 
-from conftest import HAS_CUDA
 from numerics import interpreter_rounding, relative_error
+
 
 @pytest.fixture(autouse=True, params=["block-default", "block-64"])
 def block_size(request, monkeypatch):
-    """Default blocks (these small tensors are all tail blocks), or 64-element blocks, so that the
-    unmasked full-block code and the masked tail code both run."""
+    """Default blocks (most of these small tensors are one tail block), or 64-element blocks, so
+    that the unmasked full-block code and the masked tail code both run on every case."""
     from trainops.ops import amp, grad, optimizers
     if request.param == "block-64":
         for module in (amp, grad, optimizers):

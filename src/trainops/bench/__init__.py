@@ -45,7 +45,6 @@ def copy_ceiling_gbps(device) -> float:
     src = torch.randn(256 * 2**20, device=device)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
     return 2 * 256 * 2**20 * 4 / ms / 1e6
 
 

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..errors import InvalidProblemError, argument_error
 from ..multi_tensor import (MultiTensorProblem, TensorTable, check_columns, column_dtypes_ok,
                             multi_tensor_describer)
 from ..plan import KernelChoice, Launch, cached_plan
