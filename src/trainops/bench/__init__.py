@@ -119,7 +119,8 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print) -> list[R
 
 
 def summary_table(rows: list[Row]) -> list[str]:
-    """One line per case: trainops ms, GB/s, % of copy, the best other implementation, speed-up."""
+    """One line per case: trainops ms, GB/s, % of copy, the best non-trainops implementation, speed-up
+    (other trainops kernels of the op, e.g. the atomic gradient, are rows of their own, not rivals)."""
     cases: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         cases.setdefault((r.op, r.case), {})[r.impl] = r
@@ -129,7 +130,7 @@ def summary_table(rows: list[Row]) -> list[str]:
         ours = impls.get("trainops")
         if ours is None:
             continue
-        others = [r for k, r in impls.items() if k != "trainops"]
+        others = [r for k, r in impls.items() if not k.startswith("trainops")]
         best = min(others, key=lambda r: r.ms) if others else None
         best_s = f"{best.impl} {best.ms:.4f}" if best else "-"
         speed = f"{best.ms / ours.ms:.2f}x" if best else "-"
@@ -155,7 +156,7 @@ def bar_chart(rows: list[Row], path: str, title: str) -> str:
     for j, impl in enumerate(impls):
         ys = [i + j * height for i, c in enumerate(cases) if (*c, impl) in value]
         xs = [value[(*c, impl)] for c in cases if (*c, impl) in value]
-        ax.barh(ys, xs, height, label=impl)
+        ax.barh(ys, xs, height, label=impl, color=plt.cm.tab20(j % 20))
     ax.set_yticks([i + 0.4 - height / 2 for i in range(len(cases))])
     ax.set_yticklabels([f"{op}  {case}" for op, case in cases], fontsize=7)
     ax.invert_yaxis()

@@ -116,7 +116,9 @@ def _embedding_backward_case(tokens, dim, rows, dtype, device) -> Case:
         def torch_backward(dy, idx):
             return torch.ops.aten.embedding_dense_backward(dy, idx, rows, -1, False)
 
-        impls = {"trainops": lambda: ours,
+        atomic = lambda: trainops.library.gather_backward(dy, idx, 0, [rows, dim], False, None, False, False,  # noqa
+                                                           False)
+        impls = {"trainops": lambda: ours, "trainops atomic (deterministic=False)": lambda: atomic,
                  "torch": lambda: (lambda: torch_backward(dy, idx)),
                  "torch index_add_": lambda: (lambda: torch.zeros(rows, dim, device=device, dtype=dtype)
                                               .index_add_(0, idx, dy))}
@@ -275,6 +277,18 @@ def _tensor_list_case(op, total, count, device) -> Case:
     return Case(op, f"{total / 1e9:.3f} B fp32 in {count} tensors", total * per, build)
 
 
+def _update_scale_case(device) -> Case:
+    """The loss-scale update: one program on three scalars (a launch-latency measurement)."""
+    def build(peers):
+        scale, tracker = torch.full((), 65536.0, device=device), torch.zeros((), dtype=torch.int32, device=device)
+        found = torch.zeros((), device=device)
+        impls = {"trainops": lambda: (lambda: trainops.ops.amp.update_scale_(scale, tracker, found, 2.0, 0.5, 2000)),
+                 "torch": lambda: (lambda: torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2000))}
+        return impls, None
+
+    return Case("update_scale", "scale, tracker, found_inf", 12, build)
+
+
 def multi_tensor_cases(device, quick: bool) -> list[Case]:
     total, count = (16_000_000, 16) if quick else (1_485_000_000, 96)
     cases = [_optimizer_case("AdamW", total, count, 28, device)]
@@ -283,7 +297,7 @@ def multi_tensor_cases(device, quick: bool) -> list[Case]:
     cases += [_optimizer_case("SGD", total, count, 20, device), _optimizer_case("LAMB", total, count, 28, device)]
     cases += [_tensor_list_case(op, total // 2, count, device)
               for op in ("all_finite", "unscale", "grad_stats", "accumulate", "zero")]
-    return cases
+    return cases + [_update_scale_case(device)]
 
 
 def gpu_cases(quick: bool) -> list[Case]:
