@@ -461,3 +461,28 @@ def test_gpu_step_captures_in_a_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(params, ref):
         assert relative_error(a, b) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["sgd-momentum-wd", "adamw-amsgrad", "adam-l2-amsgrad"])
+def test_gpu_state_dict_round_trips_with_torch(case):
+    """torch (CUDA) -> ours -> torch: both continue as an uninterrupted torch run, within float rounding."""
+    kwargs, _ = CASES[case]
+    torch_cls, our_cls = classes(case)
+    ref = make_model("cuda")
+    ref_opt = torch_cls(ref.parameters(), **kwargs)
+    train(ref, ref_opt, 3, seed=5)
+    ours = make_model("cuda")
+    ours.load_state_dict(ref.state_dict())
+    opt = our_cls(ours.parameters(), **kwargs)
+    opt.load_state_dict(ref_opt.state_dict())
+    train(ours, opt, 2, seed=6)
+    back = make_model("cuda")
+    back.load_state_dict(ours.state_dict())
+    back_opt = torch_cls(back.parameters(), **kwargs)
+    back_opt.load_state_dict(opt.state_dict())
+    train(back, back_opt, 2, seed=7)
+    train(ref, ref_opt, 2, seed=6)
+    assert_same_params(ours, ref, False, f"{case} after loading torch's state")
+    train(ref, ref_opt, 2, seed=7)
+    assert_same_params(back, ref, False, f"{case} after torch loaded ours")
