@@ -85,23 +85,31 @@ def _check_same_everywhere(what: dict, group) -> None:
 
 
 def _make_buckets(groups: list[list], bucket_mb: float, world: int, pad: bool) -> list[_Bucket]:
+    """Cut each group's parameters (in reverse order) into buckets of about ``bucket_mb`` MiB.
+
+    Every parameter starts at a 16-byte aligned offset, so gradient views and shards keep the
+    fused kernels' vector path; with ``pad`` the bucket length is a multiple of world x 16 bytes,
+    so each rank's slice is aligned too. The gaps stay zero.
+    """
     buckets = []
     limit = max(1, int(bucket_mb * 2**20))
     for group_index, params in enumerate(groups):
         current, offsets, size, dtype = [], [], 0, None
         for p in reversed(params):
+            align = max(1, 16 // p.element_size())
             if current and (p.dtype != dtype or (size + p.numel()) * p.element_size() > limit):
                 buckets.append((group_index, current, offsets, size, dtype))
                 current, offsets, size = [], [], 0
             current.append(p)
             offsets.append(size)
-            size += p.numel()
+            size = -(-(size + p.numel()) // align) * align
             dtype = p.dtype
         if current:
             buckets.append((group_index, current, offsets, size, dtype))
     out = []
     for group_index, params, offsets, size, dtype in buckets:
-        numel = -(-size // world) * world if pad else size
+        unit = world * max(1, 16 // params[0].element_size()) if pad else 1
+        numel = -(-size // unit) * unit
         grad = torch.zeros(numel, dtype=dtype, device=params[0].device)
         out.append(_Bucket(params, offsets, numel, grad, group_index))
     return out
