@@ -63,6 +63,10 @@ class _Bucket:
     ready: set = field(default_factory=set)
     work: object = None                # the pending collective
     received: torch.Tensor | None = None   # bf16 all-to-all receive buffer
+    views: list = field(init=False)    # each parameter's slice of ``grad``, shaped like it (made once)
+
+    def __post_init__(self):
+        self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
 
 def _world(group) -> tuple[int, int]:
@@ -122,11 +126,10 @@ class _BucketedGrads:
         self.buckets, self._launch, self._set_none = buckets, launch, set_grad_to_none
         self._handles = []
         for bucket in buckets:
-            for p, offset in zip(bucket.params, bucket.offsets):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, p, offset)))
+            for p, view in zip(bucket.params, bucket.views):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, view)))
 
-    def _hook(self, bucket: _Bucket, p, offset: int):
-        view = bucket.grad[offset:offset + p.numel()].view_as(p)  # made once: the hook runs every backward
+    def _hook(self, bucket: _Bucket, view: torch.Tensor):
         view_ptr = view.data_ptr()
 
         def hook(param):
@@ -145,9 +148,9 @@ class _BucketedGrads:
         """Start the buckets whose parameters got no gradient (their slices count as zeros)."""
         for bucket in self.buckets:
             if bucket.work is None:
-                for p, offset in zip(bucket.params, bucket.offsets):
+                for p, view in zip(bucket.params, bucket.views):
                     if id(p) not in bucket.ready:
-                        bucket.grad[offset:offset + p.numel()].zero_()
+                        view.zero_()
                 self._launch(bucket)
 
     def reset(self) -> None:
@@ -226,8 +229,7 @@ class GradientSync:
             else:
                 bucket.work.wait()
                 bucket.grad.div_(self.world)
-            for p, offset in zip(bucket.params, bucket.offsets):
-                view = bucket.grad[offset:offset + p.numel()].view_as(p)
+            for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
                     p.grad = view
                 elif p.grad.data_ptr() != view.data_ptr():

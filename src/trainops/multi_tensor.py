@@ -164,6 +164,22 @@ class MultiTensorProblem:
         return dict(self.options).get(name, default)
 
 
+def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **options):
+    """The ``Launch`` of a multi-tensor op for (device, dtype, options), planned once (plan cache)."""
+    from .plan import cached_plan
+
+    return cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
+                       lambda: dict(dtype=dtype, device=device, **options)).launch
+
+
+def check_scalar(op: str, name: str, t, device: torch.device) -> None:
+    """``t`` must be a one-element float32 tensor on ``device`` (loss scale, found_inf, step counter...)."""
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+        raise argument_error(InvalidProblemError, op, name, "must be a one-element float32 tensor")
+    if t.device != device:
+        raise argument_error(InvalidProblemError, op, name, f"is on {t.device}; the tensors are on {device}")
+
+
 def multi_tensor_describer(op: str):
     """The ``describe`` of a multi-tensor op: ``(dtype, device, **options) -> MultiTensorProblem``."""
     from .registry import normalize_device

@@ -25,9 +25,10 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import (MultiTensorProblem, TableCache, bucket_by, check_columns,
+from ..multi_tensor import (MultiTensorProblem, TableCache, bucket_by, check_columns, check_scalar,
+                            multi_tensor_launch,
                             multi_tensor_describer)
-from ..plan import KernelChoice, Launch, cached_plan
+from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 
 # Triton kernels are registered for the dtypes training keeps gradients in; float64 runs on the CPU path.
@@ -51,19 +52,6 @@ class GradStats:
     clip: torch.Tensor | None        # float32 (), min(1, max_norm / (norm + 1e-6)); None without max_norm
 
 
-def _scalar_tensor(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
-        raise argument_error(InvalidProblemError, op, name, "must be a one-element float32 tensor")
-    if t.device != device:
-        raise argument_error(InvalidProblemError, op, name, f"is on {t.device}; the tensors are on {device}")
-
-
-def _launch(op: str, device: torch.device, dtype: torch.dtype, **options) -> Launch:
-    plan = cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
-                       lambda: dict(dtype=dtype, device=device, **options))
-    return plan.launch
-
-
 def _single_device(op: str, name: str, tensors: Sequence[torch.Tensor]) -> torch.device:
     device = tensors[0].device
     for i, t in enumerate(tensors):
@@ -79,10 +67,10 @@ def all_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, *, tabl
     if not tensors:
         return
     device = _single_device("all_finite", "tensors", tensors)
-    _scalar_tensor("all_finite", "found_inf", found_inf, device)
+    check_scalar("all_finite", "found_inf", found_inf, device)
     tables = tables or _TABLES
     for (dev, dtype), idx in bucket_by(tensors).items():
-        _launch("all_finite", dev, dtype).run([[tensors[i] for i in idx]], found_inf, tables.get(("all_finite", dtype), _BLOCK))
+        multi_tensor_launch("all_finite", dev, dtype).run([[tensors[i] for i in idx]], found_inf, tables.get(("all_finite", dtype), _BLOCK))
 
 
 def unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor, *,
@@ -91,11 +79,11 @@ def unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf
     if not tensors:
         return
     device = _single_device("unscale", "tensors", tensors)
-    _scalar_tensor("unscale", "inv_scale", inv_scale, device)
-    _scalar_tensor("unscale", "found_inf", found_inf, device)
+    check_scalar("unscale", "inv_scale", inv_scale, device)
+    check_scalar("unscale", "found_inf", found_inf, device)
     tables = tables or _TABLES
     for (dev, dtype), idx in bucket_by(tensors).items():
-        _launch("unscale", dev, dtype).run([[tensors[i] for i in idx]], inv_scale, found_inf,
+        multi_tensor_launch("unscale", dev, dtype).run([[tensors[i] for i in idx]], inv_scale, found_inf,
                                            tables.get(("unscale", dtype), _BLOCK))
 
 
@@ -108,12 +96,12 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: 
                 result is finite) and growth_tracker = 0.
     """
     device = scale.device
-    _scalar_tensor("update_scale", "scale", scale, device)
-    _scalar_tensor("update_scale", "found_inf", found_inf, device)
+    check_scalar("update_scale", "scale", scale, device)
+    check_scalar("update_scale", "found_inf", found_inf, device)
     if growth_tracker.numel() != 1 or growth_tracker.dtype != torch.int32 or growth_tracker.device != device:
         raise argument_error(InvalidProblemError, "update_scale", "growth_tracker",
                              f"must be a one-element int32 tensor on {device}")
-    _launch("update_scale", device, torch.float32).run(scale, growth_tracker, found_inf, float(growth_factor),
+    multi_tensor_launch("update_scale", device, torch.float32).run(scale, growth_tracker, found_inf, float(growth_factor),
                                                        float(backoff_factor), int(growth_interval))
 
 
@@ -130,15 +118,15 @@ def grad_stats(grads: Sequence[torch.Tensor], *, grad_scale: torch.Tensor | None
     device = _single_device("grad_stats", "grads", grads)
     if found_inf is None:
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    _scalar_tensor("grad_stats", "found_inf", found_inf, device)
+    check_scalar("grad_stats", "found_inf", found_inf, device)
     if grad_scale is not None:
-        _scalar_tensor("grad_stats", "grad_scale", grad_scale, device)
+        check_scalar("grad_stats", "grad_scale", grad_scale, device)
     if max_norm is not None and not max_norm > 0:
         raise argument_error(InvalidProblemError, "grad_stats", "max_norm", f"is {max_norm}; it must be positive")
     tables = tables or _TABLES
     buckets = bucket_by(grads)
     lead_dtype = torch.float64 if any(dtype == torch.float64 for _, dtype in buckets) else next(iter(buckets))[1]
-    launch = _launch("grad_stats", device, lead_dtype)
+    launch = multi_tensor_launch("grad_stats", device, lead_dtype)
     norm = torch.empty((), dtype=torch.float32, device=device)
     clip = None if max_norm is None else torch.empty((), dtype=torch.float32, device=device)
     columns = {dtype: [grads[i] for i in idx] for (_, dtype), idx in buckets.items()}

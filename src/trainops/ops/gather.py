@@ -59,12 +59,17 @@ def three_axis_strides(shape: Sequence[int], strides: Sequence[int], lo: int, hi
 # Problems: validation shared by every backend
 # ----------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
 class _GatherShapes:
-    """The (B, S, I) view both gather problems share; ``x_shape`` is x's (and dx's) shape."""
+    """The fields and (B, S, I) view both gather problems share; ``x_shape`` is x's (and dx's) shape."""
 
+    op: str
     x_shape: tuple[int, ...]
     dim: int
     index_shape: tuple[int, ...]
+    dtype: torch.dtype
+    index_dtype: torch.dtype
+    device: torch.device
 
     @property
     def batch(self) -> int:
@@ -102,13 +107,6 @@ class _GatherShapes:
 class GatherProblem(_GatherShapes):
     """``gather`` of ``x`` (x_shape, x_strides) along ``dim`` by an index of ``index_shape``."""
 
-    op: str
-    x_shape: tuple[int, ...]
-    dim: int
-    index_shape: tuple[int, ...]
-    dtype: torch.dtype
-    index_dtype: torch.dtype
-    device: torch.device
     x_strides: tuple[int, ...]
     negative_indices: bool
     check_index: bool
@@ -124,13 +122,6 @@ class GatherProblem(_GatherShapes):
 class GatherBackwardProblem(_GatherShapes):
     """``gather_backward``: dy (x_shape[:dim] + index_shape + x_shape[dim+1:]) into dx of ``x_shape``."""
 
-    op: str
-    x_shape: tuple[int, ...]
-    dim: int
-    index_shape: tuple[int, ...]
-    dtype: torch.dtype
-    index_dtype: torch.dtype
-    device: torch.device
     dy_strides: tuple[int, ...]
     deterministic: bool
     padding_idx: int | None

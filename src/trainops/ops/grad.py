@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import TableCache, bucket_by, check_columns, multi_tensor_describer
-from ..plan import KernelChoice, Launch, cached_plan
+from ..multi_tensor import TableCache, bucket_by, check_columns, multi_tensor_describer, multi_tensor_launch
+from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
 
@@ -25,11 +25,6 @@ _WARPS = 4
 
 for _op in ("accumulate", "zero"):
     register_op(_op, multi_tensor_describer(_op))
-
-
-def _launch(op: str, device, dtype, **options) -> Launch:
-    return cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
-                       lambda: dict(dtype=dtype, device=device, **options)).launch
 
 
 def _dense_list(op: str, name: str, tensors) -> list:
@@ -51,7 +46,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
     tables = tables or _TABLES
     for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items():
         columns = [[dst[i] for i in idx], [src[i] for i in idx]]
-        _launch("accumulate", device, dtype, src_dtype=src_dtype).run(
+        multi_tensor_launch("accumulate", device, dtype, src_dtype=src_dtype).run(
             columns, float(scale), tables.get(("accumulate", device, dtype, src_dtype), _BLOCK),
             lambda columns=columns: check_columns("accumulate", ["dst", "src"], columns))
 
@@ -62,7 +57,7 @@ def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) 
     tables = tables or _TABLES
     for (device, dtype), idx in bucket_by(tensors).items():
         columns = [[tensors[i] for i in idx]]
-        _launch("zero", device, dtype).run(columns, tables.get(("zero", device, dtype), _BLOCK),
+        multi_tensor_launch("zero", device, dtype).run(columns, tables.get(("zero", device, dtype), _BLOCK),
                                            lambda columns=columns: check_columns("zero", ["tensors"], columns))
 
 

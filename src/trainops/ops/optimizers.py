@@ -35,14 +35,12 @@ float32 parameter: adam 28, lamb 40.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import (MultiTensorProblem, TensorTable, check_columns, column_dtypes_ok,
-                            multi_tensor_describer)
-from ..plan import KernelChoice, Launch, cached_plan
+from ..multi_tensor import (MultiTensorProblem, TensorTable, check_columns, check_scalar, column_dtypes_ok,
+                            multi_tensor_describer, multi_tensor_launch)
+from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS, unscaled_grads_cpu
 
@@ -52,19 +50,6 @@ _ACC = "float32 (float64 for float64 on the CPU path)"
 
 for _op in ("sgd_step", "adam_step", "lamb_step"):
     register_op(_op, multi_tensor_describer(_op))
-
-
-def _plan_launch(op: str, params: Sequence[torch.Tensor], **options) -> Launch:
-    device, dtype = params[0].device, params[0].dtype
-    return cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
-                       lambda: dict(dtype=dtype, device=device, **options)).launch
-
-
-def _check_scalar(op: str, name: str, t, device) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
-        raise argument_error(InvalidProblemError, op, name, f"must be a one-element float32 tensor on {device}")
 
 
 def _check_columns(op, names, columns, steps, state_dtype, masters) -> None:
@@ -81,12 +66,13 @@ def _check_columns(op, names, columns, steps, state_dtype, masters) -> None:
         if len(steps) != len(params):
             raise argument_error(InvalidProblemError, op, "steps", f"has {len(steps)} tensors for {len(params)} parameters")
         for i, s in enumerate(steps):
-            _check_scalar(op, f"steps[{i}]", s, params[0].device)
+            check_scalar(op, f"steps[{i}]", s, params[0].device)
 
 
 def _check_step_scalars(op, device, grad_scale, found_inf, clip) -> None:
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip", clip)):
-        _check_scalar(op, name, t, device)
+        if t is not None:
+            check_scalar(op, name, t, device)
 
 
 def _hyper(value):
@@ -116,8 +102,9 @@ def sgd_step(params, grads, momentum_buffers, fresh, *, lr, momentum, dampening,
     state_dtype = momentum_buffers[0].dtype if has_momentum else torch.float32
     _check_step_scalars("sgd_step", params[0].device, grad_scale, found_inf, clip)
     validate = lambda: _check_columns("sgd_step", names, columns, None, state_dtype, masters)  # noqa: E731
-    launch = _plan_launch("sgd_step", params, momentum=has_momentum, nesterov=bool(nesterov),
-                          maximize=bool(maximize), master=masters is not None, state_dtype=state_dtype)
+    launch = multi_tensor_launch("sgd_step", params[0].device, params[0].dtype, momentum=has_momentum,
+                                 nesterov=bool(nesterov), maximize=bool(maximize), master=masters is not None,
+                                 state_dtype=state_dtype)
     launch.run(columns, list(fresh) if has_momentum else None, lr=lr, momentum=momentum, dampening=dampening,
                weight_decay=weight_decay, grad_scale=grad_scale, found_inf=found_inf, clip=clip,
                table=table or TensorTable(_BLOCK), validate=validate)
@@ -136,8 +123,9 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, l
     state_dtype = exp_avgs[0].dtype
     _check_step_scalars("adam_step", params[0].device, grad_scale, found_inf, clip)
     validate = lambda: _check_columns("adam_step", names, columns, steps, state_dtype, masters)  # noqa: E731
-    launch = _plan_launch("adam_step", params, decoupled=bool(decoupled), amsgrad=bool(amsgrad),
-                          maximize=bool(maximize), master=masters is not None, state_dtype=state_dtype)
+    launch = multi_tensor_launch("adam_step", params[0].device, params[0].dtype, decoupled=bool(decoupled),
+                                 amsgrad=bool(amsgrad), maximize=bool(maximize), master=masters is not None,
+                                 state_dtype=state_dtype)
     launch.run(columns, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table or TensorTable(_BLOCK), validate=validate)
 
@@ -153,8 +141,9 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, 
     state_dtype = exp_avgs[0].dtype
     _check_step_scalars("lamb_step", params[0].device, grad_scale, found_inf, clip)
     validate = lambda: _check_columns("lamb_step", names, columns, steps, state_dtype, masters)  # noqa: E731
-    launch = _plan_launch("lamb_step", params, bias_correction=bool(bias_correction), maximize=bool(maximize),
-                          master=masters is not None, state_dtype=state_dtype)
+    launch = multi_tensor_launch("lamb_step", params[0].device, params[0].dtype,
+                                 bias_correction=bool(bias_correction), maximize=bool(maximize),
+                                 master=masters is not None, state_dtype=state_dtype)
     launch.run(columns, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table or TensorTable(_BLOCK), validate=validate)
 
