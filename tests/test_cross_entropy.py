@@ -28,13 +28,16 @@ def poisoned_outputs(monkeypatch):
     clear_plan_cache()
 
 
-@pytest.fixture(params=["registers", "two-pass"])
+@pytest.fixture(params=["registers", "two-pass", "exchange"])
 def row_plan(request, monkeypatch):
-    """Run with rows in registers, or force the two-pass streaming plan with tiny chunks."""
-    if request.param == "two-pass":
+    """Run with rows in registers, or force a long-row plan with tiny chunks: two-pass streaming, or
+    the exchange plan where it applies (class targets, no label smoothing; the rest streams)."""
+    if request.param != "registers":
         for size in (1, 2, 4, 8):
             monkeypatch.setitem(ce_ops.REGISTER_ROW, size, 4)
             monkeypatch.setitem(ce_ops._STREAM_BLOCK, size, 8)
+        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {1: 8, 2: 8, 4: 8} if request.param == "exchange" else {})
+        monkeypatch.setattr(ce_ops, "sm_count", lambda device: 16)  # up to 16 chunks a row
     return request.param
 
 
@@ -189,7 +192,8 @@ def test_gradcheck(backend, device):
     t = torch.tensor([0, 4, -100, 2], device=device)
     w = torch.rand(5, dtype=torch.float64, device=device) + 0.5
     for reduction in ("mean", "sum", "none"):
-        # the factor 2 keeps the upstream gradient away from 1 (the hand-over path gives its buffer once)
+        # the factor 2 keeps the upstream gradient away from 1; float64 scales out of place, so
+        # gradcheck's repeated backwards through one graph are allowed
         f = lambda x: 2 * trainops.cross_entropy(x, t, w, reduction=reduction, label_smoothing=0.1,  # noqa: E731
                                                  z_loss=0.01)
         assert torch.autograd.gradcheck(f, (x,))
@@ -200,12 +204,13 @@ def test_gradcheck(backend, device):
 def test_backward_hand_over_and_its_limits(backend, device):
     x = torch.randn(3, 4, device=device, requires_grad=True)
     t = torch.tensor([1, 2, 3], device=device)
-    loss = trainops.cross_entropy(x, t)
-    loss.backward(retain_graph=True)
-    ref = reference(x, t)[2]
-    assert_close(x.grad, ref, torch.float32, "handed-over gradient")
-    with pytest.raises(trainops.UnsupportedError, match="second backward"):
-        loss.backward()
+    for upstream in (1.0, 0.25):  # the buffer is handed over (scaled in place when not 1) either way
+        x.grad = None
+        loss = trainops.cross_entropy(x, t)
+        loss.backward(torch.tensor(upstream, device=device), retain_graph=True)
+        assert_close(x.grad, reference(x, t)[2] * upstream, torch.float32, "handed-over gradient")
+        with pytest.raises(trainops.UnsupportedError, match="second backward"):
+            loss.backward()
     loss = trainops.cross_entropy(x, t)
     with pytest.raises(trainops.UnsupportedError, match="double backward"):
         torch.autograd.grad(loss, x, create_graph=True)
@@ -283,32 +288,85 @@ def test_bad_arguments_name_the_argument(backend, device):
 
 def test_plan_reports_the_row_plan():
     device = "cuda" if HAS_CUDA else "cpu"
+
+    def plan(classes, dtype=torch.bfloat16, target_dtype=torch.int64, **options):
+        return trainops.plan("cross_entropy", shape=(8, classes), dtype=dtype, target_dtype=target_dtype,
+                             device=device, **options).kernel["plan"]
     with trainops.backend("triton"):
+        assert plan(32000) == "fused"
+        assert plan(131072) == "exchange"  # 4 chunks of 32768 classes
+        assert plan(131072, label_smoothing=0.1) == plan(131072, dtype=torch.float64) == "two-pass"
+        assert plan(131072, target_dtype=torch.bfloat16, target_shape=(8, 131072)) == "two-pass"  # probabilities
         short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
                               device=device)
-        long = trainops.plan("cross_entropy", shape=(8, 262144), dtype=torch.bfloat16, target_dtype=torch.int64,
-                             device=device)
-    assert short.kernel["plan"] == "fused" and long.kernel["plan"] == "two-pass"
     assert short.precision.deterministic and short.precision.accumulator == torch.float32
+
+
+def test_exchange_plan_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("TRAINOPS_ROW_EXCHANGE", "0")
+    device = "cuda" if HAS_CUDA else "cpu"
+    with trainops.backend("triton"):
+        assert trainops.plan("cross_entropy", shape=(8, 131072), dtype=torch.bfloat16, target_dtype=torch.int64,
+                             device=device).kernel["plan"] == "two-pass"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+def test_grad_scale_kernel(backend, device, dtype, layout):
+    gen = torch.Generator().manual_seed(seed_of("scale", backend, dtype, layout))
+    g = torch.randn(5, 7, 300, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    if layout == "permuted":
+        g = g.permute(2, 0, 1)  # dense, not contiguous
+    before = g.clone()
+    ce_ops.scale_gradient_(g, torch.ones((), dtype=torch.float32, device=device))
+    assert torch.equal(g, before)  # exactly 1: untouched
+    ce_ops.scale_gradient_(g, torch.tensor([0.375], dtype=dtype, device=device))
+    assert_close(g, before.double() * 0.375, dtype, "scaled")
+    with pytest.raises(trainops.InvalidProblemError, match="'dloss' must be one element"):
+        ce_ops.scale_gradient_(g, torch.ones(2, device=device))
+    with pytest.raises(trainops.InvalidProblemError, match="'grad' is not dense"):
+        ce_ops.scale_gradient_(g[:, :, ::2], torch.ones(1, device=device))
 
 
 # ---- GPU, real sizes ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,classes", [(8192, 32000), (2048, 128256), (512, 262144)])
-def test_real_vocabularies(rows, classes):
+def test_gpu_bad_target_is_reported_without_a_host_sync():
+    x = torch.randn(4, 50000, device="cuda", requires_grad=True)
+    good = torch.tensor([0, 1, 1, 1], device="cuda")
+    # Reported by the backward or by the next call, whichever comes after the GPU has run the kernel.
+    with pytest.raises(IndexError, match="found by the fused kernel of a call on the GPU"):
+        trainops.cross_entropy(x, torch.tensor([0, 50000, 1, 1], device="cuda")).backward()
+        torch.cuda.synchronize()
+        trainops.cross_entropy(x, good)
+    torch.cuda.synchronize()
+    trainops.cross_entropy(x, good).backward()  # reported once
+    torch.cuda.synchronize()
+    trainops.cross_entropy(x, good)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,classes", [(8192, 32000), (2048, 128256), (512, 262144), (1000, 50001)])
+@pytest.mark.parametrize("options", [dict(label_smoothing=0.1), dict(z_loss=1e-4), dict(weight=True)], ids=str)
+def test_real_vocabularies(rows, classes, options):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(rows, classes, device="cuda", generator=gen) * 2).bfloat16().requires_grad_()
     t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
     t[::7] = -100
-    loss = trainops.cross_entropy(x, t, label_smoothing=0.1, loss_dtype=torch.float32)
+    if options.get("weight"):
+        options = dict(weight=torch.rand(classes, device="cuda", generator=gen) + 0.5)
+    loss = trainops.cross_entropy(x, t, loss_dtype=torch.float32, **options)
     loss.backward()
     xd = x.detach().double().requires_grad_()
-    ref = F.cross_entropy(xd, t, label_smoothing=0.1)
+    z = options.pop("z_loss", 0.0)
+    ref = F.cross_entropy(xd, t, **{k: v.double() if torch.is_tensor(v) else v for k, v in options.items()})
+    if z:
+        lse = torch.logsumexp(xd, 1)[t != -100]
+        ref = ref + z * (lse * lse).mean()
     ref.backward()
     assert_close(loss, ref, torch.float32, "loss")
     assert_close(x.grad, xd.grad, torch.bfloat16, "grad")
-    again = trainops.cross_entropy(x.detach().requires_grad_(), t, label_smoothing=0.1, loss_dtype=torch.float32)
+    again = trainops.cross_entropy(x.detach().requires_grad_(), t, loss_dtype=torch.float32,
+                                   **dict(options, z_loss=z))
     assert torch.equal(again, loss)
 
 

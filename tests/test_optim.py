@@ -475,3 +475,11 @@ def test_gpu_step_captures_in_a_cuda_graph():
 def test_gpu_state_dict_round_trips_with_torch(case):
     """torch (CUDA) -> ours -> torch, within float rounding."""
     round_trip_with_torch(case, "cuda", "cuda", exact=False)
+
+
+def test_is_dense_follows_the_strides_not_the_sizes():
+    from trainops.multi_tensor import is_dense
+
+    t = torch.empty(5, 7, 300)
+    assert is_dense(t.permute(2, 0, 1)) and is_dense(t.transpose(0, 1)) and is_dense(t[:1])
+    assert not is_dense(t[:, :, ::2]) and not is_dense(t[:, 1:]) and not is_dense(t[:, :1]) and not is_dense(t.expand(2, 5, 7, 300))

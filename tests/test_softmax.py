@@ -164,6 +164,15 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
     monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 128, 2: 128, 4: 64, 8: 64})
     monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 2)
+    monkeypatch.setenv("TRAINOPS_ROW_EXCHANGE", "0")
+
+
+@pytest.fixture
+def exchange_tiles(monkeypatch):
+    """Shrink the register and exchange tiles so small shapes take the exchange plan (up to 16 chunks a row)."""
+    monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
+    monkeypatch.setattr(softmax_ops, "_EXCHANGE_TILE", {1: 64, 2: 64, 4: 64, 8: 64})
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
@@ -189,8 +198,31 @@ def test_streaming_plans(small_tiles, op, dtype, shape, dim, expected):
         check_backward(op, make_tensor(shape, dim, "transposed", dtype, device, gen), y, dim)
 
 
-def test_streaming_plans_with_minus_inf_prefix(small_tiles):
-    # The first chunks of a row are all -inf: the online max must not turn them into NaN.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape,dim,layout", [
+    ((3, 1000), -1, "contiguous"),    # 16 chunks a row (15 full, a short last one), 3 rows
+    ((20, 150), -1, "sliced"),        # 3 chunks a row, more rows than groups: a persistent loop
+    ((2, 5, 130), 2, "offset"),       # rank 3, rows over two batch dims
+    ((4, 3, 100), 2, "expanded"),     # stride-0 batch dim
+])
+@pytest.mark.parametrize("op", OPS)
+def test_exchange_plan(exchange_tiles, op, dtype, shape, dim, layout):
+    device = BACKEND_DEVICES["triton"]
+    gen = torch.Generator().manual_seed(6)
+    with trainops.backend("triton"):
+        x = make_tensor(shape, dim, layout, dtype, device, gen)
+        plan = trainops.plan(op, shape=shape, dim=dim, dtype=dtype, device=device, strides=x.stride())
+        assert plan.kernel["plan"] == "exchange" and plan.kernel["splits"] > 1, plan.kernel
+        y = check_forward(op, x, dim)
+        bwd = trainops.plan(f"{op}_backward", shape=shape, dim=dim, dtype=dtype, device=device)
+        assert bwd.kernel["plan"] == "exchange", bwd.kernel
+        check_backward(op, make_tensor(shape, dim, layout, dtype, device, gen), y, dim)
+
+
+@pytest.mark.parametrize("tiles", ["small_tiles", "exchange_tiles"])
+def test_long_row_plans_with_minus_inf_prefix(tiles, request):
+    request.getfixturevalue(tiles)
+    # The first chunks of a row are all -inf: the online max (or a chunk's partial) must not turn them into NaN.
     device = BACKEND_DEVICES["triton"]
     with trainops.backend("triton"):
         for rows in (3, 20):
@@ -434,7 +466,19 @@ def test_error_plan_run_wrong_tensors():
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 
 GPU_CASES = [((4096, 32768), -1), ((1024, 131072), -1), ((128, 262144), -1), ((32, 512, 4096), 1),
-             ((32768, 1024), -1), ((8, 1048576), -1), ((3, 1048577), -1), ((4096, 4096), 0), ((1000, 77, 3), 1)]
+             ((32768, 1024), -1), ((8, 1048576), -1), ((3, 1048577), -1), ((4096, 4096), 0), ((1000, 77, 3), 1),
+             ((1000, 40000), -1), ((3, 7, 50001), -1), ((8, 16777216), -1)]
+
+
+@pytest.mark.gpu
+def test_gpu_long_rows_take_the_exchange_plan():
+    for shape in ((128, 262144), (1024, 131072), (1000, 40000), (3, 1048577)):
+        for op in OPS + [f"{op}_backward" for op in OPS]:
+            plan = trainops.plan(op, shape=shape, dim=-1, dtype=torch.bfloat16, device="cuda")
+            assert plan.kernel["plan"] == "exchange", (shape, op, plan.kernel)
+    # Rows of more chunks than the device has SMs stream instead.
+    assert trainops.plan("softmax", shape=(8, 16777216), dim=-1, dtype=torch.bfloat16,
+                         device="cuda").kernel["plan"] in ("split", "looped")
 
 
 @pytest.mark.gpu

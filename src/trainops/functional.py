@@ -1,6 +1,7 @@
 """User-facing functions, with torch.nn.functional's signatures.
 
-Each calls its ``torch.ops.trainops`` custom op (library.py): autograd, torch.compile and the
+Each calls its ``torch.ops.trainops`` custom op (library.py; in plain eager mode the op's own
+implementation and autograd formula, without the dispatcher): autograd, torch.compile and the
 kernel registry come with it.
 """
 
@@ -148,14 +149,16 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     "mean"); ``return_lse`` also returns the per-row logsumexp (float32, float64 for float64;
     not differentiable); ``loss_dtype`` (e.g. torch.float32 for bf16 logits) sets the loss dtype.
     When input requires grad, the gradient is computed in the same pass as the loss (one read of
-    the logits, one write of the gradient for rows of up to 32768 classes; longer rows read the
-    logits twice); backward multiplies it by the upstream gradient, or hands it over unchanged
-    when that is exactly 1 (one host sync). Double backward and a second backward through the
-    same loss after such a hand-over raise UnsupportedError. ``check_target`` raises IndexError
-    for a class index outside [0, C) that is not ignore_index: before the launch (one min/max and
-    one host sync on the GPU) when no gradient is computed or under torch.compile; in eager
-    training the kernel flags such rows and the backward raises, inside the sync it makes anyway.
-    Unchecked, such rows are left out. ``inplace_backward=True`` writes the gradient over the
+    the logits, one write of the gradient; label smoothing, probability targets and float64 read
+    rows longer than 32768 classes twice); backward scales it in place by the upstream gradient
+    on the device (nothing to do when that is 1: no host sync) and hands the buffer over. Double
+    backward and a second backward through the same loss raise UnsupportedError, except for
+    float64 logits and under torch.compile, where the scaling is out of place. ``check_target`` raises IndexError for a class
+    index outside [0, C) that is not ignore_index: before the launch (one min/max and one host
+    sync on the GPU) when no gradient is computed or under torch.compile. In eager training the
+    kernel flags such rows instead (no sync): on the CPU the backward raises; on the GPU the
+    first trainops.cross_entropy call or backward after the GPU has set the flag raises (usually
+    the next step's). Unchecked, such rows are left out. ``inplace_backward=True`` writes the gradient over the
     logits (saving a logits-sized buffer): input must be a non-leaf tensor nothing else needs
     afterwards (e.g. the LM head's output); its values are gone after the call (autograd raises if
     another op saved them). Accumulates in float32; deterministic.
@@ -168,6 +171,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
             raise argument_error(InvalidProblemError, "cross_entropy", name,
                                  f"must be a torch.Tensor, got {type(t).__name__}")
     compute_grad = input.requires_grad and torch.is_grad_enabled()
+    if not torch.compiler.is_compiling():
+        library.raise_flagged_targets()
     if inplace_backward and compute_grad:
         if input.is_leaf:
             raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
@@ -177,12 +182,14 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
                                                float(label_smoothing), float(z_loss), loss_dtype,
                                                check_target and not deferred, deferred)
         return (loss, lse) if return_lse else loss
-    # Training in eager mode: the kernel flags bad targets and backward raises, folding the check
-    # into the host sync it makes anyway. Otherwise the op checks before launching (one sync).
+    # Training in eager mode: the kernel flags bad targets, checked later without a host sync.
+    # Otherwise the op checks before launching (one sync).
     deferred = check_target and compute_grad and not torch.compiler.is_compiling()
-    loss, lse, _, _ = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
-                                            float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
-                                            deferred)
+    loss, lse, _, bad = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
+                                              float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
+                                              deferred)
+    if deferred:
+        library.note_target_flag(bad)
     return (loss, lse) if return_lse else loss
 
 
@@ -195,6 +202,8 @@ class _InplaceCrossEntropy(torch.autograd.Function):
         loss, lse, bad = library.cross_entropy_inplace(logits, target, weight, ignore_index, reduction,
                                                        label_smoothing, z_loss, loss_dtype, check_target)
         ctx.save_for_backward(logits, bad)
+        if deferred_check:
+            library.note_target_flag(bad)
         ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.consumed = reduction, logits.dim(), deferred_check, False
         ctx.compute_grad = True
         ctx.mark_non_differentiable(lse)
@@ -202,5 +211,4 @@ class _InplaceCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, dlse):
-        grad, bad = ctx.saved_tensors
-        return (library.scale_fused_gradient(ctx, grad, bad, dloss, in_place=True),) + (None,) * 9
+        return (library.scale_fused_gradient(ctx, dloss, in_place=True),) + (None,) * 9

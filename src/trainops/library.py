@@ -4,29 +4,73 @@ One pattern for every op: ``_define(name, impl, fake, backward, setup_context)``
 schema (inferred from ``impl``'s annotations), the fake (meta) implementation used by
 torch.compile, and the autograd formula. ``impl`` goes through a cached plan, so the registry
 picks the kernel and a repeated problem pays no validation or heuristics again.
+
+Calls in plain eager mode (plain tensors, no torch.compile, no functorch transform) skip the
+dispatcher: the same ``impl``, ``setup_context`` and ``backward`` run through a
+``torch.autograd.Function`` (or ``impl`` alone when no input needs a gradient). The custom op's
+dispatch, schema and aliasing checks cost 100-250 us of host time a call on the H100 machine,
+more than many of these kernels take (benchmarks/NOTES.md). Everything else goes through the op.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.overrides import has_torch_function
 
 from .errors import UnsupportedError
+from .multi_tensor import is_dense
 from .ops import cross_entropy as ce_ops
 from .ops import gather as gather_ops
 from .ops import softmax as softmax_ops
 from .plan import cached_plan
 
 
+class TrainopsOp:
+    """A trainops custom op (``.op``), called directly in plain eager mode (see the module docstring)."""
+
+    def __init__(self, name: str, op, impl: Callable, backward: Callable | None, setup_context: Callable | None,
+                 mutates_args: tuple[str, ...]):
+        params = list(inspect.signature(impl).parameters.values())
+        self.op, self._impl = op, impl
+        self._defaults = tuple(p.default for p in params)
+        self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
+        self._function = None
+        if backward is not None:
+            def forward(ctx, *args):
+                output = impl(*args)
+                setup_context(ctx, args, output)
+                return output
+            self._function = type(f"{name}_function", (torch.autograd.Function,),
+                                  {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                or has_torch_function(args) or any(type(a) not in _PLAIN for a in args if isinstance(a, Tensor))):
+            return self.op(*args)
+        args += self._defaults[len(args):]
+        if (self._function is not None and torch.is_grad_enabled()
+                and any(a.requires_grad for a in args if isinstance(a, Tensor))):
+            return self._function.apply(*args)
+        output = self._impl(*args)
+        for i in self._mutated:
+            torch.autograd.graph.increment_version(args[i])
+        return output
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _define(name: str, impl: Callable, fake: Callable, backward: Callable | None = None,
-            setup_context: Callable | None = None, mutates_args: tuple[str, ...] = ()):
+            setup_context: Callable | None = None, mutates_args: tuple[str, ...] = ()) -> TrainopsOp:
     op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args)
     op.register_fake(fake)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
-    return op
+    return TrainopsOp(name, op, impl, backward, setup_context, mutates_args)
 
 
 def _run_softmax_family(op: str, tensors: tuple[Tensor, ...], dim: int, out_dtype) -> Tensor:
@@ -285,18 +329,47 @@ _NO_GRADS = (None,) * 10
 
 
 def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
-    grad, bad = ctx.saved_tensors
     if dloss is None:
         return None, *_NO_GRADS
-    return scale_fused_gradient(ctx, grad, bad, dloss, in_place=False), *_NO_GRADS
+    return scale_fused_gradient(ctx, dloss, in_place=False), *_NO_GRADS
 
 
-def scale_fused_gradient(ctx, grad: Tensor, bad: Tensor, dloss: Tensor, in_place: bool) -> Tensor:
-    """dloss/dlogits from the gradient the forward kernel wrote (for an upstream gradient of 1).
+# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done).
+_PENDING_TARGET_FLAGS: list[tuple[Tensor, torch.cuda.Event]] = []
+_BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
+                       "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
-    Eager mode: one host sync answers both "did the kernel flag a bad target?" (deferred check)
-    and "is the upstream gradient exactly 1?"; then the buffer is handed over unchanged.
-    ``in_place``: the buffer is the caller's (the logits'), so scaling happens in it.
+
+def note_target_flag(bad: Tensor) -> None:
+    """Remember a CUDA call's bad-target flag for a later check that does not wait for the GPU."""
+    if bad.device.type == "cuda":
+        host = torch.empty(1, dtype=bad.dtype, pin_memory=True)
+        host.copy_(bad, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        _PENDING_TARGET_FLAGS.append((host, done))
+
+
+def raise_flagged_targets() -> None:
+    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
+    while _PENDING_TARGET_FLAGS and _PENDING_TARGET_FLAGS[0][1].query():
+        host, _ = _PENDING_TARGET_FLAGS.pop(0)
+        if host[0]:
+            raise ce_ops.IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(" of a call on the GPU, reported once the "
+                                                                         "GPU had run it"))
+
+
+def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
+    """dloss/dlogits from the gradient the forward kernel wrote (for an upstream gradient of 1),
+    saved with the bad-target flag as ``ctx.saved_tensors``.
+
+    Eager mode, no host synchronisation: the buffer is scaled in place by a kernel that reads
+    dloss on the device and does nothing when it is exactly 1 (``loss.backward()``), then handed
+    over, so a second backward through the same loss raises. float64 logits (gradcheck's dtype)
+    and torch.compile scale out of place instead, and any number of backwards may follow.
+    ``in_place``: the buffer is the caller's (the logits'), so scaling always happens in it.
+    The deferred target check raises here at once for CPU tensors; for CUDA tensors it raises at
+    the first trainops.cross_entropy call or backward after the GPU has set the flag.
     """
     if torch.is_grad_enabled():
         raise UnsupportedError("trainops.cross_entropy: double backward is not supported (the gradient is "
@@ -306,23 +379,27 @@ def scale_fused_gradient(ctx, grad: Tensor, bad: Tensor, dloss: Tensor, in_place
                                "require grad when the loss was computed)")
     if ctx.consumed:
         raise UnsupportedError("trainops.cross_entropy: a second backward through the same loss "
-                               "(retain_graph=True) is not supported: the first one handed its gradient buffer over")
+                               "(retain_graph=True) is not supported for float16/bfloat16/float32 logits: the first one handed "
+                               "its gradient buffer over")
+    grad, bad = ctx.saved_tensors  # after the checks: an in-place scale has bumped the buffer's version
     tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
-    unit = False
-    if not tracing and (ctx.deferred_check or ctx.reduction != "none"):
-        unit_now = (dloss == 1) if ctx.reduction != "none" else torch.zeros((), dtype=torch.bool, device=bad.device)
-        bad_target, unit = torch.stack([bad[0] != 0, unit_now.reshape(())]).tolist()
-        if bad_target:
-            raise ce_ops.IndexOutOfRangeError(
-                "trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
-                "ignore_index (found by the fused kernel; such rows were left out of the loss)")
-    ctx.consumed = unit or in_place
-    if unit:  # loss.backward(): hand over the fused gradient as it is
-        return grad
+    if not tracing and ctx.deferred_check:
+        if bad.device.type == "cpu":
+            if bad[0]:
+                raise ce_ops.IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(""))
+        else:
+            raise_flagged_targets()
     scale = dloss.to(grad.dtype)
     if ctx.reduction == "none" and ctx.ndim > 1:
         scale = scale.unsqueeze(1)
-    return grad.mul_(scale) if in_place else grad * scale
+    if tracing or grad.dtype == torch.float64:
+        ctx.consumed = in_place
+        return grad.mul_(scale) if in_place else grad * scale
+    ctx.consumed = True  # the buffer is handed over
+    if dloss.numel() == 1 and is_dense(grad):
+        ce_ops.scale_gradient_(grad, dloss)
+        return grad
+    return grad.mul_(scale)
 
 
 def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,

@@ -33,7 +33,7 @@ def is_dense(t: torch.Tensor) -> bool:
     if t.is_contiguous():
         return True
     expected = 1
-    for size, stride in sorted((s, st) for s, st in zip(t.shape, t.stride()) if s != 1):
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
         if stride != expected:
             return False
         expected *= size

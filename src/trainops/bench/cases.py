@@ -96,11 +96,11 @@ def softmax_cases(device, quick: bool) -> list[Case]:
     if quick:
         return [_softmax_case("softmax", (4096, 4096), -1, torch.bfloat16, device),
                 _softmax_case("log_softmax_backward", (32, 512, 1024), 1, torch.float32, device)]
-    rows = [(32768, 1024), (4096, 32768), (1024, 131072), (128, 262144)]
-    out = [_softmax_case(op, s, -1, torch.bfloat16, device) for op in ("softmax", "softmax_backward") for s in rows]
-    out += [_softmax_case(op, (4096, 32768), -1, torch.bfloat16, device)
-            for op in ("log_softmax", "log_softmax_backward")]
-    out += [_softmax_case(op, (32, 512, 4096), 1, torch.bfloat16, device) for op in ("softmax", "log_softmax_backward")]
+    ops = ("softmax", "softmax_backward", "log_softmax", "log_softmax_backward")
+    rows = [(32768, 1024), (16384, 4096), (4096, 32768), (1024, 131072), (128, 262144)]
+    out = [_softmax_case(op, s, -1, torch.bfloat16, device) for op in ops for s in rows]
+    out += [_softmax_case(op, (4096, 32768), -1, torch.float32, device) for op in ops]
+    out += [_softmax_case(op, (32, 512, 4096), 1, torch.bfloat16, device) for op in ops]
     return out
 
 

@@ -20,8 +20,10 @@ Fused: when a gradient is wanted, the kernel writes dloss/dlogits for an upstrea
 in the same pass that computes the loss; the backward only scales it by the upstream gradient
 (and in eager mode skips even that when the upstream gradient is exactly 1, at the price of one
 host synchronisation). Rows of up to REGISTER_ROW classes stay in registers: one read of the
-logits, one write of the gradient. Longer rows are read twice, the second time newest chunk
-first so that the re-read hits L2.
+logits, one write of the gradient. Longer rows of class-index targets without label smoothing
+are cut into chunks held by programs that trade partial sums (the "exchange" plan,
+exchange.py): again one read, one write. Other long rows (probability targets, label smoothing,
+float64) are read twice, the second time newest chunk first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
 int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
@@ -38,9 +40,11 @@ import torch
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
+from ..multi_tensor import is_dense, multi_tensor_describer, multi_tensor_launch
 from ..plan import KernelChoice, Launch, check_tensor
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
+from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -205,6 +209,24 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
 
 
 register_op("cross_entropy", _describe, doc=_describe.__doc__)
+register_op("cross_entropy_grad_scale", multi_tensor_describer("cross_entropy_grad_scale"),
+            doc="grad *= dloss in place, skipped when dloss == 1: the backward of the fused gradient")
+
+
+def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor) -> None:
+    """grad *= dloss in place, where dloss is the one-element upstream gradient of a reduced loss.
+
+    The kernel reads dloss on the device and returns at once when it is exactly 1 (the usual
+    ``loss.backward()``), so the backward neither synchronises with the host nor rereads the
+    gradient. grad: dense (any dim order), float dtypes; math in float32 (float64 for float64).
+    """
+    if dloss.numel() != 1 or dloss.device != grad.device:
+        raise argument_error(InvalidProblemError, "cross_entropy_grad_scale", "dloss",
+                             f"must be one element on {grad.device}; got shape {tuple(dloss.shape)} on {dloss.device}")
+    if not is_dense(grad):
+        raise argument_error(InvalidProblemError, "cross_entropy_grad_scale", "grad",
+                             f"is not dense (strides {grad.stride()} for shape {tuple(grad.shape)})")
+    multi_tensor_launch("cross_entropy_grad_scale", grad.device, grad.dtype).run(grad, dloss.reshape(1))
 
 
 def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
@@ -320,6 +342,18 @@ register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=INDEX_DTYPE
          accumulator=ACCUMULATOR, name="cross_entropy_cpu")(_prepare_cpu)
 
 
+def _prepare_grad_scale_cpu(problem) -> Launch:
+    def run(grad, dloss):
+        if dloss.item() != 1:  # a CPU tensor: no synchronisation to avoid
+            grad.mul_(dloss.to(accumulator_dtype(grad.dtype)))
+
+    return Launch(run, KernelChoice("cross_entropy_grad_scale_cpu", "cpu"), accumulator_dtype(problem.dtype))
+
+
+register("cross_entropy_grad_scale", backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+         name="cross_entropy_grad_scale_cpu")(_prepare_grad_scale_cpu)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +361,8 @@ register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=INDEX_DTYPE
 if triton_available():
     import triton
     import triton.language as tl
+
+    from .exchange import merge_max_sum, pack_flagged, poll_flagged
 
     @triton.jit
     def _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c,
@@ -498,6 +534,96 @@ if triton_available():
                     PROBS, HAS_WEIGHT, SMOOTH, GRAD, ACC, BLOCK_C, CHUNKS, FIRST_PASS_EVICT, GRAD_STORE)
 
 
+    @triton.jit
+    def _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask):
+        """Classes c of row r (all masked when r >= R): the chunk one exchange program holds."""
+        n = (r + tl.zeros([], tl.int64)) // S
+        return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=mask & (r < R), other=float("-inf"))
+
+    @triton.jit
+    def _ce_normalizers(t_ptr, w_ptr, norms_ptr, R, C, ignore_index, HAS_WEIGHT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """norms = ["mean"'s divisor of the cross-entropy terms, of the z-loss terms] (one program)."""
+        ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, tl.float32, BLOCK)
+        tl.store(norms_ptr, ce_norm)
+        tl.store(norms_ptr + 1, z_norm)
+
+    @triton.jit
+    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, norms_ptr, words_ptr,
+                          R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+                          HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
+                          PHASE: tl.constexpr):
+        """Class-index targets without label smoothing, float32 math: rows cut into SPLITS chunks of
+        BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
+        [R, SPLITS] (exchange.py). Program 0 of a group writes the row's loss and lse; every
+        program writes its chunk's gradient from registers: one read of the logits, one write.
+        norms: the reduction's two divisors (from _ce_normalizers for "mean", else ones): summing
+        the targets in every program, as _ce_rows does, cost registers this kernel has none left of."""
+        z_coef = tl.load(consts_ptr + 1).to(tl.float32)
+        ce_norm = tl.load(norms_ptr).to(tl.float32)
+        z_norm = tl.load(norms_ptr + 1).to(tl.float32)
+        split = tl.program_id(0) % SPLITS
+        group = tl.program_id(0) // SPLITS
+        groups = tl.num_programs(0) // SPLITS
+        c = split * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = c < C
+        if PHASE == 0:
+            x_next = _ce_chunk(x_ptr, group, R, S, x_sn, x_ss, x_sc, c, mask)
+        for r in range(group, R, groups):
+            if PHASE == 0:
+                x_raw = x_next
+            else:
+                x_raw = _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask)
+            if PHASE != 2:
+                x = x_raw.to(tl.float32)
+                m = tl.max(x, axis=0)
+                s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+                tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, s))
+            if PHASE == 0:  # the next row's chunk loads while this one waits
+                x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
+            if PHASE != 1:
+                n = (r + tl.zeros([], tl.int64)) // S
+                row_s = r % S
+                target = tl.load(t_ptr + n * t_sn + row_s * t_ss).to(tl.int64)
+                valid = (target != ignore_index) & (target >= 0) & (target < C)
+                safe_t = tl.where(valid, target, 0)
+                w_t = 1.0
+                if HAS_WEIGHT:
+                    w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(tl.float32)
+                m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
+                m_ref, total = merge_max_sum(m_k, s_k)
+                lse = m_ref + tl.log(total)
+                x_row = x_ptr + n * x_sn + row_s * x_ss
+                if split == 0:
+                    tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)
+                    x_t = tl.load(x_row + safe_t * x_sc, mask=valid, other=0.0).to(tl.float32)
+                    row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
+                    row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
+                    tl.store(loss_ptr + r, row_loss)
+                    tl.store(lse_ptr + r, lse)
+                if GRAD:
+                    a = w_t / ce_norm + 2.0 * z_coef * lse / z_norm
+                    hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
+                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm, 0.0)
+                    g = tl.where(valid, g, 0.0)
+                    tl.store(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g.to(g_ptr.dtype.element_ty), mask=mask,
+                             cache_modifier=GRAD_STORE)
+
+
+    @triton.jit
+    def _scale_unless_one(g_ptr, scale_ptr, numel, ACC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+        """g *= scale over blocks pid, pid + programs, ...; nothing is read or written when scale == 1.
+        ROUND: "rtne" for half types (the GPU's rounding; the interpreter would truncate otherwise)."""
+        scale = tl.load(scale_ptr).to(ACC)
+        if scale != 1.0:
+            for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                mask = offsets < numel
+                g = tl.load(g_ptr + offsets, mask=mask)
+                tl.store(g_ptr + offsets, (g.to(ACC) * scale).to(g.dtype, fp_downcast_rounding=ROUND), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
@@ -519,8 +645,25 @@ _FIRST_PASS_EVICT = "evict_last"
 _GRAD_STORE = ".cs"
 
 
+# Exchange plan (ops/exchange.py, flagged partials) for long rows of class-index targets without
+# label smoothing: classes per program (64 KiB of logits), one program per SM, a warp per 1024
+# classes. H100, bf16 8192x128256: 1.91 ms (best of 6 settings; two-pass 2.74 in the same run).
+_EXCHANGE_BLOCK = {1: 32768, 2: 32768, 4: 16384}
+_EXCHANGE_PER_SM = 1
+
+
+def _exchange_splits(problem: CrossEntropyProblem) -> int:
+    """Chunks per row of the exchange plan, or 0 where it does not apply (see _EXCHANGE_BLOCK)."""
+    block = _EXCHANGE_BLOCK.get(problem.dtype.itemsize)
+    if (block is None or problem.probabilities or problem.label_smoothing > 0 or not exchange_enabled()
+            or next_pow2(problem.classes) <= REGISTER_ROW[problem.dtype.itemsize]):
+        return 0
+    splits = -(-problem.classes // block)
+    return splits if splits <= sm_count(problem.device) else 0
+
+
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
-    """(BLOCK_C, CHUNKS, num_warps, programs per SM)."""
+    """(BLOCK_C, CHUNKS, num_warps, programs per SM) of the fused and two-pass plans."""
     c, size = problem.classes, problem.dtype.itemsize
     full = next_pow2(c)
     if full <= REGISTER_ROW[size] or problem.probabilities and full <= REGISTER_ROW[size] // 2:
@@ -537,17 +680,19 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     t_strides = row_strides(problem.shape, problem.target_strides) if problem.probabilities else (s, 0, 1)
     g_strides = x_strides if problem.grad_into_input else row_strides(
         problem.shape, torch.empty(problem.shape, device="meta").stride())
-    block, chunks, warps, per_sm = _choose_block(problem)
     mean_by_targets = problem.reduction == "mean" and not problem.probabilities
+    fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
+    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm], dtype=acc,
+                          device=problem.device)
+    strides = (*x_strides, *t_strides, *g_strides)
+    if _exchange_splits(problem):
+        return _prepare_exchange(problem, consts, strides, mean_by_targets)
+    block, chunks, warps, per_sm = _choose_block(problem)
     programs = sm_count(problem.device) * per_sm
     smooth = problem.label_smoothing > 0
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
                 FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets)
-
-    fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
-    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm], dtype=acc,
-                          device=problem.device)
 
     def run(tensors, out):
         logits, target, weight = (*tensors, None)[:3]
@@ -559,8 +704,8 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
         if rows:
             g = logits if problem.grad_into_input or not problem.compute_grad else grad
             _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g,
-                                             row_loss, lse, bad, consts, rows, c, s, *x_strides, *t_strides, *g_strides,
-                                             problem.ignore_index, **meta)
+                                             row_loss, lse, bad, consts, rows, c, s, *strides, problem.ignore_index,
+                                             **meta)
         finish_loss(problem, row_loss, None, loss)
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
@@ -569,7 +714,64 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
                   workspace_bytes=problem.rows * acc.itemsize)
 
 
+def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, strides: tuple[int, ...],
+                      mean_by_targets: bool) -> Launch:
+    """The exchange plan: flagged partials [rows, splits] zeroed per call, one launch (two under the interpreter)."""
+    block, splits = _EXCHANGE_BLOCK[problem.dtype.itemsize], _exchange_splits(problem)
+    c, rows = problem.classes, problem.rows
+    s = 1 if len(problem.shape) <= 2 else math.prod(problem.shape[2:])
+    meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
+                SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, num_warps=min(32, max(4, block // 1024)))
+    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))
+
+    def run(tensors, out):
+        logits, target, weight = (*tensors, None)[:3]
+        if problem.check_target:
+            check_targets(problem, target)
+        loss, lse, grad, bad = out
+        row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        if rows:
+            g = logits if problem.grad_into_input or not problem.compute_grad else grad
+            words = torch.zeros(rows * splits, dtype=torch.int64, device=logits.device)
+            w = logits if weight is None else weight
+            if mean_by_targets:
+                norms = torch.empty(2, dtype=torch.float32, device=logits.device)
+                _ce_normalizers[(1,)](target, w, norms, rows, c, problem.ignore_index, HAS_WEIGHT=problem.has_weight,
+                                      BLOCK=1024)
+            else:
+                norms = consts[2:]
+            args = (logits, target, w, g, row_loss, lse, bad, consts, norms, words, rows, c, s, *strides,
+                    problem.ignore_index)
+            launch_exchange(_ce_rows_exchange, grid, args, meta, logits.device)
+        finish_loss(problem, row_loss, None, loss)
+
+    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", _EXCHANGE_PER_SM),
+              ("plan", "exchange"))
+    return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
+                  workspace_bytes=rows * (4 + 8 * splits))
+
+
+_SCALE_BLOCK = 4096
+_SCALE_PROGRAMS_PER_SM = 8
+
+
+def _prepare_grad_scale_triton(problem) -> Launch:
+    acc = accumulator_dtype(problem.dtype)
+    programs = sm_count(problem.device) * _SCALE_PROGRAMS_PER_SM
+    meta = dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK=_SCALE_BLOCK, num_warps=4,
+                ROUND="rtne" if problem.dtype.itemsize == 2 else None)
+
+    def run(grad, dloss):
+        if grad.numel():
+            base = grad if grad.is_contiguous() else grad.as_strided((grad.numel(),), (1,))
+            _scale_unless_one[(min(programs, -(-grad.numel() // _SCALE_BLOCK)),)](base, dloss, grad.numel(), **meta)
+
+    return Launch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)), acc)
+
+
 if triton_available():
+    register("cross_entropy_grad_scale", backend="triton", dtypes=FLOATS, deterministic=True,
+             accumulator=ACCUMULATOR, name="cross_entropy_grad_scale_triton")(_prepare_grad_scale_triton)
     register("cross_entropy", backend="triton", dtypes=FLOATS, index_dtypes=INDEX_DTYPES, deterministic=True,
              accumulator=ACCUMULATOR, name="cross_entropy_triton")(_prepare_triton)
 

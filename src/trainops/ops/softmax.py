@@ -12,10 +12,13 @@ is read in place through its stride; nothing is transposed or copied (see layout
 Dtypes: float32, float16, bfloat16, float64 inputs; ``out_dtype`` as torch's ``dtype=`` (the input
 is cast to it first). Accumulation in float32, or float64 when the computing dtype is float64.
 Numerics as torch: max-subtracted; an all -inf row gives NaN; NaN propagates along its row.
-Deterministic and bit-identical run to run: fixed reduction order, no atomics.
+Deterministic and bit-identical run to run: fixed reduction order, no atomics on values (the
+exchange plan's counters only order its programs).
 
 Triton plans (chosen in ``_choose_config``):
     fused    the whole row (or a tile of rows / columns) in registers: one read, one write.
+    exchange a long row cut into chunks held in registers by programs that run together and
+             trade partial sums (exchange.py): one read, one write.
     looped   one program streams a long row twice: online max/sum, then a second pass
              newest-chunk-first so its reads hit L2.
     split    few long rows: two launches, per-chunk partial stats into a workspace, then each
@@ -35,6 +38,7 @@ from ..layout import ReductionLayout, next_pow2, reduction_layout
 from ..plan import KernelChoice, Launch, check_tensor
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
                         sm_count, triton_available)
+from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
@@ -207,6 +211,8 @@ for _op in FORWARD_OPS + BACKWARD_OPS:
 if triton_available():
     import triton
     import triton.language as tl
+
+    from .exchange import arrive, merge_max_sum, wait_for
 
     @triton.jit
     def _coords(pid, I_BLOCKS, OUTER1):
@@ -428,13 +434,128 @@ if triton_available():
                 tl.store(dx_ptr + _tile(i, n, dx_si, dx_sn, WIDE), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _chunk(ptr, r, base, s_o0, s_o1, s_i, s_n, n, mask, INNER, OUTER1, ROWS, OTHER: tl.constexpr,
+               WIDE: tl.constexpr):
+        """Positions n of row r (all masked when r >= ROWS): the chunk one exchange program holds."""
+        o0, o1, i = _coords(r, INNER, OUTER1)
+        offsets = n.to(tl.int64) * s_n if WIDE else n * s_n
+        return tl.load(ptr + _row(o0, o1, i, base, s_o0, s_o1, s_i) + offsets, mask=mask & (r < ROWS), other=OTHER)
+
+    @triton.jit
+    def _softmax_fwd_exchange(
+        x_ptr, y_ptr, ws_ptr, count_ptr,
+        x_base, x_so0, x_so1, x_si, x_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        N, INNER, OUTER1, ROWS,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+    ):
+        """Rows cut into SPLITS chunks of BLOCK_N, one per program of a group; chunks trade (max, sum)
+        through ws [2, ROWS, SPLITS] and count [ROWS] (exchange.py: counter). One read, one write."""
+        split = tl.program_id(0) % SPLITS
+        group = tl.program_id(0) // SPLITS
+        groups = tl.num_programs(0) // SPLITS
+        n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = n < N
+        OUT_T: tl.constexpr = y_ptr.dtype.element_ty
+        if PHASE == 0:
+            x_next = _chunk(x_ptr, group, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
+                            float("-inf"), WIDE)
+        for r in range(group, ROWS, groups):
+            if PHASE == 0:
+                x_raw = x_next
+            else:
+                x_raw = _chunk(x_ptr, r, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
+                               float("-inf"), WIDE)
+            if PHASE != 2:
+                x = x_raw.to(OUT_T).to(ACC)
+                m = tl.max(x, axis=0)
+                s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+                tl.store(ws_ptr + r * SPLITS + split, m)
+                tl.store(ws_ptr + (ROWS + r) * SPLITS + split, s)
+                arrive(count_ptr + r)
+            if PHASE == 0:  # the next row's chunk loads while this one waits
+                x_next = _chunk(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1,
+                                ROWS, float("-inf"), WIDE)
+            if PHASE != 1:
+                wait_for(count_ptr + r, SPLITS)
+                k = tl.arange(0, SPLITS_P2)
+                m_ref, s = merge_max_sum(
+                    tl.load(ws_ptr + r * SPLITS + k, mask=k < SPLITS, other=float("-inf"), cache_modifier=".cg"),
+                    tl.load(ws_ptr + (ROWS + r) * SPLITS + k, mask=k < SPLITS, other=0.0, cache_modifier=".cg"))
+                x = x_raw.to(OUT_T).to(ACC)
+                if LOG:
+                    y = x - (m_ref + tl.log(s))
+                else:
+                    y = tl.exp(x - m_ref) * (1.0 / s)
+                o0, o1, i = _coords(r, INNER, OUTER1)
+                offsets = n.to(tl.int64) * y_sn if WIDE else n * y_sn
+                tl.store(y_ptr + _row(o0, o1, i, y_base, y_so0, y_so1, y_si) + offsets, y.to(OUT_T), mask=mask)
+
+    @triton.jit
+    def _softmax_bwd_exchange(
+        dy_ptr, y_ptr, dx_ptr, ws_ptr, count_ptr,
+        dy_base, dy_so0, dy_so1, dy_si, dy_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        dx_base, dx_so0, dx_so1, dx_si, dx_sn,
+        N, INNER, OUTER1, ROWS,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+    ):
+        """Backward of _softmax_fwd_exchange's rows: chunks trade sum(y * dy) (log: sum(dy)) through ws [ROWS, SPLITS]."""
+        split = tl.program_id(0) % SPLITS
+        group = tl.program_id(0) // SPLITS
+        groups = tl.num_programs(0) // SPLITS
+        n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = n < N
+        if PHASE == 0:
+            dy_next = _chunk(dy_ptr, group, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1, ROWS,
+                             0.0, WIDE)
+            y_next = _chunk(y_ptr, group, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1, ROWS, 0.0, WIDE)
+        for r in range(group, ROWS, groups):
+            if PHASE == 0:
+                dy_raw = dy_next
+                y_raw = y_next
+            else:
+                dy_raw = _chunk(dy_ptr, r, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1, ROWS,
+                                0.0, WIDE)
+                y_raw = _chunk(y_ptr, r, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1, ROWS, 0.0, WIDE)
+            if PHASE != 2:
+                if LOG:
+                    part = tl.sum(dy_raw.to(ACC), axis=0)
+                else:
+                    part = tl.sum(y_raw.to(ACC) * dy_raw.to(ACC), axis=0)
+                tl.store(ws_ptr + r * SPLITS + split, part)
+                arrive(count_ptr + r)
+            if PHASE == 0:
+                dy_next = _chunk(dy_ptr, r + groups, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1,
+                                 ROWS, 0.0, WIDE)
+                y_next = _chunk(y_ptr, r + groups, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1,
+                                ROWS, 0.0, WIDE)
+            if PHASE != 1:
+                wait_for(count_ptr + r, SPLITS)
+                k = tl.arange(0, SPLITS_P2)
+                total = tl.sum(tl.load(ws_ptr + r * SPLITS + k, mask=k < SPLITS, other=0.0, cache_modifier=".cg"), axis=0)
+                dy = dy_raw.to(ACC)
+                y = y_raw.to(ACC)
+                if LOG:
+                    dx = dy - tl.exp(y) * total
+                else:
+                    dx = y * (dy - total)
+                o0, o1, i = _coords(r, INNER, OUTER1)
+                offsets = n.to(tl.int64) * dx_sn if WIDE else n * dx_sn
+                tl.store(dx_ptr + _row(o0, o1, i, dx_base, dx_so0, dx_so1, dx_si) + offsets,
+                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher: heuristic, layout, launch
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Block sizes of one launch. kind: "fused" | "looped" | "split" (see the module docstring)."""
+    """Block sizes of one launch. kind: "fused" | "exchange" | "looped" | "split" (see the module docstring)."""
 
     kind: str
     block_i: int
@@ -442,6 +563,7 @@ class TritonConfig:
     num_warps: int
     splits: int = 1
     chunk: int = 0  # positions per split (multiple of block_n); 0 for fused
+    per_sm: int = 0  # exchange: programs per SM wanted (capped by the kernel's occupancy)
 
 
 # Elements of a row (per tensor) one program keeps in registers: a fused plan up to here.
@@ -454,6 +576,13 @@ _STREAM_TILE = {1: 16384, 2: 16384, 4: 8192, 8: 4096}
 _COLUMN_BLOCK = 32
 # Split plans aim at this many programs per SM.
 _SPLIT_PROGRAMS_PER_SM = 16
+# Exchange plans (exchange.py): chunk elements per program, warps and programs per SM, forward and
+# backward. Best of the settings measured on the H100, bf16 128x262144 and 1024x131072
+# (benchmarks/NOTES.md): 8 warps keep the forward at 3 programs per SM (80 registers), where 16
+# warps (58 registers a thread, 2 per SM) were 10-20% slower; the backward fits 2 (122 registers).
+_EXCHANGE_TILE = {1: 8192, 2: 8192, 4: 8192, 8: 4096}
+_EXCHANGE_WARPS = 8
+_EXCHANGE_PER_SM = {False: 3, True: 2}
 
 
 def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonConfig:
@@ -461,9 +590,11 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     Row-major (the reduced axis is the most contiguous): a row of up to _REGISTER_TILE elements
     is fused, several short rows to a program so that each moves at least 1/8 of a register tile.
-    Longer rows stream _STREAM_TILE elements a step, one row to a program ("looped"); with
-    fewer than 2 programs per SM the rows are cut into chunks of half a stream tile ("split"),
-    aiming at _SPLIT_PROGRAMS_PER_SM programs per SM.
+    Longer rows of at most SMs x _EXCHANGE_TILE elements are cut into chunks of _EXCHANGE_TILE
+    held by programs that trade partial sums ("exchange", exchange.py). Longer still (or with
+    the exchange off) rows stream _STREAM_TILE elements a step, one row to a program ("looped");
+    with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
+    ("split"), aiming at _SPLIT_PROGRAMS_PER_SM programs per SM.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
     of _COLUMN_BLOCK contiguous positions by BLOCK_N reduced positions; the reduced axis is
     walked through its stride, never transposed.
@@ -491,6 +622,10 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
         return fused(min(next_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
     else:
         block_i = 1
+        tile = _EXCHANGE_TILE[itemsize]
+        splits = -(-n // tile)
+        if exchange_enabled() and splits <= sm_count(problem.device):
+            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS, splits, tile, _EXCHANGE_PER_SM[backward])
     programs = -(-layout.rows // block_i)
     sms = sm_count(problem.device)
     if programs >= 2 * sms:
@@ -500,6 +635,40 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     splits = min(next_pow2(-(-_SPLIT_PROGRAMS_PER_SM * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
     return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
+
+
+def _operand_args(layout: ReductionLayout, bases) -> list[int]:
+    """Per operand: base offset, then its outer0, outer1, inner and reduced strides."""
+    args = []
+    for k, base in enumerate(bases):
+        args += [base, layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k], layout.stride_n[k]]
+    return args
+
+
+def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: TritonConfig, meta: dict) -> Launch:
+    """One launch per host base (usually one): workspace of partials and a zeroed count per row."""
+    fn = _softmax_bwd_exchange if problem.backward else _softmax_fwd_exchange
+    acc = accumulator_dtype(problem.compute_dtype)
+    rows, splits = layout.rows, config.splits
+    meta = dict(meta, SPLITS=splits, SPLITS_P2=next_pow2(splits))
+    del meta["BLOCK_I"]
+    grid = ExchangeGrid(fn, rows, splits, config.per_sm, sm_count(problem.device))
+    ws_elems = rows * splits * (1 if problem.backward else 2)
+    sizes = [layout.n, layout.inner, layout.outer1, rows]
+    host_args = [_operand_args(layout, bases) + sizes for bases in layout.host_bases]
+
+    def run(tensors, out):
+        if problem.numel == 0:
+            return
+        for args in host_args:
+            ws = torch.empty(ws_elems, dtype=acc, device=out.device)
+            count = torch.zeros(rows, dtype=torch.int32, device=out.device)
+            launch_exchange(fn, grid, (*tensors, out, ws, count, *args), meta, out.device)
+
+    params = (("plan", "exchange"), ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
+              ("splits", splits), ("per_sm", config.per_sm), ("host_launches", len(layout.host_bases)))
+    return Launch(run, KernelChoice(fn.__name__.lstrip("_"), "triton", params), acc,
+                  workspace_bytes=ws_elems * acc.itemsize + rows * 4)
 
 
 def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None) -> Launch:
@@ -519,20 +688,16 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     sizes = [layout.n, layout.inner, layout.outer1, i_blocks]
     if config.kind != "fused":
         sizes += [config.chunk, ws_rows * config.splits]
+    if config.kind == "exchange":
+        return _prepare_exchange(problem, layout, config, meta)
     kernel = {
         (False, "fused"): "_softmax_fwd_fused", (True, "fused"): "_softmax_bwd_fused",
     }.get((problem.backward, config.kind), "_softmax_bwd_chunked" if problem.backward else "_softmax_fwd_chunked")
     fn = globals()[kernel]
-
-    def operand_args(bases):
-        args = []
-        for k, base in enumerate(bases):
-            args += [base, layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k], layout.stride_n[k]]
-        return args
-
     phases = {"fused": ({},), "looped": (dict(SPLITS=1, PHASE=0),),
               "split": (dict(SPLITS=config.splits, PHASE=1), dict(SPLITS=config.splits, PHASE=2))}[config.kind]
-    calls = [(operand_args(bases) + sizes, {**meta, **phase}) for bases in layout.host_bases for phase in phases]
+    calls = [(_operand_args(layout, bases) + sizes, {**meta, **phase})
+             for bases in layout.host_bases for phase in phases]
     grid = (row_programs * config.splits,)
 
     def run(tensors, out):
