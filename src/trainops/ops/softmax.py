@@ -572,8 +572,11 @@ class TritonConfig:
 _REGISTER_TILE = {1: 32768, 2: 32768, 4: 32768, 8: 16384}
 # Elements one program loads per loop step when streaming a long row (32 KiB per tensor).
 _STREAM_TILE = {1: 16384, 2: 16384, 4: 8192, 8: 4096}
-# Contiguous positions a column tile spans (64 B of bf16, 128 B of fp32 were best measured).
+# Contiguous positions a column tile spans: forward 32 (64 B of bf16, 128 B of fp32 were best
+# measured); backward 128 B whatever the dtype (bf16 dim=1 of 32x512x4096: 64 positions, 146 us,
+# against 198 us for 32, log-softmax backward; benchmarks/NOTES.md).
 _COLUMN_BLOCK = 32
+_COLUMN_BYTES_BACKWARD = 128
 # Split plans aim at this many programs per SM.
 _SPLIT_PROGRAMS_PER_SM = 16
 # Exchange plans (exchange.py): chunk elements per program, warps and programs per SM, forward and
@@ -596,8 +599,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
     ("split"), aiming at _SPLIT_PROGRAMS_PER_SM programs per SM.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
-    of _COLUMN_BLOCK contiguous positions by BLOCK_N reduced positions; the reduced axis is
-    walked through its stride, never transposed.
+    of _COLUMN_BLOCK contiguous positions (backward: _COLUMN_BYTES_BACKWARD bytes of them) by
+    BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
     streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
@@ -614,7 +617,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     if column:
-        block_i = min(next_pow2(inner), _COLUMN_BLOCK)
+        positions = max(_COLUMN_BLOCK, _COLUMN_BYTES_BACKWARD // itemsize) if backward else _COLUMN_BLOCK
+        block_i = min(next_pow2(inner), positions)
         fitting = reg_tile // block_n_full
         if fitting >= min(block_i, _COLUMN_BLOCK // 2):
             return fused(min(block_i, fitting))
