@@ -334,8 +334,10 @@ def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
     return scale_fused_gradient(ctx, dloss, in_place=False), *_NO_GRADS
 
 
-# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done).
+# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done);
+# checked pairs are reused (an event costs ~10 us to create).
 _PENDING_TARGET_FLAGS: list[tuple[Tensor, torch.cuda.Event]] = []
+_FREE_TARGET_FLAGS: list[tuple[Tensor, torch.cuda.Event]] = []
 _BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
@@ -343,9 +345,11 @@ _BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class 
 def note_target_flag(bad: Tensor) -> None:
     """Remember a CUDA call's bad-target flag for a later check that does not wait for the GPU."""
     if bad.device.type == "cuda":
-        host = torch.empty(1, dtype=bad.dtype, pin_memory=True)
+        if _FREE_TARGET_FLAGS:
+            host, done = _FREE_TARGET_FLAGS.pop()
+        else:
+            host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
         host.copy_(bad, non_blocking=True)
-        done = torch.cuda.Event()
         done.record()
         _PENDING_TARGET_FLAGS.append((host, done))
 
@@ -353,8 +357,9 @@ def note_target_flag(bad: Tensor) -> None:
 def raise_flagged_targets() -> None:
     """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
     while _PENDING_TARGET_FLAGS and _PENDING_TARGET_FLAGS[0][1].query():
-        host, _ = _PENDING_TARGET_FLAGS.pop(0)
-        if host[0]:
+        entry = _PENDING_TARGET_FLAGS.pop(0)
+        _FREE_TARGET_FLAGS.append(entry)
+        if entry[0][0]:
             raise ce_ops.IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(" of a call on the GPU, reported once the "
                                                                          "GPU had run it"))
 
@@ -389,16 +394,17 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
                 raise ce_ops.IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(""))
         else:
             raise_flagged_targets()
+    if not tracing and grad.dtype != torch.float64:
+        ctx.consumed = True  # the buffer is handed over
+        if dloss.numel() == 1 and is_dense(grad):
+            ce_ops.scale_gradient_(grad, dloss)
+            return grad
     scale = dloss.to(grad.dtype)
     if ctx.reduction == "none" and ctx.ndim > 1:
         scale = scale.unsqueeze(1)
     if tracing or grad.dtype == torch.float64:
         ctx.consumed = in_place
         return grad.mul_(scale) if in_place else grad * scale
-    ctx.consumed = True  # the buffer is handed over
-    if dloss.numel() == 1 and is_dense(grad):
-        ce_ops.scale_gradient_(grad, dloss)
-        return grad
     return grad.mul_(scale)
 
 
