@@ -362,7 +362,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .exchange import merge_max_sum, pack_flagged, poll_flagged
+    from .exchange import merge_max_sum, pack_flagged, place_in_group, poll_flagged
 
     @triton.jit
     def _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c,
@@ -563,9 +563,7 @@ if triton_available():
         z_coef = tl.load(consts_ptr + 1).to(tl.float32)
         ce_norm = tl.load(norms_ptr).to(tl.float32)
         z_norm = tl.load(norms_ptr + 1).to(tl.float32)
-        split = tl.program_id(0) % SPLITS
-        group = tl.program_id(0) // SPLITS
-        groups = tl.num_programs(0) // SPLITS
+        split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = c < C
         if PHASE == 0:

@@ -113,6 +113,12 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def place_in_group(SPLITS: tl.constexpr):
+        """(chunk index, group, number of groups) of this program: programs g * SPLITS + k form group g."""
+        pid = tl.program_id(0)
+        return pid % SPLITS, pid // SPLITS, tl.num_programs(0) // SPLITS
+
+    @triton.jit
     def arrive(count_ptr):
         """Count this program's partial of a row as published (release: the partial's store comes first)."""
         tl.debug_barrier()

@@ -212,7 +212,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .exchange import arrive, merge_max_sum, wait_for
+    from .exchange import arrive, merge_max_sum, place_in_group, wait_for
 
     @triton.jit
     def _coords(pid, I_BLOCKS, OUTER1):
@@ -453,9 +453,7 @@ if triton_available():
     ):
         """Rows cut into SPLITS chunks of BLOCK_N, one per program of a group; chunks trade (max, sum)
         through ws [2, ROWS, SPLITS] and count [ROWS] (exchange.py: counter). One read, one write."""
-        split = tl.program_id(0) % SPLITS
-        group = tl.program_id(0) // SPLITS
-        groups = tl.num_programs(0) // SPLITS
+        split, group, groups = place_in_group(SPLITS)
         n = split * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = n < N
         OUT_T: tl.constexpr = y_ptr.dtype.element_ty
@@ -504,9 +502,7 @@ if triton_available():
         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
     ):
         """Backward of _softmax_fwd_exchange's rows: chunks trade sum(y * dy) (log: sum(dy)) through ws [ROWS, SPLITS]."""
-        split = tl.program_id(0) % SPLITS
-        group = tl.program_id(0) // SPLITS
-        groups = tl.num_programs(0) // SPLITS
+        split, group, groups = place_in_group(SPLITS)
         n = split * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = n < N
         if PHASE == 0:
