@@ -370,6 +370,27 @@ def test_real_vocabularies(rows, classes, options):
     assert torch.equal(again, loss)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("classes", [32000, 128256, 262144])
+def test_gpu_inplace_backward_long_rows(classes):
+    # The exchange plan writes each chunk's gradient as soon as the row's partials are in: the
+    # target's logit must have been read before (it may sit in another program's chunk).
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = 1024
+    base = (torch.randn(rows, classes, device="cuda", generator=gen) * 2).bfloat16()
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
+    t[::5] = -100
+    ref_x = base.double().requires_grad_()
+    ref = F.cross_entropy(ref_x, t, reduction="none")  # per row: one wrong target logit stands out
+    ref.sum().backward()
+    leaf = base.clone().requires_grad_()
+    logits = leaf * 1  # a non-leaf whose buffer the gradient may take over
+    loss = trainops.cross_entropy(logits, t, reduction="none", inplace_backward=True, loss_dtype=torch.float32)
+    loss.sum().backward()
+    assert_close(loss, ref, torch.float32, "in-place loss")
+    assert_close(leaf.grad, ref_x.grad, torch.bfloat16, "in-place gradient")
+
+
 # ---- gradient written over the logits --------------------------------------------------------------
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -573,6 +573,18 @@ if triton_available():
                 x_raw = x_next
             else:
                 x_raw = _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask)
+            if PHASE != 1:
+                # The target's logit is read before this program publishes: when the gradient is
+                # written over the logits, the program holding the target's chunk writes it as
+                # soon as every program of the group has published (under the interpreter the
+                # phases run in program order, and program 0 of a group runs first).
+                n = (r + tl.zeros([], tl.int64)) // S
+                row_s = r % S
+                target = tl.load(t_ptr + n * t_sn + row_s * t_ss).to(tl.int64)
+                valid = (target != ignore_index) & (target >= 0) & (target < C)
+                safe_t = tl.where(valid, target, 0)
+                x_t = tl.load(x_ptr + n * x_sn + row_s * x_ss + safe_t * x_sc, mask=valid & (split == 0),
+                              other=0.0).to(tl.float32)
             if PHASE != 2:
                 x = x_raw.to(tl.float32)
                 m = tl.max(x, axis=0)
@@ -581,21 +593,14 @@ if triton_available():
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
             if PHASE != 1:
-                n = (r + tl.zeros([], tl.int64)) // S
-                row_s = r % S
-                target = tl.load(t_ptr + n * t_sn + row_s * t_ss).to(tl.int64)
-                valid = (target != ignore_index) & (target >= 0) & (target < C)
-                safe_t = tl.where(valid, target, 0)
                 w_t = 1.0
                 if HAS_WEIGHT:
                     w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(tl.float32)
                 m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
                 m_ref, total = merge_max_sum(m_k, s_k)
                 lse = m_ref + tl.log(total)
-                x_row = x_ptr + n * x_sn + row_s * x_ss
                 if split == 0:
                     tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)
-                    x_t = tl.load(x_row + safe_t * x_sc, mask=valid, other=0.0).to(tl.float32)
                     row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
                     row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
                     tl.store(loss_ptr + r, row_loss)
