@@ -37,6 +37,7 @@ class TrainopsOp:
         params = list(inspect.signature(impl).parameters.values())
         self.op, self._impl = op, impl
         self._defaults = tuple(p.default for p in params)
+        self._required = sum(p.default is inspect.Parameter.empty for p in params)
         self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
         self._function = None
         if backward is not None:
@@ -47,10 +48,11 @@ class TrainopsOp:
             self._function = type(f"{name}_function", (torch.autograd.Function,),
                                   {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
-    def __call__(self, *args):
-        if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-                or has_torch_function(args) or any(type(a) not in _PLAIN for a in args if isinstance(a, Tensor))):
-            return self.op(*args)
+    def __call__(self, *args, **kwargs):
+        if (kwargs or len(args) < self._required or torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active() or has_torch_function(args)
+                or any(type(a) not in _PLAIN for a in args if isinstance(a, Tensor))):
+            return self.op(*args, **kwargs)
         args += self._defaults[len(args):]
         if (self._function is not None and torch.is_grad_enabled()
                 and any(a.requires_grad for a in args if isinstance(a, Tensor))):
