@@ -74,9 +74,9 @@ class ExchangeGrid:
     """The grid of an exchange kernel, per Triton specialisation of its arguments.
 
     Triton compiles one kernel per argument specialisation (16-byte aligned pointers, integers
-    divisible by 16 or equal to 1), and each may use a different number of registers, so the
-    occupancy is looked up per specialisation: the first launch of each compiles through
-    ``warmup`` and reads the kernel's registers and shared memory.
+    divisible by 16 or equal to 1, 32- or 64-bit integers), and each may use a different number
+    of registers, so the occupancy is looked up per specialisation: the first launch of each
+    compiles through ``warmup`` and reads the kernel's registers and shared memory.
     """
 
     def __init__(self, fn, rows: int, splits: int, per_sm: int, sms: int):
@@ -86,7 +86,7 @@ class ExchangeGrid:
     @staticmethod
     def _key(args: Sequence) -> tuple:
         return tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
-                     else (a == 1, a % 16 == 0) if isinstance(a, int) else None for a in args)
+                     else (a == 1, a % 16 == 0, -2**31 <= a < 2**31) if isinstance(a, int) else None for a in args)
 
     def __call__(self, args: Sequence, meta: dict, device: torch.device) -> tuple[int]:
         if device.type != "cuda":  # the interpreter: programs run one after another anyway
