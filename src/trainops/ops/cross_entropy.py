@@ -688,8 +688,9 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm], dtype=acc,
                           device=problem.device)
     strides = (*x_strides, *t_strides, *g_strides)
-    if _exchange_splits(problem):
-        return _prepare_exchange(problem, consts, strides, mean_by_targets)
+    splits = _exchange_splits(problem)
+    if splits:
+        return _prepare_exchange(problem, consts, strides, mean_by_targets, splits, s)
     block, chunks, warps, per_sm = _choose_block(problem)
     programs = sm_count(problem.device) * per_sm
     smooth = problem.label_smoothing > 0
@@ -718,11 +719,11 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
 
 
 def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, strides: tuple[int, ...],
-                      mean_by_targets: bool) -> Launch:
-    """The exchange plan: flagged partials [rows, splits] zeroed per call, one launch (two under the interpreter)."""
-    block, splits = _EXCHANGE_BLOCK[problem.dtype.itemsize], _exchange_splits(problem)
+                      mean_by_targets: bool, splits: int, s: int) -> Launch:
+    """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
+    [rows, splits] zeroed per call, one launch (two under the interpreter)."""
+    block = _EXCHANGE_BLOCK[problem.dtype.itemsize]
     c, rows = problem.classes, problem.rows
-    s = 1 if len(problem.shape) <= 2 else math.prod(problem.shape[2:])
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, num_warps=min(32, max(4, block // 1024)))
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))

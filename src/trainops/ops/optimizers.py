@@ -647,51 +647,44 @@ if triton_available():
 
         return Launch(run, _kernel_choice("sgd_blocks"), torch.float32)
 
-    def _moment_step_args(columns, steps, table, validate, hyper, grad_scale, found_inf, clip):
-        """What Adam and LAMB launches share: the tables (step counters advanced first), hyper-parameter
-        values with their *_POINTER flags, and the optional pointers with their HAS_* flags."""
-        tables = table.tables(columns, [steps], validate=validate)
-        _advance(tables, len(columns), found_inf)
-        values, flags = {}, {}
-        for name, flag in (("lr", "LR_POINTER"), ("beta1", "BETA1_POINTER"), ("beta2", "BETA2_POINTER"),
-                           ("weight_decay", "WD_POINTER")):
-            values[name], flags[flag] = _hyper(hyper[name])
-        pointers, has = _flags(grad_scale, found_inf, clip, columns)
-        return tables, values, flags, pointers, has
+    def _moment_step_launch(problem: MultiTensorProblem, kernel_name: str, launch) -> Launch:
+        """The Launch of the Adam and LAMB steps. Its run builds what both kernels share: the tables
+        (step counters advanced first), the hyper-parameter values with their *_POINTER flags, the
+        optional pointers with their HAS_* flags, and the dtype and row constexprs; then, when the
+        tables hold blocks, ``launch(tables, values, flags, pointers, has, eps, rows)`` launches."""
+        master = problem.option("master")
+        dtypes = dict(P_DTYPE=TL_DTYPES[problem.dtype], S_DTYPE=TL_DTYPES[problem.option("state_dtype")])
+
+        def run(columns, steps, *, eps, grad_scale, found_inf, clip, table, validate, **hyper):
+            tables = table.tables(columns, [steps], validate=validate)
+            _advance(tables, len(columns), found_inf)
+            values, flags = {}, {}
+            for name, flag in (("lr", "LR_POINTER"), ("beta1", "BETA1_POINTER"), ("beta2", "BETA2_POINTER"),
+                               ("weight_decay", "WD_POINTER")):
+                values[name], flags[flag] = _hyper(hyper[name])
+            pointers, has = _flags(grad_scale, found_inf, clip, columns)
+            if tables.n_blocks:
+                rows = dict(dtypes, MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns))
+                launch(tables, values, flags, pointers, has, float(eps), rows)
+
+        return Launch(run, _kernel_choice(kernel_name), torch.float32)
 
     def _prepare_adam_triton(problem: MultiTensorProblem) -> Launch:
-        master = problem.option("master")
-        p_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("state_dtype")]
-
-        def run(columns, steps, *, eps, grad_scale, found_inf, clip, table, validate, **hyper):
-            tables, values, flags, pointers, has = _moment_step_args(columns, steps, table, validate, hyper,
-                                                                      grad_scale, found_inf, clip)
-            if not tables.n_blocks:
-                return
+        def launch(tables, values, flags, pointers, has, eps, rows):
             _adam_blocks[(tables.n_blocks,)](
-                *_table_args(tables), **pointers, **values, eps=float(eps), P_DTYPE=p_dtype, S_DTYPE=s_dtype,
-                **flags, DECOUPLED=problem.option("decoupled"), AMSGRAD=problem.option("amsgrad"),
-                MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns), **has,
+                *_table_args(tables), **pointers, **values, eps=eps, **rows, **flags,
+                DECOUPLED=problem.option("decoupled"), AMSGRAD=problem.option("amsgrad"), **has,
                 MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
-        return Launch(run, _kernel_choice("adam_blocks"), torch.float32)
+        return _moment_step_launch(problem, "adam_blocks", launch)
 
     def _prepare_lamb_triton(problem: MultiTensorProblem) -> Launch:
-        master = problem.option("master")
-        p_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("state_dtype")]
-
-        def run(columns, steps, *, eps, grad_scale, found_inf, clip, table, validate, **hyper):
-            tables, values, flags, pointers, has = _moment_step_args(columns, steps, table, validate, hyper,
-                                                                      grad_scale, found_inf, clip)
-            if not tables.n_blocks:
-                return
-            device = columns[0][0].device
+        def launch(tables, values, flags, pointers, has, eps, rows):
+            device = tables.addresses.device
             partials = torch.empty(2 * tables.n_blocks, dtype=torch.float32, device=device)
             ratios = torch.empty(tables.n_tensors, dtype=torch.float32, device=device)
             lr, lr_pointer = values.pop("lr"), flags.pop("LR_POINTER")
-            common = dict(**values, eps=float(eps), P_DTYPE=p_dtype, S_DTYPE=s_dtype, **flags,
-                          BIAS_CORRECTION=problem.option("bias_correction"),
-                          MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns),
+            common = dict(**values, eps=eps, **rows, **flags, BIAS_CORRECTION=problem.option("bias_correction"),
                           HAS_FOUND_INF=has["HAS_FOUND_INF"], ALIGNED=tables.aligned, BLOCK=_BLOCK,
                           num_warps=_WARPS)
             _lamb_moments_blocks[(tables.n_blocks,)](
@@ -702,7 +695,7 @@ if triton_available():
             _lamb_apply_blocks[(tables.n_blocks,)](*_table_args(tables), pointers["found_inf_ptr"], ratios, lr=lr,
                                                    LR_POINTER=lr_pointer, **common)
 
-        return Launch(run, _kernel_choice("lamb_moments_blocks+trust_ratios+apply_blocks"), torch.float32)
+        return _moment_step_launch(problem, "lamb_moments_blocks+trust_ratios+apply_blocks", launch)
 
     register("sgd_step", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="float32",
              name="sgd_step_triton")(_prepare_sgd_triton)
