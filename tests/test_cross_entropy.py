@@ -85,7 +85,8 @@ def check(x, target, dtype, what, **options):
     tolerance_dtype = dtype if options.get("loss_dtype") is None else max(dtype, torch.float32, key=_bits)
     assert_close(loss, ref_loss, tolerance_dtype, f"{what}: loss")
     assert_close(lse, ref_lse, torch.float64 if dtype == torch.float64 else torch.float32, f"{what}: lse")
-    upstream = torch.rand(loss.shape, dtype=torch.float64) + 0.5
+    gen = torch.Generator().manual_seed(seed_of("upstream", what, tuple(x.shape), str(x.dtype)))
+    upstream = torch.rand(loss.shape, generator=gen, dtype=torch.float64) + 0.5  # the same whatever ran before
     loss.backward(upstream.to(loss.dtype).to(loss.device))
     expected = ref_grad * (upstream.to(loss.dtype).double().unsqueeze(-1 if x.dim() == 2 else 1)
                            if loss.dim() else upstream.to(loss.dtype).double())

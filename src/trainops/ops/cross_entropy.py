@@ -403,6 +403,16 @@ if triton_available():
         return tl.where(valid, g, 0.0)
 
     @triton.jit
+    def _store_grad(ptrs, g, mask, GRAD_STORE: tl.constexpr):
+        """Store a gradient chunk rounded to nearest: the GPU's rounding for half types, which Triton's
+        interpreter would otherwise replace by truncation."""
+        DT: tl.constexpr = ptrs.dtype.element_ty
+        if DT.primitive_bitwidth == 16:
+            tl.store(ptrs, g.to(DT, fp_downcast_rounding="rtne"), mask=mask, cache_modifier=GRAD_STORE)
+        else:
+            tl.store(ptrs, g.to(DT), mask=mask, cache_modifier=GRAD_STORE)
+
+    @triton.jit
     def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr,
                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss,
                 ignore_index, smoothing, z_coef, ce_norm, z_norm,
@@ -481,7 +491,7 @@ if triton_available():
             inv_norm = 1.0 / ce_norm
             if CHUNKS == 1:
                 g = _ce_grad(e * (1.0 / total), w, q, cols, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
-                tl.store(g_ptr + cols * g_sc, g.to(g_ptr.dtype.element_ty), mask=cols < C, cache_modifier=GRAD_STORE)
+                _store_grad(g_ptr + cols * g_sc, g, cols < C, GRAD_STORE)
             else:
                 for k in range(CHUNKS):  # newest chunk first: its bytes are the likeliest still in L2
                     c = (CHUNKS - 1 - k) * BLOCK_C + cols
@@ -489,7 +499,7 @@ if triton_available():
                     x, w, q = _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c, PROBS,
                                        HAS_WEIGHT, ACC, "evict_first")
                     g = _ce_grad(tl.exp(x - lse), w, q, c, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
-                    tl.store(g_ptr + c * g_sc, g.to(g_ptr.dtype.element_ty), mask=mask, cache_modifier=GRAD_STORE)
+                    _store_grad(g_ptr + c * g_sc, g, mask, GRAD_STORE)
 
     @triton.jit
     def _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
@@ -610,8 +620,7 @@ if triton_available():
                     hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
                     g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm, 0.0)
                     g = tl.where(valid, g, 0.0)
-                    tl.store(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g.to(g_ptr.dtype.element_ty), mask=mask,
-                             cache_modifier=GRAD_STORE)
+                    _store_grad(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
 
 
     @triton.jit
