@@ -294,13 +294,33 @@ def test_plan_reports_the_row_plan():
         return trainops.plan("cross_entropy", shape=(8, classes), dtype=dtype, target_dtype=target_dtype,
                              device=device, **options).kernel["plan"]
     with trainops.backend("triton"):
-        assert plan(32000) == "fused"
+        assert plan(16384) == plan(8192, dtype=torch.float32) == "fused"
+        assert plan(16385) == plan(32000) == plan(8193, dtype=torch.float32) == "pipelined"  # one chunk a row
+        assert plan(32000, label_smoothing=0.1) == plan(16384, dtype=torch.float64) == "fused"
         assert plan(131072) == "exchange"  # 4 chunks of 32768 classes
         assert plan(131072, label_smoothing=0.1) == plan(131072, dtype=torch.float64) == "two-pass"
         assert plan(131072, target_dtype=torch.bfloat16, target_shape=(8, 131072)) == "two-pass"  # probabilities
         short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
                               device=device)
     assert short.precision.deterministic and short.precision.accumulator == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipelined_rows(backend, device, monkeypatch, dtype):
+    """One chunk a row (classes up to the exchange block): each program loads its next row while it
+    writes this one; more rows than programs, so every program goes round its loop several times."""
+    monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {2: 8, 4: 8})
+    monkeypatch.setattr(ce_ops, "sm_count", lambda device: 4)
+    gen = torch.Generator().manual_seed(seed_of("pipelined", backend, dtype))
+    for classes, options in ((5, {}), (8, dict(reduction="sum", z_loss=1e-3)), (7, dict(reduction="none"))):
+        x = make_logits([37, classes], dtype, device, gen, layout="sliced")
+        target = torch.randint(0, classes, (37,), generator=gen)
+        target[[0, 11, 36]] = -100
+        weight = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.1).to(dtype).to(device)
+        kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                               device=device).kernel
+        assert kernel.name == "cross_entropy_cpu" if backend == "cpu" else kernel["plan"] == "pipelined"
+        check(x, target.to(device), dtype, f"pipelined {classes}", weight=weight, **options)
 
 
 def test_exchange_plan_can_be_switched_off(monkeypatch):
@@ -369,6 +389,38 @@ def test_real_vocabularies(rows, classes, options):
     again = trainops.cross_entropy(x.detach().requires_grad_(), t, loss_dtype=torch.float32,
                                    **dict(options, z_loss=z))
     assert torch.equal(again, loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,classes,dtype", [(4096, 16001, torch.float32), (8192, 32000, torch.float16),
+                                                (600, 131072, torch.bfloat16)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gpu_reductions_in_the_kernel(rows, classes, dtype, reduction):
+    """The pipelined and exchange plans reduce "mean" / "sum" in the kernel (the last program to finish
+    sums the rows): against float64, bit-identical run to run; an all-ignored batch gives NaN for "mean"."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(rows, classes, device="cuda", generator=gen) * 2).to(dtype).requires_grad_()
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
+    t[::5] = -100
+    assert trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=t.dtype,
+                         reduction=reduction).kernel["plan"] in ("pipelined", "exchange")
+    loss = trainops.cross_entropy(x, t, reduction=reduction, loss_dtype=torch.float32)
+    upstream = torch.rand(loss.shape, device="cuda", generator=gen) + 0.5
+    if reduction == "mean":  # gradients of order p, not p / rows (float16 would flush those to subnormals)
+        upstream *= (t != -100).sum()
+    loss.backward(upstream)
+    xd = x.detach().double().requires_grad_()
+    ref = F.cross_entropy(xd, t, reduction=reduction)
+    ref.backward(upstream.double())
+    assert_close(loss, ref, torch.float32, "loss")
+    assert_close(x.grad, xd.grad, dtype, "grad")
+    assert torch.equal(trainops.cross_entropy(x.detach(), t, reduction=reduction, loss_dtype=torch.float32), loss)
+    if reduction == "mean":
+        ignored = torch.full_like(t, -100)
+        x.grad = None
+        none = trainops.cross_entropy(x, ignored)
+        none.backward()
+        assert torch.isnan(none) and not x.grad.any()
 
 
 @pytest.mark.gpu

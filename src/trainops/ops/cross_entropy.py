@@ -18,11 +18,12 @@ A batch with every row ignored gives NaN for "mean", as torch does, and a zero g
 
 Fused: when a gradient is wanted, the kernel writes dloss/dlogits for an upstream gradient of 1
 in the same pass that computes the loss; the backward only scales it by the upstream gradient
-(and in eager mode skips even that when the upstream gradient is exactly 1, at the price of one
-host synchronisation). Rows of up to REGISTER_ROW classes stay in registers: one read of the
-logits, one write of the gradient. Longer rows of class-index targets without label smoothing
-are cut into chunks held by programs that trade partial sums (the "exchange" plan,
-exchange.py): again one read, one write. Other long rows (probability targets, label smoothing,
+(a kernel that reads the upstream gradient on the device and does nothing when it is exactly 1).
+Each row is read once and its gradient written once: short rows in registers (plan "fused");
+rows of class-index targets without label smoothing of more than half an exchange block (16384
+half or 8192 float32 classes) by a persistent grid that loads the next row while it writes this one
+("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
+exchange.py). Other rows longer than REGISTER_ROW (probability targets, label smoothing,
 float64) are read twice, the second time newest chunk first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
@@ -260,7 +261,8 @@ def normalizers(problem: CrossEntropyProblem, target: torch.Tensor, weight: torc
 
 def finish_loss(problem: CrossEntropyProblem, row_loss: torch.Tensor, norm: torch.Tensor | None,
                 loss: torch.Tensor) -> None:
-    """loss <- the reduction of the (already normalised) per-row losses.
+    """loss <- the reduction of the (already normalised) per-row losses (the CPU path, and any
+    path with no rows; the Triton kernels reduce in the kernel).
 
     "mean" over a zero total weight (every row ignored, or no rows) is NaN, as torch's 0 / 0: from
     ``norm`` when given, else the kernel has written NaN into row 0.
@@ -403,17 +405,30 @@ if triton_available():
         return tl.where(valid, g, 0.0)
 
     @triton.jit
-    def _store_grad(ptrs, g, mask, GRAD_STORE: tl.constexpr):
-        """Store a gradient chunk rounded to nearest: the GPU's rounding for half types, which Triton's
-        interpreter would otherwise replace by truncation."""
+    def _store_nearest(ptrs, v, mask, CACHE: tl.constexpr):
+        """Store v in the pointers' dtype rounded to nearest: the GPU's rounding for half types, which
+        Triton's interpreter would otherwise replace by truncation."""
         DT: tl.constexpr = ptrs.dtype.element_ty
         if DT.primitive_bitwidth == 16:
-            tl.store(ptrs, g.to(DT, fp_downcast_rounding="rtne"), mask=mask, cache_modifier=GRAD_STORE)
+            tl.store(ptrs, v.to(DT, fp_downcast_rounding="rtne"), mask=mask, cache_modifier=CACHE)
         else:
-            tl.store(ptrs, g.to(DT), mask=mask, cache_modifier=GRAD_STORE)
+            tl.store(ptrs, v.to(DT), mask=mask, cache_modifier=CACHE)
 
     @triton.jit
-    def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr,
+    def _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, BLOCK: tl.constexpr):
+        """Called by every program once its rows' losses are stored: the program that arrives last
+        (a zeroed int32 ticket) sums rows_ptr[0:R] in row order into loss_ptr[0], so "mean" and
+        "sum" need no further launch and stay deterministic."""
+        tl.debug_barrier()  # every thread's row stores come before the release below
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            total = tl.zeros([BLOCK], rows_ptr.dtype.element_ty)
+            for start in range(0, R, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                total += tl.load(rows_ptr + i, mask=i < R, other=0.0, volatile=True)
+            _store_nearest(loss_ptr, tl.sum(total, axis=0), None, "")
+
+    @triton.jit
+    def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss,
                 ignore_index, smoothing, z_coef, ce_norm, z_norm,
                 PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
@@ -483,7 +498,7 @@ if triton_available():
                 scale += eps_c * w_total
         row_loss = tl.where(valid, ce / ce_norm + z_coef * lse * lse / z_norm, 0.0)
         row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" over no weight: 0 / 0
-        tl.store(loss_ptr + r, row_loss)
+        _store_nearest(rows_ptr + r, row_loss, None, "")
         tl.store(lse_ptr + r, lse)
         if GRAD:
             a = scale / ce_norm + 2.0 * z_coef * lse / z_norm
@@ -491,7 +506,7 @@ if triton_available():
             inv_norm = 1.0 / ce_norm
             if CHUNKS == 1:
                 g = _ce_grad(e * (1.0 / total), w, q, cols, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
-                _store_grad(g_ptr + cols * g_sc, g, cols < C, GRAD_STORE)
+                _store_nearest(g_ptr + cols * g_sc, g, cols < C, GRAD_STORE)
             else:
                 for k in range(CHUNKS):  # newest chunk first: its bytes are the likeliest still in L2
                     c = (CHUNKS - 1 - k) * BLOCK_C + cols
@@ -499,7 +514,7 @@ if triton_available():
                     x, w, q = _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c, PROBS,
                                        HAS_WEIGHT, ACC, "evict_first")
                     g = _ce_grad(tl.exp(x - lse), w, q, c, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
-                    _store_grad(g_ptr + c * g_sc, g, mask, GRAD_STORE)
+                    _store_nearest(g_ptr + c * g_sc, g, mask, GRAD_STORE)
 
     @triton.jit
     def _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr,
@@ -519,12 +534,15 @@ if triton_available():
         return tl.sum(total, axis=0), tl.sum(count, axis=0)
 
     @triton.jit
-    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, R,
+    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, R,
                  C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                  PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
                  ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
-                 FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr, MEAN_BY_TARGETS: tl.constexpr):
+                 FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr, MEAN_BY_TARGETS: tl.constexpr,
+                 REDUCE: tl.constexpr):
         """Rows pid, pid + programs, ... (a persistent grid): loss, lse and the gradient of each.
+        Per-row losses go to rows_ptr (the "none" output itself, else a scratch that REDUCE sums
+        into loss_ptr[0], see _sum_row_losses).
 
         CHUNKS == 1: the row stays in registers (one read). Else pass 1 streams the row (online
         max / sum), pass 2 re-reads it newest chunk first and writes the gradient; few programs
@@ -538,10 +556,12 @@ if triton_available():
             ce_norm = tl.load(consts_ptr + 2).to(ACC)
             z_norm = tl.load(consts_ptr + 3).to(ACC)
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
-            _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr,
+            _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
                     C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index, smoothing, z_coef,
                     ce_norm, z_norm,
                     PROBS, HAS_WEIGHT, SMOOTH, GRAD, ACC, BLOCK_C, CHUNKS, FIRST_PASS_EVICT, GRAD_STORE)
+        if REDUCE:
+            _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, 1024)
 
 
     @triton.jit
@@ -551,33 +571,27 @@ if triton_available():
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=mask & (r < R), other=float("-inf"))
 
     @triton.jit
-    def _ce_normalizers(t_ptr, w_ptr, norms_ptr, R, C, ignore_index, HAS_WEIGHT: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        """norms = ["mean"'s divisor of the cross-entropy terms, of the z-loss terms] (one program)."""
-        ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, tl.float32, BLOCK)
-        tl.store(norms_ptr, ce_norm)
-        tl.store(norms_ptr + 1, z_norm)
-
-    @triton.jit
-    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, norms_ptr, words_ptr,
-                          R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr,
+                          words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
-                          PHASE: tl.constexpr):
+                          MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, PHASE: tl.constexpr):
         """Class-index targets without label smoothing, float32 math: rows cut into SPLITS chunks of
         BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
-        [R, SPLITS] (exchange.py). Program 0 of a group writes the row's loss and lse; every
-        program writes its chunk's gradient from registers: one read of the logits, one write.
-        norms: the reduction's two divisors (from _ce_normalizers for "mean", else ones): summing
-        the targets in every program, as _ce_rows does, cost registers this kernel has none left of."""
+        [R, SPLITS] (exchange.py); with SPLITS == 1 a program holds whole rows and trades nothing.
+        Program 0 of a group writes the row's loss and lse; every program writes its chunk's
+        gradient from registers: one read of the logits, one write. Losses as _ce_rows."""
         z_coef = tl.load(consts_ptr + 1).to(tl.float32)
-        ce_norm = tl.load(norms_ptr).to(tl.float32)
-        z_norm = tl.load(norms_ptr + 1).to(tl.float32)
         split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = c < C
         if PHASE == 0:
             x_next = _ce_chunk(x_ptr, group, R, S, x_sn, x_ss, x_sc, c, mask)
+        if MEAN_BY_TARGETS and PHASE != 1:  # every program sums the same way, while its first chunk loads
+            ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, tl.float32, 2048)
+        else:
+            ce_norm = tl.load(consts_ptr + 2).to(tl.float32)
+            z_norm = tl.load(consts_ptr + 3).to(tl.float32)
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
@@ -598,29 +612,34 @@ if triton_available():
             if PHASE != 2:
                 x = x_raw.to(tl.float32)
                 m = tl.max(x, axis=0)
-                s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-                tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, s))
+                m_ref = tl.where(m == float("-inf"), 0.0, m)
+                total = tl.sum(tl.exp(x - m_ref), axis=0)
+                if SPLITS > 1:
+                    tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, total))
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
             if PHASE != 1:
                 w_t = 1.0
                 if HAS_WEIGHT:
                     w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(tl.float32)
-                m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
-                m_ref, total = merge_max_sum(m_k, s_k)
+                if SPLITS > 1:
+                    m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
+                    m_ref, total = merge_max_sum(m_k, s_k)
                 lse = m_ref + tl.log(total)
                 if split == 0:
                     tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)
                     row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
                     row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
-                    tl.store(loss_ptr + r, row_loss)
+                    _store_nearest(rows_ptr + r, row_loss, None, "")
                     tl.store(lse_ptr + r, lse)
                 if GRAD:
                     a = w_t / ce_norm + 2.0 * z_coef * lse / z_norm
                     hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
                     g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm, 0.0)
                     g = tl.where(valid, g, 0.0)
-                    _store_grad(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
+                    _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
+        if REDUCE and PHASE != 1:
+            _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, 1024)
 
 
     @triton.jit
@@ -657,10 +676,15 @@ _FIRST_PASS_EVICT = "evict_last"
 _GRAD_STORE = ".cs"
 
 
-# Exchange plan (ops/exchange.py, flagged partials) for long rows of class-index targets without
-# label smoothing: classes per program (64 KiB of logits), one program per SM, a warp per 1024
-# classes. H100, bf16 8192x128256: 1.91 ms (best of 6 settings; two-pass 2.74 in the same run).
-_EXCHANGE_BLOCK = {1: 32768, 2: 32768, 4: 16384}
+# Exchange plan (ops/exchange.py, flagged partials) for class-index targets without label
+# smoothing, rows of more than half a block: BLOCK classes a program (64 KiB of logits), one
+# program of 16 warps per SM (64 classes a thread in 128 registers, no spill), persistent, the
+# next row's chunk loaded while this one's gradient is written. A row of up to one block stays in
+# one program and trades nothing (plan "pipelined"). H100 sweep (benchmarks/NOTES.md, 2026-11-23),
+# kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32 warps: 2.29,
+# spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused 0.420).
+_EXCHANGE_BLOCK = {2: 32768, 4: 16384}
+_EXCHANGE_WARPS = 16
 _EXCHANGE_PER_SM = 1
 
 
@@ -668,7 +692,7 @@ def _exchange_splits(problem: CrossEntropyProblem) -> int:
     """Chunks per row of the exchange plan, or 0 where it does not apply (see _EXCHANGE_BLOCK)."""
     block = _EXCHANGE_BLOCK.get(problem.dtype.itemsize)
     if (block is None or problem.probabilities or problem.label_smoothing > 0 or not exchange_enabled()
-            or next_pow2(problem.classes) <= REGISTER_ROW[problem.dtype.itemsize]):
+            or next_pow2(problem.classes) < block):
         return 0
     splits = -(-problem.classes // block)
     return splits if splits <= sm_count(problem.device) else 0
@@ -682,6 +706,15 @@ def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
         return full, 1, min(32, max(4, full // 1024)), _FUSED_PROGRAMS_PER_SM
     block = _STREAM_BLOCK[size] // (2 if problem.probabilities else 1)
     return block, -(-c // block), _STREAM_WARPS, _STREAM_PROGRAMS_PER_SM
+
+
+def _row_loss_buffers(problem: CrossEntropyProblem, loss: torch.Tensor, acc: torch.dtype):
+    """(per-row losses, ticket) the kernels write: the "none" output itself (no ticket), or a zeroed
+    scratch of rows + 1 entries in ``acc`` whose last one holds _sum_row_losses' int32 ticket."""
+    if problem.reduction == "none":
+        return loss, loss
+    scratch = torch.zeros(problem.rows + 1, dtype=acc, device=loss.device)
+    return scratch, scratch[problem.rows:].view(torch.int32)
 
 
 def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
@@ -705,7 +738,8 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     smooth = problem.label_smoothing > 0
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
-                FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets)
+                FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
+                REDUCE=problem.reduction != "none")
 
     def run(tensors, out):
         logits, target, weight = (*tensors, None)[:3]
@@ -713,28 +747,29 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
             check_targets(problem, target)
         loss, lse, grad, bad = out
         rows = problem.rows
-        row_loss = torch.empty(rows, dtype=acc, device=logits.device)
-        if rows:
-            g = logits if problem.grad_into_input or not problem.compute_grad else grad
-            _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g,
-                                             row_loss, lse, bad, consts, rows, c, s, *strides, problem.ignore_index,
-                                             **meta)
-        finish_loss(problem, row_loss, None, loss)
+        if not rows:
+            return finish_loss(problem, torch.empty(0, dtype=acc, device=loss.device), None, loss)
+        row_loss, ticket = _row_loss_buffers(problem, loss, acc)
+        g = logits if problem.grad_into_input or not problem.compute_grad else grad
+        _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g, row_loss, ticket,
+                                         loss, lse, bad, consts, rows, c, s, *strides, problem.ignore_index, **meta)
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
               ("plan", "fused" if chunks == 1 else "two-pass"))
     return Launch(run, KernelChoice("ce_rows", "triton", params), acc,
-                  workspace_bytes=problem.rows * acc.itemsize)
+                  workspace_bytes=(problem.rows + 1) * acc.itemsize * (problem.reduction != "none"))
 
 
 def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, strides: tuple[int, ...],
                       mean_by_targets: bool, splits: int, s: int) -> Launch:
     """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
-    [rows, splits] zeroed per call, one launch (two under the interpreter)."""
+    [rows, splits] zeroed per call, one launch (two under the interpreter); with one chunk a row
+    ("pipelined") no partials and one launch everywhere."""
     block = _EXCHANGE_BLOCK[problem.dtype.itemsize]
     c, rows = problem.classes, problem.rows
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
-                SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, num_warps=min(32, max(4, block // 1024)))
+                SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
+                REDUCE=problem.reduction != "none", num_warps=_EXCHANGE_WARPS)
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))
 
     def run(tensors, out):
@@ -742,26 +777,19 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
         if problem.check_target:
             check_targets(problem, target)
         loss, lse, grad, bad = out
-        row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        if rows:
-            g = logits if problem.grad_into_input or not problem.compute_grad else grad
-            words = torch.zeros(rows * splits, dtype=torch.int64, device=logits.device)
-            w = logits if weight is None else weight
-            if mean_by_targets:
-                norms = torch.empty(2, dtype=torch.float32, device=logits.device)
-                _ce_normalizers[(1,)](target, w, norms, rows, c, problem.ignore_index, HAS_WEIGHT=problem.has_weight,
-                                      BLOCK=1024)
-            else:
-                norms = consts[2:]
-            args = (logits, target, w, g, row_loss, lse, bad, consts, norms, words, rows, c, s, *strides,
-                    problem.ignore_index)
-            launch_exchange(_ce_rows_exchange, grid, args, meta, logits.device)
-        finish_loss(problem, row_loss, None, loss)
+        if not rows:
+            return finish_loss(problem, torch.empty(0, dtype=torch.float32, device=loss.device), None, loss)
+        row_loss, ticket = _row_loss_buffers(problem, loss, torch.float32)
+        g = logits if problem.grad_into_input or not problem.compute_grad else grad
+        words = torch.zeros(rows * splits, dtype=torch.int64, device=logits.device) if splits > 1 else bad
+        args = (logits, target, logits if weight is None else weight, g, row_loss, ticket, loss, lse, bad, consts,
+                words, rows, c, s, *strides, problem.ignore_index)
+        launch_exchange(_ce_rows_exchange, grid, args, meta, logits.device)
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", _EXCHANGE_PER_SM),
-              ("plan", "exchange"))
+              ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
-                  workspace_bytes=rows * (4 + 8 * splits))
+                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1))
 
 
 _SCALE_BLOCK = 4096

@@ -76,7 +76,9 @@ class ExchangeGrid:
     Triton compiles one kernel per argument specialisation (16-byte aligned pointers, integers
     divisible by 16 or equal to 1, 32- or 64-bit integers), and each may use a different number
     of registers, so the occupancy is looked up per specialisation: the first launch of each
-    compiles through ``warmup`` and reads the kernel's registers and shared memory.
+    compiles through ``warmup`` and reads the kernel's registers and shared memory. A grid
+    belongs to one plan, whose integer arguments (sizes, strides) are fixed: only the tensors'
+    alignment varies from call to call, and only it is looked at (a cheap key on every call).
     """
 
     def __init__(self, fn, rows: int, splits: int, per_sm: int, sms: int):
@@ -85,8 +87,7 @@ class ExchangeGrid:
 
     @staticmethod
     def _key(args: Sequence) -> tuple:
-        return tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
-                     else (a == 1, a % 16 == 0, -2**31 <= a < 2**31) if isinstance(a, int) else None for a in args)
+        return tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
 
     def __call__(self, args: Sequence, meta: dict, device: torch.device) -> tuple[int]:
         if device.type != "cuda":  # the interpreter: programs run one after another anyway
@@ -102,8 +103,10 @@ class ExchangeGrid:
 
 
 def launch_exchange(fn, grid: ExchangeGrid, args: Sequence, meta: dict, device: torch.device) -> None:
-    """Launch ``fn`` once (PHASE 0), or as its two interpreter phases; see the module docstring."""
-    for phase in exchange_phases():
+    """Launch ``fn`` once (PHASE 0), or as its two interpreter phases; see the module docstring.
+    With one chunk a row (``grid.splits == 1``) nothing is traded and nobody waits: one launch
+    (PHASE 0) under the interpreter too."""
+    for phase in (0,) if grid.splits == 1 else exchange_phases():
         kwargs = {**meta, "PHASE": phase}
         fn[grid(args, kwargs, device)](*args, **kwargs)
 
