@@ -1,6 +1,6 @@
 """Data-parallel step time with NCCL: trainops GradientSync / ShardedOptimizer against torch DDP and ZeRO.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py [--batch 8] [--out results/distributed-....json]
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py [--batch 8] [--repeat 2] [--out results/distributed-....json]
 
 Model: the training demo's GPT (plain torch.nn modules, the same for every variant) at 12 layers,
 width 1024, context 256, ``--batch`` sequences per rank (default 8), bf16 autocast. A step is forward, backward,
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="sequences of 256 tokens per rank")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the variants (interleaved)")
     args = parser.parse_args()
     dist.init_process_group("nccl", timeout=dt.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,7 +85,7 @@ def main() -> int:
     x = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     y = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     rows = []
-    for name, build in variants(world).items():
+    for name, build in [item for _ in range(args.repeat) for item in variants(world).items()]:
         model = make_model(cfg, device)
         n_params = sum(p.numel() for p in model.parameters())
         forward, opt, sync = build(model)

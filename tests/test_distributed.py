@@ -82,6 +82,25 @@ def worker(rank, world, port, results):
                 opt.step()
             out[f"sync {comm}"] = _close(list(model.parameters()), ref_params, tol)
 
+        # a parameter used only in the first step gets zeros after that (not its stale gradient);
+        # gradients zeroed in place stay bucket views (autograd accumulates into the bucket)
+        model = make_model()
+        spare = torch.nn.Parameter(torch.ones(4))
+        opt = trainops.optim.AdamW(model.parameters(), lr=0.05)
+        sync = trainops.distributed.GradientSync([*model.parameters(), spare], bucket_mb=0.0001)
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad(set_to_none=False)
+            loss = loss_of(model, local(x, rank, world), local(y, rank, world))
+            (loss + spare.square().sum() if step == 0 else loss).backward()
+            sync.wait()
+            opt.step()
+        in_buckets = [any(0 <= p.grad.data_ptr() - b.grad.data_ptr() < b.grad.numel() * b.grad.element_size()
+                          for b in sync.buckets) for p in [*model.parameters(), spare]]
+        out["unused"] = (spare.grad is not None and not spare.grad.any() and all(in_buckets)
+                         and _close(list(model.parameters()), ref_params, 1e-5))
+        sync.remove()
+
         # torch's DistributedDataParallel with a trainops optimizer
         model = make_model()
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -185,7 +204,7 @@ def test_data_parallel_training_matches_one_process(world):
     for rank in range(world):
         out = results[rank]
         assert "error" not in out, out.get("error")
-        assert out["sync None"] and out["sync torch.bfloat16"] and out["ddp"], out
+        assert out["sync None"] and out["sync torch.bfloat16"] and out["ddp"] and out["unused"], out
         assert out["buckets"] > 2
         assert out["sharded"] and out["full state"] and out["sharded state"] and out["resumed"], out
         scales, changed = out["scaler"]

@@ -12,9 +12,10 @@
 
 Buckets. Parameters that require grad are taken in reverse registration order (backward produces
 their gradients roughly in that order), grouped by dtype (and param group), and cut into buckets
-of about ``bucket_mb`` MiB. A post-accumulate-grad hook copies each gradient into its bucket's
-flat buffer; when a bucket is complete its collective starts at once (async), so communication
-overlaps the rest of the backward. Parameters that got no gradient count as zeros.
+of about ``bucket_mb`` MiB. Post-accumulate-grad hooks count each bucket's gradients in; when a
+bucket is complete its gradients are copied into its flat buffer (one multi-tensor copy; none
+for gradients that already are views of it) and its collective starts at once (async), so
+communication overlaps the rest of the backward. Parameters that got no gradient count as zeros.
 
 Communication. ``GradientSync`` all-reduces each bucket and divides by the world size.
 ``ShardedOptimizer`` reduce-scatters each bucket (every rank receives the sum of its 1/world
@@ -120,38 +121,48 @@ def _make_buckets(groups: list[list], bucket_mb: float, world: int, pad: bool) -
 
 
 class _BucketedGrads:
-    """Hooks that copy gradients into buckets and start each bucket's collective when it is full."""
+    """Hooks that count each bucket's gradients in; the last one copies them into the bucket (one
+    multi-tensor copy, not one launch per parameter) and starts the bucket's collective."""
 
     def __init__(self, buckets: list[_Bucket], launch, set_grad_to_none: bool):
         self.buckets, self._launch, self._set_none = buckets, launch, set_grad_to_none
         self._handles = []
         for bucket in buckets:
-            for p, view in zip(bucket.params, bucket.views):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, view)))
+            for p in bucket.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
 
-    def _hook(self, bucket: _Bucket, view: torch.Tensor):
-        view_ptr = view.data_ptr()
-
+    def _hook(self, bucket: _Bucket):
         def hook(param):
-            if param.grad.data_ptr() != view_ptr:
-                view.copy_(param.grad)
             bucket.ready.add(id(param))
-            if self._set_none:
-                param.grad = None
-            elif param.grad.data_ptr() != view_ptr and param.grad.stride() == view.stride():
-                param.grad = view  # the gradient now lives in the bucket: no copy back after the reduction
             if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-                self._launch(bucket)
+                self._complete(bucket)
         return hook
 
+    def _complete(self, bucket: _Bucket) -> None:
+        """Gather the bucket's gradients (zeros for parameters that got none) and start its collective."""
+        dst, src = [], []
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready or p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                dst.append(view)
+                src.append(p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for p, view in zip(bucket.params, bucket.views):
+            if id(p) not in bucket.ready:
+                continue
+            if self._set_none:
+                p.grad = None
+            elif p.grad is not None and p.grad.data_ptr() != view.data_ptr() and p.grad.stride() == view.stride():
+                p.grad = view  # the gradient now lives in the bucket: no copy back after the reduction
+        self._launch(bucket)
+
     def finish(self) -> None:
-        """Start the buckets whose parameters got no gradient (their slices count as zeros)."""
+        """Start the buckets some of whose parameters got no gradient (their slices count as zeros)."""
         for bucket in self.buckets:
             if bucket.work is None:
-                for p, view in zip(bucket.params, bucket.views):
-                    if id(p) not in bucket.ready:
-                        view.zero_()
-                self._launch(bucket)
+                self._complete(bucket)
 
     def reset(self) -> None:
         for bucket in self.buckets:
