@@ -339,14 +339,22 @@ def test_grad_scale_kernel(backend, device, dtype, layout):
     if layout == "permuted":
         g = g.permute(2, 0, 1)  # dense, not contiguous
     before = g.clone()
-    ce_ops.scale_gradient_(g, torch.ones((), dtype=torch.float32, device=device))
+    flags = torch.zeros(2, dtype=torch.int32, device=device)  # [bad target, k]: the gradient is stored times 2^k
+    ce_ops.scale_gradient_(g, torch.ones((), dtype=torch.float32, device=device), flags)
     assert torch.equal(g, before)  # exactly 1: untouched
-    ce_ops.scale_gradient_(g, torch.tensor([0.375], dtype=dtype, device=device))
+    ce_ops.scale_gradient_(g, torch.tensor([0.375], dtype=dtype, device=device), flags)
     assert_close(g, before.double() * 0.375, dtype, "scaled")
+    scaled = g.clone()
+    flags[1] = 3
+    ce_ops.scale_gradient_(g, torch.tensor([8.0], dtype=dtype, device=device), flags)  # 8 * 2^-3 == 1: untouched
+    assert torch.equal(g, scaled)
+    flags[1] = 2
+    ce_ops.scale_gradient_(g, torch.tensor([3.0], dtype=dtype, device=device), flags)
+    assert_close(g, scaled.double() * 0.75, dtype, "scaled by dloss * 2^-k")
     with pytest.raises(trainops.InvalidProblemError, match="'dloss' must be one element"):
-        ce_ops.scale_gradient_(g, torch.ones(2, device=device))
+        ce_ops.scale_gradient_(g, torch.ones(2, device=device), flags)
     with pytest.raises(trainops.InvalidProblemError, match="'grad' is not dense"):
-        ce_ops.scale_gradient_(g[:, :, ::2], torch.ones(1, device=device))
+        ce_ops.scale_gradient_(g[:, :, ::2], torch.ones(1, device=device), flags)
 
 
 # ---- GPU, real sizes ---------------------------------------------------------------------------------
@@ -442,6 +450,48 @@ def test_gpu_inplace_backward_long_rows(classes):
     loss.sum().backward()
     assert_close(loss, ref, torch.float32, "in-place loss")
     assert_close(leaf.grad, ref_x.grad, torch.bfloat16, "in-place gradient")
+
+
+@pytest.mark.parametrize("plan", ["fused", "exchange", "two-pass"])
+def test_float16_mean_gradient_survives_loss_scaling(backend, device, monkeypatch, plan):
+    """float16 "mean": the gradient for an upstream gradient of 1 (~p / rows) lies below float16's
+    normal range (6.1e-5). Stored times 2^k it keeps its bits until a loss scale (GradScaler's)
+    lifts it; stored as is it loses them in the forward (here: 2000 classes, p ~ 5e-4, 64 rows:
+    subnormals of about 7 significant bits; at real sizes they flush to zero, see the GPU tests)."""
+    if plan == "exchange":
+        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {2: 1024})  # 2 chunks a row
+    elif plan == "two-pass":
+        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {})
+        monkeypatch.setitem(ce_ops.REGISTER_ROW, 2, 1024)
+        monkeypatch.setitem(ce_ops._STREAM_BLOCK, 2, 512)
+    gen = torch.Generator().manual_seed(seed_of("fp16 mean", backend, plan))
+    x = make_logits([64, 2000], torch.float16, device, gen, scale=0.5)
+    target = torch.randint(0, 2000, (64,), generator=gen)
+    target[::9] = -100
+    unused_class = next(c for c in range(2000) if c not in target.tolist())
+    for dtype, weighted, k in ((torch.float16, False, 12 + 5), (torch.float16, True, 12 + 2), (torch.bfloat16, False, 0)):
+        # k = 12 + floor(log2(summed target weights / largest class weight)): 56 targets (8 ignored);
+        # weighted: ones, but 8 for a class no row targets (56 / 8 = 7)
+        w = None
+        if weighted:
+            w = torch.ones(2000, dtype=dtype)
+            w[unused_class] = 8
+            w = w.to(device)
+        plan = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64, device=device,
+                             has_weight=w is not None)
+        flags = plan.run(x.to(dtype), target.to(device), *([] if w is None else [w]))[3]
+        assert flags.tolist() == [0, k], (dtype, weighted, flags)
+    _, _, ref_grad = reference(x, target)
+    for inplace in (False, True):
+        leaf = x.detach().float().requires_grad_()
+        logits = leaf.half() if inplace else x.detach().requires_grad_()
+        loss = trainops.cross_entropy(logits, target.to(device), inplace_backward=inplace)
+        (loss * 1024.0).backward()
+        grad = logits.detach() if inplace else logits.grad
+        assert_close(grad, ref_grad * 1024, torch.float16, f"loss-scaled float16 gradient (inplace={inplace})")
+        others = torch.ones(64, 2000, dtype=torch.bool)  # the p-only part, small next to the target entries
+        others[torch.arange(64)[target != -100], target[target != -100]] = False
+        assert_close(grad.cpu()[others], (ref_grad * 1024)[others], torch.float16, "non-target entries")
 
 
 # ---- gradient written over the logits --------------------------------------------------------------

@@ -153,7 +153,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     rows longer than 32768 classes twice); backward scales it in place by the upstream gradient
     on the device (nothing to do when that is 1: no host sync) and hands the buffer over. Double
     backward and a second backward through the same loss raise UnsupportedError, except for
-    float64 logits and under torch.compile, where the scaling is out of place. ``check_target`` raises IndexError for a class
+    float64 logits and under torch.compile, where the scaling is out of place. float16 logits keep
+    the stored gradient times a power of two (its entries, ~p / rows, would fall below float16's
+    range before a GradScaler's scale lifts them) that the backward divides out. ``check_target`` raises IndexError for a class
     index outside [0, C) that is not ignore_index: before the launch (one min/max and one host
     sync on the GPU) when no gradient is computed or under torch.compile. In eager training the
     kernel flags such rows instead (no sync): on the CPU the backward raises; on the GPU the
@@ -185,11 +187,11 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     # Training in eager mode: the kernel flags bad targets, checked later without a host sync.
     # Otherwise the op checks before launching (one sync).
     deferred = check_target and compute_grad and not torch.compiler.is_compiling()
-    loss, lse, _, bad = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
-                                              float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
-                                              deferred)
+    loss, lse, _, flags = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
+                                                float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
+                                                deferred)
     if deferred:
-        library.note_target_flag(bad)
+        library.note_target_flag(flags)
     return (loss, lse) if return_lse else loss
 
 
@@ -199,11 +201,11 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
                 check_target, deferred_check):
-        loss, lse, bad = library.cross_entropy_inplace(logits, target, weight, ignore_index, reduction,
-                                                       label_smoothing, z_loss, loss_dtype, check_target)
-        ctx.save_for_backward(logits, bad)
+        loss, lse, flags = library.cross_entropy_inplace(logits, target, weight, ignore_index, reduction,
+                                                         label_smoothing, z_loss, loss_dtype, check_target)
+        ctx.save_for_backward(logits, flags)
         if deferred_check:
-            library.note_target_flag(bad)
+            library.note_target_flag(flags)
         ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.consumed = reduction, logits.dim(), deferred_check, False
         ctx.compute_grad = True
         ctx.mark_non_differentiable(lse)

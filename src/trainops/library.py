@@ -314,7 +314,7 @@ def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_s
     loss = logits.new_empty(batch if reduction == "none" else [], dtype=loss_dtype or logits.dtype)
     lse = logits.new_empty(batch, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     grad = logits.new_empty(list(logits.shape) if compute_grad else [0])
-    return loss, lse, grad, logits.new_empty([1], dtype=torch.int32)
+    return loss, lse, grad, logits.new_empty([2], dtype=torch.int32)
 
 
 def _save_cross_entropy(ctx, inputs, output) -> None:
@@ -328,6 +328,8 @@ def _save_cross_entropy(ctx, inputs, output) -> None:
 
 
 _NO_GRADS = (None,) * 10
+
+
 
 
 def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
@@ -344,14 +346,14 @@ _BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class 
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
 
-def note_target_flag(bad: Tensor) -> None:
-    """Remember a CUDA call's bad-target flag for a later check that does not wait for the GPU."""
-    if bad.device.type == "cuda":
+def note_target_flag(flags: Tensor) -> None:
+    """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the GPU."""
+    if flags.device.type == "cuda":
         if _FREE_TARGET_FLAGS:
             host, done = _FREE_TARGET_FLAGS.pop()
         else:
             host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-        host.copy_(bad, non_blocking=True)
+        host.copy_(flags[:1], non_blocking=True)
         done.record()
         _PENDING_TARGET_FLAGS.append((host, done))
 
@@ -367,8 +369,9 @@ def raise_flagged_targets() -> None:
 
 
 def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
-    """dloss/dlogits from the gradient the forward kernel wrote (for an upstream gradient of 1),
-    saved with the bad-target flag as ``ctx.saved_tensors``.
+    """dloss/dlogits from the gradient the forward kernel wrote for an upstream gradient of 2^k,
+    saved with its flags [bad target, k] as ``ctx.saved_tensors`` (k = 0 but for float16 logits:
+    ops/cross_entropy.py gradient_exponent).
 
     Eager mode, no host synchronisation: the buffer is scaled in place by a kernel that reads
     dloss on the device and does nothing when it is exactly 1 (``loss.backward()``), then handed
@@ -388,19 +391,27 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
         raise UnsupportedError("trainops.cross_entropy: a second backward through the same loss "
                                "(retain_graph=True) is not supported for float16/bfloat16/float32 logits: the first one handed "
                                "its gradient buffer over")
-    grad, bad = ctx.saved_tensors  # after the checks: an in-place scale has bumped the buffer's version
+    grad, flags = ctx.saved_tensors  # after the checks: an in-place scale has bumped the buffer's version
     tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
     if not tracing and ctx.deferred_check:
-        if bad.device.type == "cpu":
-            if bad[0]:
+        if flags.device.type == "cpu":
+            if flags[0]:
                 raise ce_ops.IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(""))
         else:
             raise_flagged_targets()
     if not tracing and grad.dtype != torch.float64:
         ctx.consumed = True  # the buffer is handed over
         if dloss.numel() == 1 and is_dense(grad):
-            ce_ops.scale_gradient_(grad, dloss)
+            ce_ops.scale_gradient_(grad, dloss, flags)
             return grad
+    if grad.dtype == torch.float16:  # times dloss * 2^-k, in float32 (that factor may be subnormal in float16)
+        scale = torch.ldexp(dloss.float(), -flags[1].float())
+        scale = scale.unsqueeze(1) if ctx.reduction == "none" and ctx.ndim > 1 else scale
+        scaled = (grad.float() * scale).to(grad.dtype)
+        if tracing:
+            ctx.consumed = in_place
+            return grad.copy_(scaled) if in_place else scaled
+        return grad.copy_(scaled)
     scale = dloss.to(grad.dtype)
     if ctx.reduction == "none" and ctx.ndim > 1:
         scale = scale.unsqueeze(1)
@@ -413,16 +424,16 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
 def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
                                 reduction: str, label_smoothing: float, z_loss: float,
                                 loss_dtype: Optional[torch.dtype], check_target: bool) -> tuple[Tensor, Tensor, Tensor]:
-    loss, lse, _, bad = _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                           loss_dtype, True, check_target, True)
-    return loss, lse, bad
+    loss, lse, _, flags = _run_cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                             z_loss, loss_dtype, True, check_target, True)
+    return loss, lse, flags
 
 
 def _cross_entropy_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                 loss_dtype, check_target):
-    loss, lse, _, bad = _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                            z_loss, loss_dtype, False, check_target, False)
-    return loss, lse, bad
+    loss, lse, _, flags = _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                              z_loss, loss_dtype, False, check_target, False)
+    return loss, lse, flags
 
 
 # The gradient written over the logits (no autograd of its own: functional.py wraps it).

@@ -50,6 +50,30 @@ from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
 REDUCTIONS = ("mean", "sum", "none")
 
 
+# float16 fused gradients are stored times 2^k with |stored| <= about 2^GRAD_HEADROOM_BITS (see
+# gradient_exponent); z-loss coefficients above GRAD_EXPONENT_MAX_Z keep k = 0 (their lse^2 term
+# has no useful bound).
+GRAD_HEADROOM_BITS = 12
+GRAD_EXPONENT_MAX_Z = 0.01
+
+
+def gradient_exponent(norm: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
+    """k such that the fused float16 gradient is stored times 2^k (the CPU path; the kernels compute the same).
+
+    Per row, |dloss/dx| <= (1 + label smoothing) * w_max / norm plus a small z-loss term, where
+    norm is the reduction's divisor ("mean": the summed target weights; else 1) and w_max the
+    largest class weight. For a real batch and vocabulary the entries p_c * w_t / norm sit far
+    below float16's normal range (6.1e-5): rounded to float16 as they are, they would lose their
+    bits or flush to zero before a loss scale (GradScaler's) could lift them, as torch's own
+    backward does in float32. Stored times 2^k, k = GRAD_HEADROOM_BITS + floor(log2(norm / w_max)),
+    they fill float16's range with room to spare; the backward multiplies by dloss * 2^-k in
+    float32 (exact scalings). k = 0 where norm or w_max is 0.
+    """
+    ratio = (norm / w_max).to(torch.float32)
+    k = torch.floor(torch.log2(ratio)) + GRAD_HEADROOM_BITS
+    return torch.where((ratio > 0) & torch.isfinite(ratio), k, 0).clamp(-60, 60).to(torch.int32)
+
+
 def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int, int] | None:
     """(stride of N, stride of C, stride of the merged d1..dk) of a logits-shaped tensor, or None."""
     if len(shape) == 1:
@@ -68,7 +92,9 @@ class CrossEntropyProblem:
 
     Outputs of ``run``: (loss, lse, grad, bad): loss as reduced (or per row), lse per row
     (float32, float64 for float64 logits), grad like logits (contiguous) when ``compute_grad``
-    else empty, bad = [1] when an out-of-range class index was met (and ignored), else [0].
+    else empty: dloss/dlogits for an upstream gradient of 2^k, and flags (int32 [2]): [1 if an
+    out-of-range class index was met (and ignored) else 0, k] (k = 0 but for float16 logits: see
+    gradient_exponent).
     """
 
     op: str
@@ -113,6 +139,11 @@ class CrossEntropyProblem:
     def lse_dtype(self) -> torch.dtype:
         return accumulator_dtype(self.dtype)
 
+    @property
+    def scales_gradient(self) -> bool:
+        """float16 gradients are stored times 2^k (gradient_exponent)."""
+        return self.dtype == torch.float16 and self.compute_grad and self.z_loss <= GRAD_EXPONENT_MAX_Z
+
     def check(self, tensors: Sequence[torch.Tensor], out) -> None:
         names = ("logits", "target", "weight") if self.has_weight else ("logits", "target")
         if len(tensors) != len(names):
@@ -127,13 +158,14 @@ class CrossEntropyProblem:
             check_tensor(self.op, name, t, shape, dtype, self.device, strides)
 
     def new_output(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, lse, grad, bad): bad[0] becomes 1 if a class index is out of range (and not ignored)."""
+        """(loss, lse, grad, flags): flags[0] becomes 1 if a class index is out of range (and not
+        ignored), flags[1] is the gradient's exponent k."""
         loss_shape = self.batch_shape if self.reduction == "none" else ()
         loss = torch.empty(loss_shape, dtype=self.loss_dtype, device=self.device)
         lse = torch.empty(self.batch_shape, dtype=self.lse_dtype, device=self.device)
         grad_shape = self.shape if self.compute_grad and not self.grad_into_input else (0,)
         grad = torch.empty(grad_shape, dtype=self.dtype, device=self.device)
-        return loss, lse, grad, torch.zeros(1, dtype=torch.int32, device=self.device)
+        return loss, lse, grad, torch.zeros(2, dtype=torch.int32, device=self.device)
 
 
 def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target_shape=None, target_strides=None,
@@ -211,15 +243,17 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
 
 register_op("cross_entropy", _describe, doc=_describe.__doc__)
 register_op("cross_entropy_grad_scale", multi_tensor_describer("cross_entropy_grad_scale"),
-            doc="grad *= dloss in place, skipped when dloss == 1: the backward of the fused gradient")
+            doc="grad *= dloss * 2^-flags[1] in place, skipped when that is 1: the backward of the fused gradient")
 
 
-def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor) -> None:
-    """grad *= dloss in place, where dloss is the one-element upstream gradient of a reduced loss.
+def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor, flags: torch.Tensor) -> None:
+    """grad *= dloss * 2^-k in place, where dloss is the one-element upstream gradient of a reduced
+    loss and k = flags[1] the exponent the forward stored the gradient with (gradient_exponent).
 
-    The kernel reads dloss on the device and returns at once when it is exactly 1 (the usual
-    ``loss.backward()``), so the backward neither synchronises with the host nor rereads the
-    gradient. grad: dense (any dim order), float dtypes; math in float32 (float64 for float64).
+    The kernel reads dloss and k on the device and returns at once when the factor is exactly 1
+    (the usual ``loss.backward()`` with k = 0), so the backward neither synchronises with the host
+    nor rereads the gradient. grad: dense (any dim order), float dtypes; math in float32 (float64
+    for float64).
     """
     if dloss.numel() != 1 or dloss.device != grad.device:
         raise argument_error(InvalidProblemError, "cross_entropy_grad_scale", "dloss",
@@ -227,7 +261,7 @@ def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor) -> None:
     if not is_dense(grad):
         raise argument_error(InvalidProblemError, "cross_entropy_grad_scale", "grad",
                              f"is not dense (strides {grad.stride()} for shape {tuple(grad.shape)})")
-    multi_tensor_launch("cross_entropy_grad_scale", grad.device, grad.dtype).run(grad, dloss.reshape(1))
+    multi_tensor_launch("cross_entropy_grad_scale", grad.device, grad.dtype).run(grad, dloss.reshape(1), flags)
 
 
 def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
@@ -323,14 +357,18 @@ def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
         logits, target, weight = (*tensors, None)[:3]
         if problem.check_target:
             check_targets(problem, target)
-        loss, lse, grad, bad = out
+        loss, lse, grad, flags = out
         row_loss, row_lse, row_grad, norm = _cpu_math(problem, logits, target, weight)
         if not problem.probabilities:
             t = target.reshape(-1)
-            bad.copy_(((t != problem.ignore_index) & ((t < 0) | (t >= problem.classes))).any().view(1))
+            flags[0] = ((t != problem.ignore_index) & ((t < 0) | (t >= problem.classes))).any()
         finish_loss(problem, row_loss, norm, loss)
         lse.copy_(row_lse.view(problem.batch_shape))
         if problem.compute_grad:
+            if problem.scales_gradient:
+                w_max = torch.ones(()) if weight is None else weight.max().to(norm.dtype)
+                flags[1] = gradient_exponent(norm[0], w_max)
+                row_grad = torch.ldexp(row_grad, flags[1].to(row_grad.dtype))  # exact
             target_grad = logits if problem.grad_into_input else grad
             if logits.dim() == 1:
                 target_grad.copy_(row_grad.view(-1))
@@ -345,9 +383,11 @@ register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=INDEX_DTYPE
 
 
 def _prepare_grad_scale_cpu(problem) -> Launch:
-    def run(grad, dloss):
-        if dloss.item() != 1:  # a CPU tensor: no synchronisation to avoid
-            grad.mul_(dloss.to(accumulator_dtype(grad.dtype)))
+    def run(grad, dloss, flags):
+        acc = accumulator_dtype(grad.dtype)
+        factor = torch.ldexp(dloss.to(acc), -flags[1].to(acc))
+        if factor.item() != 1:  # a CPU tensor: no synchronisation to avoid
+            grad.copy_(grad.to(acc) * factor)
 
     return Launch(run, KernelChoice("cross_entropy_grad_scale_cpu", "cpu"), accumulator_dtype(problem.dtype))
 
@@ -365,6 +405,31 @@ if triton_available():
     import triton.language as tl
 
     from .exchange import merge_max_sum, pack_flagged, place_in_group, poll_flagged
+
+    _GRAD_HEADROOM_BITS = tl.constexpr(GRAD_HEADROOM_BITS)
+
+    @triton.jit
+    def _pow2(k):
+        """2.0^k for an int32 k in [-126, 127], exactly (from the float32 bits)."""
+        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gradient_unit(norm, w_ptr, C, flags_ptr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+        """2^k, the factor float16 gradients are stored with (gradient_exponent); program 0 stores k in flags[1]."""
+        w_max = 1.0
+        if HAS_WEIGHT:
+            largest = tl.zeros([1024], ACC)
+            for start in range(0, C, 1024):
+                i = start + tl.arange(0, 1024)
+                largest = tl.maximum(largest, tl.abs(tl.load(w_ptr + i, mask=i < C, other=0.0).to(ACC)))
+            w_max = tl.max(largest, axis=0)
+        ratio = (norm / w_max).to(tl.float32)
+        usable = (ratio > 0) & (ratio < float("inf"))
+        k = tl.where(usable, tl.floor(tl.log2(tl.where(usable, ratio, 1.0))) + _GRAD_HEADROOM_BITS, 0.0)
+        k = tl.minimum(tl.maximum(k, -60.0), 60.0).to(tl.int32)
+        if tl.program_id(0) == 0:
+            tl.store(flags_ptr + 1, k)
+        return _pow2(k).to(ACC)
 
     @triton.jit
     def _ce_load(x_ptr, t_ptr, w_ptr, c, mask, x_sc, t_sc, smoothing, eps_c,
@@ -430,11 +495,11 @@ if triton_available():
     @triton.jit
     def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss,
-                ignore_index, smoothing, z_coef, ce_norm, z_norm,
+                ignore_index, smoothing, z_coef, ce_norm, z_norm, unit,
                 PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                 FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr):
-        """Loss, lse and (GRAD) the gradient of row r."""
+        """Loss, lse and (GRAD) the gradient of row r, times ``unit`` (2^k, see _gradient_unit)."""
         n = r // S
         s = r % S
         x_ptr += n * x_sn + s * x_ss
@@ -501,9 +566,9 @@ if triton_available():
         _store_nearest(rows_ptr + r, row_loss, None, "")
         tl.store(lse_ptr + r, lse)
         if GRAD:
-            a = scale / ce_norm + 2.0 * z_coef * lse / z_norm
-            hit = (1.0 - smoothing) * w_t / ce_norm
-            inv_norm = 1.0 / ce_norm
+            a = (scale / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
+            hit = (1.0 - smoothing) * w_t / ce_norm * unit
+            inv_norm = unit / ce_norm
             if CHUNKS == 1:
                 g = _ce_grad(e * (1.0 / total), w, q, cols, a, hit, target, valid, inv_norm, eps_c, PROBS, SMOOTH)
                 _store_nearest(g_ptr + cols * g_sc, g, cols < C, GRAD_STORE)
@@ -539,10 +604,10 @@ if triton_available():
                  PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
                  ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                  FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr, MEAN_BY_TARGETS: tl.constexpr,
-                 REDUCE: tl.constexpr):
+                 REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr):
         """Rows pid, pid + programs, ... (a persistent grid): loss, lse and the gradient of each.
         Per-row losses go to rows_ptr (the "none" output itself, else a scratch that REDUCE sums
-        into loss_ptr[0], see _sum_row_losses).
+        into loss_ptr[0], see _sum_row_losses). SCALE_GRAD: gradients stored times 2^k (float16).
 
         CHUNKS == 1: the row stays in registers (one read). Else pass 1 streams the row (online
         max / sum), pass 2 re-reads it newest chunk first and writes the gradient; few programs
@@ -555,10 +620,13 @@ if triton_available():
         else:
             ce_norm = tl.load(consts_ptr + 2).to(ACC)
             z_norm = tl.load(consts_ptr + 3).to(ACC)
+        unit = tl.full([], 1.0, ACC)
+        if SCALE_GRAD:
+            unit = _gradient_unit(ce_norm, w_ptr, C, bad_ptr, HAS_WEIGHT, ACC)
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
             _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
                     C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index, smoothing, z_coef,
-                    ce_norm, z_norm,
+                    ce_norm, z_norm, unit,
                     PROBS, HAS_WEIGHT, SMOOTH, GRAD, ACC, BLOCK_C, CHUNKS, FIRST_PASS_EVICT, GRAD_STORE)
         if REDUCE:
             _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, 1024)
@@ -575,7 +643,8 @@ if triton_available():
                           words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
-                          MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, PHASE: tl.constexpr):
+                          MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr,
+                          PHASE: tl.constexpr):
         """Class-index targets without label smoothing, float32 math: rows cut into SPLITS chunks of
         BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
         [R, SPLITS] (exchange.py); with SPLITS == 1 a program holds whole rows and trades nothing.
@@ -592,6 +661,9 @@ if triton_available():
         else:
             ce_norm = tl.load(consts_ptr + 2).to(tl.float32)
             z_norm = tl.load(consts_ptr + 3).to(tl.float32)
+        unit = 1.0
+        if SCALE_GRAD and PHASE != 1:
+            unit = _gradient_unit(ce_norm, w_ptr, C, bad_ptr, HAS_WEIGHT, tl.float32)
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
@@ -633,9 +705,9 @@ if triton_available():
                     _store_nearest(rows_ptr + r, row_loss, None, "")
                     tl.store(lse_ptr + r, lse)
                 if GRAD:
-                    a = w_t / ce_norm + 2.0 * z_coef * lse / z_norm
+                    a = (w_t / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
                     hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
-                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm, 0.0)
+                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm * unit, 0.0)
                     g = tl.where(valid, g, 0.0)
                     _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
         if REDUCE and PHASE != 1:
@@ -643,10 +715,12 @@ if triton_available():
 
 
     @triton.jit
-    def _scale_unless_one(g_ptr, scale_ptr, numel, ACC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
-        """g *= scale over blocks pid, pid + programs, ...; nothing is read or written when scale == 1.
-        ROUND: "rtne" for half types (the GPU's rounding; the interpreter would truncate otherwise)."""
-        scale = tl.load(scale_ptr).to(ACC)
+    def _scale_unless_one(g_ptr, dloss_ptr, flags_ptr, numel, ACC: tl.constexpr, ROUND: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """g *= dloss * 2^-flags[1] over blocks pid, pid + programs, ...; nothing is read or written
+        when that is 1. ROUND: "rtne" for half types (the GPU's rounding; the interpreter would
+        truncate otherwise)."""
+        scale = tl.load(dloss_ptr).to(ACC) * _pow2(-tl.load(flags_ptr + 1)).to(ACC)
         if scale != 1.0:
             for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
                 offsets = start + tl.arange(0, BLOCK)
@@ -739,7 +813,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
                 FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none")
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient)
 
     def run(tensors, out):
         logits, target, weight = (*tensors, None)[:3]
@@ -769,7 +843,7 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
     c, rows = problem.classes, problem.rows
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none", num_warps=_EXCHANGE_WARPS)
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=_EXCHANGE_WARPS)
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))
 
     def run(tensors, out):
@@ -802,10 +876,11 @@ def _prepare_grad_scale_triton(problem) -> Launch:
     meta = dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK=_SCALE_BLOCK, num_warps=4,
                 ROUND="rtne" if problem.dtype.itemsize == 2 else None)
 
-    def run(grad, dloss):
+    def run(grad, dloss, flags):
         if grad.numel():
             base = grad if grad.is_contiguous() else grad.as_strided((grad.numel(),), (1,))
-            _scale_unless_one[(min(programs, -(-grad.numel() // _SCALE_BLOCK)),)](base, dloss, grad.numel(), **meta)
+            _scale_unless_one[(min(programs, -(-grad.numel() // _SCALE_BLOCK)),)](base, dloss, flags, grad.numel(),
+                                                                                   **meta)
 
     return Launch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)), acc)
 
