@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import statistics
@@ -112,6 +113,7 @@ def main() -> int:
             print(f"{name:40s} {row['median_ms']:8.2f} ms/step  {sent / 2**20:8.1f} MiB sent/rank  "
                   f"peak {row['peak_memory_mib']} MiB", flush=True)
         del model, opt, sync, forward
+        gc.collect()  # gradient hooks and buckets reference each other: free them before the next variant
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     if rank == 0:
