@@ -87,6 +87,8 @@ def main() -> int:
     y = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     rows = []
     for name, build in [item for _ in range(args.repeat) for item in variants(world).items()]:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)  # what earlier variants left (torch's DDP leaves some)
         model = make_model(cfg, device)
         n_params = sum(p.numel() for p in model.parameters())
         forward, opt, sync = build(model)
@@ -107,15 +109,15 @@ def main() -> int:
         sent = SENT_PER_PARAM[name] * n_params * (world - 1) / world
         row = dict(impl=name, params=n_params, world=world, batch_per_rank=cfg.batch,
                    median_ms=round(statistics.median(times), 2), bytes_sent_per_rank=int(sent),
-                   peak_memory_mib=round(torch.cuda.max_memory_allocated(device) / 2**20))
+                   peak_memory_mib=round((torch.cuda.max_memory_allocated(device) - base) / 2**20),
+                   left_over_mib=round(base / 2**20))
         rows.append(row)
         if rank == 0:
             print(f"{name:40s} {row['median_ms']:8.2f} ms/step  {sent / 2**20:8.1f} MiB sent/rank  "
-                  f"peak {row['peak_memory_mib']} MiB", flush=True)
-        del model, opt, sync, forward
-        gc.collect()  # gradient hooks and buckets reference each other: free them before the next variant
+                  f"peak {row['peak_memory_mib']} MiB (left over before: {row['left_over_mib']})", flush=True)
+        del model, opt, sync, forward, loss
+        gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     if rank == 0:
         out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                        f"distributed-{dt.date.today():%Y%m%d}.json")

@@ -1,8 +1,10 @@
 """Data-parallel training over gloo on loopback: N ranks must train as one process on the global batch."""
 
+import gc
 import os
 import socket
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -100,6 +102,16 @@ def worker(rank, world, port, results):
         out["unused"] = (spare.grad is not None and not spare.grad.any() and all(in_buckets)
                          and _close(list(model.parameters()), ref_params, 1e-5))
         sync.remove()
+
+        # a dropped GradientSync or ShardedOptimizer is freed with its buffers (the hooks on the
+        # parameters hold it weakly, and go with it); the model trains on without them
+        model, other = make_model(), make_model()
+        dropped = [weakref.ref(trainops.distributed.GradientSync(model.parameters())),
+                   weakref.ref(trainops.distributed.ShardedOptimizer(other.parameters(), trainops.optim.AdamW))]
+        gc.collect()
+        loss_of(model, *batch(0)).backward()
+        loss_of(other, *batch(0)).backward()
+        out["freed"] = all(ref() is None for ref in dropped) and model[0].weight.grad is not None
 
         # torch's DistributedDataParallel with a trainops optimizer
         model = make_model()
@@ -204,7 +216,7 @@ def test_data_parallel_training_matches_one_process(world):
     for rank in range(world):
         out = results[rank]
         assert "error" not in out, out.get("error")
-        assert out["sync None"] and out["sync torch.bfloat16"] and out["ddp"] and out["unused"], out
+        assert out["sync None"] and out["sync torch.bfloat16"] and out["ddp"] and out["unused"] and out["freed"], out
         assert out["buckets"] > 2
         assert out["sharded"] and out["full state"] and out["sharded state"] and out["resumed"], out
         scales, changed = out["scaler"]

@@ -38,6 +38,7 @@ per-tensor trust ratio cannot be computed on flat shards: ShardedOptimizer refus
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -132,10 +133,18 @@ class _BucketedGrads:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
 
     def _hook(self, bucket: _Bucket):
+        # The hook lives on the parameter: weak references, or parameter -> hook -> bucket ->
+        # parameter would be a cycle through torch's hook table that Python's collector cannot
+        # see, and a dropped GradientSync / ShardedOptimizer would keep its buffers for good.
+        owner, bucket_ref = weakref.ref(self), weakref.ref(bucket)
+
         def hook(param):
+            grads, bucket = owner(), bucket_ref()
+            if grads is None or bucket is None:
+                return
             bucket.ready.add(id(param))
             if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-                self._complete(bucket)
+                grads._complete(bucket)
         return hook
 
     def _complete(self, bucket: _Bucket) -> None:
@@ -173,6 +182,10 @@ class _BucketedGrads:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._handles = []
+
+    def __del__(self):
+        self.remove()
 
 
 def _start_reduce(bucket: _Bucket, out_shard: torch.Tensor | None, comm_dtype, group, world: int) -> None:
