@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="sequences of 256 tokens per rank")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the variants (interleaved)")
+    parser.add_argument("--only", default=None, help="run only the variants whose name contains this")
     args = parser.parse_args()
     dist.init_process_group("nccl", timeout=dt.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,7 +87,8 @@ def main() -> int:
     x = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     y = torch.randint(0, 256, (cfg.batch, cfg.context), device=device, generator=gen)
     rows = []
-    for name, build in [item for _ in range(args.repeat) for item in variants(world).items()]:
+    chosen = [item for item in variants(world).items() if args.only is None or args.only in item[0]]
+    for name, build in [item for _ in range(args.repeat) for item in chosen]:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)  # what earlier variants left (torch's DDP leaves some)
         model = make_model(cfg, device)
