@@ -366,7 +366,7 @@ def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
         lse.copy_(row_lse.view(problem.batch_shape))
         if problem.compute_grad:
             if problem.scales_gradient:
-                w_max = torch.ones(()) if weight is None else weight.max().to(norm.dtype)
+                w_max = torch.ones(()) if weight is None else weight.abs().max().to(norm.dtype)
                 flags[1] = gradient_exponent(norm[0], w_max)
                 row_grad = torch.ldexp(row_grad, flags[1].to(row_grad.dtype))  # exact
             target_grad = logits if problem.grad_into_input else grad
