@@ -435,18 +435,12 @@ if triton_available():
 
 
     @triton.jit
-    def _chunk_ptrs(ptr, r, base, s_o0, s_o1, s_i, s_n, n, INNER, OUTER1, WIDE: tl.constexpr):
-        """Pointers to positions n of row r: the chunk one exchange program holds."""
-        o0, o1, i = _coords(r, INNER, OUTER1)
-        offsets = n.to(tl.int64) * s_n if WIDE else n * s_n
-        return ptr + _row(o0, o1, i, base, s_o0, s_o1, s_i) + offsets
-
-    @triton.jit
     def _chunk(ptr, r, base, s_o0, s_o1, s_i, s_n, n, mask, INNER, OUTER1, ROWS, OTHER: tl.constexpr,
                WIDE: tl.constexpr):
-        """Positions n of row r (all masked when r >= ROWS)."""
-        return tl.load(_chunk_ptrs(ptr, r, base, s_o0, s_o1, s_i, s_n, n, INNER, OUTER1, WIDE),
-                       mask=mask & (r < ROWS), other=OTHER)
+        """Positions n of row r (all masked when r >= ROWS): the chunk one exchange program holds."""
+        o0, o1, i = _coords(r, INNER, OUTER1)
+        offsets = n.to(tl.int64) * s_n if WIDE else n * s_n
+        return tl.load(ptr + _row(o0, o1, i, base, s_o0, s_o1, s_i) + offsets, mask=mask & (r < ROWS), other=OTHER)
 
     @triton.jit
     def _softmax_fwd_exchange(
@@ -493,8 +487,9 @@ if triton_available():
                     y = x - (m_ref + tl.log(s))
                 else:
                     y = tl.exp(x - m_ref) * (1.0 / s)
-                tl.store(_chunk_ptrs(y_ptr, r, y_base, y_so0, y_so1, y_si, y_sn, n, INNER, OUTER1, WIDE), y.to(OUT_T),
-                         mask=mask)
+                o0, o1, i = _coords(r, INNER, OUTER1)
+                offsets = n.to(tl.int64) * y_sn if WIDE else n * y_sn
+                tl.store(y_ptr + _row(o0, o1, i, y_base, y_so0, y_so1, y_si) + offsets, y.to(OUT_T), mask=mask)
 
     @triton.jit
     def _softmax_bwd_exchange(
@@ -544,7 +539,9 @@ if triton_available():
                     dx = dy - tl.exp(y) * total
                 else:
                     dx = y * (dy - total)
-                tl.store(_chunk_ptrs(dx_ptr, r, dx_base, dx_so0, dx_so1, dx_si, dx_sn, n, INNER, OUTER1, WIDE),
+                o0, o1, i = _coords(r, INNER, OUTER1)
+                offsets = n.to(tl.int64) * dx_sn if WIDE else n * dx_sn
+                tl.store(dx_ptr + _row(o0, o1, i, dx_base, dx_so0, dx_so1, dx_si) + offsets,
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -688,11 +685,11 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
                       for si, sn in zip(layout.stride_inner, layout.stride_n))
     meta = dict(LOG=log, ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_I=config.block_i,
                 BLOCK_N=config.block_n, WIDE=tile_extent >= 2**31 - 1, num_warps=config.num_warps)
-    if config.kind == "exchange":
-        return _prepare_exchange(problem, layout, config, meta)
     sizes = [layout.n, layout.inner, layout.outer1, i_blocks]
     if config.kind != "fused":
         sizes += [config.chunk, ws_rows * config.splits]
+    if config.kind == "exchange":
+        return _prepare_exchange(problem, layout, config, meta)
     kernel = {
         (False, "fused"): "_softmax_fwd_fused", (True, "fused"): "_softmax_bwd_fused",
     }.get((problem.backward, config.kind), "_softmax_bwd_chunked" if problem.backward else "_softmax_fwd_chunked")
