@@ -685,11 +685,11 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
                       for si, sn in zip(layout.stride_inner, layout.stride_n))
     meta = dict(LOG=log, ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_I=config.block_i,
                 BLOCK_N=config.block_n, WIDE=tile_extent >= 2**31 - 1, num_warps=config.num_warps)
+    if config.kind == "exchange":
+        return _prepare_exchange(problem, layout, config, meta)
     sizes = [layout.n, layout.inner, layout.outer1, i_blocks]
     if config.kind != "fused":
         sizes += [config.chunk, ws_rows * config.splits]
-    if config.kind == "exchange":
-        return _prepare_exchange(problem, layout, config, meta)
     kernel = {
         (False, "fused"): "_softmax_fwd_fused", (True, "fused"): "_softmax_bwd_fused",
     }.get((problem.backward, config.kind), "_softmax_bwd_chunked" if problem.backward else "_softmax_fwd_chunked")
