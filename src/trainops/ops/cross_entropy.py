@@ -782,13 +782,28 @@ def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
     return block, -(-c // block), _STREAM_WARPS, _STREAM_PROGRAMS_PER_SM
 
 
-def _row_loss_buffers(problem: CrossEntropyProblem, loss: torch.Tensor, acc: torch.dtype):
-    """(per-row losses, ticket) the kernels write: the "none" output itself (no ticket), or a zeroed
-    scratch of rows + 1 entries in ``acc`` whose last one holds _sum_row_losses' int32 ticket."""
+def _kernel_operands(problem: CrossEntropyProblem, tensors, out, acc: torch.dtype):
+    """What both Triton launchers pass their kernel: (logits, target, weight or a placeholder,
+    gradient destination, per-row losses, ticket, loss, lse, flags), after the target check; or
+    None when there are no rows (the loss is then finished here).
+
+    Per-row losses: the "none" output itself (no ticket), or a zeroed scratch of rows + 1 entries
+    in ``acc`` whose last one holds _sum_row_losses' int32 ticket.
+    """
+    logits, target, weight = (*tensors, None)[:3]
+    if problem.check_target:
+        check_targets(problem, target)
+    loss, lse, grad, flags = out
+    if not problem.rows:
+        finish_loss(problem, torch.empty(0, dtype=acc, device=loss.device), None, loss)
+        return None
     if problem.reduction == "none":
-        return loss, loss
-    scratch = torch.zeros(problem.rows + 1, dtype=acc, device=loss.device)
-    return scratch, scratch[problem.rows:].view(torch.int32)
+        row_loss = ticket = loss
+    else:
+        row_loss = torch.zeros(problem.rows + 1, dtype=acc, device=loss.device)
+        ticket = row_loss[problem.rows:].view(torch.int32)
+    g = logits if problem.grad_into_input or not problem.compute_grad else grad
+    return logits, target, logits if weight is None else weight, g, row_loss, ticket, loss, lse, flags
 
 
 def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
@@ -816,17 +831,10 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
                 REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient)
 
     def run(tensors, out):
-        logits, target, weight = (*tensors, None)[:3]
-        if problem.check_target:
-            check_targets(problem, target)
-        loss, lse, grad, bad = out
-        rows = problem.rows
-        if not rows:
-            return finish_loss(problem, torch.empty(0, dtype=acc, device=loss.device), None, loss)
-        row_loss, ticket = _row_loss_buffers(problem, loss, acc)
-        g = logits if problem.grad_into_input or not problem.compute_grad else grad
-        _ce_rows[(min(rows, programs),)](logits, target, logits if weight is None else weight, g, row_loss, ticket,
-                                         loss, lse, bad, consts, rows, c, s, *strides, problem.ignore_index, **meta)
+        operands = _kernel_operands(problem, tensors, out, acc)
+        if operands is not None:
+            _ce_rows[(min(problem.rows, programs),)](*operands, consts, problem.rows, c, s, *strides,
+                                                     problem.ignore_index, **meta)
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
               ("plan", "fused" if chunks == 1 else "two-pass"))
@@ -847,18 +855,12 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))
 
     def run(tensors, out):
-        logits, target, weight = (*tensors, None)[:3]
-        if problem.check_target:
-            check_targets(problem, target)
-        loss, lse, grad, bad = out
-        if not rows:
-            return finish_loss(problem, torch.empty(0, dtype=torch.float32, device=loss.device), None, loss)
-        row_loss, ticket = _row_loss_buffers(problem, loss, torch.float32)
-        g = logits if problem.grad_into_input or not problem.compute_grad else grad
-        words = torch.zeros(rows * splits, dtype=torch.int64, device=logits.device) if splits > 1 else bad
-        args = (logits, target, logits if weight is None else weight, g, row_loss, ticket, loss, lse, bad, consts,
-                words, rows, c, s, *strides, problem.ignore_index)
-        launch_exchange(_ce_rows_exchange, grid, args, meta, logits.device)
+        operands = _kernel_operands(problem, tensors, out, torch.float32)
+        if operands is not None:
+            flags = operands[-1]
+            words = torch.zeros(rows * splits, dtype=torch.int64, device=flags.device) if splits > 1 else flags
+            args = (*operands, consts, words, rows, c, s, *strides, problem.ignore_index)
+            launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", _EXCHANGE_PER_SM),
               ("plan", "exchange" if splits > 1 else "pipelined"))
