@@ -155,15 +155,16 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     backward and a second backward through the same loss raise UnsupportedError, except for
     float64 logits and under torch.compile, where the scaling is out of place. float16 logits keep
     the stored gradient times a power of two (its entries, ~p / rows, would fall below float16's
-    range before a GradScaler's scale lifts them) that the backward divides out. ``check_target`` raises IndexError for a class
-    index outside [0, C) that is not ignore_index: before the launch (one min/max and one host
-    sync on the GPU) when no gradient is computed or under torch.compile. In eager training the
-    kernel flags such rows instead (no sync): on the CPU the backward raises; on the GPU the
-    first trainops.cross_entropy call or backward after the GPU has set the flag raises (usually
-    the next step's). Unchecked, such rows are left out. ``inplace_backward=True`` writes the gradient over the
-    logits (saving a logits-sized buffer): input must be a non-leaf tensor nothing else needs
-    afterwards (e.g. the LM head's output); its values are gone after the call (autograd raises if
-    another op saved them). Accumulates in float32; deterministic.
+    range before a GradScaler's scale lifts them) that the backward divides out.
+    ``check_target`` raises IndexError for a class index outside [0, C) that is not ignore_index:
+    before the launch (one min/max and one host sync on the GPU) when no gradient is computed or
+    under torch.compile. In eager training the kernel flags such rows instead (no sync): on the
+    CPU the backward raises; on the GPU the first trainops.cross_entropy call or backward after
+    the GPU has set the flag raises (usually the next step's). Unchecked, such rows are left out.
+    ``inplace_backward=True`` writes the gradient over the logits (saving a logits-sized buffer):
+    input must be a non-leaf tensor nothing else needs afterwards (e.g. the LM head's output); its
+    values are gone after the call (autograd raises if another op saved them). Accumulates in
+    float32; deterministic.
     """
     if size_average is not None or reduce is not None:
         raise argument_error(UnsupportedError, "cross_entropy", "size_average", "and 'reduce' are deprecated in "

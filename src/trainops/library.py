@@ -330,8 +330,6 @@ def _save_cross_entropy(ctx, inputs, output) -> None:
 _NO_GRADS = (None,) * 10
 
 
-
-
 def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dbad):
     if dloss is None:
         return None, *_NO_GRADS
@@ -389,8 +387,8 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
                                "require grad when the loss was computed)")
     if ctx.consumed:
         raise UnsupportedError("trainops.cross_entropy: a second backward through the same loss "
-                               "(retain_graph=True) is not supported for float16/bfloat16/float32 logits: the first one handed "
-                               "its gradient buffer over")
+                               "(retain_graph=True) is not supported for float16/bfloat16/float32 logits: the first "
+                               "one handed its gradient buffer over")
     grad, flags = ctx.saved_tensors  # after the checks: an in-place scale has bumped the buffer's version
     tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
     if not tracing and ctx.deferred_check:
@@ -404,21 +402,17 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
         if dloss.numel() == 1 and is_dense(grad):
             ce_ops.scale_gradient_(grad, dloss, flags)
             return grad
-    if grad.dtype == torch.float16:  # times dloss * 2^-k, in float32 (that factor may be subnormal in float16)
-        scale = torch.ldexp(dloss.float(), -flags[1].float())
-        scale = scale.unsqueeze(1) if ctx.reduction == "none" and ctx.ndim > 1 else scale
-        scaled = (grad.float() * scale).to(grad.dtype)
-        if tracing:
-            ctx.consumed = in_place
-            return grad.copy_(scaled) if in_place else scaled
-        return grad.copy_(scaled)
-    scale = dloss.to(grad.dtype)
+    half = grad.dtype == torch.float16  # times dloss * 2^-k, in float32 (the factor may be subnormal in float16)
+    scale = torch.ldexp(dloss.float(), -flags[1].float()) if half else dloss.to(grad.dtype)
     if ctx.reduction == "none" and ctx.ndim > 1:
         scale = scale.unsqueeze(1)
-    if tracing or grad.dtype == torch.float64:
+    out_of_place = tracing or grad.dtype == torch.float64
+    if out_of_place:
         ctx.consumed = in_place
-        return grad.mul_(scale) if in_place else grad * scale
-    return grad.mul_(scale)
+    if half:
+        scaled = (grad.float() * scale).to(grad.dtype)
+        return grad.copy_(scaled) if in_place or not out_of_place else scaled
+    return grad.mul_(scale) if in_place or not out_of_place else grad * scale
 
 
 def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
