@@ -5,8 +5,9 @@ embedding forward and backward (GatherGrad), fused cross-entropy, the AdamW / SG
 and the multi-tensor finite check, unscale, gradient norm, accumulation and zeroing (see
 ``trainops.bench.cases``), each against torch eager, torch.compile, and Liger-Kernel and quack
 when they are installed. Timed with ``triton.testing.do_bench`` (median); each row carries ms, GB/s (fewest
-bytes) and % of a device-to-device copy measured in the same run; every output is first compared
-with a float64 reference where the case has one. Writes JSON to benchmarks/results/ and a bar
+bytes), % of a large (2 GiB) device-to-device copy measured in the same run, and % of a copy that
+moves the case's own bytes (smaller problems do not reach the large copy's rate: launch and tail
+costs weigh more); every output is first compared with a float64 reference where the case has one. Writes JSON to benchmarks/results/ and a bar
 chart of % of the copy ceiling (PNG, when matplotlib is installed).
 
 Without a GPU it says so and runs the CPU path against torch on small shapes instead.
@@ -36,6 +37,7 @@ class Row:
     gbps: float
     pct_of_copy: float | None
     error: float | None
+    pct_of_same_copy: float | None = None  # copy moving this case's bytes: its time / ours, in %
 
 
 def copy_ceiling_gbps(device) -> float:
@@ -46,6 +48,18 @@ def copy_ceiling_gbps(device) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * 256 * 2**20 * 4 / ms / 1e6
+
+
+def same_bytes_copy_ms(nbytes: int, device) -> float:
+    """Median ms of a device-to-device copy moving ``nbytes`` in all (half read, half written)."""
+    import triton.testing
+
+    src = torch.randint(0, 256, (max(1, nbytes // 2),), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return ms
 
 
 def launch_overhead_us(device, calls: int = 2000) -> dict[str, float]:
@@ -85,6 +99,7 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print) -> list[R
 
     rows: list[Row] = []
     for case in cases:
+        copy_ms = None if ceiling is None else same_bytes_copy_ms(case.nbytes, "cuda")
         impls, reference = case.build(peers)
         ref = reference() if reference is not None else None
         for name, factory in impls.items():
@@ -107,10 +122,11 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print) -> list[R
                     torch.cuda.empty_cache()
             gbps = case.nbytes / ms / 1e6
             pct = None if ceiling is None else round(100 * gbps / ceiling, 1)
-            rows.append(Row(case.op, case.label, name, round(ms, 4), round(gbps, 1), pct, error))
+            same = None if copy_ms is None else round(100 * copy_ms / ms, 1)
+            rows.append(Row(case.op, case.label, name, round(ms, 4), round(gbps, 1), pct, error, same))
             err = "-" if error is None else f"{error:.1e}"
             log(f"  {case.op:20s} {case.label:40s} {name:28s} {ms:9.4f} ms {gbps:7.0f} GB/s"
-                + (f" {pct:5.1f}%" if pct is not None else "") + f"  err {err}")
+                + (f" {pct:5.1f}% ({same:5.1f}% of same-size copy)" if pct is not None else "") + f"  err {err}")
         del impls, ref
         gc.collect()
         if torch.cuda.is_available():
@@ -119,13 +135,14 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print) -> list[R
 
 
 def summary_table(rows: list[Row]) -> list[str]:
-    """One line per case: trainops ms, GB/s, % of copy, the best non-trainops implementation, speed-up
+    """One line per case: trainops ms, GB/s, % of the large copy and of a same-size copy, the best
+    non-trainops implementation, speed-up
     (other trainops kernels of the op, e.g. the atomic gradient, are rows of their own, not rivals)."""
     cases: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         cases.setdefault((r.op, r.case), {})[r.impl] = r
-    lines = [f"{'op':20s} {'case':40s} {'trainops ms':>11s} {'GB/s':>6s} {'%copy':>6s} {'best other':>34s} "
-             f"{'speed-up':>8s}"]
+    lines = [f"{'op':20s} {'case':40s} {'trainops ms':>11s} {'GB/s':>6s} {'%copy':>6s} {'%same':>6s} "
+             f"{'best other':>34s} {'speed-up':>8s}"]
     for (op, case), impls in cases.items():
         ours = impls.get("trainops")
         if ours is None:
@@ -135,7 +152,8 @@ def summary_table(rows: list[Row]) -> list[str]:
         best_s = f"{best.impl} {best.ms:.4f}" if best else "-"
         speed = f"{best.ms / ours.ms:.2f}x" if best else "-"
         pct = f"{ours.pct_of_copy:6.1f}" if ours.pct_of_copy is not None else "     -"
-        lines.append(f"{op:20s} {case:40s} {ours.ms:11.4f} {ours.gbps:6.0f} {pct} {best_s:>34s} {speed:>8s}")
+        same = f"{ours.pct_of_same_copy:6.1f}" if ours.pct_of_same_copy is not None else "     -"
+        lines.append(f"{op:20s} {case:40s} {ours.ms:11.4f} {ours.gbps:6.0f} {pct} {same} {best_s:>34s} {speed:>8s}")
     return lines
 
 
@@ -219,4 +237,5 @@ def main(quick: bool = False, ops: str = "all", out: str | None = None, peers: b
     return 0
 
 
-__all__ = ["Row", "bar_chart", "copy_ceiling_gbps", "launch_overhead_us", "main", "run_cases", "summary_table"]
+__all__ = ["Row", "bar_chart", "copy_ceiling_gbps", "launch_overhead_us", "main", "run_cases", "same_bytes_copy_ms",
+           "summary_table"]

@@ -28,7 +28,7 @@ Triton plans (chosen in ``_choose_config``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -575,12 +575,13 @@ _COLUMN_BLOCK = 32
 _COLUMN_BYTES_BACKWARD = 128
 # Split plans aim at this many programs per SM.
 _SPLIT_PROGRAMS_PER_SM = 16
-# Exchange plans (exchange.py): chunk elements per program, warps and programs per SM, forward and
-# backward. Best of the settings measured on the H100, bf16 128x262144 and 1024x131072
-# (benchmarks/NOTES.md): 8 warps keep the forward at 3 programs per SM (80 registers), where 16
-# warps (58 registers a thread, 2 per SM) were 10-20% slower; the backward fits 2 (122 registers).
+# Exchange plans (exchange.py): chunk elements per program, and warps and programs per SM by
+# direction (False: forward, True: backward). Best of 12 settings measured on the H100, bf16
+# 128x262144 and 1024x131072 (benchmarks/NOTES.md): the forward at 16 warps (40 registers a
+# thread once rows along one axis skip the row decomposition: 3 programs per SM) beat 8 warps
+# (78-80 registers, 3 per SM) by 9% / 4%; the backward is best at 8 warps, 2 per SM (118 registers).
 _EXCHANGE_TILE = {1: 8192, 2: 8192, 4: 8192, 8: 4096}
-_EXCHANGE_WARPS = 8
+_EXCHANGE_WARPS = {False: 16, True: 8}
 _EXCHANGE_PER_SM = {False: 3, True: 2}
 
 
@@ -598,7 +599,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     of _COLUMN_BLOCK contiguous positions (backward: _COLUMN_BYTES_BACKWARD bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
-    streaming 16 forward, 32 backward; split 8 forward, 16 backward.
+    exchange 16 forward, 8 backward; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
     reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
@@ -625,7 +626,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
         tile = _EXCHANGE_TILE[itemsize]
         splits = -(-n // tile)
         if exchange_enabled() and splits <= sm_count(problem.device):
-            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS, splits, tile, _EXCHANGE_PER_SM[backward])
+            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS[backward], splits, tile, _EXCHANGE_PER_SM[backward])
     programs = -(-layout.rows // block_i)
     sms = sm_count(problem.device)
     if programs >= 2 * sms:
@@ -646,7 +647,15 @@ def _operand_args(layout: ReductionLayout, bases) -> list[int]:
 
 
 def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: TritonConfig, meta: dict) -> Launch:
-    """One launch per host base (usually one): workspace of partials and a zeroed count per row."""
+    """One launch per host base (usually one): workspace of partials and a zeroed count per row.
+
+    Rows along one batch axis (outer0 = outer1 = 1, e.g. any contiguous input) are passed as
+    outer0 with INNER = OUTER1 = 1, which Triton compiles as constants: the kernels' row -> (outer0,
+    outer1, inner) division then folds away, and with it 15-18 registers a thread (forward, 8192
+    elements at 16 warps: 58 -> 40, which lets 3 programs share an SM instead of 2)."""
+    if layout.outer0 == layout.outer1 == 1:
+        layout = replace(layout, outer0=layout.inner, stride_outer0=layout.stride_inner, inner=1,
+                         stride_inner=(0,) * len(layout.stride_inner))
     fn = _softmax_bwd_exchange if problem.backward else _softmax_fwd_exchange
     acc = accumulator_dtype(problem.compute_dtype)
     rows, splits = layout.rows, config.splits
