@@ -234,6 +234,29 @@ def test_long_row_plans_with_minus_inf_prefix(tiles, request):
                 assert_close(getattr(trainops, op)(x, -1), getattr(torch, op)(x.cpu(), -1), torch.float32, op)
 
 
+def test_exchange_plan_special_values(exchange_tiles):
+    # Chunks of 64: the softmax output is e * exp(m_chunk - m) / s from each chunk's own max, which must
+    # stay 0 for an all -inf chunk (also under a very negative row max) and NaN wherever torch has NaN.
+    device = BACKEND_DEVICES["triton"]
+    x = torch.randn(9, 300) * 3
+    x[0] = float("-inf")                      # all -inf: NaN row
+    x[1, :70] = float("-inf")                 # a whole chunk of -inf and part of the next
+    x[2, 7] = float("nan")                    # NaN row
+    x[3] = 1e30                               # huge but equal
+    x[4, 3] = 3e38                            # near float32 max
+    x[5, 130] = float("inf")                  # +inf: NaN row as torch
+    x[6] = -1e30
+    x[7, :64] = float("-inf")                 # a -inf chunk under a row max of about -1000
+    x[7, 64:] -= 1000
+    x[8, 200:] = float("-inf")                # trailing chunks of -inf
+    with trainops.backend("triton"):
+        x = x.to(device)
+        for op in OPS:
+            plan = trainops.plan(op, shape=x.shape, dim=-1, dtype=x.dtype, device=device)
+            assert plan.kernel["plan"] == "exchange" and plan.kernel["splits"] == 5, plan.kernel
+            assert_close(getattr(trainops, op)(x, -1), getattr(torch, op)(x.cpu(), -1), torch.float32, op)
+
+
 # ---- edge cases ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)

@@ -452,7 +452,9 @@ if triton_available():
         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
     ):
         """Rows cut into SPLITS chunks of BLOCK_N, one per program of a group; chunks trade (max, sum)
-        through ws [2, ROWS, SPLITS] and count [ROWS] (exchange.py: counter). One read, one write."""
+        through ws [2, ROWS, SPLITS] and count [ROWS] (exchange.py: counter). One read, one write.
+        Softmax keeps e = exp(x - m_chunk) from its partial sum and writes e * exp(m_chunk - m) / s,
+        so that no exponential is left between the wait and the store (log-softmax: x - m - log s)."""
         split, group, groups = place_in_group(SPLITS)
         n = split * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = n < N
@@ -466,12 +468,12 @@ if triton_available():
             else:
                 x_raw = _chunk(x_ptr, r, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
                                float("-inf"), WIDE)
+            x = x_raw.to(OUT_T).to(ACC)
+            m_chunk = tl.max(x, axis=0)
+            e = tl.exp(x - tl.where(m_chunk == float("-inf"), 0.0, m_chunk))
             if PHASE != 2:
-                x = x_raw.to(OUT_T).to(ACC)
-                m = tl.max(x, axis=0)
-                s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-                tl.store(ws_ptr + r * SPLITS + split, m)
-                tl.store(ws_ptr + (ROWS + r) * SPLITS + split, s)
+                tl.store(ws_ptr + r * SPLITS + split, m_chunk)
+                tl.store(ws_ptr + (ROWS + r) * SPLITS + split, tl.sum(e, axis=0))
                 arrive(count_ptr + r)
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 x_next = _chunk(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1,
@@ -482,11 +484,10 @@ if triton_available():
                 m_ref, s = merge_max_sum(
                     tl.load(ws_ptr + r * SPLITS + k, mask=k < SPLITS, other=float("-inf"), cache_modifier=".cg"),
                     tl.load(ws_ptr + (ROWS + r) * SPLITS + k, mask=k < SPLITS, other=0.0, cache_modifier=".cg"))
-                x = x_raw.to(OUT_T).to(ACC)
                 if LOG:
                     y = x - (m_ref + tl.log(s))
-                else:
-                    y = tl.exp(x - m_ref) * (1.0 / s)
+                else:  # a chunk of -inf only: exp(-inf - m) = 0
+                    y = e * (tl.exp(m_chunk - m_ref) / s)
                 o0, o1, i = _coords(r, INNER, OUTER1)
                 offsets = n.to(tl.int64) * y_sn if WIDE else n * y_sn
                 tl.store(y_ptr + _row(o0, o1, i, y_base, y_so0, y_so1, y_si) + offsets, y.to(OUT_T), mask=mask)
@@ -575,13 +576,14 @@ _COLUMN_BLOCK = 32
 _COLUMN_BYTES_BACKWARD = 128
 # Split plans aim at this many programs per SM.
 _SPLIT_PROGRAMS_PER_SM = 16
-# Exchange plans (exchange.py): chunk elements per program, and warps and programs per SM by
+# Exchange plans (exchange.py): chunk elements per program, warps per op and programs per SM by
 # direction (False: forward, True: backward). Best of 12 settings measured on the H100, bf16
-# 128x262144 and 1024x131072 (benchmarks/NOTES.md): the forward at 16 warps (40 registers a
+# 128x262144 and 1024x131072 (benchmarks/NOTES.md): softmax forward at 16 warps (40 registers a
 # thread once rows along one axis skip the row decomposition: 3 programs per SM) beat 8 warps
-# (78-80 registers, 3 per SM) by 9% / 4%; the backward is best at 8 warps, 2 per SM (118 registers).
+# (74-78 registers, 3 per SM) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per
+# SM, 9% slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
 _EXCHANGE_TILE = {1: 8192, 2: 8192, 4: 8192, 8: 4096}
-_EXCHANGE_WARPS = {False: 16, True: 8}
+_EXCHANGE_WARPS = {"softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8}
 _EXCHANGE_PER_SM = {False: 3, True: 2}
 
 
@@ -599,7 +601,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     of _COLUMN_BLOCK contiguous positions (backward: _COLUMN_BYTES_BACKWARD bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
-    exchange 16 forward, 8 backward; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
+    exchange 16 softmax forward, 8 otherwise; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
     reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
@@ -626,7 +628,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
         tile = _EXCHANGE_TILE[itemsize]
         splits = -(-n // tile)
         if exchange_enabled() and splits <= sm_count(problem.device):
-            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS[backward], splits, tile, _EXCHANGE_PER_SM[backward])
+            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS[problem.op], splits, tile,
+                                _EXCHANGE_PER_SM[backward])
     programs = -(-layout.rows // block_i)
     sms = sm_count(problem.device)
     if programs >= 2 * sms:
