@@ -31,14 +31,17 @@ def cluster_wait(token):
 
 
 @triton.jit
-def fwd_cluster(x_ptr, y_ptr, ws_ptr, N, ROWS, C: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SYNC: tl.constexpr):
+def cluster_place(N, C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rank in cluster, cluster, clusters, positions of this CTA's chunk, their mask, ranks 0..C-1)."""
     pid = tl.program_id(0)
     k = pid % C
-    g = pid // C
-    G = tl.num_programs(0) // C
     n = k * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = n < N
-    kk = tl.arange(0, C)
+    return k, pid // C, tl.num_programs(0) // C, n, n < N, tl.arange(0, C)
+
+
+@triton.jit
+def fwd_cluster(x_ptr, y_ptr, ws_ptr, N, ROWS, C: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SYNC: tl.constexpr):
+    k, g, G, n, mask, kk = cluster_place(N, C, BLOCK_N)
     x_next = tl.load(x_ptr + g.to(tl.int64) * N + n, mask=mask & (g < ROWS), other=float("-inf"))
     it = 0
     for r in range(g, ROWS, G):
@@ -68,13 +71,7 @@ def fwd_cluster(x_ptr, y_ptr, ws_ptr, N, ROWS, C: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def bwd_cluster(dy_ptr, y_ptr, dx_ptr, ws_ptr, N, ROWS, C: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SYNC: tl.constexpr):
-    pid = tl.program_id(0)
-    k = pid % C
-    g = pid // C
-    G = tl.num_programs(0) // C
-    n = k * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = n < N
-    kk = tl.arange(0, C)
+    k, g, G, n, mask, kk = cluster_place(N, C, BLOCK_N)
     dy_next = tl.load(dy_ptr + g.to(tl.int64) * N + n, mask=mask & (g < ROWS), other=0.0)
     y_next = tl.load(y_ptr + g.to(tl.int64) * N + n, mask=mask & (g < ROWS), other=0.0)
     it = 0
