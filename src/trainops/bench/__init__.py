@@ -4,11 +4,12 @@ On a CUDA device: the ../shared/ANCHORS.md shapes of softmax / log-softmax and t
 embedding forward and backward (GatherGrad), fused cross-entropy, the AdamW / SGD / LAMB steps
 and the multi-tensor finite check, unscale, gradient norm, accumulation and zeroing (see
 ``trainops.bench.cases``), each against torch eager, torch.compile, and Liger-Kernel and quack
-when they are installed. Timed with ``triton.testing.do_bench`` (median); each row carries ms, GB/s (fewest
-bytes), % of a large (2 GiB) device-to-device copy measured in the same run, and % of a copy that
-moves the case's own bytes (smaller problems do not reach the large copy's rate: launch and tail
-costs weigh more); every output is first compared with a float64 reference where the case has one. Writes JSON to benchmarks/results/ and a bar
-chart of % of the copy ceiling (PNG, when matplotlib is installed).
+when they are installed. Timed with ``triton.testing.do_bench`` (median); each row carries ms,
+GB/s (fewest bytes), % of a large (2 GiB) device-to-device copy measured in the same run, and % of
+a copy that moves the case's own bytes (smaller problems do not reach the large copy's rate:
+launch and tail costs weigh more); every output is first compared with a float64 reference where
+the case has one. Writes JSON to benchmarks/results/ and a bar chart of % of the copy ceiling
+(PNG, when matplotlib is installed).
 
 Without a GPU it says so and runs the CPU path against torch on small shapes instead.
 """

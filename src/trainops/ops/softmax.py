@@ -601,7 +601,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     of _COLUMN_BLOCK contiguous positions (backward: _COLUMN_BYTES_BACKWARD bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
-    exchange 16 softmax forward, 8 otherwise; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
+    exchange 16 for the softmax forward, 8 otherwise; streaming 16 forward, 32 backward; split 8
+    forward, 16 backward.
     """
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
     reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
