@@ -90,7 +90,7 @@ def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int,
 class CrossEntropyProblem:
     """One cross-entropy problem. Tensors: logits, target, then weight when ``has_weight``.
 
-    Outputs of ``run``: (loss, lse, grad, bad): loss as reduced (or per row), lse per row
+    Outputs of ``run``: (loss, lse, grad, flags): loss as reduced (or per row), lse per row
     (float32, float64 for float64 logits), grad like logits (contiguous) when ``compute_grad``
     else empty: dloss/dlogits for an upstream gradient of 2^k, and flags (int32 [2]): [1 if an
     out-of-range class index was met (and ignored) else 0, k] (k = 0 but for float16 logits: see
@@ -493,7 +493,7 @@ if triton_available():
             _store_nearest(loss_ptr, tl.sum(total, axis=0), None, "")
 
     @triton.jit
-    def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
+    def _ce_row(r, x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, flags_ptr,
                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss,
                 ignore_index, smoothing, z_coef, ce_norm, z_norm, unit,
                 PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
@@ -515,7 +515,7 @@ if triton_available():
         else:
             target = tl.load(t_ptr).to(tl.int64)
             valid = (target != ignore_index) & (target >= 0) & (target < C)
-            tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)  # reported by the caller, not used
+            tl.store(flags_ptr, 1, mask=(target != ignore_index) & ~valid)  # reported by the caller, not used
             safe_t = tl.where(valid, target, 0)
             x_t = tl.load(x_ptr + safe_t * x_sc, mask=valid, other=0.0).to(ACC)
             w_t = 1.0
@@ -599,7 +599,7 @@ if triton_available():
         return tl.sum(total, axis=0), tl.sum(count, axis=0)
 
     @triton.jit
-    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr, R,
+    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr, consts_ptr, R,
                  C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                  PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
                  ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
@@ -622,9 +622,9 @@ if triton_available():
             z_norm = tl.load(consts_ptr + 3).to(ACC)
         unit = tl.full([], 1.0, ACC)
         if SCALE_GRAD:
-            unit = _gradient_unit(ce_norm, w_ptr, C, bad_ptr, HAS_WEIGHT, ACC)
+            unit = _gradient_unit(ce_norm, w_ptr, C, flags_ptr, HAS_WEIGHT, ACC)
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
-            _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, bad_ptr,
+            _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, flags_ptr,
                     C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index, smoothing, z_coef,
                     ce_norm, z_norm, unit,
                     PROBS, HAS_WEIGHT, SMOOTH, GRAD, ACC, BLOCK_C, CHUNKS, FIRST_PASS_EVICT, GRAD_STORE)
@@ -639,7 +639,7 @@ if triton_available():
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=mask & (r < R), other=float("-inf"))
 
     @triton.jit
-    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, bad_ptr, consts_ptr,
+    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr, consts_ptr,
                           words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
@@ -663,7 +663,7 @@ if triton_available():
             z_norm = tl.load(consts_ptr + 3).to(tl.float32)
         unit = 1.0
         if SCALE_GRAD and PHASE != 1:
-            unit = _gradient_unit(ce_norm, w_ptr, C, bad_ptr, HAS_WEIGHT, tl.float32)
+            unit = _gradient_unit(ce_norm, w_ptr, C, flags_ptr, HAS_WEIGHT, tl.float32)
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
@@ -699,7 +699,7 @@ if triton_available():
                     m_ref, total = merge_max_sum(m_k, s_k)
                 lse = m_ref + tl.log(total)
                 if split == 0:
-                    tl.store(bad_ptr, 1, mask=(target != ignore_index) & ~valid)
+                    tl.store(flags_ptr, 1, mask=(target != ignore_index) & ~valid)
                     row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
                     row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
                     _store_nearest(rows_ptr + r, row_loss, None, "")
