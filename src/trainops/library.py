@@ -409,10 +409,11 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
     out_of_place = tracing or grad.dtype == torch.float64
     if out_of_place:
         ctx.consumed = in_place
+    write_back = in_place or not out_of_place
     if half:
         scaled = (grad.float() * scale).to(grad.dtype)
-        return grad.copy_(scaled) if in_place or not out_of_place else scaled
-    return grad.mul_(scale) if in_place or not out_of_place else grad * scale
+        return grad.copy_(scaled) if write_back else scaled
+    return grad.mul_(scale) if write_back else grad * scale
 
 
 def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
