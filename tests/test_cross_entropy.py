@@ -452,6 +452,46 @@ def test_gpu_inplace_backward_long_rows(classes):
     assert_close(leaf.grad, ref_x.grad, torch.bfloat16, "in-place gradient")
 
 
+@pytest.mark.parametrize("z_loss", [1e-4, 0.01, 1.0])
+def test_float16_z_loss_gradient_stays_finite(backend, device, row_plan, z_loss):
+    """The 2^k that float16 gradients are stored with leaves room for the z-loss term, whose
+    2 z lse p / rows can reach 2 z (65504 + log C) / rows. The issue's case: 4 rows, lse = 1000,
+    z = 0.01 give 5.0, which 2^k sized without the z-loss term (k = 14) stored as inf."""
+    issue = torch.zeros(4, 8, dtype=torch.float16)
+    issue[:, 0] = 1000.0
+    mixed = torch.zeros(6, 8, dtype=torch.float16)
+    mixed[:, 0] = 2000.0
+    mixed[1, 3] = -2000.0
+    cases = [(issue, torch.zeros(4, dtype=torch.int64)), (mixed, torch.tensor([0, 3, 0, -100, 0, 5]))]
+    for x, target in cases:
+        ref_loss, _, ref_grad = reference(x, target, z_loss=z_loss)
+        for upstream in (1.0, 1024.0):  # as is, and under a loss scale where the result fits float16
+            if (ref_grad * upstream).abs().max() > torch.finfo(torch.float16).max:
+                continue
+            logits = x.clone().to(device).requires_grad_()
+            loss = trainops.cross_entropy(logits, target.to(device), z_loss=z_loss, loss_dtype=torch.float32)
+            (loss * upstream).backward()
+            what = f"{tuple(x.shape)}, z_loss={z_loss}, upstream {upstream}"
+            assert torch.isfinite(logits.grad).all(), (what, logits.grad)
+            assert_close(logits.grad, ref_grad * upstream, torch.float16, what)
+            assert_close(loss, ref_loss, torch.float32, f"{what}: loss")
+
+
+def test_float16_gradient_exponent_bounds_the_z_loss_term():
+    """k leaves |stored gradient| <= 2^12 (1 + w_max / norm * ...) however large lse is: check the bound."""
+    norm, z_norm, w_max = torch.tensor(4.0), torch.tensor(4.0), torch.tensor(1.0)
+    assert ce_ops.gradient_exponent(norm, z_norm, w_max, 0.0).item() == 12 + 2  # no z-loss: as before
+    for z_loss in (1e-6, 1e-4, 1e-2, 1.0, 10.0):
+        z_bound = ce_ops.z_gradient_bound(z_loss, 128256)
+        k = ce_ops.gradient_exponent(norm, z_norm, w_max, z_bound).item()
+        largest = (w_max / norm + z_bound / z_norm).item() * 2.0**k  # the largest stored |entry|
+        assert largest <= 2.0**ce_ops.GRAD_HEADROOM_BITS * 1.0001 and largest > 2.0**(ce_ops.GRAD_HEADROOM_BITS - 1), \
+            (z_loss, k, largest)
+    for zero in (torch.tensor(0.0),):  # every row ignored: nothing to scale
+        assert ce_ops.gradient_exponent(zero, zero, w_max, 1.0).item() == 0
+        assert ce_ops.gradient_exponent(zero, zero, w_max, 0.0).item() == 0
+
+
 @pytest.mark.parametrize("plan", ["fused", "exchange", "two-pass"])
 def test_float16_mean_gradient_survives_loss_scaling(backend, device, monkeypatch, plan):
     """float16 "mean": the gradient for an upstream gradient of 1 (~p / rows) lies below float16's

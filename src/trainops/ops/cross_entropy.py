@@ -51,25 +51,33 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 # float16 fused gradients are stored times 2^k with |stored| <= about 2^GRAD_HEADROOM_BITS (see
-# gradient_exponent); z-loss coefficients above GRAD_EXPONENT_MAX_Z keep k = 0 (their lse^2 term
-# has no useful bound).
+# gradient_exponent).
 GRAD_HEADROOM_BITS = 12
-GRAD_EXPONENT_MAX_Z = 0.01
+# |lse| of a float16 row is at most its largest |logit| (65504) plus log(classes).
+FLOAT16_MAX = 65504.0
 
 
-def gradient_exponent(norm: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
+def z_gradient_bound(z_loss: float, classes: int) -> float:
+    """The largest |2 z lse| float16 logits can give: the z-loss term of |dloss/dx| is at most this over its divisor."""
+    return 2.0 * z_loss * (FLOAT16_MAX + math.log(max(classes, 1)))
+
+
+def gradient_exponent(norm: torch.Tensor, z_norm: torch.Tensor, w_max: torch.Tensor, z_bound: float) -> torch.Tensor:
     """k such that the fused float16 gradient is stored times 2^k (the CPU path; the kernels compute the same).
 
-    Per row, |dloss/dx| <= (1 + label smoothing) * w_max / norm plus a small z-loss term, where
-    norm is the reduction's divisor ("mean": the summed target weights; else 1) and w_max the
-    largest class weight. For a real batch and vocabulary the entries p_c * w_t / norm sit far
-    below float16's normal range (6.1e-5): rounded to float16 as they are, they would lose their
-    bits or flush to zero before a loss scale (GradScaler's) could lift them, as torch's own
-    backward does in float32. Stored times 2^k, k = GRAD_HEADROOM_BITS + floor(log2(norm / w_max)),
-    they fill float16's range with room to spare; the backward multiplies by dloss * 2^-k in
-    float32 (exact scalings). k = 0 where norm or w_max is 0.
+    Per entry, |dloss/dx| <= (1 + label smoothing) * w_max / norm + z_bound / z_norm, where norm
+    and z_norm are the reduction's divisors ("mean": the summed target weights and the target
+    count; else 1), w_max the largest class weight and z_bound = z_gradient_bound(z_loss, classes).
+    For a real batch and vocabulary the entries p_c * w_t / norm sit far below float16's normal
+    range (6.1e-5): rounded to float16 as they are, they would lose their bits or flush to zero
+    before a loss scale (GradScaler's) could lift them, as torch's own backward does in float32.
+    Stored times 2^k, k = GRAD_HEADROOM_BITS + floor(log2(norm / (w_max + z_bound * norm / z_norm))),
+    they fill float16's range with room to spare and never overflow, z-loss included (which costs
+    log2(1 + z_bound * norm / (w_max * z_norm)) bits of headroom: about 4 at z_loss = 1e-4 and an
+    unweighted mean); the backward multiplies by dloss * 2^-k in float32 (exact scalings). k = 0
+    where norm, z_norm or w_max is 0.
     """
-    ratio = (norm / w_max).to(torch.float32)
+    ratio = (norm / (w_max + z_bound * norm / z_norm)).to(torch.float32)
     k = torch.floor(torch.log2(ratio)) + GRAD_HEADROOM_BITS
     return torch.where((ratio > 0) & torch.isfinite(ratio), k, 0).clamp(-60, 60).to(torch.int32)
 
@@ -142,7 +150,7 @@ class CrossEntropyProblem:
     @property
     def scales_gradient(self) -> bool:
         """float16 gradients are stored times 2^k (gradient_exponent)."""
-        return self.dtype == torch.float16 and self.compute_grad and self.z_loss <= GRAD_EXPONENT_MAX_Z
+        return self.dtype == torch.float16 and self.compute_grad
 
     def check(self, tensors: Sequence[torch.Tensor], out) -> None:
         names = ("logits", "target", "weight") if self.has_weight else ("logits", "target")
@@ -367,7 +375,8 @@ def _prepare_cpu(problem: CrossEntropyProblem) -> Launch:
         if problem.compute_grad:
             if problem.scales_gradient:
                 w_max = torch.ones(()) if weight is None else weight.abs().max().to(norm.dtype)
-                flags[1] = gradient_exponent(norm[0], w_max)
+                z_bound = z_gradient_bound(problem.z_loss, problem.classes)
+                flags[1] = gradient_exponent(norm[0], norm[1], w_max, z_bound)
                 row_grad = torch.ldexp(row_grad, flags[1].to(row_grad.dtype))  # exact
             target_grad = logits if problem.grad_into_input else grad
             if logits.dim() == 1:
@@ -414,7 +423,7 @@ if triton_available():
         return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _gradient_unit(norm, w_ptr, C, flags_ptr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+    def _gradient_unit(norm, z_norm, z_bound, w_ptr, C, flags_ptr, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
         """2^k, the factor float16 gradients are stored with (gradient_exponent); program 0 stores k in flags[1]."""
         w_max = 1.0
         if HAS_WEIGHT:
@@ -423,7 +432,7 @@ if triton_available():
                 i = start + tl.arange(0, 1024)
                 largest = tl.maximum(largest, tl.abs(tl.load(w_ptr + i, mask=i < C, other=0.0).to(ACC)))
             w_max = tl.max(largest, axis=0)
-        ratio = (norm / w_max).to(tl.float32)
+        ratio = (norm / (w_max + z_bound * norm / z_norm)).to(tl.float32)
         usable = (ratio > 0) & (ratio < float("inf"))
         k = tl.where(usable, tl.floor(tl.log2(tl.where(usable, ratio, 1.0))) + _GRAD_HEADROOM_BITS, 0.0)
         k = tl.minimum(tl.maximum(k, -60.0), 60.0).to(tl.int32)
@@ -622,7 +631,8 @@ if triton_available():
             z_norm = tl.load(consts_ptr + 3).to(ACC)
         unit = tl.full([], 1.0, ACC)
         if SCALE_GRAD:
-            unit = _gradient_unit(ce_norm, w_ptr, C, flags_ptr, HAS_WEIGHT, ACC)
+            unit = _gradient_unit(ce_norm, z_norm, tl.load(consts_ptr + 4).to(ACC), w_ptr, C, flags_ptr, HAS_WEIGHT,
+                                  ACC)
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
             _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, flags_ptr,
                     C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index, smoothing, z_coef,
@@ -664,7 +674,8 @@ if triton_available():
             z_norm = tl.load(consts_ptr + 3).to(tl.float32)
         unit = 1.0
         if SCALE_GRAD and PHASE != 1:
-            unit = _gradient_unit(ce_norm, w_ptr, C, flags_ptr, HAS_WEIGHT, tl.float32)
+            unit = _gradient_unit(ce_norm, z_norm, tl.load(consts_ptr + 4), w_ptr, C, flags_ptr, HAS_WEIGHT,
+                                  tl.float32)
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
@@ -817,8 +828,8 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
         problem.shape, torch.empty(problem.shape, device="meta").stride())
     mean_by_targets = problem.reduction == "mean" and not problem.probabilities
     fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
-    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm], dtype=acc,
-                          device=problem.device)
+    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm,
+                           z_gradient_bound(problem.z_loss, problem.classes)], dtype=acc, device=problem.device)
     strides = (*x_strides, *t_strides, *g_strides)
     splits = _exchange_splits(problem)
     if splits:
