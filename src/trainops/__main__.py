@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainops kernels | bench | train``."""
+"""Command line: ``python -m trainops kernels | env | bench | train``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("kernels", help="print the kernel registry")
+    sub.add_parser("env", help="versions, devices and the kernel each op would run here (for bug reports)")
     sub.add_parser("train", help="train a byte-level GPT on the standard library's sources (--help for options)")
     bench = sub.add_parser("bench", help="time every op against torch (and peers when installed)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a self-check)")
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "kernels":
         import trainops
         _print_table([k.row() for k in trainops.kernels()])
+        return 0
+    if args.command == "env":
+        from . import env
+        print(env.format_report(env.collect()))
         return 0
     from . import bench as bench_module
     return bench_module.main(quick=args.quick, ops=args.ops, out=args.out, peers=not args.no_peers)

@@ -69,7 +69,8 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-def _dtype_name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``float32`` for torch.float32; ``-`` for None."""
     return "-" if dtype is None else str(dtype).replace("torch.", "")
 
 
@@ -104,8 +105,8 @@ class KernelInfo:
             "backend": self.backend,
             "kernel": self.name,
             "devices": ",".join(self.device_types),
-            "dtypes": ",".join(_dtype_name(d) for d in order if d in self.dtypes),
-            "index dtypes": ",".join(_dtype_name(d) for d in order if d in self.index_dtypes) or "-",
+            "dtypes": ",".join(dtype_name(d) for d in order if d in self.dtypes),
+            "index dtypes": ",".join(dtype_name(d) for d in order if d in self.index_dtypes) or "-",
             "deterministic": "yes" if self.deterministic else "no",
             "accumulator": self.accumulator,
         }
@@ -207,9 +208,9 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
     """
     op_spec(op)
     chosen = backend or pinned_backend() or DEFAULT_BACKEND.get(device_type)
-    where = f"device '{device_type}', dtype {_dtype_name(dtype)}"
+    where = f"device '{device_type}', dtype {dtype_name(dtype)}"
     if index_dtype is not None:
-        where += f", index dtype {_dtype_name(index_dtype)}"
+        where += f", index dtype {dtype_name(index_dtype)}"
     if chosen is None:
         raise UnsupportedError(f"trainops.{op}: no backend runs on {where}")
     info = _KERNELS.get((op, chosen, True))
