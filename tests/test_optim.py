@@ -6,6 +6,7 @@ import torch
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
 
+from conftest import BACKEND_DEVICES
 from numerics import interpreter_rounding, relative_error
 
 
@@ -413,6 +414,101 @@ def test_mismatched_columns_raise():
                                           amsgrad=False, maximize=False)
     with pytest.raises(InvalidProblemError, match="src"):
         trainops.grad.accumulate_([torch.zeros(3)], [torch.zeros(3), torch.zeros(2)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardening: nothing half-applied, re-assigned gradients re-checked, unusable hyper-parameters
+# ----------------------------------------------------------------------------------------------
+
+def _float32_and_float64_params(device):
+    """Two params of one group: float32 (a bucket the Triton backend runs) and float64 (one it lacks)."""
+    torch.manual_seed(3)
+    p32 = torch.randn(5, 4, device=device, requires_grad=True)
+    p64 = torch.randn(6, device=device, dtype=torch.float64, requires_grad=True)
+    p32.grad, p64.grad = torch.randn_like(p32), torch.randn_like(p64)
+    return p32, p64
+
+
+@pytest.mark.parametrize("opt_name, kwargs", [("AdamW", dict(lr=0.1)), ("SGD", dict(lr=0.1, momentum=0.9)),
+                                              ("LAMB", dict(lr=0.1))])
+def test_unsupported_bucket_leaves_the_whole_step_unapplied(opt_name, kwargs, block_size):
+    """A group of float32 and float64 params under the Triton backend (no float64 multi-tensor
+    kernels): the step raises before writing anything, the float32 bucket included."""
+    with trainops.backend("triton"):
+        p32, p64 = _float32_and_float64_params(BACKEND_DEVICES["triton"])
+        before = [p32.detach().clone(), p64.detach().clone()]
+        opt = getattr(trainops.optim, opt_name)([p32, p64], **kwargs)
+        with pytest.raises(UnsupportedError, match="float64"):
+            opt.step()
+        assert torch.equal(p32, before[0]) and torch.equal(p64, before[1])
+        for p in (p32, p64):
+            state = opt.state[p]
+            assert "momentum_buffer" not in state  # SGD's first-step buffers are kept only once a step writes
+            if "step" in state:
+                assert state["step"].item() == 0
+
+
+def test_unsupported_bucket_leaves_accumulate_zero_and_unscale_unapplied(block_size):
+    with trainops.backend("triton"):
+        device = BACKEND_DEVICES["triton"]
+        a, b = torch.randn(7, device=device), torch.randn(3, device=device, dtype=torch.float64)
+        before = [a.clone(), b.clone()]
+        found_inf = torch.zeros((), device=device)
+        calls = {"accumulate_": lambda: trainops.grad.accumulate_([a, b], [torch.ones_like(a), torch.ones_like(b)]),
+                 "zero_": lambda: trainops.grad.zero_([a, b]),
+                 "unscale_": lambda: trainops.ops.amp.unscale_([a, b], torch.full((), 0.5, device=device), found_inf)}
+        for name, call in calls.items():
+            with pytest.raises(UnsupportedError, match="float64"):
+                call()
+            assert torch.equal(a, before[0]) and torch.equal(b, before[1]), name
+
+
+def test_reassigned_gradient_view_is_checked_again(backend, device, block_size):
+    """The same memory as gradient twice, first laid out like the parameter, then transposed: the
+    cached tensor table must notice the new strides (the address alone is the same)."""
+    p = torch.randn(64, 32, device=device, requires_grad=True)
+    opt = trainops.optim.AdamW([p], lr=0.01)
+    buf = torch.randn(2048, device=device)
+    p.grad = buf.view(64, 32)
+    opt.step()
+    after_first = p.detach().clone()
+    p.grad = buf.view(32, 64).t()
+    with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
+        opt.step()
+    assert torch.equal(p, after_first)
+    p.grad = buf.view(64, 32).clone()  # laid out like the parameter again: steps as before
+    opt.step()
+    assert not torch.equal(p, after_first)
+
+
+BAD_VALUES = [float("nan"), float("inf"), -1.0]
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=str)
+@pytest.mark.parametrize("opt_name, key", [("SGD", "lr"), ("SGD", "momentum"), ("SGD", "weight_decay"),
+                                           ("SGD", "dampening"), ("Adam", "lr"), ("Adam", "eps"),
+                                           ("AdamW", "weight_decay"), ("AdamW", "betas"), ("LAMB", "eps"),
+                                           ("LAMB", "betas")])
+def test_unusable_hyper_parameters_raise(opt_name, key, bad):
+    """torch raises ValueError for NaN (and negative) hyper-parameters; so do we (InvalidProblemError
+    is a ValueError), naming the key, at construction, in add_param_group and at the step."""
+    if key == "dampening" and bad == -1.0:
+        return  # torch allows any finite dampening
+    value = (0.9, bad) if key == "betas" else bad
+    cls = getattr(trainops.optim, opt_name)
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        cls(make_model("cpu").parameters(), **{key: value})
+    model = make_model("cpu")
+    opt = cls(list(model.parameters())[:2])
+    with pytest.raises(InvalidProblemError, match=rf"param_groups\[1\]\['{key}'\]"):
+        opt.add_param_group({"params": list(model.parameters())[2:], key: value})
+    assert len(opt.param_groups) == 1
+    model(torch.randn(4, 7)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][key] = value  # e.g. a scheduler gone wrong
+    with pytest.raises(InvalidProblemError, match=rf"param_groups\[0\]\['{key}'\]"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # ----------------------------------------------------------------------------------------------

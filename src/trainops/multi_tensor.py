@@ -74,13 +74,15 @@ class BlockTables:
 
 
 class TensorTable:
-    """The cached tables of one bucket. ``tables(columns, scalars, validate)`` returns them.
+    """The cached tables of one bucket. ``tables(columns, scalars, validate, user_columns)`` returns them.
 
-    The cache key is every tensor's address plus the lead column's sizes. ``validate`` (the
-    launcher's shape/stride/dtype checks) runs only when that key changes, so a steady step pays
-    one pass of ``data_ptr()`` calls and nothing else. (A tensor at an address of the previous step
-    is assumed to keep its layout: torch's own checks keep a gradient's shape, dtype and device
-    equal to its parameter's, and the state tensors are ours.)
+    The cache key is every tensor's address, the strides of the tensors of the first
+    ``user_columns`` columns (those a user may swap for another view of the same memory, such as
+    ``p.grad = buf.view(32, 64).t()``: torch checks a new gradient's shape, dtype and device, not
+    its strides) and the lead column's sizes. ``validate`` (the launcher's shape/stride/dtype
+    checks) runs only when that key changes, so a steady step pays one pass of ``data_ptr()`` calls
+    plus one of ``stride()`` calls over the user's columns, and nothing else. The other columns
+    (optimizer state) are ours and keep their layout at a given address.
     """
 
     def __init__(self, block: int):
@@ -91,13 +93,15 @@ class TensorTable:
         self._tables: BlockTables | None = None
 
     def tables(self, columns: Sequence[Sequence[torch.Tensor]], scalars: Sequence[Sequence[torch.Tensor]] = (),
-               validate=None) -> BlockTables:
+               validate=None, user_columns: int | None = None) -> BlockTables:
         """Tables for ``columns`` (blocked by the first column's sizes); ``scalars`` (e.g. per-tensor
-        step counters) only add rows of addresses, after the columns."""
+        step counters) only add rows of addresses, after the columns. ``user_columns``: how many
+        leading columns hold tensors the caller does not own (default: all)."""
         lead = columns[0]
         addresses = tuple(t.data_ptr() for row in (*columns, *scalars) for t in row)
+        strides = tuple(t.stride() for row in columns[:user_columns] for t in row)
         sizes = tuple(t.numel() for t in lead)
-        key = (addresses, sizes)
+        key = (addresses, strides, sizes)
         if key == self._key:
             return self._tables
         if validate is not None:
@@ -170,6 +174,20 @@ def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **opt
 
     return cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
                        lambda: dict(dtype=dtype, device=device, **options)).launch
+
+
+def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache, block: int) -> list:
+    """[(launch, columns, tables)] for ``buckets`` of (device, dtype, options, columns), with every
+    kernel looked up (UnsupportedError) and every bucket's tensors checked (InvalidProblemError,
+    through the table cache) before the caller runs any: an op over several buckets writes all of
+    them or none."""
+    prepared = []
+    for device, dtype, options, columns in buckets:
+        launch = multi_tensor_launch(op, device, dtype, **options)
+        table = cache.get((op, device, dtype, *sorted(options.items())), block)
+        tables = table.tables(columns, validate=lambda columns=columns: check_columns(op, names, columns))
+        prepared.append((launch, columns, tables))
+    return prepared
 
 
 def check_scalar(op: str, name: str, t, device: torch.device) -> None:

@@ -32,6 +32,7 @@ gradient are skipped, as torch does; a loaded state whose tensor shapes do not m
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -69,6 +70,48 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._tables = TableCache()
         self._buckets: dict = {}
         self._state_version = 0
+
+    # -- hyper-parameters ----------------------------------------------------------------------
+
+    # Hyper-parameters that must be finite and >= 0, and those that must only be finite.
+    _non_negative_keys: tuple[str, ...] = ("lr", "weight_decay")
+    _finite_keys: tuple[str, ...] = ()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, with the group's hyper-parameters checked first (a group that
+        fails is not added)."""
+        group = {key: value for key, value in self.defaults.items() if key not in param_group}
+        group.update(param_group)
+        self._check_group(group, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group(param_group)
+
+    def _check_group(self, group: dict, where: str) -> None:
+        """InvalidProblemError unless every hyper-parameter of ``group`` is usable: numbers finite
+        (and >= 0 where negative values make no sense), betas in [0, 1), tensors of one element
+        (their values stay on the device: not read). ``where`` names the group in the message."""
+        def fail(key, message):
+            raise InvalidProblemError(f"trainops.optim.{self._name}: {where}['{key}'] {message}")
+
+        for key in (*self._non_negative_keys, *self._finite_keys, "betas"):
+            if key not in group:
+                continue
+            values = group[key] if key == "betas" else (group[key],)
+            if key == "betas" and len(values) != 2:
+                fail(key, f"must hold two values, got {values!r}")
+            for value in values:
+                if isinstance(value, torch.Tensor):
+                    if value.numel() != 1:
+                        fail(key, f"is a tensor of shape {tuple(value.shape)}; it must have one element")
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    fail(key, f"is {value!r}; it must be a number or a one-element tensor")
+                if key == "betas":
+                    if not 0.0 <= value < 1.0:
+                        fail(key, f"holds {value}; each must be in [0, 1)")
+                elif not math.isfinite(value):
+                    fail(key, f"is {value}; it must be finite")
+                elif key in self._non_negative_keys and value < 0:
+                    fail(key, f"is {value}; it must be >= 0")
 
     # -- per-group gathering -------------------------------------------------------------------
 
@@ -143,6 +186,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         check = self.skip_nonfinite or self.max_grad_norm is not None or getattr(self, "_trainops_check_finite", False)
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
+        # Every bucket is checked (kernel, layouts, hyper-parameters) before any is written: a step
+        # that raises leaves parameters, state and step counters as they were.
+        prepared = []
+        for index, (group, buckets) in enumerate(gathered):
+            self._check_group(group, f"param_groups[{index}]")
+            for (device, dtype), bucket in buckets.items():
+                table = self._tables.get((self._name, index, device, dtype), optimizer_ops._BLOCK)
+                prepared.append((device, self._prepare_bucket(group, bucket, table)))
         clip = getattr(self, "_trainops_clip", None)  # a clip factor computed elsewhere (trainops.distributed)
         self.grad_norm = None
         if check:
@@ -158,14 +209,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 found_inf, clip, self.grad_norm = stats.found_inf, stats.clip, stats.norm
                 if getattr(self, "found_inf", None) is not None and found_inf is not self.found_inf:
                     self.found_inf.copy_(found_inf)
-        for index, (group, buckets) in enumerate(gathered):
-            for (device, dtype), bucket in buckets.items():
-                table = self._tables.get((self._name, index, device, dtype), optimizer_ops._BLOCK)
-                self._step_bucket(group, bucket, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
-                                  clip=_on(clip, device), table=table)
+        for device, write in prepared:
+            write(_on(grad_scale, device), _on(found_inf, device), _on(clip, device))
         return loss
 
-    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+    def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
+        """The bucket's step with every check made and nothing written (see ops/optimizers.py)."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -230,32 +279,18 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return t.to(device, non_blocking=True)
 
 
-def _betas(name: str, betas) -> tuple:
-    if len(betas) != 2:
-        raise InvalidProblemError(f"trainops.optim.{name}: argument 'betas' must have two values, got {betas!r}")
-    for b in betas:
-        if not isinstance(b, torch.Tensor) and not 0.0 <= b < 1.0:
-            raise InvalidProblemError(f"trainops.optim.{name}: argument 'betas' holds {b}; each must be in [0, 1)")
-    return tuple(betas)
-
-
-def _non_negative(name: str, **values) -> None:
-    for key, value in values.items():
-        if not isinstance(value, torch.Tensor) and value < 0:
-            raise InvalidProblemError(f"trainops.optim.{name}: argument '{key}' is {value}; it must be >= 0")
-
-
 class SGD(FusedOptimizer):
     """torch.optim.SGD, fused: momentum, dampening, nesterov, weight_decay, maximize (state: momentum_buffer)."""
 
     _has_step_counter = False
     _name = "SGD"
+    _non_negative_keys = ("lr", "momentum", "weight_decay")
+    _finite_keys = ("dampening",)
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float | torch.Tensor = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
                  state_dtype: torch.dtype | None = None):
-        _non_negative("SGD", lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise InvalidProblemError("trainops.optim.SGD: nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -263,24 +298,35 @@ class SGD(FusedOptimizer):
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
                          state_dtype=state_dtype)
 
-    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
-        buffers, fresh = None, None
+    def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
+        buffers, fresh, new_buffers = None, None, {}
         if group["momentum"] != 0:
             buffers, fresh = [], []
             for p, state in zip(bucket["params"], bucket["states"]):
-                fresh.append(state.get("momentum_buffer") is None)
-                if fresh[-1]:
+                buffer = state.get("momentum_buffer")
+                fresh.append(buffer is None)
+                if buffer is None:
                     # The kernel sets a fresh buffer to the gradient (torch's first step). Zeros, in case
                     # that step is skipped on the device (found_inf): the next step then starts from 0,
-                    # which is torch's first step again whenever dampening is 0.
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
-                                                                memory_format=torch.preserve_format)
-                buffers.append(state["momentum_buffer"])
-        optimizer_ops.sgd_step(bucket["params"], bucket["grads"], buffers, fresh, lr=group["lr"],
-                               momentum=group["momentum"], dampening=group["dampening"],
-                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                               maximize=group["maximize"], masters=self._masters(group, bucket), grad_scale=grad_scale,
-                               found_inf=found_inf, clip=clip, table=table)
+                    # which is torch's first step again whenever dampening is 0. Kept in the state only
+                    # once the step writes.
+                    buffer = new_buffers[id(state)] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
+                                                                       memory_format=torch.preserve_format)
+                buffers.append(buffer)
+        step = optimizer_ops.prepare_sgd_step(
+            bucket["params"], bucket["grads"], buffers, fresh, lr=group["lr"], momentum=group["momentum"],
+            dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            maximize=group["maximize"], masters=self._masters(group, bucket), table=table)
+        if not new_buffers:
+            return step
+
+        def write(grad_scale=None, found_inf=None, clip=None) -> None:
+            for state in bucket["states"]:
+                if id(state) in new_buffers:
+                    state["momentum_buffer"] = new_buffers[id(state)]
+            step(grad_scale, found_inf, clip)
+
+        return write
 
 
 class Adam(FusedOptimizer):
@@ -289,14 +335,14 @@ class Adam(FusedOptimizer):
     _state_names = ("exp_avg", "exp_avg_sq")
     _name = "Adam"
     _decoupled_default = False
+    _non_negative_keys = ("lr", "eps", "weight_decay")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool | None = None, max_grad_norm: float | None = None,
                  skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None):
-        _non_negative(self._name, lr=lr, eps=eps, weight_decay=weight_decay)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
-        super().__init__(params, dict(lr=lr, betas=_betas(self._name, betas), eps=eps, weight_decay=weight_decay,
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
                          state_dtype=state_dtype)
@@ -307,15 +353,15 @@ class Adam(FusedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
                                                        memory_format=torch.preserve_format)
 
-    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+    def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
-        optimizer_ops.adam_step(
+        return optimizer_ops.prepare_adam_step(
             bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None, [s["step"] for s in states],
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
-            masters=self._masters(group, bucket), grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table)
+            masters=self._masters(group, bucket), table=table)
 
 
 class AdamW(Adam):
@@ -343,25 +389,25 @@ class LAMB(FusedOptimizer):
 
     _state_names = ("exp_avg", "exp_avg_sq")
     _name = "LAMB"
+    _non_negative_keys = ("lr", "eps", "weight_decay")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float | torch.Tensor = 0.01, *, bias_correction: bool = True, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
                  state_dtype: torch.dtype | None = None):
-        _non_negative("LAMB", lr=lr, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, dict(lr=lr, betas=_betas("LAMB", betas), eps=eps, weight_decay=weight_decay,
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, maximize=maximize),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
                          state_dtype=state_dtype)
 
-    def _step_bucket(self, group, bucket, *, grad_scale, found_inf, clip, table) -> None:
+    def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
-        optimizer_ops.lamb_step(
+        return optimizer_ops.prepare_lamb_step(
             bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], bias_correction=group["bias_correction"], maximize=group["maximize"],
-            masters=self._masters(group, bucket), grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table)
+            masters=self._masters(group, bucket), table=table)
 
 
 __all__ = ["Adam", "AdamW", "FusedOptimizer", "LAMB", "SGD"]

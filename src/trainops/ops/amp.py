@@ -26,8 +26,7 @@ import torch
 
 from ..errors import InvalidProblemError, argument_error
 from ..multi_tensor import (MultiTensorProblem, TableCache, bucket_by, check_columns, check_scalar,
-                            multi_tensor_launch,
-                            multi_tensor_describer)
+                            multi_tensor_describer, multi_tensor_launch, prepared_launches)
 from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 
@@ -68,23 +67,23 @@ def all_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, *, tabl
         return
     device = _single_device("all_finite", "tensors", tensors)
     check_scalar("all_finite", "found_inf", found_inf, device)
-    tables = tables or _TABLES
-    for (dev, dtype), idx in bucket_by(tensors).items():
-        multi_tensor_launch("all_finite", dev, dtype).run([[tensors[i] for i in idx]], found_inf, tables.get(("all_finite", dtype), _BLOCK))
+    buckets = [(dev, dtype, {}, [[tensors[i] for i in idx]]) for (dev, dtype), idx in bucket_by(tensors).items()]
+    for launch, columns, prepared in prepared_launches("all_finite", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+        launch.run(columns, found_inf, prepared)
 
 
 def unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor, *,
              tables: TableCache | None = None) -> None:
-    """``t *= inv_scale`` in place for each tensor, and ``found_inf = 1`` if any value read was inf/NaN."""
+    """``t *= inv_scale`` in place for each tensor, and ``found_inf = 1`` if any value read was inf/NaN
+    (every (device, dtype) bucket checked before any is written)."""
     if not tensors:
         return
     device = _single_device("unscale", "tensors", tensors)
     check_scalar("unscale", "inv_scale", inv_scale, device)
     check_scalar("unscale", "found_inf", found_inf, device)
-    tables = tables or _TABLES
-    for (dev, dtype), idx in bucket_by(tensors).items():
-        multi_tensor_launch("unscale", dev, dtype).run([[tensors[i] for i in idx]], inv_scale, found_inf,
-                                           tables.get(("unscale", dtype), _BLOCK))
+    buckets = [(dev, dtype, {}, [[tensors[i] for i in idx]]) for (dev, dtype), idx in bucket_by(tensors).items()]
+    for launch, columns, prepared in prepared_launches("unscale", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+        launch.run(columns, inv_scale, found_inf, prepared)
 
 
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor, growth_factor: float,
@@ -143,7 +142,7 @@ def _any_nonfinite(tensors) -> bool:
 
 
 def _prepare_all_finite_cpu(problem: MultiTensorProblem) -> Launch:
-    def run(columns, found_inf, table):
+    def run(columns, found_inf, tables):
         if _any_nonfinite(columns[0]):
             found_inf.fill_(1.0)
 
@@ -151,7 +150,7 @@ def _prepare_all_finite_cpu(problem: MultiTensorProblem) -> Launch:
 
 
 def _prepare_unscale_cpu(problem: MultiTensorProblem) -> Launch:
-    def run(columns, inv_scale, found_inf, table):
+    def run(columns, inv_scale, found_inf, tables):
         if _any_nonfinite(columns[0]):
             found_inf.fill_(1.0)
         for t in columns[0]:
@@ -336,8 +335,7 @@ if triton_available():
     def _prepare_all_finite_triton(problem: MultiTensorProblem) -> Launch:
         dtype = TL_DTYPES[problem.dtype]
 
-        def run(columns, found_inf, table):
-            tables = table.tables(columns, validate=lambda: check_columns("all_finite", ["tensors"], columns))
+        def run(columns, found_inf, tables):
             if tables.n_blocks:
                 _all_finite_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
                                                   tables.first_block, tables.numels, found_inf, DTYPE=dtype,
@@ -349,8 +347,7 @@ if triton_available():
     def _prepare_unscale_triton(problem: MultiTensorProblem) -> Launch:
         dtype = TL_DTYPES[problem.dtype]
 
-        def run(columns, inv_scale, found_inf, table):
-            tables = table.tables(columns, validate=lambda: check_columns("unscale", ["tensors"], columns))
+        def run(columns, inv_scale, found_inf, tables):
             if tables.n_blocks:
                 _unscale_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
                                                tables.first_block, tables.numels, inv_scale, found_inf, DTYPE=dtype,

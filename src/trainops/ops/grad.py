@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import TableCache, bucket_by, check_columns, multi_tensor_describer, multi_tensor_launch
+from ..multi_tensor import TableCache, bucket_by, multi_tensor_describer, prepared_launches
 from ..plan import KernelChoice, Launch
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
@@ -39,31 +39,27 @@ def _dense_list(op: str, name: str, tensors) -> list:
 
 def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,
                 tables: TableCache | None = None) -> None:
-    """``dst[i] += scale * src[i]`` for every i, in place (shapes and strides of each pair must match)."""
+    """``dst[i] += scale * src[i]`` for every i, in place (shapes and strides of each pair must match).
+    Every (device, dtype) bucket is checked before any is written."""
     dst, src = _dense_list("accumulate", "dst", dst), _dense_list("accumulate", "src", src)
     if len(dst) != len(src):
         raise argument_error(InvalidProblemError, "accumulate", "src", f"has {len(src)} tensors; 'dst' has {len(dst)}")
-    tables = tables or _TABLES
-    for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items():
-        columns = [[dst[i] for i in idx], [src[i] for i in idx]]
-        multi_tensor_launch("accumulate", device, dtype, src_dtype=src_dtype).run(
-            columns, float(scale), tables.get(("accumulate", device, dtype, src_dtype), _BLOCK),
-            lambda columns=columns: check_columns("accumulate", ["dst", "src"], columns))
+    buckets = [(device, dtype, dict(src_dtype=src_dtype), [[dst[i] for i in idx], [src[i] for i in idx]])
+               for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items()]
+    for launch, columns, prepared in prepared_launches("accumulate", ["dst", "src"], buckets, tables or _TABLES, _BLOCK):
+        launch.run(columns, float(scale), prepared)
 
 
 def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) -> None:
-    """Set every element of every tensor to zero, in place."""
+    """Set every element of every tensor to zero, in place (every bucket checked before any is written)."""
     tensors = _dense_list("zero", "tensors", tensors)
-    tables = tables or _TABLES
-    for (device, dtype), idx in bucket_by(tensors).items():
-        columns = [[tensors[i] for i in idx]]
-        multi_tensor_launch("zero", device, dtype).run(columns, tables.get(("zero", device, dtype), _BLOCK),
-                                           lambda columns=columns: check_columns("zero", ["tensors"], columns))
+    buckets = [(device, dtype, {}, [[tensors[i] for i in idx]]) for (device, dtype), idx in bucket_by(tensors).items()]
+    for launch, columns, prepared in prepared_launches("zero", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+        launch.run(columns, prepared)
 
 
 def _prepare_accumulate_cpu(problem) -> Launch:
-    def run(columns, scale, table, validate):
-        validate()
+    def run(columns, scale, tables):
         for d, s in zip(*columns):
             d.add_(s.to(d.dtype) if s.dtype != d.dtype else s, alpha=scale)
 
@@ -71,8 +67,7 @@ def _prepare_accumulate_cpu(problem) -> Launch:
 
 
 def _prepare_zero_cpu(problem) -> Launch:
-    def run(columns, table, validate):
-        validate()
+    def run(columns, tables):
         for t in columns[0]:
             t.zero_()
 
@@ -122,8 +117,7 @@ if triton_available():
     def _prepare_accumulate_triton(problem) -> Launch:
         d_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("src_dtype")]
 
-        def run(columns, scale, table, validate):
-            t = table.tables(columns, validate=validate)
+        def run(columns, scale, t):
             if t.n_blocks:
                 _accumulate_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
                                                   scale, D_DTYPE=d_dtype, S_DTYPE=s_dtype, ALIGNED=t.aligned,
@@ -135,8 +129,7 @@ if triton_available():
     def _prepare_zero_triton(problem) -> Launch:
         dtype = TL_DTYPES[problem.dtype]
 
-        def run(columns, table, validate):
-            t = table.tables(columns, validate=validate)
+        def run(columns, t):
             if t.n_blocks:
                 _zero_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
                                             DTYPE=dtype, ALIGNED=t.aligned, BLOCK=_BLOCK, num_warps=_WARPS)

@@ -35,6 +35,9 @@ float32 parameter: adam 28, lamb 40.
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
 
 from ..errors import InvalidProblemError, argument_error
@@ -78,74 +81,118 @@ def _check_step_scalars(op, device, grad_scale, found_inf, clip) -> None:
 def _hyper(value):
     """(kernel argument, is_pointer) of a hyper-parameter given as a number or a one-element tensor."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise InvalidProblemError(f"trainops: a hyper-parameter tensor must have one element, got {tuple(value.shape)}")
         if value.device.type == "cpu":
             return float(value), False
         return value.to(torch.float32), True
     return float(value), False
 
 
+def _check_hyper(op: str, **values) -> None:
+    """Numbers must be finite, tensors hold one element (their values are not read: no host sync)."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise argument_error(InvalidProblemError, op, name,
+                                     f"is a tensor of shape {tuple(value.shape)}; a hyper-parameter tensor has one element")
+        elif not math.isfinite(value):
+            raise argument_error(InvalidProblemError, op, name, f"is {value}; it must be finite")
+
+
+PreparedStep = Callable[..., None]
+"""A checked step: ``prepared(grad_scale=None, found_inf=None, clip=None)`` writes it."""
+
+
+def _prepared(op: str, launch, columns, per_tensor, steps, table, validate, **hyper) -> PreparedStep:
+    """Resolve the tables (validating the tensors when they changed) and return the step that writes.
+    ``per_tensor``: the run's second argument (SGD's fresh flags, the others' step counters)."""
+    scalars = [steps] if steps is not None else []
+    tables = (table or TensorTable(_BLOCK)).tables(columns, scalars, validate=validate, user_columns=2)  # params, grads
+    device = columns[0][0].device
+
+    def write(grad_scale=None, found_inf=None, clip=None) -> None:
+        _check_step_scalars(op, device, grad_scale, found_inf, clip)
+        launch.run(columns, per_tensor, tables=tables, grad_scale=grad_scale, found_inf=found_inf, clip=clip, **hyper)
+
+    return write
+
+
 # ----------------------------------------------------------------------------------------------
-# Public launchers (one bucket: same device and dtype)
+# Public launchers (one bucket: same device and dtype). ``prepare_*`` make every check of a step
+# (kernel lookup, tensor layouts, hyper-parameters) and write nothing; a step over several buckets
+# prepares them all before writing any. ``*_step`` prepares and writes at once.
 # ----------------------------------------------------------------------------------------------
 
-def sgd_step(params, grads, momentum_buffers, fresh, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
-             masters=None, grad_scale=None, found_inf=None, clip=None, table: TensorTable | None = None) -> None:
-    """One SGD step over a bucket. ``momentum_buffers`` (None without momentum) are updated in place;
-    where ``fresh[i]`` the buffer is new and set to the gradient (torch's first step)."""
-    if not params:
-        return
+def prepare_sgd_step(params, grads, momentum_buffers, fresh, *, lr, momentum, dampening, weight_decay, nesterov,
+                     maximize, masters=None, table: TensorTable | None = None) -> PreparedStep:
+    """An SGD step over a bucket, checked (see sgd_step)."""
     has_momentum = momentum_buffers is not None
     names = ["params", "grads", *(["momentum_buffers"] if has_momentum else []), *(["masters"] if masters else [])]
     columns = [params, grads, *([momentum_buffers] if has_momentum else []), *([masters] if masters else [])]
     state_dtype = momentum_buffers[0].dtype if has_momentum else torch.float32
-    _check_step_scalars("sgd_step", params[0].device, grad_scale, found_inf, clip)
-    validate = lambda: _check_columns("sgd_step", names, columns, None, state_dtype, masters)  # noqa: E731
+    _check_hyper("sgd_step", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     launch = multi_tensor_launch("sgd_step", params[0].device, params[0].dtype, momentum=has_momentum,
                                  nesterov=bool(nesterov), maximize=bool(maximize), master=masters is not None,
                                  state_dtype=state_dtype)
-    launch.run(columns, list(fresh) if has_momentum else None, lr=lr, momentum=momentum, dampening=dampening,
-               weight_decay=weight_decay, grad_scale=grad_scale, found_inf=found_inf, clip=clip,
-               table=table or TensorTable(_BLOCK), validate=validate)
+    validate = lambda: _check_columns("sgd_step", names, columns, None, state_dtype, masters)  # noqa: E731
+    return _prepared("sgd_step", launch, columns, list(fresh) if has_momentum else None, None, table, validate,
+                     lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
 
 
-def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-              decoupled, amsgrad, maximize, masters=None, grad_scale=None, found_inf=None, clip=None,
-              table: TensorTable | None = None) -> None:
-    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step over a bucket, in place."""
-    if not params:
-        return
+def prepare_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                      weight_decay, decoupled, amsgrad, maximize, masters=None,
+                      table: TensorTable | None = None) -> PreparedStep:
+    """An Adam / AdamW step over a bucket, checked (see adam_step)."""
     names = ["params", "grads", "exp_avgs", "exp_avg_sqs", *(["max_exp_avg_sqs"] if amsgrad else []),
              *(["masters"] if masters else [])]
     columns = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if amsgrad else []),
                *([masters] if masters else [])]
     state_dtype = exp_avgs[0].dtype
-    _check_step_scalars("adam_step", params[0].device, grad_scale, found_inf, clip)
-    validate = lambda: _check_columns("adam_step", names, columns, steps, state_dtype, masters)  # noqa: E731
+    _check_hyper("adam_step", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     launch = multi_tensor_launch("adam_step", params[0].device, params[0].dtype, decoupled=bool(decoupled),
                                  amsgrad=bool(amsgrad), maximize=bool(maximize), master=masters is not None,
                                  state_dtype=state_dtype)
-    launch.run(columns, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-               grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table or TensorTable(_BLOCK), validate=validate)
+    validate = lambda: _check_columns("adam_step", names, columns, steps, state_dtype, masters)  # noqa: E731
+    return _prepared("adam_step", launch, columns, steps, steps, table, validate, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay)
 
 
-def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, bias_correction,
-              maximize, masters=None, grad_scale=None, found_inf=None, clip=None,
-              table: TensorTable | None = None) -> None:
-    """One LAMB step over a bucket, in place (trust ratio per tensor; see the module docstring)."""
-    if not params:
-        return
+def prepare_lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
+                      bias_correction, maximize, masters=None, table: TensorTable | None = None) -> PreparedStep:
+    """A LAMB step over a bucket, checked (see lamb_step)."""
     names = ["params", "grads", "exp_avgs", "exp_avg_sqs", *(["masters"] if masters else [])]
     columns = [params, grads, exp_avgs, exp_avg_sqs, *([masters] if masters else [])]
     state_dtype = exp_avgs[0].dtype
-    _check_step_scalars("lamb_step", params[0].device, grad_scale, found_inf, clip)
-    validate = lambda: _check_columns("lamb_step", names, columns, steps, state_dtype, masters)  # noqa: E731
+    _check_hyper("lamb_step", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     launch = multi_tensor_launch("lamb_step", params[0].device, params[0].dtype,
                                  bias_correction=bool(bias_correction), maximize=bool(maximize),
                                  master=masters is not None, state_dtype=state_dtype)
-    launch.run(columns, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-               grad_scale=grad_scale, found_inf=found_inf, clip=clip, table=table or TensorTable(_BLOCK), validate=validate)
+    validate = lambda: _check_columns("lamb_step", names, columns, steps, state_dtype, masters)  # noqa: E731
+    return _prepared("lamb_step", launch, columns, steps, steps, table, validate, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay)
+
+
+def sgd_step(params, grads, momentum_buffers, fresh, *, grad_scale=None, found_inf=None, clip=None,
+             **options) -> None:
+    """One SGD step over a bucket. ``momentum_buffers`` (None without momentum) are updated in place;
+    where ``fresh[i]`` the buffer is new and set to the gradient (torch's first step). ``options``:
+    prepare_sgd_step's."""
+    if params:
+        prepare_sgd_step(params, grads, momentum_buffers, fresh, **options)(grad_scale, found_inf, clip)
+
+
+def adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, grad_scale=None, found_inf=None,
+              clip=None, **options) -> None:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step over a bucket, in place."""
+    if params:
+        prepare_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **options)(
+            grad_scale, found_inf, clip)
+
+
+def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, grad_scale=None, found_inf=None, clip=None,
+              **options) -> None:
+    """One LAMB step over a bucket, in place (trust ratio per tensor; see the module docstring)."""
+    if params:
+        prepare_lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, **options)(grad_scale, found_inf, clip)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,8 +241,7 @@ def _prepare_sgd_cpu(problem: MultiTensorProblem) -> Launch:
     has_momentum, nesterov = problem.option("momentum"), problem.option("nesterov")
     maximize, master = problem.option("maximize"), problem.option("master")
 
-    def run(columns, fresh, *, lr, momentum, dampening, weight_decay, grad_scale, found_inf, clip, table, validate):
-        validate()
+    def run(columns, fresh, *, tables, lr, momentum, dampening, weight_decay, grad_scale, found_inf, clip):
         if _skipped(found_inf):
             return
         params, grads = columns[0], columns[1]
@@ -226,8 +272,7 @@ def _prepare_adam_cpu(problem: MultiTensorProblem) -> Launch:
     decoupled, amsgrad = problem.option("decoupled"), problem.option("amsgrad")
     maximize, master = problem.option("maximize"), problem.option("master")
 
-    def run(columns, steps, *, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip, table, validate):
-        validate()
+    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip):
         if _skipped(found_inf):
             return
         params, grads, exp_avgs, exp_avg_sqs = columns[:4]
@@ -276,8 +321,7 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> Launch:
     bias_correction = problem.option("bias_correction")
     maximize, master = problem.option("maximize"), problem.option("master")
 
-    def run(columns, steps, *, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip, table, validate):
-        validate()
+    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip):
         if _skipped(found_inf):
             return
         params, grads, exp_avgs, exp_avg_sqs = columns[:4]
@@ -626,7 +670,7 @@ if triton_available():
         has_momentum, master = problem.option("momentum"), problem.option("master")
         p_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("state_dtype")]
 
-        def run(columns, fresh, *, lr, momentum, dampening, weight_decay, grad_scale, found_inf, clip, table, validate):
+        def run(columns, fresh, *, tables, lr, momentum, dampening, weight_decay, grad_scale, found_inf, clip):
             lr, lr_pointer = _hyper(lr)
             weight_decay, wd_pointer = _hyper(weight_decay)
             pointers, has = _flags(grad_scale, found_inf, clip, columns)
@@ -635,15 +679,16 @@ if triton_available():
                 [(f, idx) for f in (True, False) if (idx := [i for i in range(len(fresh)) if fresh[i] == f])]
             for is_fresh, idx in groups:
                 sub = columns if len(idx) == len(columns[0]) else [[c[i] for i in idx] for c in columns]
-                tables = (table if len(groups) == 1 else TensorTable(_BLOCK)).tables(sub, validate=validate)
-                if not tables.n_blocks:
+                sub_tables = tables if len(groups) == 1 else TensorTable(_BLOCK).tables(sub)  # checked as a whole
+                if not sub_tables.n_blocks:
                     continue
-                _sgd_blocks[(tables.n_blocks,)](
-                    *_table_args(tables), **pointers, lr=lr, momentum=float(momentum), dampening=float(dampening),
+                _sgd_blocks[(sub_tables.n_blocks,)](
+                    *_table_args(sub_tables), **pointers, lr=lr, momentum=float(momentum), dampening=float(dampening),
                     weight_decay=weight_decay, P_DTYPE=p_dtype, S_DTYPE=s_dtype, LR_POINTER=lr_pointer,
                     WD_POINTER=wd_pointer, MOMENTUM=has_momentum, FRESH=bool(is_fresh),
                     NESTEROV=problem.option("nesterov"), MASTER_ROW=len(sub) - 1 if master else -1, **has,
-                    MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+                    MAXIMIZE=problem.option("maximize"), ALIGNED=sub_tables.aligned, BLOCK=_BLOCK,
+                    num_warps=_WARPS)
 
         return Launch(run, _kernel_choice("sgd_blocks"), torch.float32)
 
@@ -655,8 +700,7 @@ if triton_available():
         master = problem.option("master")
         dtypes = dict(P_DTYPE=TL_DTYPES[problem.dtype], S_DTYPE=TL_DTYPES[problem.option("state_dtype")])
 
-        def run(columns, steps, *, eps, grad_scale, found_inf, clip, table, validate, **hyper):
-            tables = table.tables(columns, [steps], validate=validate)
+        def run(columns, steps, *, tables, eps, grad_scale, found_inf, clip, **hyper):
             _advance(tables, len(columns), found_inf)
             values, flags = {}, {}
             for name, flag in (("lr", "LR_POINTER"), ("beta1", "BETA1_POINTER"), ("beta2", "BETA2_POINTER"),
