@@ -29,8 +29,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 def interpreter_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)`` as a Triton kernel computes it on this machine.
 
-    Triton's interpreter (triton 3.6) casts float32 to bfloat16 by truncation, not round-to-nearest
-    as the GPU does; a reference that casts an input the kernel casts must model that.
+    Triton's interpreter (Triton 3.6 to 3.9) casts float32 to bfloat16 by truncation, not
+    round-to-nearest as the GPU does (float16 it rounds to nearest); a reference that casts an
+    input the kernel casts must model that.
     """
     import os
 
