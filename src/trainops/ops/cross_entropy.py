@@ -646,7 +646,7 @@ if triton_available():
     def _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask):
         """Classes c of row r (all masked when r >= R): the chunk one exchange program holds."""
         n = (r + tl.zeros([], tl.int64)) // S
-        row_mask = tl.where(r < R, mask, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
+        row_mask = mask & tl.where(r < R, True, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=row_mask, other=float("-inf"))
 
     @triton.jit

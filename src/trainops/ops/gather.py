@@ -376,10 +376,10 @@ if triton_available():
             p_mask = p <= last
             keys = tl.load(sorted_ptr + p, mask=p_mask, other=-1).to(tl.int64)
             src = tl.load(perm_ptr + p, mask=p_mask, other=0).to(tl.int64)
-            # Selects, not `... & head_hot`: Triton 3.9's interpreter broadcasts a scalar condition as
-            # int32 data, which its masked loads refuse; the GPU compiles both to the same predicate.
-            in_head = tl.where(head_hot, p_mask & (keys == head), False)
-            in_tail = tl.where(tail_hot, p_mask & (keys == tail), False)
+            # `where(c, True, False)`, not `c`: Triton 3.9's interpreter broadcasts a scalar comparison
+            # as int32 data, which its masked loads refuse; the compiler folds the select away.
+            in_head = p_mask & (keys == head) & tl.where(head_hot, True, False)
+            in_tail = p_mask & (keys == tail) & tl.where(tail_hot, True, False)
             i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
             i_mask = i < I
             tile = tl.load(dy_ptr + b * dy_sb + src[:, None] * dy_sn + i[None, :].to(tl.int64) * dy_si,

@@ -440,9 +440,9 @@ if triton_available():
         """Positions n of row r (all masked when r >= ROWS): the chunk one exchange program holds."""
         o0, o1, i = _coords(r, INNER, OUTER1)
         offsets = n.to(tl.int64) * s_n if WIDE else n * s_n
-        # A select, not `mask & (r < ROWS)`: Triton 3.9's interpreter broadcasts a scalar comparison
-        # as int32 data, which its masked loads refuse; the GPU compiles both to the same predicate.
-        row_mask = tl.where(r < ROWS, mask, False)
+        # `where(c, True, False)`, not `c`: Triton 3.9's interpreter broadcasts a scalar comparison as
+        # int32 data, which its masked loads refuse; the compiler folds the select away (same code as `c`).
+        row_mask = mask & tl.where(r < ROWS, True, False)
         return tl.load(ptr + _row(o0, o1, i, base, s_o0, s_o1, s_i) + offsets, mask=row_mask, other=OTHER)
 
     @triton.jit
