@@ -1,89 +1,207 @@
-"""``trainops.patch(model)``: swap the torch.nn modules trainops covers for trainops's, in place.
+"""``trainops.patch(model)``: turn the torch.nn modules trainops covers into trainops's, in place.
 
     model = torch.nn.Transformer(...)            # or any nn.Module
     report = trainops.patch(model)
     print(report)                                # what was swapped, and what was left and why
 
-Swapped (exact torch classes only; subclasses are left alone, they may override forward):
+Swapped (exact torch classes only; subclasses are left alone and reported, they may override forward):
     torch.nn.Softmax -> trainops.nn.Softmax            torch.nn.LogSoftmax -> trainops.nn.LogSoftmax
     torch.nn.Embedding -> trainops.nn.Embedding        torch.nn.CrossEntropyLoss -> trainops.nn.CrossEntropyLoss
 
-The new module keeps the old one's arguments, and an Embedding keeps the very same weight
-Parameter object, so optimizers built before the patch still update it. An Embedding with
-``max_norm`` or ``sparse=True`` is left as it is (trainops does not support them) and reported.
+A module is swapped by changing its class, not by putting a new object in its place: it stays
+the same Python object, so everything attached to it is kept as it is: its parameters (the very
+same Parameter objects: weight tying and optimizers built before the patch keep working, with
+their dtype, device and requires_grad), buffers, ``training`` flag, every hook (forward, forward
+pre, full backward, backward pre, state_dict and load_state_dict hooks, and the RemovableHandles
+that remove them) and any attribute set on it. A module reachable under several names (shared in
+two places, in a ModuleList, ...) stays one module, and every reference to it, inside ``model``
+or not, sees the trainops class. ``state_dict()`` keys do not change, so checkpoints load either
+way. The root module itself is swapped too when it is one of these classes. A swapped
+CrossEntropyLoss gets trainops's extra settings at their defaults (``z_loss=0.0``, ``loss_dtype=None``).
+
+A module is left as it is, and reported with the reason, when swapping it could change what it
+does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module
+with a non-full backward hook (``register_backward_hook``: it sees the gradients of the module's
+last autograd node, and that node becomes trainops's, with other inputs), a module compiled in place by
+``Module.compile()``, and a module with an instance attribute that would override what the trainops
+class defines (its own ``forward``, or e.g. ``check_index`` or ``z_loss``: set those after
+patching). Every module is checked before any is changed, and if changing one raises, those
+already changed are changed back: ``patch`` swaps all the modules it reports as swapped, or none.
+
 Softmax computed inside other modules' forward (torch.nn.MultiheadAttention calls
 ``scaled_dot_product_attention``) is not a module and is not touched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from . import nn as trainops_nn
+from .errors import InvalidProblemError, argument_error
 
 
 @dataclass
 class PatchReport:
-    swapped: list[tuple[str, str, str]] = field(default_factory=list)   # (qualified name, from, to)
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)   # (qualified name, class, reason)
+    """What ``trainops.patch`` did, one entry per module object (a shared module is listed once).
+
+    ``swapped``: (qualified name, torch class, trainops class) of each module whose class changed.
+    ``skipped``: (qualified name, class name, reason) of each module left as it is.
+    ``other_names``: for a listed module reachable under several names, its first name (the one
+    used in ``swapped`` / ``skipped``, in ``named_modules()`` order) -> its other names.
+    The root module's name is ``""`` (printed ``<root>``).
+    """
+
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    other_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"trainops.patch: {len(self.swapped)} module(s) swapped, {len(self.skipped)} left as they are"]
-        lines += [f"  {name or '<root>'}: {old} -> {new}" for name, old, new in self.swapped]
-        lines += [f"  {name or '<root>'}: {cls} kept ({why})" for name, cls, why in self.skipped]
+        lines += [f"  {self._label(name)}: {old} -> {new}" for name, old, new in self.swapped]
+        lines += [f"  {self._label(name)}: {cls} kept ({why})" for name, cls, why in self.skipped]
         return "\n".join(lines)
 
-
-def _softmax(m):
-    return trainops_nn.Softmax(m.dim)
-
-
-def _log_softmax(m):
-    return trainops_nn.LogSoftmax(m.dim)
+    def _label(self, name: str) -> str:
+        label = name or "<root>"
+        if name in self.other_names:
+            label += f" (same module as {', '.join(self.other_names[name])})"
+        return label
 
 
-def _embedding(m):
-    if m.max_norm is not None or m.sparse:
-        return "max_norm / sparse are not supported by trainops.nn.Embedding"
-    new = trainops_nn.Embedding(m.num_embeddings, m.embedding_dim, m.padding_idx, None, m.norm_type,
-                                m.scale_grad_by_freq, False, device="meta")
-    new.weight = m.weight
-    new.train(m.training)
-    return new
+@dataclass(frozen=True)
+class _Swap:
+    """A module of exactly ``torch_class`` becomes a ``trainops_class``; ``added_attributes``: the
+    instance attributes ``trainops_class.__init__`` sets and ``torch_class``'s does not, with their
+    defaults; ``unsupported_settings(module)``: the module's settings trainops_class cannot run."""
+
+    torch_class: type[torch.nn.Module]
+    trainops_class: type[torch.nn.Module]
+    added_attributes: Mapping[str, object] = field(default_factory=dict)
+    unsupported_settings: Callable[[torch.nn.Module], list[str]] = lambda module: []
 
 
-def _cross_entropy(m):
-    new = trainops_nn.CrossEntropyLoss(weight=m.weight, ignore_index=m.ignore_index, reduction=m.reduction,
-                                       label_smoothing=m.label_smoothing)
-    new.train(m.training)
-    return new
+def _embedding_unsupported_settings(module: torch.nn.Embedding) -> list[str]:
+    unsupported = []
+    if module.max_norm is not None:
+        unsupported.append("max_norm is not supported by trainops.nn.Embedding")
+    if module.sparse:
+        unsupported.append("sparse=True is not supported by trainops.nn.Embedding")
+    return unsupported
 
 
-_SWAPS = {torch.nn.Softmax: _softmax, torch.nn.LogSoftmax: _log_softmax, torch.nn.Embedding: _embedding,
-          torch.nn.CrossEntropyLoss: _cross_entropy}
+_SWAPS = {swap.torch_class: swap for swap in (
+    _Swap(torch.nn.Softmax, trainops_nn.Softmax),
+    _Swap(torch.nn.LogSoftmax, trainops_nn.LogSoftmax),
+    _Swap(torch.nn.Embedding, trainops_nn.Embedding, unsupported_settings=_embedding_unsupported_settings),
+    _Swap(torch.nn.CrossEntropyLoss, trainops_nn.CrossEntropyLoss,
+          added_attributes={"z_loss": 0.0, "loss_dtype": None}),
+)}
+_TRAINOPS_CLASSES = tuple(swap.trainops_class for swap in _SWAPS.values())
+_TORCH_CLASSES = tuple(_SWAPS)
+
+
+def _public_name(cls: type) -> str:
+    """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS``."""
+    return f"torch.nn.{cls.__name__}" if cls in _SWAPS else f"trainops.nn.{cls.__name__}"
+
+
+def _every_path(module: torch.nn.Module, name: str = "", on_path: frozenset[int] = frozenset()
+                ) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) for every path from ``module`` down, in ``named_modules()`` order.
+
+    Unlike ``named_modules()``, a module reachable along several paths is yielded once per path;
+    a path that would enter a module already on it (a cycle) is not followed.
+    """
+    yield name, module
+    on_path = on_path | {id(module)}
+    for child_name, child in module._modules.items():
+        if child is not None and id(child) not in on_path:
+            yield from _every_path(child, f"{name}.{child_name}" if name else child_name, on_path)
+
+
+_NOT_DEFINED = object()
+
+
+def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
+    """Why changing ``module``'s class to ``swap.trainops_class`` could change what it does (empty: it cannot)."""
+    reasons = swap.unsupported_settings(module)
+    new_name = _public_name(swap.trainops_class)
+    if module._backward_hooks and module._is_full_backward_hook is False:
+        reasons.append("it has a non-full backward hook (register_backward_hook), which sees the gradients of the "
+                       f"module's last autograd node, and {new_name}'s differs: use register_full_backward_hook")
+    for attribute in vars(module):
+        if attribute == "_compiled_call_impl":
+            reasons.append("it was compiled in place by Module.compile(); patch it before compiling")
+        elif attribute == "forward":
+            reasons.append(f"its instance attribute 'forward' would still run instead of {new_name}.forward")
+        elif (attribute in swap.added_attributes or getattr(swap.trainops_class, attribute, _NOT_DEFINED)
+              is not getattr(swap.torch_class, attribute, _NOT_DEFINED)):
+            reasons.append(f"its instance attribute {attribute!r} would be taken as {new_name}.{attribute}; "
+                           "set it after patching")
+    return reasons
 
 
 def patch(model: torch.nn.Module) -> PatchReport:
-    """Swap, in place, every torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss inside
-    ``model`` for trainops's module; returns the report. ``model`` itself is returned unchanged
-    when it is one of those classes (a module cannot replace itself): patch its parent instead."""
+    """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
+    ``model`` (``model`` included) for trainops.nn's class; return the report.
+
+    Each swapped module keeps its identity and all its state (see the module docstring). Modules
+    that cannot be swapped without changing what they do, and subclasses of those torch classes,
+    are left as they are and listed in ``report.skipped`` with the reason; modules that already
+    are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
+    Raises InvalidProblemError when ``model`` is not a torch.nn.Module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise argument_error(InvalidProblemError, "patch", "model",
+                             f"must be a torch.nn.Module, got {type(model).__name__}")
+
+    names_by_module: dict[int, list[str]] = {}
+    modules: list[torch.nn.Module] = []
+    for name, module in _every_path(model):
+        if id(module) not in names_by_module:
+            names_by_module[id(module)] = []
+            modules.append(module)
+        names_by_module[id(module)].append(name)
+
     report = PatchReport()
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            make = _SWAPS.get(type(child))
-            if make is None:
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            new = make(child)
-            if isinstance(new, str):
-                report.skipped.append((name, type(child).__name__, new))
-                continue
-            setattr(parent, child_name, new)
-            report.swapped.append((name, f"torch.nn.{type(child).__name__}", f"trainops.nn.{type(new).__name__}"))
-    if type(model) in _SWAPS:
-        report.skipped.append(("", type(model).__name__, "the root module cannot replace itself; patch its parent"))
+    to_swap: list[tuple[torch.nn.Module, _Swap]] = []
+    for module in modules:
+        if isinstance(module, _TRAINOPS_CLASSES):
+            continue
+        swap = _SWAPS.get(type(module))
+        if swap is not None:
+            reasons = _reasons_not_to_swap(module, swap)
+        elif isinstance(module, _TORCH_CLASSES):
+            base = next(cls for cls in _TORCH_CLASSES if isinstance(module, cls))
+            reasons = [f"a subclass of {_public_name(base)}: only exact torch classes are swapped "
+                       "(a subclass may change what the module computes)"]
+        else:
+            continue
+        first_name, *other_names = names_by_module[id(module)]
+        if other_names:
+            report.other_names[first_name] = tuple(other_names)
+        if reasons:
+            report.skipped.append((first_name, type(module).__name__, "; ".join(reasons)))
+        else:
+            to_swap.append((module, swap))
+            report.swapped.append((first_name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
+
+    swapped_so_far: list[tuple[torch.nn.Module, _Swap]] = []
+    try:
+        for module, swap in to_swap:
+            module.__class__ = swap.trainops_class
+            swapped_so_far.append((module, swap))
+            for attribute, default in swap.added_attributes.items():
+                setattr(module, attribute, default)
+    except BaseException:
+        for module, swap in reversed(swapped_so_far):
+            for attribute in swap.added_attributes:
+                module.__dict__.pop(attribute, None)
+            module.__class__ = swap.torch_class
+        raise
     return report
 
 
