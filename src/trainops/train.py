@@ -10,17 +10,30 @@ Data: every ``*.py`` file of the running interpreter's standard library (nothing
 read in sorted path order up to the configuration's byte budget; the last 5% is held out. Batch
 ``s`` is drawn from a generator seeded by (seed, s), so a resumed run sees the same batches as an
 uninterrupted one.
+
+Checkpoints: ``--save`` writes one at the end of the trainops run, atomically (a crash mid-save
+leaves the previous file intact); ``--resume`` reads one with ``torch.load(weights_only=True)``, since
+a checkpoint file is untrusted input, and continues only the run it came from.
+
+The command line checks every argument, and the ``--resume`` checkpoint, before it reads data or
+trains: a user error exits with status 2 and one line ``python -m trainops train: error: argument
+--<name>: ...`` (argparse's convention). A traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+import pickle
+import re
+import secrets
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, replace
+import warnings
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -164,8 +177,168 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that this run cannot continue; the message is one line."""
+
+
+# A checkpoint is a dict of exactly these entries; its values hold nothing but tensors, dtypes, strings,
+# numbers, booleans and None, in dicts, lists and tuples (all within torch's weights-only allow-list).
+CHECKPOINT_ENTRIES = {"variant": str, "config": dict, "model": dict, "optimizer": dict, "scaler": dict, "step": int,
+                      "losses": list}
+_CHECKPOINT_LEAF_TYPES = (torch.Tensor, torch.dtype, str, int, float, bool, type(None))
+# The Config fields a command line sets besides --config, with their options.
+_OPTION_FIELDS = {"steps": "--steps", "lr": "--lr", "optimizer": "--optimizer", "amp": "--amp", "compile": "--compile"}
+
+
+def _first_type_outside(value, allowed: tuple) -> type | None:
+    """The type of the first value in ``value`` (dicts, lists and tuples walked, keys included) that
+    is none of ``allowed``; None when every one is."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending += item.keys()
+            pending += item.values()
+        elif isinstance(item, (list, tuple)):
+            pending += item
+        elif not isinstance(item, allowed):
+            return type(item)
+    return None
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint at ``path``, loaded onto the CPU with ``torch.load(weights_only=True)``: loading
+    it cannot import or call anything. Raises CheckpointError for a file that cannot be read, is not
+    a torch file (or is truncated), is refused by the weights-only loader, or does not have the
+    entries of a checkpoint written by ``run(save=...)`` (CHECKPOINT_ENTRIES)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on foreign pickle protocols: the outcome is reported below
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # torch.load reports a bad file with many types: KeyError, EOFError, RuntimeError...
+        blocked = re.search(r"GLOBAL (\S+)", str(exc)) if isinstance(exc, pickle.UnpicklingError) else None
+        if blocked:
+            raise CheckpointError(f"refused {path}: loading it would import {blocked.group(1)}, which no checkpoint "
+                                  "does (read with torch.load(weights_only=True))") from None
+        raise CheckpointError(f"{path} is not a checkpoint: torch.load(weights_only=True) cannot read it (truncated, "
+                              "not written by torch.save, or holding more than tensors and plain values)") from None
+    entries = ", ".join(CHECKPOINT_ENTRIES)
+    if not (isinstance(state, dict) and set(state) == set(CHECKPOINT_ENTRIES)
+            and all(isinstance(state[k], t) for k, t in CHECKPOINT_ENTRIES.items())):
+        raise CheckpointError(f"{path} is a torch file but not a checkpoint of python -m trainops train "
+                              f"(a dict of {entries})")
+    outside = _first_type_outside(state, _CHECKPOINT_LEAF_TYPES)
+    if outside is not None:
+        raise CheckpointError(f"{path} holds a {outside.__module__}.{outside.__qualname__}, which no checkpoint does")
+    if set(state["config"]) != {f.name for f in fields(Config)}:
+        raise CheckpointError(f"{path} holds a configuration with other fields than this version's: "
+                              f"{', '.join(sorted(state['config']))}")
+    if (state["variant"] not in ("trainops", "pytorch") or state["step"] < 0 or len(state["losses"]) != state["step"]
+            or not all(isinstance(x, float) for x in state["losses"])):
+        raise CheckpointError(f"{path} is inconsistent: variant {state['variant']!r}, step {state['step']}, "
+                              f"{len(state['losses'])} losses")
+    return state
+
+
+def config_name(cfg: Config) -> str | None:
+    """The --config whose entries ``cfg`` has (the fields the command line sets aside), or None."""
+    for name, entries in CONFIGS.items():
+        named = replace(Config(**entries), **{f: getattr(cfg, f) for f in _OPTION_FIELDS})
+        if named == cfg:
+            return name
+    return None
+
+
+def _config_option(cfg: Config) -> str:
+    name = config_name(cfg)
+    return f"--config {name}" if name else "a configuration that no --config gives"
+
+
+def check_continues(checkpoint: dict, cfg: Config, variant: str, path: str) -> None:
+    """Raise CheckpointError unless ``checkpoint`` (from read_checkpoint) can be continued by this run:
+    the same variant, --config, --optimizer, --amp and --lr, and ``cfg.steps`` past its step. Only
+    --steps and --compile may differ (the learning-rate schedule then follows this run's steps)."""
+    if checkpoint["variant"] != variant:
+        raise CheckpointError(f"{path} is a checkpoint of the {checkpoint['variant']} run; this is the {variant} run")
+    saved = Config(**checkpoint["config"])
+    from_config = [f.name for f in fields(Config) if f.name not in _OPTION_FIELDS]
+    if any(getattr(saved, f) != getattr(cfg, f) for f in from_config):
+        raise CheckpointError(f"{path} was saved by a {_config_option(saved)} run; this run has {_config_option(cfg)}")
+    for field in ("optimizer", "amp", "lr"):
+        option, before, now = _OPTION_FIELDS[field], getattr(saved, field), getattr(cfg, field)
+        if before != now:
+            raise CheckpointError(f"{path} was trained with {option} {before}; this run has {option} {now} "
+                                  f"(resume with {option} {before})")
+    if checkpoint["step"] >= cfg.steps:
+        raise CheckpointError(f"{path} is at step {checkpoint['step']}, and this run ends at step {cfg.steps} "
+                              f"(pass --steps greater than {checkpoint['step']} to train it further)")
+
+
+def restore(checkpoint: dict, model: nn.Module, opt, scaler, path: str) -> None:
+    """Load the checkpoint's model, optimizer and scaler states; CheckpointError when they do not fit."""
+    try:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        scaler.load_state_dict(checkpoint["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise CheckpointError(f"{path} does not fit this run's model and optimizer: {reason}") from None
+
+
+def _create_scratch_file(path: str) -> tuple[int, str]:
+    """A new, uniquely named file next to ``path`` (``.<name>.<random>.tmp``), opened for writing,
+    with the permissions a plain open would give: (descriptor, its path)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    scratch = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    return os.open(scratch, flags, 0o666), scratch
+
+
+def save_checkpoint(checkpoint: dict, path: str) -> None:
+    """Write ``checkpoint`` to ``path`` atomically: into a new file in the same folder, flushed to
+    disk, then renamed over ``path``. A crash mid-save leaves whatever was at ``path`` as it was."""
+    descriptor, scratch = _create_scratch_file(path)
+    try:
+        with os.fdopen(descriptor, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        if os.path.exists(scratch):
+            os.remove(scratch)
+        raise
+
+
+def unwritable_reason(path: str) -> str | None:
+    """Why no file can be written at ``path`` (None when one can), found by creating and removing a
+    scratch file next to it, as save_checkpoint does."""
+    if not path:
+        return "the path is empty"
+    if os.path.isdir(path) or path.endswith(os.sep):
+        return f"{path} names a directory, not a file"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path} exists and is not writable"
+    try:
+        descriptor, scratch = _create_scratch_file(path)
+    except OSError as exc:
+        return f"cannot create a file in {os.path.dirname(os.path.abspath(path))}: {exc.strerror or exc}"
+    os.close(descriptor)
+    os.remove(scratch)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
 # One run
 # ----------------------------------------------------------------------------------------------
+
+UNTIMED_STEPS = 2  # the first steps of a run (resumed or not) compile kernels: left out of the timings
+
 
 @dataclass
 class RunResult:
@@ -201,7 +374,7 @@ def build(cfg: Config, device: torch.device, use_trainops: bool):
         scaler = trainops.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     else:
         if cfg.optimizer == "lamb":
-            raise SystemExit("trainops train: --compare with --optimizer lamb has no PyTorch counterpart")
+            raise ValueError("trainops train: the PyTorch run has no LAMB (torch.optim has none)")
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     forward = torch.compile(model) if cfg.compile else model
@@ -276,24 +449,28 @@ def _progress(name, step, steps, loss, tokens_per_s, final=False):
     sys.stderr.flush()
 
 
-def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tensor, *, resume: str | None = None,
-        save: str | None = None, quiet: bool = False) -> RunResult:
+def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tensor, *,
+        resume: str | dict | None = None, save: str | None = None, quiet: bool = False) -> RunResult:
+    """Train ``cfg.steps`` steps (from the checkpoint's step when resuming) and evaluate.
+
+    ``resume``: a checkpoint path, or a checkpoint read_checkpoint returned; it must continue this
+    run (check_continues), else CheckpointError before any step. ``save``: path of the checkpoint
+    written at the end (save_checkpoint)."""
     import trainops
 
     name = "trainops" if use_trainops else "pytorch"
+    checkpoint = read_checkpoint(resume) if isinstance(resume, str) else resume
+    resume_path = resume if isinstance(resume, str) else "the checkpoint"
+    if checkpoint is not None:
+        check_continues(checkpoint, cfg, name, resume_path)
     model, forward, opt, scaler, amp_dtype, report = build(cfg, device, use_trainops)
+    start, losses = 0, []
+    if checkpoint is not None:
+        restore(checkpoint, model, opt, scaler, resume_path)
+        start, losses = checkpoint["step"], list(checkpoint["losses"])
     if report is not None and not quiet:
         print(report)
     batches = Batches(data, cfg, device)
-    start, losses = 0, []
-    if resume:
-        state = torch.load(resume, map_location=device, weights_only=False)
-        if state["variant"] != name:
-            raise SystemExit(f"trainops train: {resume} is a {state['variant']} checkpoint; this run is {name}")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        start, losses = state["step"], state["losses"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens_per_step = cfg.batch * cfg.context
@@ -307,7 +484,7 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
                               device, cfg.max_grad_norm)
             losses.append(float(loss))  # one host read per step (the progress bar shows it)
             elapsed = time.perf_counter() - t0
-            if step - start >= 2:  # the first steps compile kernels
+            if step - start >= UNTIMED_STEPS:
                 timed_tokens += tokens_per_step
                 timed_seconds += elapsed
                 step_times.append(1e3 * elapsed)
@@ -316,11 +493,12 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
                           final=step + 1 == cfg.steps)
     val = evaluate(model, batches.val_batches(), amp_dtype, device)
     if save:
-        torch.save(dict(variant=name, config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
-                        scaler=scaler.state_dict(), step=cfg.steps, losses=losses), save)
+        save_checkpoint(dict(variant=name, config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
+                             scaler=scaler.state_dict(), step=cfg.steps, losses=losses), save)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _cpu_peak_mb()
+    timed_steps = timed_tokens // tokens_per_step
     return RunResult(name, losses, val, timed_tokens / timed_seconds if timed_seconds else float("nan"),
-                     1e3 * timed_seconds / max(1, timed_tokens // tokens_per_step), peak, dict(used), step_times)
+                     1e3 * timed_seconds / timed_steps if timed_steps else float("nan"), peak, dict(used), step_times)
 
 
 def _cpu_peak_mb() -> float:
@@ -333,10 +511,11 @@ def _median(values) -> float:
 
 
 def summary(result: RunResult) -> str:
+    speed = (f"{result.tokens_per_s:,.0f} tokens/s, {result.step_ms:.1f} ms/step (median "
+             f"{_median(result.step_times_ms):.1f})" if result.step_times_ms else
+             f"speed not measured (the first {UNTIMED_STEPS} steps of a run are not timed)")
     lines = [f"{result.name}: final loss {sum(result.losses[-5:]) / len(result.losses[-5:]):.4f} (mean of last 5 "
-             f"steps), validation loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s, "
-             f"{result.step_ms:.1f} ms/step (median {_median(result.step_times_ms):.1f}), "
-             f"peak memory {result.peak_memory_mb:,.0f} MiB"]
+             f"steps), validation loss {result.val_loss:.4f}, {speed}, peak memory {result.peak_memory_mb:,.0f} MiB"]
     if result.kernels:
         lines.append("  trainops kernels that ran (op, backend, kernel, dtype: calls):")
         for (op, backend, kernel, dtype), calls in sorted(result.kernels.items()):
@@ -349,8 +528,9 @@ def compare_table(ours: RunResult, ref: RunResult, every: int) -> str:
     for i in range(0, len(ours.losses), every):
         lines.append(f"{i + 1:6d} {ours.losses[i]:10.4f} {ref.losses[i]:10.4f} {ours.losses[i] - ref.losses[i]:10.2e}")
     worst = max(abs(a - b) for a, b in zip(ours.losses, ref.losses))
+    ratio = f"{ours.step_ms / ref.step_ms:.2f}" if ours.step_times_ms and ref.step_times_ms else "not measured"
     lines.append(f"largest difference over {len(ours.losses)} steps: {worst:.2e}; "
-                 f"step time trainops / pytorch: {ours.step_ms / ref.step_ms:.2f}")
+                 f"step time trainops / pytorch: {ratio}")
     return "\n".join(lines)
 
 
@@ -369,48 +549,162 @@ def plot(ours: RunResult, ref: RunResult, path: str) -> str:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return f"wrote {path}"
 
 
+DEFAULT_PLOT = "train-compare.png"
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
+def _training_device(text: str) -> torch.device:
+    """argparse type: cpu, cuda or cuda:N, of which the CUDA ones only where torch sees that device."""
+    allowed = "use cpu, cuda or cuda:N"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; {allowed}") from None
+    if device.type == "cpu" and device.index in (None, 0):
+        return device
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device this command trains on; {allowed}")
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None and torch.version.hip is None
+               else "torch finds no CUDA device")
+        raise argparse.ArgumentTypeError(f"{text} asked for, but {why}; use cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        present = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise argparse.ArgumentTypeError(f"{text} asked for, but this machine has {count} CUDA device"
+                                         f"{'s' if count != 1 else ''} ({present})")
+    return device
+
+
+def _plot_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """Where --compare writes its plot, checked to be writable in a format matplotlib writes; None
+    without --compare, or when matplotlib is not installed and --plot was not given."""
+    if not args.compare:
+        if args.plot is not None:
+            parser.error("argument --plot: only used with --compare (it plots the two runs' loss curves)")
+        return None
+    path = DEFAULT_PLOT if args.plot is None else args.plot
+    if importlib.util.find_spec("matplotlib") is None:
+        if args.plot is not None:
+            parser.error("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if os.path.splitext(path)[1].lstrip(".").lower() not in formats:
+        parser.error(f"argument --plot: {path} must end in an image format matplotlib writes "
+                     f"(.{', .'.join(formats)})")
+    reason = unwritable_reason(path)
+    if reason:
+        parser.error(f"argument --plot: {reason}")
+    for option, other in (("--save", args.save), ("--resume", args.resume)):
+        if other is not None and os.path.realpath(other) == os.path.realpath(path):
+            parser.error(f"argument --plot: {path} is also the {option} checkpoint")
+    return path
+
+
+def _checkpoint_to_resume(path: str, cfg: Config) -> dict:
+    """read_checkpoint and check_continues, then a trial restore into a throw-away CPU copy of the
+    trainops run, so that a checkpoint that does not fit fails before any work, not at the first step."""
+    checkpoint = read_checkpoint(path)
+    check_continues(checkpoint, cfg, "trainops", path)
+    model, _, opt, scaler, _, _ = build(replace(cfg, compile=False), torch.device("cpu"), True)
+    restore(checkpoint, model, opt, scaler, path)
+    return checkpoint
+
+
 def main(argv=None) -> int:
+    """``python -m trainops train``: check every argument and the --resume checkpoint, then train;
+    returns 0. A user error ends in ``parser.error`` (exit status 2, one line naming the argument)
+    before any data is read or any step runs."""
+    default_steps = ", ".join(f"{name} {entries['steps']}" for name, entries in CONFIGS.items())
     parser = argparse.ArgumentParser(prog="python -m trainops train", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW's; LAMB uses 10x)")
+    parser.add_argument("--device", default="cpu", type=_training_device, help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--config", default="small", choices=sorted(CONFIGS),
+                        help="model size and data budget (default: small)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help=f"optimizer steps, at least 1 (default: the config's: {default_steps})")
+    parser.add_argument("--lr", type=_positive_float, default=None,
+                        help="peak learning rate, above 0 (default: the config's; LAMB uses 10x)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb"])
     parser.add_argument("--amp", default=None, choices=["none", "fp16", "bf16"],
                         help="autocast dtype (default: fp16 on cuda, none on cpu)")
-    parser.add_argument("--compare", action="store_true", help="also train with plain PyTorch and compare")
-    parser.add_argument("--plot", default="train-compare.png", help="PNG of both loss curves (with --compare)")
-    parser.add_argument("--save", default=None, help="checkpoint path written at the end")
-    parser.add_argument("--resume", default=None, help="checkpoint to continue from (same config)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also train with plain PyTorch, from step 0 even when resuming, and compare (adamw only)")
+    parser.add_argument("--plot", default=None,
+                        help=f"image of both loss curves, with --compare (default: {DEFAULT_PLOT}); "
+                             "the extension picks the format")
+    parser.add_argument("--save", default=None, help="checkpoint of the trainops run, written at the end")
+    parser.add_argument("--resume", default=None,
+                        help="checkpoint to continue (from --save): same --config, --optimizer, --amp and --lr, "
+                             "and --steps past its step")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="CPU threads, at least 1 (torch.set_num_threads)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both runs)")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("trainops train: --device cuda asked for, but no CUDA device is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = args.device
     cfg = Config(**CONFIGS[args.config])
-    amp = args.amp or ("fp16" if device.type == "cuda" else "none")
-    cfg = replace(cfg, optimizer=args.optimizer, amp=amp, steps=args.steps or cfg.steps, lr=args.lr or cfg.lr,
+    cfg = replace(cfg, optimizer=args.optimizer, amp=args.amp or ("fp16" if device.type == "cuda" else "none"),
+                  steps=cfg.steps if args.steps is None else args.steps, lr=cfg.lr if args.lr is None else args.lr,
                   compile=args.compile)
+    if args.compare and cfg.optimizer == "lamb":
+        parser.error("argument --compare: the PyTorch run has no LAMB (torch.optim has none); "
+                     "compare with --optimizer adamw")
+    plot_path = _plot_path(parser, args)
+    if args.save is not None:
+        reason = unwritable_reason(args.save)
+        if reason:
+            parser.error(f"argument --save: {reason}")
+    checkpoint = None
+    if args.resume is not None:
+        try:
+            checkpoint = _checkpoint_to_resume(args.resume, cfg)
+        except CheckpointError as exc:
+            parser.error(f"argument --resume: {exc}")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     data = stdlib_bytes(cfg.data_bytes)
     params = sum(p.numel() for p in GPT(cfg).parameters())
     print(f"trainops train: {args.config} GPT ({cfg.n_layer} layers, width {cfg.d_model}, {params / 1e6:.2f} M "
           f"parameters), {len(data) / 2**20:.1f} MiB of standard-library source, {cfg.steps} steps of "
           f"{cfg.batch}x{cfg.context} tokens ({cfg.accumulate} micro-batches), {cfg.optimizer}, amp {cfg.amp}, "
-          f"{'torch.compile, ' if cfg.compile else ''}on {device}")
-    ours = run(cfg, device, True, data, resume=args.resume, save=args.save)
+          f"{'torch.compile, ' if cfg.compile else ''}on {device}"
+          + (f", resuming at step {checkpoint['step']} from {args.resume}" if checkpoint is not None else ""))
+    ours = run(cfg, device, True, data, resume=checkpoint, save=args.save)
     print(summary(ours))
     if args.compare:
         ref = run(cfg, device, False, data, resume=None, quiet=False)
         print(summary(ref))
         print(compare_table(ours, ref, every=max(1, len(ours.losses) // 15)))
-        print(plot(ours, ref, args.plot))
+        print(plot(ours, ref, plot_path) if plot_path
+              else "matplotlib is not installed: no plot (pip install matplotlib)")
     return 0
 
 
