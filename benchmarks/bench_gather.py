@@ -45,10 +45,10 @@ def index_stream(kind: str, tokens: int, rows: int, seed: int) -> torch.Tensor:
 def implementations(rows: int, liger) -> dict:
     # the embedding weight gradient as autograd calls it: indices in [0, rows), checked in the forward
     def trainops_sorted(dy, idx):
-        return trainops.library.gather_backward(dy, idx, 0, [rows, dy.shape[1]], True, None, False, False, False)
+        return trainops.ops.gather.gather_backward_op(dy, idx, 0, [rows, dy.shape[1]], True, None, False, False, False)
 
     def trainops_atomic(dy, idx):
-        return trainops.library.gather_backward(dy, idx, 0, [rows, dy.shape[1]], False, None, False, False, False)
+        return trainops.ops.gather.gather_backward_op(dy, idx, 0, [rows, dy.shape[1]], False, None, False, False, False)
 
     def trainops_checked(dy, idx):
         return trainops.gather_backward(dy, idx, 0, [rows, dy.shape[1]])

@@ -155,7 +155,7 @@ def test_gather_backward_hot_rows(backend, device, deterministic, dtype, monkeyp
     dx = trainops.gather_backward(dy, index, 1, [2, size, inner], deterministic=deterministic)
     assert_close(dx, reference_gather_backward(dy, index, 1, [2, size, inner]), dtype, "hot rows")
     # the embedding options on hot rows: the hottest row is padding, every row scaled by its count
-    dx = trainops.library.gather_backward(dy, index, 1, [2, size, inner], deterministic, 3, True, False, True)
+    dx = trainops.ops.gather.gather_backward_op(dy, index, 1, [2, size, inner], deterministic, 3, True, False, True)
     ref = reference_gather_backward(dy, index, 1, [2, size, inner], padding_idx=3, scale_grad_by_freq=True)
     assert_close(dx, ref, dtype, "hot rows, padding and scale")
 

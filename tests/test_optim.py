@@ -574,7 +574,7 @@ def test_gpu_state_dict_round_trips_with_torch(case):
 
 
 def test_is_dense_follows_the_strides_not_the_sizes():
-    from trainops.multi_tensor import is_dense
+    from trainops.ops.multi_tensor import is_dense
 
     t = torch.empty(5, 7, 300)
     assert is_dense(t.permute(2, 0, 1)) and is_dense(t.transpose(0, 1)) and is_dense(t[:1])

@@ -28,9 +28,9 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .errors import UnsupportedError
-from .multi_tensor import TableCache
+from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
-from .optim import FusedOptimizer
+from .optim import FusedStep
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -74,10 +74,10 @@ class GradScaler(torch.amp.GradScaler):
         return found
 
     def step(self, optimizer, *args, **kwargs):
-        """As torch.amp.GradScaler.step; a trainops optimizer (or trainops.distributed.ShardedOptimizer)
-        checks and unscales inside its own step."""
-        fused = isinstance(optimizer, FusedOptimizer) or getattr(optimizer, "_trainops_checks_finite", False)
-        if not self._enabled or not fused or "closure" in kwargs:
+        """As torch.amp.GradScaler.step; a trainops optimizer (FusedStep: trainops.optim's, and
+        trainops.distributed.ShardedOptimizer) checks and unscales inside its own step, given the
+        scale and the flag as arguments."""
+        if not self._enabled or not isinstance(optimizer, FusedStep) or "closure" in kwargs:
             return super().step(optimizer, *args, **kwargs)
         state = self._per_optimizer_states[id(optimizer)]
         scale, _ = self._check_scale_growth_tracker("step")
@@ -86,11 +86,7 @@ class GradScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         state["found_inf_per_device"] = {scale.device: found}
-        optimizer.grad_scale, optimizer.found_inf, optimizer._trainops_check_finite = scale, found, True
-        try:
-            result = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf, optimizer._trainops_check_finite
+        result = optimizer.step(*args, grad_scale=scale, found_inf=found, check_finite=True, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
 

@@ -101,7 +101,7 @@ import torch.distributed as dist
 
 from .errors import InvalidProblemError, UnsupportedError
 from .ops import amp as amp_ops
-from .optim import LAMB, AdamW, FusedOptimizer
+from .optim import LAMB, AdamW, FusedOptimizer, FusedStep
 
 
 # torch 2.13 renames the tensor collectives (the old names warn); older torch has only the old ones.
@@ -448,7 +448,7 @@ def _launch_order(buckets: list[_Bucket], param_groups: list[dict]) -> list[_Buc
     return sorted(buckets, key=lambda bucket: -min(position[id(p)] for p in bucket.params))
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(FusedStep, torch.optim.Optimizer):
     """ZeRO stage 1 over a trainops fused optimizer (see the module docstring).
 
     ``optimizer_class``: trainops.optim.AdamW, Adam or SGD (elementwise updates shard exactly);
@@ -476,7 +476,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
-    _trainops_checks_finite = True
 
     def __init__(self, params, optimizer_class=AdamW, *, process_group=None, bucket_mb: float = 25.0,
                  comm_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
@@ -643,9 +642,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     inner_group[key] = value
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+             check_finite: bool = False):
         """Finish the gradient reduce-scatters, step this rank's slices with the current options of
-        ``param_groups``, all-gather the parameters."""
+        ``param_groups``, all-gather the parameters. ``grad_scale``, ``found_inf`` and
+        ``check_finite`` as FusedOptimizer.step (trainops.amp.GradScaler passes them); the inf/NaN
+        decision and the global norm are agreed across ranks before the slices step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -657,9 +659,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 _finish_reduce(bucket, grad_shard, self.world)
             shard.grad = grad_shard if grad_shard.dtype == shard.dtype else grad_shard.to(shard.dtype)
         self._grads.reset()
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if grad_scale is None:  # torch.amp.GradScaler's protocol: attributes set before step()
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         clip = None
-        if self.max_grad_norm is not None or self.skip_nonfinite or getattr(self, "_trainops_check_finite", False):
+        if self.max_grad_norm is not None or self.skip_nonfinite or check_finite:
             grads = [shard.grad for _, shard, _ in self._shards]
             stats = amp_ops.grad_stats(grads, grad_scale=grad_scale, found_inf=found_inf)
             squares = stats.norm.square()
@@ -668,13 +673,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 dist.all_reduce(squares, group=self.group)
             found_inf, self.grad_norm = stats.found_inf, squares.sqrt()
             if self.max_grad_norm is not None:
-                clip = torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
+                clip = amp_ops.clip_coefficient(self.grad_norm, self.max_grad_norm)
         self._push_options()
-        self.inner.grad_scale, self.inner.found_inf, self.inner._trainops_clip = grad_scale, found_inf, clip
-        try:
-            self.inner.step()
-        finally:
-            del self.inner.grad_scale, self.inner.found_inf, self.inner._trainops_clip
+        self.inner.step(grad_scale=grad_scale, found_inf=found_inf, clip=clip)
         if self.world > 1:
             # NCCL gathers in place (this rank's slice of the output is the input); other backends get a copy.
             in_place = dist.get_backend(self.group) == "nccl"

@@ -1,8 +1,8 @@
 """User-facing functions, with torch.nn.functional's signatures.
 
-Each calls its ``torch.ops.trainops`` custom op (library.py; in plain eager mode the op's own
-implementation and autograd formula, without the dispatcher): autograd, torch.compile and the
-kernel registry come with it.
+Each checks its arguments and calls its ``torch.ops.trainops`` custom op, declared in its family's
+module (``ops/<family>.py``; in plain eager mode the op's own implementation and autograd formula,
+without the dispatcher): autograd, torch.compile and the kernel registry come with it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import library
 from .errors import InvalidProblemError, UnsupportedError, argument_error
+from .ops import cross_entropy as cross_entropy_ops
+from .ops import gather as gather_ops
+from .ops import softmax as softmax_ops
 
 
 def _check(op: str, name: str, t, dim) -> None:
@@ -30,7 +32,7 @@ def softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
     bad ``dim``; UnsupportedError for other dtypes or ranks.
     """
     _check("softmax", "x", x, dim)
-    return library.softmax(x, dim, dtype)
+    return softmax_ops.softmax_op(x, dim, dtype)
 
 
 def log_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
@@ -39,7 +41,7 @@ def log_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor
     Shapes, dtypes and guarantees as ``softmax``. Backward: ``log_softmax_backward``.
     """
     _check("log_softmax", "x", x, dim)
-    return library.log_softmax(x, dim, dtype)
+    return softmax_ops.log_softmax_op(x, dim, dtype)
 
 
 def softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dtype | None = None) -> Tensor:
@@ -50,7 +52,7 @@ def softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dtype |
     """
     _check("softmax_backward", "dy", dy, dim)
     _check("softmax_backward", "y", y, dim)
-    return library.softmax_backward(dy, y, dim, input_dtype)
+    return softmax_ops.softmax_backward_op(dy, y, dim, input_dtype)
 
 
 def log_softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dtype | None = None) -> Tensor:
@@ -60,7 +62,7 @@ def log_softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dty
     """
     _check("log_softmax_backward", "dy", dy, dim)
     _check("log_softmax_backward", "y", y, dim)
-    return library.log_softmax_backward(dy, y, dim, input_dtype)
+    return softmax_ops.log_softmax_backward_op(dy, y, dim, input_dtype)
 
 
 def _check_index(op: str, index) -> None:
@@ -81,7 +83,7 @@ def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool = True) 
     """
     _check("gather", "x", x, dim)
     _check_index("gather", index)
-    return library.gather(x, index, dim, True, check_index)
+    return gather_ops.gather_op(x, index, dim, True, check_index)
 
 
 def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, deterministic: bool = True,
@@ -101,7 +103,7 @@ def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, determi
     except TypeError:
         raise argument_error(InvalidProblemError, "gather_backward", "input_shape",
                              f"must be a sequence of ints, got {input_shape!r}") from None
-    return library.gather_backward(dy, index, dim, input_shape, deterministic, None, False, True, check_index)
+    return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check_index)
 
 
 def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
@@ -131,7 +133,7 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
             raise argument_error(InvalidProblemError, op, "padding_idx",
                                  f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
         padding_idx %= rows
-    return library.embedding(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)
+    return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
@@ -173,45 +175,6 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
         if not isinstance(t, Tensor):
             raise argument_error(InvalidProblemError, "cross_entropy", name,
                                  f"must be a torch.Tensor, got {type(t).__name__}")
-    compute_grad = input.requires_grad and torch.is_grad_enabled()
-    if not torch.compiler.is_compiling():
-        library.raise_flagged_targets()
-    if inplace_backward and compute_grad:
-        if input.is_leaf:
-            raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
-                                 "needs a non-leaf input (its gradient would alias the leaf's own values)")
-        deferred = check_target and not torch.compiler.is_compiling()
-        loss, lse = _InplaceCrossEntropy.apply(input, target, weight, ignore_index, reduction,
-                                               float(label_smoothing), float(z_loss), loss_dtype,
-                                               check_target and not deferred, deferred)
-        return (loss, lse) if return_lse else loss
-    # Training in eager mode: the kernel flags bad targets, checked later without a host sync.
-    # Otherwise the op checks before launching (one sync).
-    deferred = check_target and compute_grad and not torch.compiler.is_compiling()
-    loss, lse, _, flags = library.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
-                                                float(z_loss), loss_dtype, compute_grad, check_target and not deferred,
-                                                deferred)
-    if deferred:
-        library.note_target_flag(flags)
+    loss, lse = cross_entropy_ops.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
+                                                float(z_loss), loss_dtype, check_target, inplace_backward)
     return (loss, lse) if return_lse else loss
-
-
-class _InplaceCrossEntropy(torch.autograd.Function):
-    """cross_entropy whose forward kernel writes the gradient over the logits (``inplace_backward``)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
-                check_target, deferred_check):
-        loss, lse, flags = library.cross_entropy_inplace(logits, target, weight, ignore_index, reduction,
-                                                         label_smoothing, z_loss, loss_dtype, check_target)
-        ctx.save_for_backward(logits, flags)
-        if deferred_check:
-            library.note_target_flag(flags)
-        ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.consumed = reduction, logits.dim(), deferred_check, False
-        ctx.compute_grad = True
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, dloss, dlse):
-        return (library.scale_fused_gradient(ctx, dloss, in_place=True),) + (None,) * 9

@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 
 from .errors import InvalidProblemError, UnsupportedError
-from .multi_tensor import TableCache
+from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
 from .ops import grad as grad_ops
 from .ops import optimizers as optimizer_ops
@@ -46,7 +46,14 @@ from .ops import optimizers as optimizer_ops
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedStep:
+    """An optimizer whose ``step(closure=None, *, grad_scale=None, found_inf=None, check_finite=False)``
+    unscales, checks for inf/NaN and skips on the device itself: trainops.amp.GradScaler passes it
+    the scale and the flag instead of rewriting the gradients (FusedOptimizer, and
+    trainops.distributed.ShardedOptimizer)."""
+
+
+class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     """Shared machinery: gathering grads per group, lazy state, fused unscale / clip / skip, state_dict."""
 
     _step_supports_amp_scaling = True
@@ -176,15 +183,29 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step over every param group (see the module docstring)."""
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+             check_finite: bool = False, clip: torch.Tensor | None = None):
+        """One optimizer step over every param group (see the module docstring).
+
+        Keywords, from a loss scaler or a sharded optimizer (ours pass them; torch.amp.GradScaler
+        sets ``self.grad_scale`` / ``self.found_inf`` instead, torch's protocol for optimizers with
+        ``_step_supports_amp_scaling``, which are read when the keywords are absent):
+        ``grad_scale`` (float32, one element) divides every gradient; ``found_inf`` (float32, one
+        element) skips the step where nonzero, and receives this step's own check; ``check_finite``
+        checks the gradients for inf/NaN in the step (one read-only pass, fused with the norm);
+        ``clip`` (float32, one element) multiplies every gradient: a clip coefficient computed by
+        the caller (``max_grad_norm`` computes its own).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        check = self.skip_nonfinite or self.max_grad_norm is not None or getattr(self, "_trainops_check_finite", False)
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        caller_found_inf = found_inf
+        check = self.skip_nonfinite or self.max_grad_norm is not None or check_finite
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
         # Every bucket is checked (kernel, layouts, hyper-parameters) before any is written: a step
         # that raises leaves parameters, state and step counters as they were.
@@ -192,9 +213,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for index, (group, buckets) in enumerate(gathered):
             self._check_group(group, f"param_groups[{index}]")
             for (device, dtype), bucket in buckets.items():
-                table = self._tables.get((self._name, index, device, dtype), optimizer_ops._BLOCK)
+                table = self._tables.get((self._name, index, device, dtype), optimizer_ops.step_block())
                 prepared.append((device, self._prepare_bucket(group, bucket, table)))
-        clip = getattr(self, "_trainops_clip", None)  # a clip factor computed elsewhere (trainops.distributed)
         self.grad_norm = None
         if check:
             grads = [g for _, buckets in gathered for b in buckets.values() for g in b["grads"]]
@@ -207,8 +227,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 stats = amp_ops.grad_stats(grads, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
                                            max_norm=self.max_grad_norm, tables=self._tables)
                 found_inf, clip, self.grad_norm = stats.found_inf, stats.clip, stats.norm
-                if getattr(self, "found_inf", None) is not None and found_inf is not self.found_inf:
-                    self.found_inf.copy_(found_inf)
+                if caller_found_inf is not None and found_inf is not caller_found_inf:
+                    caller_found_inf.copy_(found_inf)
         for device, write in prepared:
             write(_on(grad_scale, device), _on(found_inf, device), _on(clip, device))
         return loss
@@ -410,4 +430,4 @@ class LAMB(FusedOptimizer):
             masters=self._masters(group, bucket), table=table)
 
 
-__all__ = ["Adam", "AdamW", "FusedOptimizer", "LAMB", "SGD"]
+__all__ = ["Adam", "AdamW", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]

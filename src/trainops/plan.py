@@ -83,7 +83,7 @@ class Plan:
 
     problem: Any
     info: KernelInfo
-    launch: Launch = field(repr=False)
+    launch: Any = field(repr=False)  # a Launch, or a MultiTensorLaunch for multi-tensor ops (ops/multi_tensor.py)
 
     @property
     def kernel(self) -> KernelChoice:
@@ -154,19 +154,21 @@ _PLAN_CACHE_SIZE = 4096
 _stats = {"hits": 0, "misses": 0}
 
 
-def cached_plan(op: str, key: tuple, descriptor: Callable[[], dict]) -> Plan:
-    """The plan for ``key`` (which must determine the descriptor), made once by ``plan(op, **descriptor())``.
+def cached_plan(descriptor: tuple) -> Plan:
+    """The plan for ``descriptor`` (an instance of its op's descriptor class, ``register_op``'s
+    return), made once by ``plan(descriptor.op, **descriptor._asdict())``.
 
-    Keys also carry the pinned backend. The functional ops call this on every launch, so the
-    hit path is one tuple build and one dict look-up.
+    The descriptor is the key, with the pinned backend. The functional ops call this on every
+    launch, so the hit path is the descriptor's build and one dict look-up.
     """
-    key = (op, pinned_backend(), key)
+    op = descriptor.op
+    key = (op, pinned_backend(), descriptor)
     found = _PLANS.get(key)
     if found is not None:
         _stats["hits"] += 1
     else:
         _stats["misses"] += 1
-        found = plan(op, **descriptor())
+        found = plan(op, **descriptor._asdict())
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[key] = found

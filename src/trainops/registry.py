@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -114,10 +115,17 @@ class KernelInfo:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What the plan API needs to know about an op: how to validate a problem descriptor."""
+    """What the plan API needs to know about an op: how to validate a problem descriptor.
+
+    ``describe(**fields) -> problem`` raises InvalidProblemError / UnsupportedError.
+    ``descriptor``: a NamedTuple class with ``describe``'s arguments as its fields (and defaults),
+    made from its signature: a call site fills it once, and it is both the plan-cache key
+    (``plan.cached_plan``) and what ``describe`` validates when the cache has no plan for it.
+    """
 
     name: str
-    describe: Callable  # (**descriptor) -> problem; raises InvalidProblemError / UnsupportedError
+    describe: Callable
+    descriptor: type
     doc: str = ""
 
 
@@ -126,9 +134,33 @@ _OPS: dict[str, OpSpec] = {}
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
 
 
-def register_op(name: str, describe: Callable, doc: str = "") -> None:
-    """Declare an op and the function that validates its problem descriptors."""
-    _OPS[name] = OpSpec(name, describe, doc)
+def descriptor_type(op: str, describe: Callable) -> type:
+    """A NamedTuple class whose fields are ``describe``'s arguments, with the same defaults (class
+    attribute ``op`` names the op)."""
+    fields, defaults = [], []
+    for param in inspect.signature(describe).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"trainops.registry: describe of {op!r} takes *{param.name}; a descriptor needs named "
+                            "arguments")
+        if param.default is param.empty and defaults:
+            raise TypeError(f"trainops.registry: describe of {op!r}: argument {param.name!r} without a default "
+                            "follows arguments with one")
+        fields.append((param.name, object))
+        if param.default is not param.empty:
+            defaults.append(param.default)
+    cls = NamedTuple("".join(part.title() for part in op.split("_")) + "Descriptor", fields)
+    cls.__new__.__defaults__ = tuple(defaults)
+    cls.op = op
+    cls.__doc__ = f"The descriptor of {op!r}: the arguments of its describe, {describe.__qualname__}."
+    return cls
+
+
+def register_op(name: str, describe: Callable, doc: str = "") -> type:
+    """Declare an op and the function that validates its problem descriptors; returns the op's
+    descriptor class (see OpSpec)."""
+    descriptor = descriptor_type(name, describe)
+    _OPS[name] = OpSpec(name, describe, descriptor, doc or describe.__doc__ or "")
+    return descriptor
 
 
 def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator: str,

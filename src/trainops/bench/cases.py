@@ -111,12 +111,12 @@ def _embedding_backward_case(tokens, dim, rows, dtype, device) -> Case:
         dy = _randn((tokens, dim), dtype, device, 2)
         gen = torch.Generator(device=device).manual_seed(3)
         idx = torch.randint(0, rows, (tokens,), device=device, generator=gen)
-        ours = lambda: trainops.library.gather_backward(dy, idx, 0, [rows, dim], True, None, False, False,  # noqa
+        ours = lambda: trainops.ops.gather.gather_backward_op(dy, idx, 0, [rows, dim], True, None, False, False,  # noqa
                                                          False)
         def torch_backward(dy, idx):
             return torch.ops.aten.embedding_dense_backward(dy, idx, rows, -1, False)
 
-        atomic = lambda: trainops.library.gather_backward(dy, idx, 0, [rows, dim], False, None, False, False,  # noqa
+        atomic = lambda: trainops.ops.gather.gather_backward_op(dy, idx, 0, [rows, dim], False, None, False, False,  # noqa
                                                            False)
         impls = {"trainops": lambda: ours, "trainops atomic (deterministic=False)": lambda: atomic,
                  "torch": lambda: (lambda: torch_backward(dy, idx)),

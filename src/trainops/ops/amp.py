@@ -14,7 +14,7 @@ the host. The norm is summed in float32 per block, then the per-block partials i
 (deterministic, bit-identical run to run); the CPU path computes it as torch's clip_grad_norm_
 does (norm of the per-tensor norms), so CPU results match torch bit for bit.
 
-Triton kernels run one program per block of a multi-tensor table (see trainops.multi_tensor).
+Triton kernels run one program per block of a multi-tensor table (see ops/multi_tensor.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import (MultiTensorProblem, TableCache, bucket_by, check_columns, check_scalar,
+from .multi_tensor import (MultiTensorLaunch, MultiTensorProblem, TableCache, bucket_by, check_columns, check_scalar,
                             multi_tensor_describer, multi_tensor_launch, prepared_launches)
-from ..plan import KernelChoice, Launch
+from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 
 # Triton kernels are registered for the dtypes training keeps gradients in; float64 runs on the CPU path.
@@ -40,6 +40,16 @@ _SUM_CHUNK = 8192  # per-block partials summed by one program of the second redu
 
 for _op in ("all_finite", "unscale", "update_scale", "grad_stats"):
     register_op(_op, multi_tensor_describer(_op))
+
+
+# torch's clip_grad_norm_ epsilon: clip = min(1, max_norm / (norm + CLIP_EPS))
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + CLIP_EPS)), torch's clip_grad_norm_ factor, on the device (no sync);
+    the Triton kernel of grad_stats computes the same in float32."""
+    return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
 
 
 @dataclass
@@ -141,25 +151,25 @@ def _any_nonfinite(tensors) -> bool:
     return any(not bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _prepare_all_finite_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_all_finite_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     def run(columns, found_inf, tables):
         if _any_nonfinite(columns[0]):
             found_inf.fill_(1.0)
 
-    return Launch(run, KernelChoice("all_finite_cpu", "cpu"), torch.float32)
+    return MultiTensorLaunch(run, KernelChoice("all_finite_cpu", "cpu"), torch.float32)
 
 
-def _prepare_unscale_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_unscale_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     def run(columns, inv_scale, found_inf, tables):
         if _any_nonfinite(columns[0]):
             found_inf.fill_(1.0)
         for t in columns[0]:
             t.mul_(inv_scale)
 
-    return Launch(run, KernelChoice("unscale_cpu", "cpu"), torch.float32)
+    return MultiTensorLaunch(run, KernelChoice("unscale_cpu", "cpu"), torch.float32)
 
 
-def _prepare_update_scale_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_update_scale_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     def run(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
         if found_inf.item():
             scale.mul_(backoff_factor)
@@ -174,7 +184,7 @@ def _prepare_update_scale_cpu(problem: MultiTensorProblem) -> Launch:
         else:
             growth_tracker.fill_(successful)
 
-    return Launch(run, KernelChoice("update_scale_cpu", "cpu"), torch.float32)
+    return MultiTensorLaunch(run, KernelChoice("update_scale_cpu", "cpu"), torch.float32)
 
 
 def unscaled_grads_cpu(grads, grad_scale):
@@ -185,7 +195,7 @@ def unscaled_grads_cpu(grads, grad_scale):
     return [g * inv_scale for g in grads]
 
 
-def _prepare_grad_stats_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_grad_stats_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     def run(columns, grad_scale, found_inf, norm, clip, max_norm, tables):
         grads = unscaled_grads_cpu([g for column in columns.values() for g in column], grad_scale)
         if _any_nonfinite(grads):
@@ -193,9 +203,9 @@ def _prepare_grad_stats_cpu(problem: MultiTensorProblem) -> Launch:
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
         norm.copy_(total)
         if clip is not None:
-            clip.copy_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            clip.copy_(clip_coefficient(total, max_norm))
 
-    return Launch(run, KernelChoice("grad_stats_cpu", "cpu"), torch.float32)
+    return MultiTensorLaunch(run, KernelChoice("grad_stats_cpu", "cpu"), torch.float32)
 
 
 register("all_finite", backend="cpu", dtypes=FLOATS, deterministic=True, accumulator="none (a flag)",
@@ -216,7 +226,9 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, store_block
+    from .multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, store_block
+
+    _CLIP_EPS = tl.constexpr(CLIP_EPS)
 
     @triton.jit
     def _nonfinite(x):
@@ -327,12 +339,12 @@ if triton_available():
         tl.store(found_inf_ptr, 1.0, mask=tl.sum(bad, axis=0) > 0)
         tl.store(norm_ptr, norm)
         if HAS_CLIP:
-            tl.store(clip_ptr, tl.minimum(max_norm / (norm + 1e-6), 1.0))
+            tl.store(clip_ptr, tl.minimum(max_norm / (norm + _CLIP_EPS), 1.0))  # clip_coefficient
 
     def _grid(tables):
         return (tables.n_blocks,)
 
-    def _prepare_all_finite_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_all_finite_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         dtype = TL_DTYPES[problem.dtype]
 
         def run(columns, found_inf, tables):
@@ -341,10 +353,10 @@ if triton_available():
                                                   tables.first_block, tables.numels, found_inf, DTYPE=dtype,
                                                   ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
-        return Launch(run, KernelChoice("all_finite_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("all_finite_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
                       torch.float32)
 
-    def _prepare_unscale_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_unscale_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         dtype = TL_DTYPES[problem.dtype]
 
         def run(columns, inv_scale, found_inf, tables):
@@ -353,16 +365,16 @@ if triton_available():
                                                tables.first_block, tables.numels, inv_scale, found_inf, DTYPE=dtype,
                                                ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
-        return Launch(run, KernelChoice("unscale_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("unscale_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
                       torch.float32)
 
-    def _prepare_update_scale_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_update_scale_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def run(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
             _update_scale[(1,)](scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
-        return Launch(run, KernelChoice("update_scale", "triton"), torch.float32)
+        return MultiTensorLaunch(run, KernelChoice("update_scale", "triton"), torch.float32)
 
-    def _prepare_grad_stats_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_grad_stats_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def run(columns, grad_scale, found_inf, norm, clip, max_norm, tables):
             all_tables = []
             for dtype, column in columns.items():
@@ -388,7 +400,7 @@ if triton_available():
                                      1.0 if max_norm is None else float(max_norm), HAS_CLIP=clip is not None,
                                      BLOCK=1024, num_warps=4)
 
-        return Launch(run, KernelChoice("grad_stats_blocks+finish", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("grad_stats_blocks+finish", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
                       torch.float32)
 
     register("all_finite", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="none (a flag)",

@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
-from ..multi_tensor import is_dense, multi_tensor_describer, multi_tensor_launch
-from ..plan import KernelChoice, Launch, check_tensor
+from ..library import custom_op
+from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, multi_tensor_launch
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
 from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
@@ -249,7 +251,7 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
                                bool(compute_grad), bool(check_target), bool(grad_into_input))
 
 
-register_op("cross_entropy", _describe, doc=_describe.__doc__)
+CrossEntropyDescriptor = register_op("cross_entropy", _describe)
 register_op("cross_entropy_grad_scale", multi_tensor_describer("cross_entropy_grad_scale"),
             doc="grad *= dloss * 2^-flags[1] in place, skipped when that is 1: the backward of the fused gradient")
 
@@ -391,14 +393,14 @@ register("cross_entropy", backend="cpu", dtypes=FLOATS, index_dtypes=INDEX_DTYPE
          accumulator=ACCUMULATOR, name="cross_entropy_cpu")(_prepare_cpu)
 
 
-def _prepare_grad_scale_cpu(problem) -> Launch:
+def _prepare_grad_scale_cpu(problem) -> MultiTensorLaunch:
     def run(grad, dloss, flags):
         acc = accumulator_dtype(grad.dtype)
         factor = torch.ldexp(dloss.to(acc), -flags[1].to(acc))
         if factor.item() != 1:  # a CPU tensor: no synchronisation to avoid
             grad.copy_(grad.to(acc) * factor)
 
-    return Launch(run, KernelChoice("cross_entropy_grad_scale_cpu", "cpu"), accumulator_dtype(problem.dtype))
+    return MultiTensorLaunch(run, KernelChoice("cross_entropy_grad_scale_cpu", "cpu"), accumulator_dtype(problem.dtype))
 
 
 register("cross_entropy_grad_scale", backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
@@ -884,7 +886,7 @@ _SCALE_BLOCK = 4096
 _SCALE_PROGRAMS_PER_SM = 8
 
 
-def _prepare_grad_scale_triton(problem) -> Launch:
+def _prepare_grad_scale_triton(problem) -> MultiTensorLaunch:
     acc = accumulator_dtype(problem.dtype)
     programs = sm_count(problem.device) * _SCALE_PROGRAMS_PER_SM
     meta = dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK=_SCALE_BLOCK, num_warps=4,
@@ -896,7 +898,7 @@ def _prepare_grad_scale_triton(problem) -> Launch:
             _scale_unless_one[(min(programs, -(-grad.numel() // _SCALE_BLOCK)),)](base, dloss, flags, grad.numel(),
                                                                                    **meta)
 
-    return Launch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)), acc)
+    return MultiTensorLaunch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)), acc)
 
 
 if triton_available():
@@ -906,23 +908,232 @@ if triton_available():
              accumulator=ACCUMULATOR, name="cross_entropy_triton")(_prepare_triton)
 
 
-def descriptor_from_tensors(logits, target, weight, **options) -> dict:
-    """The descriptor of concrete tensors (checks types, devices and the weight's length)."""
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.cross_entropy (loss and gradient in one pass; the backward scales
+# the saved gradient) and cross_entropy_inplace (the gradient written over the logits)
+# ----------------------------------------------------------------------------------------------
+
+def _check_weight(logits: Tensor, target: Tensor, weight: Tensor | None) -> None:
+    """What the descriptor leaves out: the target's device and the weight (length, dtype, device)."""
     op = "cross_entropy"
-    for name, t in (("input", logits), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
     if target.device != logits.device:
         raise argument_error(InvalidProblemError, op, "target", f"is on {target.device} but input is on {logits.device}")
     if weight is not None:
         classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1] if logits.dim() > 1 else None
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != classes:
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.shape[0] != classes:
+            shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
             raise argument_error(InvalidProblemError, op, "weight", f"has shape {shape}; expected ({classes},), one "
                                  "weight per class")
         if not weight.is_floating_point() or weight.device != logits.device:
             raise argument_error(InvalidProblemError, op, "weight", f"must be a float tensor on {logits.device}, got "
                                  f"{weight.dtype} on {weight.device}")
-    return dict(shape=tuple(logits.shape), dtype=logits.dtype, target_dtype=target.dtype, device=logits.device,
-                strides=logits.stride(), target_shape=tuple(target.shape), target_strides=target.stride(),
-                has_weight=weight is not None, **options)
+
+
+def _descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                   compute_grad, check_target, grad_into_input):
+    """(descriptor, tensors) of a call: the tensors as the kernels take them, and their plan's key."""
+    _check_weight(logits, target, weight)
+    if row_strides(logits.shape, logits.stride()) is None:  # rare layouts whose d1..dk do not merge
+        if grad_into_input:
+            raise UnsupportedError("trainops.cross_entropy: inplace_backward needs logits whose d1..dk merge")
+        logits = logits.contiguous()  # one copy
+    if target.is_floating_point():
+        target = target if row_strides(target.shape, target.stride()) is not None else target.contiguous()
+    else:
+        target = target.contiguous()
+    descriptor = CrossEntropyDescriptor(
+        logits.shape, logits.dtype, target.dtype, logits.device, strides=logits.stride(), target_shape=target.shape,
+        target_strides=target.stride(), has_weight=weight is not None, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, loss_dtype=loss_dtype, compute_grad=compute_grad,
+        check_target=check_target, grad_into_input=grad_into_input)
+    return descriptor, (logits, target) if weight is None else (logits, target, weight)
+
+
+def _fake_outputs(descriptor) -> tuple[Tensor, ...]:
+    """The outputs of a call, allocated by its problem (validated, no plan: a plan made while
+    tracing would keep fake tensors)."""
+    return _describe(**descriptor._asdict()).new_output()
+
+
+def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                        reduction: str, label_smoothing: float, z_loss: float, loss_dtype: Optional[torch.dtype],
+                        compute_grad: bool, check_target: bool,
+                        deferred_check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    descriptor, tensors = _descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                         loss_dtype, compute_grad, check_target, False)
+    return cached_plan(descriptor).run_unchecked(tensors)
+
+
+def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                        compute_grad, check_target, deferred_check):
+    return _fake_outputs(_descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                        loss_dtype, compute_grad, check_target, False)[0])
+
+
+def _keep_for_backward(ctx, reduction: str, ndim: int, deferred_check: bool, compute_grad: bool,
+                       grad: Tensor, flags: Tensor) -> None:
+    """What scale_fused_gradient needs, saved by both custom ops' autograd."""
+    ctx.reduction, ctx.ndim, ctx.deferred_check, ctx.compute_grad = reduction, ndim, deferred_check, compute_grad
+    ctx.save_for_backward(grad, flags)
+    ctx.consumed = False
+
+
+def _save_cross_entropy(ctx, inputs, output) -> None:
+    _keep_for_backward(ctx, inputs.reduction, inputs.logits.dim(), inputs.deferred_check, inputs.compute_grad,
+                       output[2], output[3])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero-filled logits-sized gradient for the unused grad output
+
+
+def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dflags) -> dict:
+    if dloss is None:
+        return {}
+    return {"logits": scale_fused_gradient(ctx, dloss, in_place=False)}
+
+
+# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done);
+# checked pairs are reused (an event costs ~10 us to create).
+_PENDING_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event"]] = []
+_FREE_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event"]] = []
+_BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
+                       "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
+
+
+def note_target_flag(flags: Tensor) -> None:
+    """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the GPU."""
+    if flags.device.type == "cuda":
+        if _FREE_TARGET_FLAGS:
+            host, done = _FREE_TARGET_FLAGS.pop()
+        else:
+            host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+        host.copy_(flags[:1], non_blocking=True)
+        done.record()
+        _PENDING_TARGET_FLAGS.append((host, done))
+
+
+def raise_flagged_targets() -> None:
+    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
+    while _PENDING_TARGET_FLAGS and _PENDING_TARGET_FLAGS[0][1].query():
+        entry = _PENDING_TARGET_FLAGS.pop(0)
+        _FREE_TARGET_FLAGS.append(entry)
+        if entry[0][0]:
+            raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(" of a call on the GPU, reported once the GPU had "
+                                                                  "run it"))
+
+
+def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
+    """dloss/dlogits from the gradient the forward kernel wrote for an upstream gradient of 2^k,
+    saved with its flags [bad target, k] as ``ctx.saved_tensors`` (k = 0 but for float16 logits:
+    gradient_exponent).
+
+    Eager mode, no host synchronisation: the buffer is scaled in place by a kernel that reads
+    dloss on the device and does nothing when it is exactly 1 (``loss.backward()``), then handed
+    over, so a second backward through the same loss raises. float64 logits (gradcheck's dtype)
+    and torch.compile scale out of place instead, and any number of backwards may follow.
+    ``in_place``: the buffer is the caller's (the logits'), so scaling always happens in it.
+    The deferred target check raises here at once for CPU tensors; for CUDA tensors it raises at
+    the first trainops.cross_entropy call or backward after the GPU has set the flag.
+    """
+    if torch.is_grad_enabled():
+        raise UnsupportedError("trainops.cross_entropy: double backward is not supported (the gradient is "
+                               "computed in the forward pass)")
+    if not ctx.compute_grad:
+        raise UnsupportedError("trainops.cross_entropy: no gradient was computed in the forward (input did not "
+                               "require grad when the loss was computed)")
+    if ctx.consumed:
+        raise UnsupportedError("trainops.cross_entropy: a second backward through the same loss "
+                               "(retain_graph=True) is not supported for float16/bfloat16/float32 logits: the first "
+                               "one handed its gradient buffer over")
+    grad, flags = ctx.saved_tensors  # after the checks: an in-place scale has bumped the buffer's version
+    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor  # fake / functional tensors
+    if not tracing and ctx.deferred_check:
+        if flags.device.type == "cpu":
+            if flags[0]:
+                raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(""))
+        else:
+            raise_flagged_targets()
+    if not tracing and grad.dtype != torch.float64:
+        ctx.consumed = True  # the buffer is handed over
+        if dloss.numel() == 1 and is_dense(grad):
+            scale_gradient_(grad, dloss, flags)
+            return grad
+    half = grad.dtype == torch.float16  # times dloss * 2^-k, in float32 (the factor may be subnormal in float16)
+    scale = torch.ldexp(dloss.float(), -flags[1].float()) if half else dloss.to(grad.dtype)
+    if ctx.reduction == "none" and ctx.ndim > 1:
+        scale = scale.unsqueeze(1)
+    out_of_place = tracing or grad.dtype == torch.float64
+    if out_of_place:
+        ctx.consumed = in_place
+    write_back = in_place or not out_of_place
+    if half:
+        scaled = (grad.float() * scale).to(grad.dtype)
+        return grad.copy_(scaled) if write_back else scaled
+    return grad.mul_(scale) if write_back else grad * scale
+
+
+def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                                reduction: str, label_smoothing: float, z_loss: float,
+                                loss_dtype: Optional[torch.dtype], check_target: bool) -> tuple[Tensor, Tensor, Tensor]:
+    descriptor, tensors = _descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                         loss_dtype, True, check_target, True)
+    loss, lse, _, flags = cached_plan(descriptor).run_unchecked(tensors)
+    return loss, lse, flags
+
+
+def _cross_entropy_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                loss_dtype, check_target):
+    loss, lse, _, flags = _fake_outputs(_descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                                       z_loss, loss_dtype, True, check_target, True)[0])
+    return loss, lse, flags
+
+
+cross_entropy_op = custom_op("cross_entropy", _cross_entropy_impl, _cross_entropy_fake, backward=_cross_entropy_grad,
+                             save=_save_cross_entropy)
+# The gradient written over the logits; no autograd of its own (_InplaceCrossEntropy is its Function).
+cross_entropy_inplace_op = custom_op("cross_entropy_inplace", _cross_entropy_inplace_impl,
+                                     _cross_entropy_inplace_fake, mutates_args=("logits",))
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """cross_entropy whose forward kernel writes the gradient over the logits (``inplace_backward``)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
+                check_target, deferred_check):
+        loss, lse, flags = cross_entropy_inplace_op(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                                    z_loss, loss_dtype, check_target)
+        if deferred_check:
+            note_target_flag(flags)
+        _keep_for_backward(ctx, reduction, logits.dim(), deferred_check, True, logits, flags)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        return (scale_fused_gradient(ctx, dloss, in_place=True),) + (None,) * 9
+
+
+def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
+                  label_smoothing: float, z_loss: float, loss_dtype: torch.dtype | None, check_target: bool,
+                  inplace_backward: bool) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of trainops.cross_entropy (functional.py checks the arguments' types): the deferred
+    target check of eager training (see functional.cross_entropy), and the in-place variant."""
+    compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        raise_flagged_targets()
+    if inplace_backward and compute_grad:
+        if logits.is_leaf:
+            raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
+                                 "needs a non-leaf input (its gradient would alias the leaf's own values)")
+        deferred = check_target and not compiling
+        return _InplaceCrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                          loss_dtype, check_target and not deferred, deferred)
+    # Training in eager mode: the kernel flags bad targets, checked later without a host sync.
+    # Otherwise the op checks before launching (one sync).
+    deferred = check_target and compute_grad and not compiling
+    loss, lse, _, flags = cross_entropy_op(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                           loss_dtype, compute_grad, check_target and not deferred, deferred)
+    if deferred:
+        note_target_flag(flags)
+    return loss, lse

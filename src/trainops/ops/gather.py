@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
-from ..plan import KernelChoice, Launch, check_tensor
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
 
@@ -239,8 +241,8 @@ def _describe_gather_backward(input_shape, dim, index_shape, dtype, index_dtype,
                                  bool(negative_indices), bool(check_index))
 
 
-register_op("gather", _describe_gather, doc=_describe_gather.__doc__)
-register_op("gather_backward", _describe_gather_backward, doc=_describe_gather_backward.__doc__)
+GatherDescriptor = register_op("gather", _describe_gather)
+GatherBackwardDescriptor = register_op("gather_backward", _describe_gather_backward)
 
 
 def check_index_range(op: str, index: torch.Tensor, size: int, negative_indices: bool) -> None:
@@ -635,11 +637,122 @@ if triton_available():
              accumulator=ACCUMULATOR, name="gather_backward_atomic_triton")(_prepare_gather_backward_atomic)
 
 
-def gather_descriptor(op: str, x_name: str, x: torch.Tensor, index: torch.Tensor, dim: int) -> dict:
-    """Shape, dtype, device and strides of concrete tensors (x is ``dy`` for gather_backward)."""
-    for name, t in ((x_name, x), ("index", index)):
-        if not isinstance(t, torch.Tensor):
-            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.gather, gather_backward and embedding, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _same_device(op: str, x_name: str, x: Tensor, index: Tensor) -> None:
     if index.device != x.device:
         raise argument_error(InvalidProblemError, op, "index", f"is on {index.device} but {x_name} is on {x.device}")
-    return dict(dim=dim, index_shape=tuple(index.shape), dtype=x.dtype, index_dtype=index.dtype, device=x.device)
+
+
+def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, check_index: bool) -> Tensor:
+    _same_device("gather", "x", x, index)
+    if x.dim() and three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
+        x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
+    descriptor = GatherDescriptor(x.shape, dim, index.shape, x.dtype, index.dtype, x.device, x_strides=x.stride(),
+                                  negative_indices=negative_indices, check_index=check_index)
+    return cached_plan(descriptor).run_unchecked((x, index))
+
+
+def _gather_shape(x_shape: Sequence[int], index: Tensor, dim: int) -> list[int]:
+    dim %= len(x_shape)
+    return [*x_shape[:dim], *index.shape, *x_shape[dim + 1:]]
+
+
+def _gather_impl(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
+                 check_index: bool = True) -> Tensor:
+    return _run_gather(x, index, dim, negative_indices, check_index)
+
+
+def _gather_fake(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
+                 check_index: bool = True) -> Tensor:
+    return x.new_empty(_gather_shape(x.shape, index, dim))
+
+
+def _save_gather(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs.index)
+    ctx.dim, ctx.input_shape, ctx.negative_indices = inputs.dim, list(inputs.x.shape), inputs.negative_indices
+
+
+def _gather_grad(ctx, dy: Tensor) -> dict:
+    (index,) = ctx.saved_tensors
+    return {"x": gather_backward_op(dy, index, ctx.dim, ctx.input_shape, True, None, False, ctx.negative_indices,
+                                    False)}
+
+
+def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
+                          deterministic: bool = True, padding_idx: Optional[int] = None,
+                          scale_grad_by_freq: bool = False, negative_indices: bool = True,
+                          check_index: bool = True) -> Tensor:
+    _same_device("gather_backward", "dy", dy, index)
+    input_shape, rank = tuple(input_shape), len(input_shape)
+    if rank and -rank <= dim < rank and three_axis_strides(
+            dy.shape, dy.stride(), dim % rank, dim % rank + index.dim()) is None:
+        dy = dy.contiguous()  # rare layouts whose batch / index / inner dims do not merge: one copy of dy
+    descriptor = GatherBackwardDescriptor(
+        input_shape, dim, index.shape, dy.dtype, index.dtype, dy.device, dy_shape=dy.shape, dy_strides=dy.stride(),
+        deterministic=deterministic, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
+        negative_indices=negative_indices, check_index=check_index)
+    return cached_plan(descriptor).run_unchecked((dy, index))
+
+
+def _gather_backward_fake(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
+                          deterministic: bool = True, padding_idx: Optional[int] = None,
+                          scale_grad_by_freq: bool = False, negative_indices: bool = True,
+                          check_index: bool = True) -> Tensor:
+    return dy.new_empty(input_shape)
+
+
+def _save_gather_backward(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs.index)
+    ctx.dim, ctx.size = inputs.dim, inputs.input_shape[inputs.dim]
+    ctx.padding_idx, ctx.scale_grad_by_freq = inputs.padding_idx, inputs.scale_grad_by_freq
+    ctx.negative_indices = inputs.negative_indices
+
+
+def _gather_backward_grad(ctx, g: Tensor) -> dict:
+    # dx[s] = f(s) * sum_{index[n] = s} dy[n]  =>  d/d dy[n] = f(index[n]) * g[index[n]]
+    (index,) = ctx.saved_tensors
+    dim = ctx.dim % g.dim()
+    if ctx.padding_idx is not None or ctx.scale_grad_by_freq:
+        rows = index.reshape(-1).long()
+        rows = torch.where(rows < 0, rows + ctx.size, rows)
+        factor = torch.ones(ctx.size, dtype=g.dtype, device=g.device)
+        if ctx.scale_grad_by_freq:
+            counts = torch.zeros(ctx.size, dtype=g.dtype, device=g.device)
+            counts.index_add_(0, rows.clamp(0, ctx.size - 1), ((rows >= 0) & (rows < ctx.size)).to(g.dtype))
+            factor = factor / counts.clamp(min=1)
+        if ctx.padding_idx is not None:
+            factor[ctx.padding_idx % ctx.size] = 0
+        g = g * factor.view([-1 if d == dim else 1 for d in range(g.dim())])
+    return {"dy": gather_op(g, index, ctx.dim, ctx.negative_indices, False)}
+
+
+def _embedding_impl(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
+                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+    return _run_gather(weight, index, 0, False, check_index)
+
+
+def _embedding_fake(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
+                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+    return weight.new_empty([*index.shape, *weight.shape[1:]])
+
+
+def _save_embedding(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs.index)
+    ctx.weight_shape = list(inputs.weight.shape)
+    ctx.padding_idx, ctx.scale_grad_by_freq = inputs.padding_idx, inputs.scale_grad_by_freq
+
+
+def _embedding_grad(ctx, dy: Tensor) -> dict:
+    (index,) = ctx.saved_tensors
+    return {"weight": gather_backward_op(dy, index, 0, ctx.weight_shape, True, ctx.padding_idx,
+                                         ctx.scale_grad_by_freq, False, False)}
+
+
+gather_op = custom_op("gather", _gather_impl, _gather_fake, backward=_gather_grad, save=_save_gather)
+gather_backward_op = custom_op("gather_backward", _gather_backward_impl, _gather_backward_fake,
+                               backward=_gather_backward_grad, save=_save_gather_backward)
+embedding_op = custom_op("embedding", _embedding_impl, _embedding_fake, backward=_embedding_grad,
+                         save=_save_embedding)

@@ -4,7 +4,7 @@
                                              float32 accumulation buffer fed bfloat16 gradients)
     zero         t[i] = 0
 
-One launch per (device, dtype) bucket; see trainops.multi_tensor. Deterministic (no atomics).
+One launch per (device, dtype) bucket; see ops/multi_tensor.py. Deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import TableCache, bucket_by, multi_tensor_describer, prepared_launches
-from ..plan import KernelChoice, Launch
+from .multi_tensor import MultiTensorLaunch, TableCache, bucket_by, multi_tensor_describer, prepared_launches
+from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
 
@@ -58,20 +58,20 @@ def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) 
         launch.run(columns, prepared)
 
 
-def _prepare_accumulate_cpu(problem) -> Launch:
+def _prepare_accumulate_cpu(problem) -> MultiTensorLaunch:
     def run(columns, scale, tables):
         for d, s in zip(*columns):
             d.add_(s.to(d.dtype) if s.dtype != d.dtype else s, alpha=scale)
 
-    return Launch(run, KernelChoice("accumulate_cpu", "cpu"), problem.dtype)
+    return MultiTensorLaunch(run, KernelChoice("accumulate_cpu", "cpu"), problem.dtype)
 
 
-def _prepare_zero_cpu(problem) -> Launch:
+def _prepare_zero_cpu(problem) -> MultiTensorLaunch:
     def run(columns, tables):
         for t in columns[0]:
             t.zero_()
 
-    return Launch(run, KernelChoice("zero_cpu", "cpu"), problem.dtype)
+    return MultiTensorLaunch(run, KernelChoice("zero_cpu", "cpu"), problem.dtype)
 
 
 register("accumulate", backend="cpu", dtypes=FLOATS, deterministic=True, accumulator="dst dtype",
@@ -83,7 +83,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, store_block
+    from .multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, store_block
 
     @triton.jit
     def _accumulate_block(dst, src, offsets, limit, scale, D_DTYPE: tl.constexpr, MASKED: tl.constexpr):
@@ -114,7 +114,7 @@ if triton_available():
         else:
             store_block(pointer, offsets, limit, tl.zeros([BLOCK], dtype=DTYPE), True)
 
-    def _prepare_accumulate_triton(problem) -> Launch:
+    def _prepare_accumulate_triton(problem) -> MultiTensorLaunch:
         d_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("src_dtype")]
 
         def run(columns, scale, t):
@@ -123,10 +123,10 @@ if triton_available():
                                                   scale, D_DTYPE=d_dtype, S_DTYPE=s_dtype, ALIGNED=t.aligned,
                                                   BLOCK=_BLOCK, num_warps=_WARPS)
 
-        return Launch(run, KernelChoice("accumulate_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("accumulate_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
                       torch.float32)
 
-    def _prepare_zero_triton(problem) -> Launch:
+    def _prepare_zero_triton(problem) -> MultiTensorLaunch:
         dtype = TL_DTYPES[problem.dtype]
 
         def run(columns, t):
@@ -134,7 +134,7 @@ if triton_available():
                 _zero_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
                                             DTYPE=dtype, ALIGNED=t.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
-        return Launch(run, KernelChoice("zero_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("zero_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
                       problem.dtype)
 
     register("accumulate", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="float32",

@@ -1,7 +1,7 @@
 """Multi-tensor optimizer steps: SGD, Adam / AdamW, LAMB. Triton kernels, CPU path, registration.
 
 Every step reads each parameter-sized tensor once and writes each updated one once, over all the
-tensors of a (device, dtype) bucket in one launch (see trainops.multi_tensor). Math in float32.
+tensors of a (device, dtype) bucket in one launch (see ops/multi_tensor.py). Math in float32.
 Per element, with g the gradient after the optional fused pre-processing
 
     g <- g / grad_scale  (loss scale, when given)    g <- g * clip  (global-norm clip, when given)
@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..multi_tensor import (MultiTensorProblem, TensorTable, check_columns, check_scalar, column_dtypes_ok,
+from .multi_tensor import (MultiTensorLaunch, MultiTensorProblem, TensorTable, check_columns, check_scalar, column_dtypes_ok,
                             multi_tensor_describer, multi_tensor_launch)
-from ..plan import KernelChoice, Launch
+from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS, unscaled_grads_cpu
 
@@ -55,8 +55,13 @@ for _op in ("sgd_step", "adam_step", "lamb_step"):
     register_op(_op, multi_tensor_describer(_op))
 
 
+def step_block() -> int:
+    """Elements per program of the step kernels: the block a bucket's TensorTable must be cut in."""
+    return _BLOCK
+
+
 def _check_columns(op, names, columns, steps, state_dtype, masters) -> None:
-    """Per-tensor checks: run when a bucket's tensors change (see multi_tensor.TensorTable)."""
+    """Per-tensor checks: run when a bucket's tensors change (see ops/multi_tensor.py TensorTable)."""
     check_columns(op, names, columns)
     params = columns[0]
     dtype = params[0].dtype
@@ -237,7 +242,7 @@ def _finish_param(params, masters, i, work: _Working):
         params[i].copy_(masters[i])
 
 
-def _prepare_sgd_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_sgd_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     has_momentum, nesterov = problem.option("momentum"), problem.option("nesterov")
     maximize, master = problem.option("maximize"), problem.option("master")
 
@@ -265,10 +270,10 @@ def _prepare_sgd_cpu(problem: MultiTensorProblem) -> Launch:
             p.value.add_(g, alpha=-lr)
             _finish_param(params, masters, i, p)
 
-    return Launch(run, KernelChoice("sgd_step_cpu", "cpu"), problem.dtype)
+    return MultiTensorLaunch(run, KernelChoice("sgd_step_cpu", "cpu"), problem.dtype)
 
 
-def _prepare_adam_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_adam_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     decoupled, amsgrad = problem.option("decoupled"), problem.option("amsgrad")
     maximize, master = problem.option("maximize"), problem.option("master")
 
@@ -309,7 +314,7 @@ def _prepare_adam_cpu(problem: MultiTensorProblem) -> Launch:
             v.write_back()
             _finish_param(params, masters, i, p)
 
-    return Launch(run, KernelChoice("adam_step_cpu", "cpu"), problem.dtype)
+    return MultiTensorLaunch(run, KernelChoice("adam_step_cpu", "cpu"), problem.dtype)
 
 
 def _lamb_update_cpu(m, v, p, bc1, bc2, eps, weight_decay):
@@ -317,7 +322,7 @@ def _lamb_update_cpu(m, v, p, bc1, bc2, eps, weight_decay):
     return update.add(p, alpha=weight_decay) if weight_decay != 0 else update
 
 
-def _prepare_lamb_cpu(problem: MultiTensorProblem) -> Launch:
+def _prepare_lamb_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     bias_correction = problem.option("bias_correction")
     maximize, master = problem.option("maximize"), problem.option("master")
 
@@ -346,7 +351,7 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> Launch:
             v.write_back()
             _finish_param(params, masters, i, p)
 
-    return Launch(run, KernelChoice("lamb_step_cpu", "cpu"), problem.dtype)
+    return MultiTensorLaunch(run, KernelChoice("lamb_step_cpu", "cpu"), problem.dtype)
 
 
 register("sgd_step", backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=_ACC,
@@ -365,7 +370,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, runtime_scalar, store_block
+    from .multi_tensor import TL_DTYPES, block_of_program, column_pointer, load_block, runtime_scalar, store_block
 
     # Each kernel runs one block per program: full blocks take the unmasked (vectorised) body,
     # a tensor's tail block the masked one. found_inf set => limit 0 => nothing read or written.
@@ -666,7 +671,7 @@ if triton_available():
     def _kernel_choice(name):
         return KernelChoice(name, "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS)))
 
-    def _prepare_sgd_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_sgd_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         has_momentum, master = problem.option("momentum"), problem.option("master")
         p_dtype, s_dtype = TL_DTYPES[problem.dtype], TL_DTYPES[problem.option("state_dtype")]
 
@@ -690,10 +695,10 @@ if triton_available():
                     MAXIMIZE=problem.option("maximize"), ALIGNED=sub_tables.aligned, BLOCK=_BLOCK,
                     num_warps=_WARPS)
 
-        return Launch(run, _kernel_choice("sgd_blocks"), torch.float32)
+        return MultiTensorLaunch(run, _kernel_choice("sgd_blocks"), torch.float32)
 
-    def _moment_step_launch(problem: MultiTensorProblem, kernel_name: str, launch) -> Launch:
-        """The Launch of the Adam and LAMB steps. Its run builds what both kernels share: the tables
+    def _moment_step_launch(problem: MultiTensorProblem, kernel_name: str, launch) -> MultiTensorLaunch:
+        """The launch of the Adam and LAMB steps. Its run builds what both kernels share: the tables
         (step counters advanced first), the hyper-parameter values with their *_POINTER flags, the
         optional pointers with their HAS_* flags, and the dtype and row constexprs; then, when the
         tables hold blocks, ``launch(tables, values, flags, pointers, has, eps, rows)`` launches."""
@@ -711,9 +716,9 @@ if triton_available():
                 rows = dict(dtypes, MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns))
                 launch(tables, values, flags, pointers, has, float(eps), rows)
 
-        return Launch(run, _kernel_choice(kernel_name), torch.float32)
+        return MultiTensorLaunch(run, _kernel_choice(kernel_name), torch.float32)
 
-    def _prepare_adam_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_adam_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def launch(tables, values, flags, pointers, has, eps, rows):
             _adam_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, **values, eps=eps, **rows, **flags,
@@ -722,7 +727,7 @@ if triton_available():
 
         return _moment_step_launch(problem, "adam_blocks", launch)
 
-    def _prepare_lamb_triton(problem: MultiTensorProblem) -> Launch:
+    def _prepare_lamb_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def launch(tables, values, flags, pointers, has, eps, rows):
             device = tables.addresses.device
             partials = torch.empty(2 * tables.n_blocks, dtype=torch.float32, device=device)

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..layout import ReductionLayout, next_pow2, reduction_layout
-from ..plan import KernelChoice, Launch, check_tensor
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
                         sm_count, triton_available)
 from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
@@ -150,27 +152,30 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
     return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides)
 
 
-def descriptor_from_tensors(op: str, tensors: Sequence[torch.Tensor], dim, out_dtype=None) -> dict:
-    """The descriptor of concrete tensors (inputs must agree in shape, dtype and device)."""
-    names = ("x",) if op in FORWARD_OPS else ("dy", "y")
+def _describer(op: str):
+    def describe(shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None) -> SoftmaxProblem:
+        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides)
+    describe.__doc__ = _describe.__doc__
+    return describe
+
+
+DESCRIPTORS = {op: register_op(op, _describer(op)) for op in FORWARD_OPS + BACKWARD_OPS}
+
+
+def descriptor_of(op: str, tensors: Sequence[torch.Tensor], dim: int, out_dtype=None) -> tuple:
+    """The descriptor (and plan-cache key) of a call on concrete tensors; backward inputs must agree
+    in shape, dtype and device."""
     ref = tensors[-1]
-    for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != ref.shape:
-            raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)} but y has {tuple(ref.shape)}")
-        if t.dtype != ref.dtype:
-            raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype} but y has {ref.dtype}")
-        if t.device != ref.device:
-            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but y is on {ref.device}")
-    return dict(shape=tuple(ref.shape), dim=dim, dtype=ref.dtype, device=ref.device, out_dtype=out_dtype,
-                strides=tuple(t.stride() for t in tensors))
-
-
-for _op in FORWARD_OPS + BACKWARD_OPS:
-    register_op(_op, lambda shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None, _op=_op:
-                _describe(_op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides),
-                doc=_describe.__doc__)
+    if len(tensors) == 2:
+        dy = tensors[0]
+        if dy.shape != ref.shape:
+            raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)} but y has {tuple(ref.shape)}")
+        if dy.dtype != ref.dtype:
+            raise argument_error(InvalidProblemError, op, "dy", f"has dtype {dy.dtype} but y has {ref.dtype}")
+        if dy.device != ref.device:
+            raise argument_error(InvalidProblemError, op, "dy", f"is on {dy.device} but y is on {ref.device}")
+    return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype=out_dtype,
+                           strides=tuple(t.stride() for t in tensors))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -736,3 +741,90 @@ if triton_available():
     for _op in FORWARD_OPS + BACKWARD_OPS:
         register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
                  name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.softmax, log_softmax and their backward, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _run(op: str, tensors: tuple[Tensor, ...], dim: int, out_dtype) -> Tensor:
+    return cached_plan(descriptor_of(op, tensors, dim, out_dtype)).run_unchecked(tensors)
+
+
+def _softmax_impl(x: Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _run("softmax", (x,), dim, dtype)
+
+
+def _log_softmax_impl(x: Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _run("log_softmax", (x,), dim, dtype)
+
+
+def _forward_fake(x: Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return torch.empty_like(x, dtype=dtype or x.dtype)
+
+
+def _save_output(ctx, inputs, y) -> None:
+    ctx.save_for_backward(y)
+    ctx.dim, ctx.x_dtype = inputs.dim, inputs.x.dtype
+
+
+def _softmax_grad(ctx, dy: Tensor) -> dict:
+    (y,) = ctx.saved_tensors
+    return {"x": softmax_backward_op(dy, y, ctx.dim, ctx.x_dtype)}
+
+
+def _log_softmax_grad(ctx, dy: Tensor) -> dict:
+    (y,) = ctx.saved_tensors
+    return {"x": log_softmax_backward_op(dy, y, ctx.dim, ctx.x_dtype)}
+
+
+def _softmax_backward_impl(dy: Tensor, y: Tensor, dim: int, input_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _run("softmax_backward", (dy, y), dim, input_dtype)
+
+
+def _log_softmax_backward_impl(dy: Tensor, y: Tensor, dim: int,
+                               input_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _run("log_softmax_backward", (dy, y), dim, input_dtype)
+
+
+def _backward_fake(dy: Tensor, y: Tensor, dim: int, input_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return torch.empty_like(y, dtype=input_dtype or y.dtype)
+
+
+def _save_backward_inputs(ctx, inputs, dx) -> None:
+    ctx.save_for_backward(inputs.dy, inputs.y)
+    ctx.dim = inputs.dim
+
+
+def _softmax_backward_grad(ctx, g: Tensor) -> dict:
+    # dx = y * (dy - sum(y*dy)):  d/d dy = softmax_backward(g, y);  d/dy = g*(dy - sum(y*dy)) - dy*sum(g*y)
+    dy, y = ctx.saved_tensors
+    g = g.to(y.dtype)
+    grads = {}
+    if ctx.needs_grad["dy"]:
+        grads["dy"] = softmax_backward_op(g, y, ctx.dim)
+    if ctx.needs_grad["y"]:
+        grads["y"] = g * (dy - (y * dy).sum(ctx.dim, keepdim=True)) - dy * (g * y).sum(ctx.dim, keepdim=True)
+    return grads
+
+
+def _log_softmax_backward_grad(ctx, g: Tensor) -> dict:
+    # dx = dy - exp(y) * sum(dy):  d/d dy = g - sum(g*exp(y));  d/dy = -g * exp(y) * sum(dy)
+    dy, y = ctx.saved_tensors
+    g = g.to(y.dtype)
+    p = y.exp()
+    grads = {}
+    if ctx.needs_grad["dy"]:
+        grads["dy"] = g - (g * p).sum(ctx.dim, keepdim=True)
+    if ctx.needs_grad["y"]:
+        grads["y"] = -g * p * dy.sum(ctx.dim, keepdim=True)
+    return grads
+
+
+softmax_op = custom_op("softmax", _softmax_impl, _forward_fake, backward=_softmax_grad, save=_save_output)
+log_softmax_op = custom_op("log_softmax", _log_softmax_impl, _forward_fake, backward=_log_softmax_grad,
+                           save=_save_output)
+softmax_backward_op = custom_op("softmax_backward", _softmax_backward_impl, _backward_fake,
+                                backward=_softmax_backward_grad, save=_save_backward_inputs)
+log_softmax_backward_op = custom_op("log_softmax_backward", _log_softmax_backward_impl, _backward_fake,
+                                    backward=_log_softmax_backward_grad, save=_save_backward_inputs)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .errors import InvalidProblemError, argument_error
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -157,7 +157,9 @@ def bucket_by(tensors: Sequence[torch.Tensor], *keys) -> dict:
 class MultiTensorProblem:
     """The problem of a multi-tensor op: device, dtype (of its lead column) and compile-time options.
 
-    The tensors themselves vary step to step; the launcher checks them (``check_columns``).
+    The tensors themselves vary step to step; the launcher checks them (``check_columns``), so a
+    plan of a multi-tensor op reports its kernel and precision, and its ``run`` refuses (the op
+    runs through its launcher: trainops.ops.optimizers / amp / grad, or trainops.optim, amp, grad).
     """
 
     op: str
@@ -169,13 +171,33 @@ class MultiTensorProblem:
     def option(self, name: str, default=None):
         return dict(self.options).get(name, default)
 
+    def check(self, tensors, out) -> None:
+        raise UnsupportedError(f"trainops.plan({self.op!r}).run: a multi-tensor op takes lists of tensors through its "
+                               f"launcher (trainops.ops.*.{self.op} and the optim, amp and grad modules above it); its "
+                               "plan reports the kernel and precision only")
 
-def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **options):
-    """The ``Launch`` of a multi-tensor op for (device, dtype, options), planned once (plan cache)."""
-    from .plan import cached_plan
+    def new_output(self):
+        self.check((), None)
 
-    return cached_plan(op, (device, dtype, tuple(sorted(options.items()))),
-                       lambda: dict(dtype=dtype, device=device, **options)).launch
+
+@dataclass(frozen=True)
+class MultiTensorLaunch:
+    """What a multi-tensor kernel's ``prepare(problem)`` returns. ``run`` takes the op's own
+    arguments (lists of tensors and the op's scalars, see each launcher), not Plan.run's."""
+
+    run: Callable[..., None]
+    kernel: object
+    accumulator: torch.dtype
+    workspace_bytes: int = 0
+    bitwise_reproducible: bool = True
+
+
+def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **options) -> MultiTensorLaunch:
+    """The launch of a multi-tensor op for (device, dtype, options), planned once (plan cache)."""
+    from ..plan import cached_plan
+    from ..registry import op_spec
+
+    return cached_plan(op_spec(op).descriptor(dtype, device, tuple(sorted(options.items())))).launch
 
 
 def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache, block: int) -> list:
@@ -201,13 +223,20 @@ def check_scalar(op: str, name: str, t, device: torch.device) -> None:
 
 
 def multi_tensor_describer(op: str):
-    """The ``describe`` of a multi-tensor op: ``(dtype, device, **options) -> MultiTensorProblem``."""
-    from .registry import normalize_device
+    """The ``describe`` of a multi-tensor op: ``(dtype, device, options) -> MultiTensorProblem``,
+    options a dict or (name, value) pairs (the kernel's compile-time choices)."""
+    from ..registry import normalize_device
 
-    def describe(dtype: torch.dtype, device="cuda", **options) -> MultiTensorProblem:
+    def describe(dtype: torch.dtype, device="cuda", options=()) -> MultiTensorProblem:
         if not isinstance(dtype, torch.dtype):
             raise argument_error(InvalidProblemError, op, "dtype", f"must be a torch.dtype, got {dtype!r}")
-        return MultiTensorProblem(op, normalize_device(device), dtype, tuple(sorted(options.items())))
+        pairs = options.items() if isinstance(options, dict) else options
+        try:
+            options = tuple(sorted((str(name), value) for name, value in pairs))
+        except (TypeError, ValueError):
+            raise argument_error(InvalidProblemError, op, "options", f"must be a dict or (name, value) pairs, got "
+                                 f"{options!r}") from None
+        return MultiTensorProblem(op, normalize_device(device), dtype, options)
 
     describe.__doc__ = f"Problem of the multi-tensor op {op!r}: dtype and device of its lead column, options."
     return describe
@@ -219,7 +248,7 @@ def column_dtypes_ok(op: str, name: str, column: Sequence[torch.Tensor], dtype: 
             raise argument_error(InvalidProblemError, op, f"{name}[{i}]", f"has dtype {t.dtype}; expected {dtype}")
 
 
-from .registry import triton_available  # noqa: E402
+from ..registry import triton_available  # noqa: E402
 
 if triton_available():
     import triton
