@@ -29,16 +29,18 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.fixture(params=["registers", "two-pass", "exchange"])
-def row_plan(request, monkeypatch):
+def row_plan(request):
     """Run with rows in registers, or force a long-row plan with tiny chunks: two-pass streaming, or
     the exchange plan where it applies (class targets, no label smoothing; the rest streams)."""
-    if request.param != "registers":
-        for size in (1, 2, 4, 8):
-            monkeypatch.setitem(ce_ops.REGISTER_ROW, size, 4)
-            monkeypatch.setitem(ce_ops._STREAM_BLOCK, size, 8)
-        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {1: 8, 2: 8, 4: 8} if request.param == "exchange" else {})
-        monkeypatch.setattr(ce_ops, "sm_count", lambda device: 16)  # up to 16 chunks a row
-    return request.param
+    if request.param == "registers":
+        yield request.param
+        return
+    tiny = {size: 4 for size in (1, 2, 4, 8)}
+    with trainops.heuristics(ce_ops.CrossEntropyHeuristics(
+            register_row=tiny, stream_block={size: 8 for size in tiny},
+            exchange_block={1: 8, 2: 8, 4: 8} if request.param == "exchange" else {},
+            sms=16)):  # up to 16 chunks a row
+        yield request.param
 
 
 def seed_of(*key) -> int:
@@ -306,11 +308,14 @@ def test_plan_reports_the_row_plan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pipelined_rows(backend, device, monkeypatch, dtype):
+def test_pipelined_rows(backend, device, dtype):
     """One chunk a row (classes up to the exchange block): each program loads its next row while it
     writes this one; more rows than programs, so every program goes round its loop several times."""
-    monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {2: 8, 4: 8})
-    monkeypatch.setattr(ce_ops, "sm_count", lambda device: 4)
+    with trainops.heuristics(ce_ops.CrossEntropyHeuristics(exchange_block={2: 8, 4: 8}, sms=4)):
+        _check_pipelined_rows(backend, device, dtype)
+
+
+def _check_pipelined_rows(backend, device, dtype):
     gen = torch.Generator().manual_seed(seed_of("pipelined", backend, dtype))
     for classes, options in ((5, {}), (8, dict(reduction="sum", z_loss=1e-3)), (7, dict(reduction="none"))):
         x = make_logits([37, classes], dtype, device, gen, layout="sliced")
@@ -493,17 +498,22 @@ def test_float16_gradient_exponent_bounds_the_z_loss_term():
 
 
 @pytest.mark.parametrize("plan", ["fused", "exchange", "two-pass"])
-def test_float16_mean_gradient_survives_loss_scaling(backend, device, monkeypatch, plan):
+def test_float16_mean_gradient_survives_loss_scaling(backend, device, plan):
     """float16 "mean": the gradient for an upstream gradient of 1 (~p / rows) lies below float16's
     normal range (6.1e-5). Stored times 2^k it keeps its bits until a loss scale (GradScaler's)
     lifts it; stored as is it loses them in the forward (here: 2000 classes, p ~ 5e-4, 64 rows:
     subnormals of about 7 significant bits; at real sizes they flush to zero, see the GPU tests)."""
-    if plan == "exchange":
-        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {2: 1024})  # 2 chunks a row
-    elif plan == "two-pass":
-        monkeypatch.setattr(ce_ops, "_EXCHANGE_BLOCK", {})
-        monkeypatch.setitem(ce_ops.REGISTER_ROW, 2, 1024)
-        monkeypatch.setitem(ce_ops._STREAM_BLOCK, 2, 512)
+    default = ce_ops.CrossEntropyHeuristics()
+    heuristics = {"fused": default,
+                  "exchange": ce_ops.CrossEntropyHeuristics(exchange_block={2: 1024}),  # 2 chunks a row
+                  "two-pass": ce_ops.CrossEntropyHeuristics(register_row={**default.register_row, 2: 1024},
+                                                            stream_block={**default.stream_block, 2: 512},
+                                                            exchange_block={})}[plan]
+    with trainops.heuristics(heuristics):
+        _check_float16_mean_gradient(backend, device, plan)
+
+
+def _check_float16_mean_gradient(backend, device, plan):
     gen = torch.Generator().manual_seed(seed_of("fp16 mean", backend, plan))
     x = make_logits([64, 2000], torch.float16, device, gen, scale=0.5)
     target = torch.randint(0, 2000, (64,), generator=gen)

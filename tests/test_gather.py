@@ -141,9 +141,13 @@ def test_gather_backward_random_shapes(backend, device, deterministic, dtype, in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_backward_hot_rows(backend, device, deterministic, dtype, monkeypatch):
+def test_gather_backward_hot_rows(backend, device, deterministic, dtype):
     """Runs longer than a chunk take the partial-sum path; small chunks exercise it at test sizes."""
-    monkeypatch.setattr(gather_ops, "_CHUNK", 4)
+    with trainops.heuristics(gather_ops.GatherHeuristics(chunk=4)):
+        _check_hot_rows(device, deterministic, dtype)
+
+
+def _check_hot_rows(device, deterministic, dtype):
     gen = torch.Generator().manual_seed(7)
     size, inner = 23, 5
     # a Zipf-like stream: row 3 takes half the positions, then 1/k decay, plus one long run at the end
@@ -160,22 +164,22 @@ def test_gather_backward_hot_rows(backend, device, deterministic, dtype, monkeyp
     assert_close(dx, ref, dtype, "hot rows, padding and scale")
 
 
-def test_gather_backward_every_index_equal(backend, device, monkeypatch):
-    monkeypatch.setattr(gather_ops, "_CHUNK", 4)
+def test_gather_backward_every_index_equal(backend, device):
     dy = torch.randn(50, 3, dtype=torch.float64).to(device)
     index = torch.full((50,), 2, device=device)
-    dx = trainops.gather_backward(dy, index, 0, [4, 3])
+    with trainops.heuristics(gather_ops.GatherHeuristics(chunk=4)):
+        dx = trainops.gather_backward(dy, index, 0, [4, 3])
     assert_close(dx, reference_gather_backward(dy, index, 0, [4, 3]), torch.float64, "one row")
 
 
-def test_gather_backward_is_bitwise_reproducible(backend, device, monkeypatch):
-    monkeypatch.setattr(gather_ops, "_CHUNK", 8)
+def test_gather_backward_is_bitwise_reproducible(backend, device):
     gen = torch.Generator().manual_seed(3)
     index = torch.randint(0, 6, (200,), generator=gen).to(device)
     dy = torch.randn(200, 7, generator=gen).to(device)
-    first = trainops.gather_backward(dy, index, 0, [6, 7])
-    clear_plan_cache()
-    second = trainops.gather_backward(dy.clone(), index.clone(), 0, [6, 7])
+    with trainops.heuristics(gather_ops.GatherHeuristics(chunk=8)):
+        first = trainops.gather_backward(dy, index, 0, [6, 7])
+        clear_plan_cache()
+        second = trainops.gather_backward(dy.clone(), index.clone(), 0, [6, 7])
     assert torch.equal(first.view(torch.int32), second.view(torch.int32))
 
 

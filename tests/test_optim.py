@@ -5,21 +5,22 @@ import torch
 
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops.multi_tensor import MultiTensorHeuristics
 
 from conftest import BACKEND_DEVICES
 from numerics import interpreter_rounding, relative_error
 
 
 @pytest.fixture(autouse=True, params=["block-default", "block-64"])
-def block_size(request, monkeypatch):
+def block_size(request):
     """Default blocks (most of these small tensors are one tail block), or 64-element blocks, so
-    that the unmasked full-block code and the masked tail code both run on every case."""
-    from trainops.ops import amp, grad, optimizers
-    if request.param == "block-64":
-        for module in (amp, grad, optimizers):
-            monkeypatch.setattr(module, "_BLOCK", 64)
-        monkeypatch.setattr(amp, "_SUM_CHUNK", 3)  # several chunks in the norm's second reduction stage
-    return request.param
+    that the unmasked full-block code and the masked tail code both run on every case (and 3
+    partials a chunk: several chunks in the norm's second reduction stage)."""
+    if request.param == "block-default":
+        yield request.param
+        return
+    with trainops.heuristics(MultiTensorHeuristics(block=64, sum_chunk=3)):
+        yield request.param
 
 
 CASES = {

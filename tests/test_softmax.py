@@ -159,20 +159,20 @@ def test_dtype_argument(backend, device, op, in_dtype, out_dtype):
 # ---- every plan: fused, looped (long rows), split (few long rows), row and column layouts -------
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """Shrink the register and stream tiles so small shapes take the looped and split plans."""
-    monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
-    monkeypatch.setattr(softmax_ops, "_STREAM_TILE", {1: 128, 2: 128, 4: 64, 8: 64})
-    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 2)
-    monkeypatch.setenv("TRAINOPS_ROW_EXCHANGE", "0")
+    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(
+            register_tile={1: 64, 2: 64, 4: 32, 8: 16}, stream_tile={1: 128, 2: 128, 4: 64, 8: 64}, sms=2,
+            row_exchange=False)):
+        yield
 
 
 @pytest.fixture
-def exchange_tiles(monkeypatch):
+def exchange_tiles():
     """Shrink the register and exchange tiles so small shapes take the exchange plan (up to 16 chunks a row)."""
-    monkeypatch.setattr(softmax_ops, "_REGISTER_TILE", {1: 64, 2: 64, 4: 32, 8: 16})
-    monkeypatch.setattr(softmax_ops, "_EXCHANGE_TILE", {1: 64, 2: 64, 4: 64, 8: 64})
-    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 16)
+    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(
+            register_tile={1: 64, 2: 64, 4: 32, 8: 16}, exchange_tile={1: 64, 2: 64, 4: 64, 8: 64}, sms=16)):
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

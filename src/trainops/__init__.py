@@ -17,14 +17,14 @@ from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, Un
 from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
                          softmax_backward)
 from .patch import PatchReport, patch
-from .plan import KernelChoice, Plan, Precision, plan, track_kernels
+from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
 
 __version__ = "0.1.0"
 
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
-    "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
+    "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "heuristics", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",
 ]

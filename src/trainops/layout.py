@@ -83,3 +83,10 @@ def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] 
 def next_pow2(v: int) -> int:
     """The smallest power of two >= v (1 for v <= 1): Triton block sizes."""
     return 1 << max(0, int(v) - 1).bit_length()
+
+
+# Elements of a row (per tensor, by element size in bytes) one program keeps in registers: a fused
+# plan up to here, shared by the softmax family and cross-entropy. Measured on the H100
+# (benchmarks/NOTES.md): 32768 fp32 or bf16 elements fused beat streaming by 30-40%, forward and
+# backward; whole 128K-256K rows in registers spill (7x slower).
+REGISTER_TILE = {1: 32768, 2: 32768, 4: 32768, 8: 16384}

@@ -213,7 +213,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         for index, (group, buckets) in enumerate(gathered):
             self._check_group(group, f"param_groups[{index}]")
             for (device, dtype), bucket in buckets.items():
-                table = self._tables.get((self._name, index, device, dtype), optimizer_ops.step_block())
+                table = self._tables.get((self._name, index, device, dtype))
                 prepared.append((device, self._prepare_bucket(group, bucket, table)))
         self.grad_norm = None
         if check:

@@ -15,6 +15,7 @@ The functional ops go through ``cached_plan`` so a repeated problem pays none of
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -149,6 +150,46 @@ def plan(op: str, **descriptor) -> Plan:
     return select(op_spec(op).describe(**descriptor))
 
 
+# ----------------------------------------------------------------------------------------------
+# Heuristics: each op family's tunable tables (tile sizes, warps, programs per SM...) are one
+# frozen config object, its class's defaults the measured choices (ops/<family>.py says what
+# measured them). A family reads the object in force when it builds a descriptor or launches;
+# a plan keeps the one it was made with, and its descriptor (the cache key) carries it.
+# ----------------------------------------------------------------------------------------------
+
+_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("trainops_heuristics", default={})
+_defaults: dict[type, Any] = {}
+
+
+@contextlib.contextmanager
+def heuristics(*configs) -> Iterator[None]:
+    """Plan and launch the ops run inside the block with ``configs`` (instances of op families'
+    heuristics classes, e.g. ``ops.softmax.SoftmaxHeuristics(register_tile=...)``) instead of the
+    families' defaults: a sweep, a test that forces a plan on small shapes, a tuned deployment.
+
+        with trainops.heuristics(SoftmaxHeuristics(register_tile=(64, 64, 32, 16))):
+            y = trainops.softmax(x, -1)
+    """
+    merged = dict(_overrides.get())
+    for config in configs:
+        merged[type(config)] = config
+    token = _overrides.set(merged)
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def heuristics_for(cls: type):
+    """The ``cls`` heuristics in force: the innermost ``heuristics(...)`` block's, else ``cls()``."""
+    found = _overrides.get().get(cls)
+    if found is None:
+        found = _defaults.get(cls)
+        if found is None:
+            found = _defaults[cls] = cls()
+    return found
+
+
 _PLANS: dict[tuple, Plan] = {}
 _PLAN_CACHE_SIZE = 4096
 _stats = {"hits": 0, "misses": 0}
@@ -207,4 +248,5 @@ def clear_plan_cache() -> None:
 
 
 __all__ = ["check_tensor", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
-           "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError", "UnsupportedError"]
+           "heuristics", "heuristics_for", "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError",
+           "UnsupportedError"]

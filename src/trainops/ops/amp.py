@@ -32,11 +32,8 @@ from ..registry import FLOATS, register, register_op, triton_available
 
 # Triton kernels are registered for the dtypes training keeps gradients in; float64 runs on the CPU path.
 TRITON_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
-_BLOCK = 2048
 _TABLES = TableCache()  # tables of calls that bring none (entries check their tensors' addresses)
-_WARPS = 4
 _ACC = "float32 (float64 for float64)"
-_SUM_CHUNK = 8192  # per-block partials summed by one program of the second reduction stage
 
 for _op in ("all_finite", "unscale", "update_scale", "grad_stats"):
     register_op(_op, multi_tensor_describer(_op))
@@ -78,7 +75,7 @@ def all_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, *, tabl
     device = _single_device("all_finite", "tensors", tensors)
     check_scalar("all_finite", "found_inf", found_inf, device)
     buckets = [(dev, dtype, {}, [[tensors[i] for i in idx]]) for (dev, dtype), idx in bucket_by(tensors).items()]
-    for launch, columns, prepared in prepared_launches("all_finite", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+    for launch, columns, prepared in prepared_launches("all_finite", ["tensors"], buckets, tables or _TABLES):
         launch.run(columns, found_inf, prepared)
 
 
@@ -92,7 +89,7 @@ def unscale_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf
     check_scalar("unscale", "inv_scale", inv_scale, device)
     check_scalar("unscale", "found_inf", found_inf, device)
     buckets = [(dev, dtype, {}, [[tensors[i] for i in idx]]) for (dev, dtype), idx in bucket_by(tensors).items()]
-    for launch, columns, prepared in prepared_launches("unscale", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+    for launch, columns, prepared in prepared_launches("unscale", ["tensors"], buckets, tables or _TABLES):
         launch.run(columns, inv_scale, found_inf, prepared)
 
 
@@ -230,6 +227,9 @@ if triton_available():
 
     _CLIP_EPS = tl.constexpr(CLIP_EPS)
 
+    def _block_params(problem: MultiTensorProblem) -> tuple:
+        return (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps))
+
     @triton.jit
     def _nonfinite(x):
         """1 where x is inf or NaN (x - x is NaN exactly there), else 0."""
@@ -351,9 +351,9 @@ if triton_available():
             if tables.n_blocks:
                 _all_finite_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
                                                   tables.first_block, tables.numels, found_inf, DTYPE=dtype,
-                                                  ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+                                                  ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
 
-        return MultiTensorLaunch(run, KernelChoice("all_finite_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("all_finite_blocks", "triton", _block_params(problem)),
                       torch.float32)
 
     def _prepare_unscale_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
@@ -363,9 +363,9 @@ if triton_available():
             if tables.n_blocks:
                 _unscale_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
                                                tables.first_block, tables.numels, inv_scale, found_inf, DTYPE=dtype,
-                                               ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+                                               ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
 
-        return MultiTensorLaunch(run, KernelChoice("unscale_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("unscale_blocks", "triton", _block_params(problem)),
                       torch.float32)
 
     def _prepare_update_scale_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
@@ -378,7 +378,7 @@ if triton_available():
         def run(columns, grad_scale, found_inf, norm, clip, max_norm, tables):
             all_tables = []
             for dtype, column in columns.items():
-                t = tables.get(("grad_stats", dtype), _BLOCK).tables(
+                t = tables.get(("grad_stats", dtype)).tables(
                     [column], validate=lambda column=column: check_columns("grad_stats", ["grads"], [column]))
                 all_tables.append((dtype, column, t))
             n_blocks = sum(t.n_blocks for _, _, t in all_tables)
@@ -389,18 +389,19 @@ if triton_available():
                     _grad_stats_blocks[_grid(t)](
                         t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels, partials[0, offset:],
                         partials[1, offset:], grad_scale if grad_scale is not None else partials,
-                        DTYPE=TL_DTYPES[dtype], HAS_SCALE=grad_scale is not None, ALIGNED=t.aligned, BLOCK=_BLOCK,
-                        num_warps=_WARPS)
+                        DTYPE=TL_DTYPES[dtype], HAS_SCALE=grad_scale is not None, ALIGNED=t.aligned, BLOCK=t.block,
+                        num_warps=problem.heuristics.warps)
                 offset += t.n_blocks
-            # Two fixed-order reduction stages: chunks of _SUM_CHUNK partials in parallel, then one program.
-            chunks = max(1, -(-n_blocks // _SUM_CHUNK))
+            # Two fixed-order reduction stages: chunks of sum_chunk partials in parallel, then one program.
+            sum_chunk = problem.heuristics.sum_chunk
+            chunks = max(1, -(-n_blocks // sum_chunk))
             sums = torch.empty(2, chunks, dtype=torch.float32, device=problem.device)
-            _sum_partials[(chunks, 2)](partials, n_blocks, sums, CHUNK=_SUM_CHUNK, BLOCK=1024, num_warps=4)
+            _sum_partials[(chunks, 2)](partials, n_blocks, sums, CHUNK=sum_chunk, BLOCK=1024, num_warps=4)
             _grad_stats_finish[(1,)](sums, chunks, found_inf, norm, clip if clip is not None else norm,
                                      1.0 if max_norm is None else float(max_norm), HAS_CLIP=clip is not None,
                                      BLOCK=1024, num_warps=4)
 
-        return MultiTensorLaunch(run, KernelChoice("grad_stats_blocks+finish", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("grad_stats_blocks+finish", "triton", _block_params(problem)),
                       torch.float32)
 
     register("all_finite", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="none (a flag)",

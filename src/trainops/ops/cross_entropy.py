@@ -23,7 +23,7 @@ Each row is read once and its gradient written once: short rows in registers (pl
 rows of class-index targets without label smoothing of more than half an exchange block (16384
 half or 8192 float32 classes) by a persistent grid that loads the next row while it writes this one
 ("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
-exchange.py). Other rows longer than REGISTER_ROW (probability targets, label smoothing,
+exchange.py). Other rows longer than a register row (probability targets, label smoothing,
 float64) are read twice, the second time newest chunk first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
@@ -34,17 +34,17 @@ Deterministic: fixed reduction order, no atomics.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..layout import merge_dims, next_pow2
+from ..layout import REGISTER_TILE, merge_dims, next_pow2
 from ..library import custom_op
 from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, multi_tensor_launch
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
 from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
@@ -93,6 +93,52 @@ def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int,
 
 
 # ----------------------------------------------------------------------------------------------
+# Heuristics: the tables the launchers plan with (trainops.heuristics(...) overrides them)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class CrossEntropyHeuristics:
+    """Cross-entropy's tunables; the defaults are the choices measured on the H100
+    (benchmarks/NOTES.md). Tables are keyed by the logits' element size in bytes.
+
+    register_row: classes one program keeps in registers (one read of the row), as the softmax
+        family's register tile (layout.REGISTER_TILE). stream_block, stream_warps: longer rows
+        stream this many classes a step at these warps (bf16: 32K-class steps at 16 warps were
+        best of six settings, 2.80 vs 2.98-3.24 ms, 8192x128256). fused_programs_per_sm,
+        stream_programs_per_sm: persistent grids; streaming rows re-read each row, and one row
+        in flight per SM (132 x 256 KiB for 128K bf16 classes) fits in the H100's 50 MiB L2.
+    exchange_block, exchange_warps, exchange_per_sm: the exchange plan (ops/exchange.py, flagged
+        partials) for class-index targets without label smoothing, rows of more than half a
+        block: a block of classes a program (64 KiB of logits), one program of 16 warps per SM (64
+        classes a thread in 128 registers, no spill), the next row's chunk loaded while this
+        one's gradient is written; a row of up to one block stays in one program ("pipelined").
+        Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
+        warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
+        0.420). An element size without a block takes the other plans.
+    sms: the streaming multiprocessors to plan for (None: the device's). row_exchange: plan the
+        exchange at all (None: unless TRAINOPS_ROW_EXCHANGE=0).
+    Compared by identity (a plan's cache key holds the object it was made with).
+    """
+
+    register_row: Mapping[int, int] = field(default_factory=lambda: dict(REGISTER_TILE))
+    stream_block: Mapping[int, int] = field(default_factory=lambda: {1: 16384, 2: 32768, 4: 8192, 8: 4096})
+    stream_warps: int = 16
+    fused_programs_per_sm: int = 8
+    stream_programs_per_sm: int = 1
+    exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
+    exchange_warps: int = 16
+    exchange_per_sm: int = 1
+    sms: int | None = None
+    row_exchange: bool | None = None
+
+    def sm_count(self, device: torch.device) -> int:
+        return self.sms if self.sms is not None else sm_count(device)
+
+    def exchange_on(self) -> bool:
+        return self.row_exchange if self.row_exchange is not None else exchange_enabled()
+
+
+# ----------------------------------------------------------------------------------------------
 # Problem: validation shared by every backend
 # ----------------------------------------------------------------------------------------------
 
@@ -124,6 +170,7 @@ class CrossEntropyProblem:
     compute_grad: bool
     check_target: bool
     grad_into_input: bool = False
+    heuristics: CrossEntropyHeuristics = None  # set by _describe (the one in force when none is given)
 
     @property
     def index_dtype(self):
@@ -180,7 +227,8 @@ class CrossEntropyProblem:
 
 def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target_shape=None, target_strides=None,
               has_weight=False, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-              loss_dtype=None, compute_grad=True, check_target=True, grad_into_input=False) -> CrossEntropyProblem:
+              loss_dtype=None, compute_grad=True, check_target=True, grad_into_input=False,
+              heuristics=None) -> CrossEntropyProblem:
     """Validate a cross-entropy descriptor.
 
     shape: logits (C,), (N, C) or (N, C, d1, ...); dtype: theirs. target_dtype: int32/int64 for
@@ -191,6 +239,7 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
     plus z_loss (coefficient of lse^2), loss_dtype (default: dtype), compute_grad (write the
     gradient in the same pass), check_target (validate class indices; a host sync on the GPU) and
     grad_into_input (write the gradient over the logits, which must then be the run's own tensor).
+    heuristics: a CrossEntropyHeuristics (default: the one in force, trainops.heuristics).
     """
     op = "cross_entropy"
     try:
@@ -246,9 +295,14 @@ def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target
                              "merge; pass target.contiguous()")
     if grad_into_input and not compute_grad:
         raise argument_error(InvalidProblemError, op, "grad_into_input", "needs compute_grad=True")
+    if heuristics is None:
+        heuristics = heuristics_for(CrossEntropyHeuristics)
+    elif not isinstance(heuristics, CrossEntropyHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"must be a CrossEntropyHeuristics, got "
+                             f"{type(heuristics).__name__}")
     return CrossEntropyProblem(op, shape, dtype, target_dtype, device, strides, target_strides, probabilities,
                                bool(has_weight), ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
-                               bool(compute_grad), bool(check_target), bool(grad_into_input))
+                               bool(compute_grad), bool(check_target), bool(grad_into_input), heuristics)
 
 
 CrossEntropyDescriptor = register_op("cross_entropy", _describe)
@@ -747,53 +801,32 @@ if triton_available():
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# Classes one program keeps in registers (one read of the row); longer rows stream _STREAM_BLOCK
-# classes a step. As the softmax family (benchmarks/NOTES.md): 32K-element register tiles. Whole
-# 128K-256K rows in registers spill (7x slower); for bf16 rows 32K-class steps at 16 warps were
-# best of six settings on the H100 (2.80 vs 2.98-3.24 ms, 8192x128256, one run).
-REGISTER_ROW = {1: 32768, 2: 32768, 4: 32768, 8: 16384}
-_STREAM_BLOCK = {1: 16384, 2: 32768, 4: 8192, 8: 4096}
-_STREAM_WARPS = 16
-# Persistent grids: programs per SM. Streaming rows re-read each row; one row in flight per SM
-# (132 x 256 KiB for 128K bf16 classes) fits in the H100's 50 MiB L2, more would not.
-_STREAM_PROGRAMS_PER_SM = 1
-_FUSED_PROGRAMS_PER_SM = 8
 # Cache hints: the first pass over a streamed row asks L2 to keep it for the second; gradient
 # stores stream past L2 (".cs") so they do not evict it.
 _FIRST_PASS_EVICT = "evict_last"
 _GRAD_STORE = ".cs"
 
 
-# Exchange plan (ops/exchange.py, flagged partials) for class-index targets without label
-# smoothing, rows of more than half a block: BLOCK classes a program (64 KiB of logits), one
-# program of 16 warps per SM (64 classes a thread in 128 registers, no spill), persistent, the
-# next row's chunk loaded while this one's gradient is written. A row of up to one block stays in
-# one program and trades nothing (plan "pipelined"). H100 sweep (benchmarks/NOTES.md, 2026-11-23),
-# kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32 warps: 2.29,
-# spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused 0.420).
-_EXCHANGE_BLOCK = {2: 32768, 4: 16384}
-_EXCHANGE_WARPS = 16
-_EXCHANGE_PER_SM = 1
-
-
 def _exchange_splits(problem: CrossEntropyProblem) -> int:
-    """Chunks per row of the exchange plan, or 0 where it does not apply (see _EXCHANGE_BLOCK)."""
-    block = _EXCHANGE_BLOCK.get(problem.dtype.itemsize)
-    if (block is None or problem.probabilities or problem.label_smoothing > 0 or not exchange_enabled()
+    """Chunks per row of the exchange plan, or 0 where it does not apply (see CrossEntropyHeuristics)."""
+    h = problem.heuristics
+    block = h.exchange_block.get(problem.dtype.itemsize)
+    if (block is None or problem.probabilities or problem.label_smoothing > 0 or not h.exchange_on()
             or next_pow2(problem.classes) < block):
         return 0
     splits = -(-problem.classes // block)
-    return splits if splits <= sm_count(problem.device) else 0
+    return splits if splits <= h.sm_count(problem.device) else 0
 
 
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
     """(BLOCK_C, CHUNKS, num_warps, programs per SM) of the fused and two-pass plans."""
+    h = problem.heuristics
     c, size = problem.classes, problem.dtype.itemsize
     full = next_pow2(c)
-    if full <= REGISTER_ROW[size] or problem.probabilities and full <= REGISTER_ROW[size] // 2:
-        return full, 1, min(32, max(4, full // 1024)), _FUSED_PROGRAMS_PER_SM
-    block = _STREAM_BLOCK[size] // (2 if problem.probabilities else 1)
-    return block, -(-c // block), _STREAM_WARPS, _STREAM_PROGRAMS_PER_SM
+    if full <= h.register_row[size] or problem.probabilities and full <= h.register_row[size] // 2:
+        return full, 1, min(32, max(4, full // 1024)), h.fused_programs_per_sm
+    block = h.stream_block[size] // (2 if problem.probabilities else 1)
+    return block, -(-c // block), h.stream_warps, h.stream_programs_per_sm
 
 
 def _kernel_operands(problem: CrossEntropyProblem, tensors, out, acc: torch.dtype):
@@ -837,7 +870,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     if splits:
         return _prepare_exchange(problem, consts, strides, mean_by_targets, splits, s)
     block, chunks, warps, per_sm = _choose_block(problem)
-    programs = sm_count(problem.device) * per_sm
+    programs = problem.heuristics.sm_count(problem.device) * per_sm
     smooth = problem.label_smoothing > 0
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
@@ -861,12 +894,13 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
     """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
     [rows, splits] zeroed per call, one launch (two under the interpreter); with one chunk a row
     ("pipelined") no partials and one launch everywhere."""
-    block = _EXCHANGE_BLOCK[problem.dtype.itemsize]
+    h = problem.heuristics
+    block = h.exchange_block[problem.dtype.itemsize]
     c, rows = problem.classes, problem.rows
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=_EXCHANGE_WARPS)
-    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, _EXCHANGE_PER_SM, sm_count(problem.device))
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=h.exchange_warps)
+    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, h.exchange_per_sm, h.sm_count(problem.device))
 
     def run(tensors, out):
         operands = _kernel_operands(problem, tensors, out, torch.float32)
@@ -876,7 +910,7 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
             args = (*operands, consts, words, rows, c, s, *strides, problem.ignore_index)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
 
-    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", _EXCHANGE_PER_SM),
+    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", h.exchange_per_sm),
               ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
                   workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1))
@@ -945,7 +979,7 @@ def _descriptor_of(logits, target, weight, ignore_index, reduction, label_smooth
         logits.shape, logits.dtype, target.dtype, logits.device, strides=logits.stride(), target_shape=target.shape,
         target_strides=target.stride(), has_weight=weight is not None, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss=z_loss, loss_dtype=loss_dtype, compute_grad=compute_grad,
-        check_target=check_target, grad_into_input=grad_into_input)
+        check_target=check_target, grad_into_input=grad_into_input, heuristics=heuristics_for(CrossEntropyHeuristics))
     return descriptor, (logits, target) if weight is None else (logits, target, weight)
 
 

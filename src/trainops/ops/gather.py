@@ -44,7 +44,7 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
 from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
 
@@ -55,6 +55,42 @@ def three_axis_strides(shape: Sequence[int], strides: Sequence[int], lo: int, hi
     """Strides of ``shape`` seen as (shape[:lo], shape[lo:hi], shape[hi:]), or None if a group does not merge."""
     groups = [merge_dims(shape[a:b], strides[a:b]) for a, b in ((0, lo), (lo, hi), (hi, len(shape)))]
     return None if None in groups else tuple(g[1] for g in groups)
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics: the tile sizes the launchers plan with (trainops.heuristics(...) overrides them)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class GatherHeuristics:
+    """The gather family's tunables; the defaults are the choices measured on the H100
+    (benchmarks/NOTES.md).
+
+    row_block: inner elements one program covers (per row of x or dx): whole rows up to here.
+    tile: elements of a gather tile (BLOCK_N rows of BLOCK_I); row_tile: of a gradient tile.
+    4096-element gradient tiles, one 8 KiB bf16 row each, beat 2 to 8 rows per tile and 1024- or
+    2048-element row blocks by 5-10%. chunk: sorted positions per chunk; runs longer than a chunk
+    are hot and summed per chunk into float partials (hot_tile elements per program), then
+    hot_step partials a step; shorter runs are summed by their row's program. 64 beat 16 and 32
+    on a Zipf stream (0.71 vs 0.79-1.0 ms). Compared by identity (a plan's cache key holds the
+    object it was made with).
+    """
+
+    row_block: int = 4096
+    tile: int = 4096
+    row_tile: int = 4096
+    chunk: int = 64
+    hot_tile: int = 8192
+    hot_step: int = 16
+
+
+def _heuristics(op: str, heuristics) -> GatherHeuristics:
+    if heuristics is None:
+        return heuristics_for(GatherHeuristics)
+    if not isinstance(heuristics, GatherHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"must be a GatherHeuristics, got "
+                             f"{type(heuristics).__name__}")
+    return heuristics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,6 +148,7 @@ class GatherProblem(_GatherShapes):
     x_strides: tuple[int, ...]
     negative_indices: bool
     check_index: bool
+    heuristics: GatherHeuristics
 
     def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
         self._check(tensors, out, "x", self.x_shape, self.x_strides, self.gathered_shape)
@@ -130,6 +167,7 @@ class GatherBackwardProblem(_GatherShapes):
     scale_grad_by_freq: bool
     negative_indices: bool
     check_index: bool
+    heuristics: GatherHeuristics
 
     def check(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
         self._check(tensors, out, "dy", self.gathered_shape, self.dy_strides, self.x_shape)
@@ -180,7 +218,7 @@ def _common(op, x_name, x_shape, dim, index_shape, dtype, index_dtype, device):
 
 
 def _describe_gather(x_shape, dim, index_shape, dtype, index_dtype, device="cuda", *, x_strides=None,
-                     negative_indices=True, check_index=True) -> GatherProblem:
+                     negative_indices=True, check_index=True, heuristics=None) -> GatherProblem:
     """Validate a gather descriptor.
 
     x_shape: the gathered tensor's sizes (rank >= 1); dim: its gathered axis (negative counts from
@@ -189,6 +227,7 @@ def _describe_gather(x_shape, dim, index_shape, dtype, index_dtype, device="cuda
     into one strided axis (every dense layout and its transposes of rank <= 3 do).
     negative_indices: True counts negative indices from the end (ONNX); False rejects them (embedding).
     check_index: validate index values on every run (a host synchronisation on the GPU).
+    heuristics: a GatherHeuristics (default: the one in force, trainops.heuristics).
     """
     op = "gather"
     x_shape, dim, index_shape, device = _common(op, "x", x_shape, dim, index_shape, dtype, index_dtype, device)
@@ -200,12 +239,12 @@ def _describe_gather(x_shape, dim, index_shape, dtype, index_dtype, device="cuda
                              f"has strides {x_strides} whose dims before or after dim={dim} do not merge; "
                              "pass x.contiguous()")
     return GatherProblem(op, x_shape, dim, index_shape, dtype, index_dtype, device, x_strides,
-                         bool(negative_indices), bool(check_index))
+                         bool(negative_indices), bool(check_index), _heuristics(op, heuristics))
 
 
 def _describe_gather_backward(input_shape, dim, index_shape, dtype, index_dtype, device="cuda", *,
                               dy_shape=None, dy_strides=None, deterministic=True, padding_idx=None, scale_grad_by_freq=False,
-                              negative_indices=True, check_index=True) -> GatherBackwardProblem:
+                              negative_indices=True, check_index=True, heuristics=None) -> GatherBackwardProblem:
     """Validate a gather_backward descriptor.
 
     input_shape: the shape of x (and of dx); dim, index_shape, dtype, index_dtype as for gather.
@@ -215,6 +254,7 @@ def _describe_gather_backward(input_shape, dim, index_shape, dtype, index_dtype,
     deterministic: True selects the sorted kernel (bit-identical run to run), False the atomic one.
     padding_idx: a row of dx that receives no gradient (negative counts from the end), or None.
     scale_grad_by_freq: divide each row's gradient by how often its index occurs (torch's embedding).
+    heuristics: a GatherHeuristics (default: the one in force, trainops.heuristics).
     """
     op = "gather_backward"
     input_shape, dim, index_shape, device = _common(op, "dy", input_shape, dim, index_shape, dtype,
@@ -238,7 +278,7 @@ def _describe_gather_backward(input_shape, dim, index_shape, dtype, index_dtype,
         padding_idx %= size
     return GatherBackwardProblem(op, input_shape, dim, index_shape, dtype, index_dtype, device, dy_strides,
                                  bool(deterministic), padding_idx, bool(scale_grad_by_freq),
-                                 bool(negative_indices), bool(check_index))
+                                 bool(negative_indices), bool(check_index), _heuristics(op, heuristics))
 
 
 GatherDescriptor = register_op("gather", _describe_gather)
@@ -499,25 +539,10 @@ if triton_available():
 # Launchers: heuristic, layout, launch
 # ----------------------------------------------------------------------------------------------
 
-# Inner elements one program covers (per row of x or dx): whole rows up to _ROW_BLOCK. A gather
-# tile holds about _TILE elements (BLOCK_N rows of BLOCK_I); a gradient tile about _ROW_TILE.
-# Measured on the H100 (benchmarks/NOTES.md): 4096-element gradient tiles, one 8 KiB bf16 row
-# each, beat 2 to 8 rows per tile and 1024- or 2048-element row blocks by 5-10%.
-_ROW_BLOCK = 4096
-_TILE = 4096
-_ROW_TILE = 4096
-# Sorted positions per chunk: runs longer than _CHUNK are hot and summed per chunk into float
-# partials (_HOT_TILE elements per program), then _HOT_STEP partials a step; shorter runs are
-# summed by their row's program. 64 beat 16 and 32 on a Zipf stream (0.71 vs 0.79-1.0 ms).
-_CHUNK = 64
-_HOT_TILE = 8192
-_HOT_STEP = 16
-
-
-def _tile_shape(n: int, inner: int) -> tuple[int, int, int]:
+def _tile_shape(h: GatherHeuristics, n: int, inner: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_I, num_warps) of a [index positions x inner elements] tile."""
-    block_i = min(next_pow2(inner), _ROW_BLOCK)
-    block_n = max(1, min(next_pow2(n), _TILE // block_i))
+    block_i = min(next_pow2(inner), h.row_block)
+    block_n = max(1, min(next_pow2(n), h.tile // block_i))
     return block_n, block_i, 4 if block_n * block_i <= 2048 else 8
 
 
@@ -528,7 +553,7 @@ def _acc_tl(dtype: torch.dtype):
 def _prepare_gather_triton(problem: GatherProblem) -> Launch:
     b, s, i, n = problem.batch, problem.size, problem.inner, problem.gathered
     x_sb, x_ss, x_si = three_axis_strides(problem.x_shape, problem.x_strides, problem.dim, problem.dim + 1)
-    block_n, block_i, warps = _tile_shape(n, i)
+    block_n, block_i, warps = _tile_shape(problem.heuristics, n, i)
     n_blocks = -(-n // block_n)
     grid = (b * n_blocks, -(-i // block_i))
 
@@ -549,16 +574,17 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
     dy_sb, dy_sn, dy_si = three_axis_strides(problem.gathered_shape, problem.dy_strides, problem.dim,
                                              problem.dim + len(problem.index_shape))
     acc = accumulator_dtype(problem.dtype)
-    chunks = -(-n // _CHUNK)
-    block_i = min(next_pow2(i), _ROW_BLOCK)
-    block_v = max(1, min(next_pow2(s), _ROW_TILE // block_i))
+    h = problem.heuristics
+    chunks = -(-n // h.chunk)
+    block_i = min(next_pow2(i), h.row_block)
+    block_v = max(1, min(next_pow2(s), h.row_tile // block_i))
     warps = 4 if block_v * block_i <= 2048 else 8
-    hot_block = min(next_pow2(i), max(1, _HOT_TILE // _CHUNK))
+    hot_block = min(next_pow2(i), max(1, h.hot_tile // h.chunk))
     v_blocks = -(-s // block_v)
     row_grid = (b * v_blocks, -(-i // block_i))
     hot_grid = (b * chunks, -(-i // hot_block))
     workspace = b * chunks * 2 * i
-    meta = dict(ACC=_acc_tl(problem.dtype), CHUNK=_CHUNK)
+    meta = dict(ACC=_acc_tl(problem.dtype), CHUNK=h.chunk)
     padding = -1 if problem.padding_idx is None else problem.padding_idx
     boundaries = {}
 
@@ -579,14 +605,14 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
                                               BLOCK_I=hot_block, num_warps=8, **meta)
             _gather_grad_hot_rows[hot_grid](keys, starts, partial, out, s, n, i, chunks, padding,
                                             HAS_PADDING=problem.padding_idx is not None,
-                                            SCALE_BY_FREQ=problem.scale_grad_by_freq, STEP=_HOT_STEP,
+                                            SCALE_BY_FREQ=problem.scale_grad_by_freq, STEP=h.hot_step,
                                             BLOCK_I=hot_block, num_warps=4, **meta)
         _gather_grad_rows[row_grid](dy, perm, starts, out, s, i, v_blocks, dy_sb, dy_sn, dy_si, padding,
                                     HAS_PADDING=problem.padding_idx is not None,
                                     SCALE_BY_FREQ=problem.scale_grad_by_freq, BLOCK_V=block_v, BLOCK_I=block_i,
                                     num_warps=warps, **meta)
 
-    params = (("CHUNK", _CHUNK), ("HOT_STEP", _HOT_STEP), ("BLOCK_V", block_v), ("BLOCK_I", block_i),
+    params = (("CHUNK", h.chunk), ("HOT_STEP", h.hot_step), ("BLOCK_V", block_v), ("BLOCK_I", block_i),
               ("HOT_BLOCK_I", hot_block), ("num_warps", warps), ("row_grid", row_grid), ("hot_grid", hot_grid))
     ws_bytes = workspace * acc.itemsize + n * 16 + (s + 1) * 8  # partials, sorted keys + permutation, run starts
     return Launch(run, KernelChoice("gather_grad_sorted", "triton", params), acc, workspace_bytes=ws_bytes)
@@ -598,7 +624,7 @@ def _prepare_gather_backward_atomic(problem: GatherBackwardProblem) -> Launch:
                                              problem.dim + len(problem.index_shape))
     acc = accumulator_dtype(problem.dtype)
     separate_acc = acc != problem.dtype  # half types add into a float32 buffer, then cast
-    block_n, block_i, warps = _tile_shape(n, i)
+    block_n, block_i, warps = _tile_shape(problem.heuristics, n, i)
     n_blocks = -(-n // block_n)
     grid = (b * n_blocks, -(-i // block_i))
     padding = -1 if problem.padding_idx is None else problem.padding_idx
@@ -651,7 +677,8 @@ def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, chec
     if x.dim() and three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
         x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
     descriptor = GatherDescriptor(x.shape, dim, index.shape, x.dtype, index.dtype, x.device, x_strides=x.stride(),
-                                  negative_indices=negative_indices, check_index=check_index)
+                                  negative_indices=negative_indices, check_index=check_index,
+                                  heuristics=heuristics_for(GatherHeuristics))
     return cached_plan(descriptor).run_unchecked((x, index))
 
 
@@ -693,7 +720,7 @@ def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequ
     descriptor = GatherBackwardDescriptor(
         input_shape, dim, index.shape, dy.dtype, index.dtype, dy.device, dy_shape=dy.shape, dy_strides=dy.stride(),
         deterministic=deterministic, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
-        negative_indices=negative_indices, check_index=check_index)
+        negative_indices=negative_indices, check_index=check_index, heuristics=heuristics_for(GatherHeuristics))
     return cached_plan(descriptor).run_unchecked((dy, index))
 
 

@@ -19,9 +19,7 @@ from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
 
-_BLOCK = 2048
 _TABLES = TableCache()  # tables of calls that bring none (entries check their tensors' addresses)
-_WARPS = 4
 
 for _op in ("accumulate", "zero"):
     register_op(_op, multi_tensor_describer(_op))
@@ -46,7 +44,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
         raise argument_error(InvalidProblemError, "accumulate", "src", f"has {len(src)} tensors; 'dst' has {len(dst)}")
     buckets = [(device, dtype, dict(src_dtype=src_dtype), [[dst[i] for i in idx], [src[i] for i in idx]])
                for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items()]
-    for launch, columns, prepared in prepared_launches("accumulate", ["dst", "src"], buckets, tables or _TABLES, _BLOCK):
+    for launch, columns, prepared in prepared_launches("accumulate", ["dst", "src"], buckets, tables or _TABLES):
         launch.run(columns, float(scale), prepared)
 
 
@@ -54,7 +52,7 @@ def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) 
     """Set every element of every tensor to zero, in place (every bucket checked before any is written)."""
     tensors = _dense_list("zero", "tensors", tensors)
     buckets = [(device, dtype, {}, [[tensors[i] for i in idx]]) for (device, dtype), idx in bucket_by(tensors).items()]
-    for launch, columns, prepared in prepared_launches("zero", ["tensors"], buckets, tables or _TABLES, _BLOCK):
+    for launch, columns, prepared in prepared_launches("zero", ["tensors"], buckets, tables or _TABLES):
         launch.run(columns, prepared)
 
 
@@ -121,9 +119,9 @@ if triton_available():
             if t.n_blocks:
                 _accumulate_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
                                                   scale, D_DTYPE=d_dtype, S_DTYPE=s_dtype, ALIGNED=t.aligned,
-                                                  BLOCK=_BLOCK, num_warps=_WARPS)
+                                                  BLOCK=t.block, num_warps=problem.heuristics.warps)
 
-        return MultiTensorLaunch(run, KernelChoice("accumulate_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("accumulate_blocks", "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps))),
                       torch.float32)
 
     def _prepare_zero_triton(problem) -> MultiTensorLaunch:
@@ -132,9 +130,9 @@ if triton_available():
         def run(columns, t):
             if t.n_blocks:
                 _zero_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
-                                            DTYPE=dtype, ALIGNED=t.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+                                            DTYPE=dtype, ALIGNED=t.aligned, BLOCK=t.block, num_warps=problem.heuristics.warps)
 
-        return MultiTensorLaunch(run, KernelChoice("zero_blocks", "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS))),
+        return MultiTensorLaunch(run, KernelChoice("zero_blocks", "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps))),
                       problem.dtype)
 
     register("accumulate", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="float32",

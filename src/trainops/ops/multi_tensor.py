@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..plan import cached_plan, heuristics_for
+from ..registry import normalize_device, op_spec
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -60,10 +62,26 @@ def check_columns(op: str, names: Sequence[str], columns: Sequence[Sequence[torc
                     f"shape {tuple(first.shape)}, strides {first.stride()} on {first.device}")
 
 
+@dataclass(frozen=True, eq=False)
+class MultiTensorHeuristics:
+    """The multi-tensor kernels' tunables (trainops.heuristics(...) overrides them).
+
+    block: elements per program (a tensor's last block is masked); 2048 at 4 warps was best of the
+    block / warp variants of the AdamW kernel on the H100 (benchmarks/bench_optim.py --sweep,
+    benchmarks/NOTES.md). sum_chunk: per-block partials one program of grad_stats' second
+    reduction stage sums. Compared by identity (a plan's cache key holds the object it was made
+    with)."""
+
+    block: int = 2048
+    warps: int = 4
+    sum_chunk: int = 8192
+
+
 @dataclass
 class BlockTables:
-    """Device tables of one launch: see the module docstring. ``aligned``: every column address is a
-    multiple of 16 bytes (the kernels may then use 16-byte vector accesses)."""
+    """Device tables of one launch: see the module docstring. ``block``: elements per program (the
+    kernels' BLOCK). ``aligned``: every column address is a multiple of 16 bytes (the kernels may
+    then use 16-byte vector accesses)."""
 
     addresses: torch.Tensor
     block_tensor: torch.Tensor
@@ -72,6 +90,7 @@ class BlockTables:
     n_tensors: int
     n_blocks: int
     aligned: bool
+    block: int
 
 
 class TensorTable:
@@ -127,22 +146,29 @@ class TensorTable:
         n_column_addresses = len(columns) * len(lead)
         owner, first, numels, total = self._blocks
         self._tables = BlockTables(address_table, owner, first, numels, len(lead), total,
-                                   all(a % 16 == 0 for a in addresses[:n_column_addresses]))
+                                   aligned=all(a % 16 == 0 for a in addresses[:n_column_addresses]), block=self.block)
         self._key = key
         return self._tables
 
 
 class TableCache:
-    """TensorTables by key (e.g. (param group, device, dtype, layout)); owned by an optimizer or scaler."""
+    """TensorTables by key (e.g. (param group, device, dtype, layout)); owned by an optimizer or scaler.
+    Each is cut in the block of the MultiTensorHeuristics in force."""
 
     def __init__(self):
         self._tables: dict = {}
 
-    def get(self, key, block: int) -> TensorTable:
+    def get(self, key) -> TensorTable:
+        block = heuristics_for(MultiTensorHeuristics).block
         table = self._tables.get((key, block))
         if table is None:
             table = self._tables[(key, block)] = TensorTable(block)
         return table
+
+
+def new_table() -> TensorTable:
+    """A TensorTable cut in the block of the MultiTensorHeuristics in force (for a call that brings no cache)."""
+    return TensorTable(heuristics_for(MultiTensorHeuristics).block)
 
 
 def bucket_by(tensors: Sequence[torch.Tensor], *keys) -> dict:
@@ -166,6 +192,7 @@ class MultiTensorProblem:
     device: torch.device
     dtype: torch.dtype
     options: tuple = ()
+    heuristics: MultiTensorHeuristics = None  # set by describe (the one in force when none is given)
     index_dtype: None = None
 
     def option(self, name: str, default=None):
@@ -194,13 +221,11 @@ class MultiTensorLaunch:
 
 def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **options) -> MultiTensorLaunch:
     """The launch of a multi-tensor op for (device, dtype, options), planned once (plan cache)."""
-    from ..plan import cached_plan
-    from ..registry import op_spec
-
-    return cached_plan(op_spec(op).descriptor(dtype, device, tuple(sorted(options.items())))).launch
+    return cached_plan(op_spec(op).descriptor(dtype, device, tuple(sorted(options.items())),
+                                              heuristics_for(MultiTensorHeuristics))).launch
 
 
-def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache, block: int) -> list:
+def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache) -> list:
     """[(launch, columns, tables)] for ``buckets`` of (device, dtype, options, columns), with every
     kernel looked up (UnsupportedError) and every bucket's tensors checked (InvalidProblemError,
     through the table cache) before the caller runs any: an op over several buckets writes all of
@@ -208,7 +233,7 @@ def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache,
     prepared = []
     for device, dtype, options, columns in buckets:
         launch = multi_tensor_launch(op, device, dtype, **options)
-        table = cache.get((op, device, dtype, *sorted(options.items())), block)
+        table = cache.get((op, device, dtype, *sorted(options.items())))
         tables = table.tables(columns, validate=lambda columns=columns: check_columns(op, names, columns))
         prepared.append((launch, columns, tables))
     return prepared
@@ -225,9 +250,7 @@ def check_scalar(op: str, name: str, t, device: torch.device) -> None:
 def multi_tensor_describer(op: str):
     """The ``describe`` of a multi-tensor op: ``(dtype, device, options) -> MultiTensorProblem``,
     options a dict or (name, value) pairs (the kernel's compile-time choices)."""
-    from ..registry import normalize_device
-
-    def describe(dtype: torch.dtype, device="cuda", options=()) -> MultiTensorProblem:
+    def describe(dtype: torch.dtype, device="cuda", options=(), heuristics=None) -> MultiTensorProblem:
         if not isinstance(dtype, torch.dtype):
             raise argument_error(InvalidProblemError, op, "dtype", f"must be a torch.dtype, got {dtype!r}")
         pairs = options.items() if isinstance(options, dict) else options
@@ -236,7 +259,12 @@ def multi_tensor_describer(op: str):
         except (TypeError, ValueError):
             raise argument_error(InvalidProblemError, op, "options", f"must be a dict or (name, value) pairs, got "
                                  f"{options!r}") from None
-        return MultiTensorProblem(op, normalize_device(device), dtype, options)
+        if heuristics is None:
+            heuristics = heuristics_for(MultiTensorHeuristics)
+        elif not isinstance(heuristics, MultiTensorHeuristics):
+            raise argument_error(InvalidProblemError, op, "heuristics", f"must be a MultiTensorHeuristics, got "
+                                 f"{type(heuristics).__name__}")
+        return MultiTensorProblem(op, normalize_device(device), dtype, options, heuristics)
 
     describe.__doc__ = f"Problem of the multi-tensor op {op!r}: dtype and device of its lead column, options."
     return describe

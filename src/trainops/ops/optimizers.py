@@ -41,23 +41,16 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from .multi_tensor import (MultiTensorLaunch, MultiTensorProblem, TensorTable, check_columns, check_scalar, column_dtypes_ok,
-                            multi_tensor_describer, multi_tensor_launch)
 from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS, unscaled_grads_cpu
+from .multi_tensor import (MultiTensorLaunch, MultiTensorProblem, TensorTable, check_columns, check_scalar,
+                           column_dtypes_ok, multi_tensor_describer, multi_tensor_launch, new_table)
 
-_BLOCK = 2048
-_WARPS = 4
 _ACC = "float32 (float64 for float64 on the CPU path)"
 
 for _op in ("sgd_step", "adam_step", "lamb_step"):
     register_op(_op, multi_tensor_describer(_op))
-
-
-def step_block() -> int:
-    """Elements per program of the step kernels: the block a bucket's TensorTable must be cut in."""
-    return _BLOCK
 
 
 def _check_columns(op, names, columns, steps, state_dtype, masters) -> None:
@@ -111,7 +104,7 @@ def _prepared(op: str, launch, columns, per_tensor, steps, table, validate, **hy
     """Resolve the tables (validating the tensors when they changed) and return the step that writes.
     ``per_tensor``: the run's second argument (SGD's fresh flags, the others' step counters)."""
     scalars = [steps] if steps is not None else []
-    tables = (table or TensorTable(_BLOCK)).tables(columns, scalars, validate=validate, user_columns=2)  # params, grads
+    tables = (table or new_table()).tables(columns, scalars, validate=validate, user_columns=2)  # params, grads
     device = columns[0][0].device
 
     def write(grad_scale=None, found_inf=None, clip=None) -> None:
@@ -668,8 +661,8 @@ if triton_available():
                              found_inf if found_inf is not None else tables.numels, HAS_FOUND_INF=found_inf is not None,
                              BLOCK=128)
 
-    def _kernel_choice(name):
-        return KernelChoice(name, "triton", (("BLOCK", _BLOCK), ("num_warps", _WARPS)))
+    def _kernel_choice(name, problem: MultiTensorProblem):
+        return KernelChoice(name, "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps)))
 
     def _prepare_sgd_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         has_momentum, master = problem.option("momentum"), problem.option("master")
@@ -684,7 +677,7 @@ if triton_available():
                 [(f, idx) for f in (True, False) if (idx := [i for i in range(len(fresh)) if fresh[i] == f])]
             for is_fresh, idx in groups:
                 sub = columns if len(idx) == len(columns[0]) else [[c[i] for i in idx] for c in columns]
-                sub_tables = tables if len(groups) == 1 else TensorTable(_BLOCK).tables(sub)  # checked as a whole
+                sub_tables = tables if len(groups) == 1 else TensorTable(tables.block).tables(sub)  # checked whole
                 if not sub_tables.n_blocks:
                     continue
                 _sgd_blocks[(sub_tables.n_blocks,)](
@@ -692,10 +685,10 @@ if triton_available():
                     weight_decay=weight_decay, P_DTYPE=p_dtype, S_DTYPE=s_dtype, LR_POINTER=lr_pointer,
                     WD_POINTER=wd_pointer, MOMENTUM=has_momentum, FRESH=bool(is_fresh),
                     NESTEROV=problem.option("nesterov"), MASTER_ROW=len(sub) - 1 if master else -1, **has,
-                    MAXIMIZE=problem.option("maximize"), ALIGNED=sub_tables.aligned, BLOCK=_BLOCK,
-                    num_warps=_WARPS)
+                    MAXIMIZE=problem.option("maximize"), ALIGNED=sub_tables.aligned, BLOCK=sub_tables.block,
+                    num_warps=problem.heuristics.warps)
 
-        return MultiTensorLaunch(run, _kernel_choice("sgd_blocks"), torch.float32)
+        return MultiTensorLaunch(run, _kernel_choice("sgd_blocks", problem), torch.float32)
 
     def _moment_step_launch(problem: MultiTensorProblem, kernel_name: str, launch) -> MultiTensorLaunch:
         """The launch of the Adam and LAMB steps. Its run builds what both kernels share: the tables
@@ -716,14 +709,14 @@ if triton_available():
                 rows = dict(dtypes, MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns))
                 launch(tables, values, flags, pointers, has, float(eps), rows)
 
-        return MultiTensorLaunch(run, _kernel_choice(kernel_name), torch.float32)
+        return MultiTensorLaunch(run, _kernel_choice(kernel_name, problem), torch.float32)
 
     def _prepare_adam_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def launch(tables, values, flags, pointers, has, eps, rows):
             _adam_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, **values, eps=eps, **rows, **flags,
                 DECOUPLED=problem.option("decoupled"), AMSGRAD=problem.option("amsgrad"), **has,
-                MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+                MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
 
         return _moment_step_launch(problem, "adam_blocks", launch)
 
@@ -734,13 +727,13 @@ if triton_available():
             ratios = torch.empty(tables.n_tensors, dtype=torch.float32, device=device)
             lr, lr_pointer = values.pop("lr"), flags.pop("LR_POINTER")
             common = dict(**values, eps=eps, **rows, **flags, BIAS_CORRECTION=problem.option("bias_correction"),
-                          HAS_FOUND_INF=has["HAS_FOUND_INF"], ALIGNED=tables.aligned, BLOCK=_BLOCK,
-                          num_warps=_WARPS)
+                          HAS_FOUND_INF=has["HAS_FOUND_INF"], ALIGNED=tables.aligned, BLOCK=tables.block,
+                          num_warps=problem.heuristics.warps)
             _lamb_moments_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, partials=partials, HAS_SCALE=has["HAS_SCALE"],
                 HAS_CLIP=has["HAS_CLIP"], MAXIMIZE=problem.option("maximize"), **common)
             _lamb_trust_ratios[(tables.n_tensors,)](partials, tables.first_block, tables.numels, ratios,
-                                                    STEP_BLOCK=_BLOCK, BLOCK=256, num_warps=4)
+                                                    STEP_BLOCK=tables.block, BLOCK=256, num_warps=4)
             _lamb_apply_blocks[(tables.n_blocks,)](*_table_args(tables), pointers["found_inf_ptr"], ratios, lr=lr,
                                                    LR_POINTER=lr_pointer, **common)
 

@@ -28,16 +28,16 @@ Triton plans (chosen in ``_choose_config``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
-from ..layout import ReductionLayout, next_pow2, reduction_layout
+from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
                         sm_count, triton_available)
 from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
@@ -45,6 +45,51 @@ from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
 BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics: the tables _choose_config plans with (trainops.heuristics(...) overrides them)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class SoftmaxHeuristics:
+    """The softmax family's tunables; the defaults are the choices measured on the H100
+    (benchmarks/NOTES.md). Tables keyed by element size in bytes are per tensor.
+
+    register_tile: elements of a row one program keeps in registers (a fused plan up to here:
+        layout.REGISTER_TILE). stream_tile: elements one program loads per loop step when
+        streaming a long row (32 KiB per tensor). column_block: contiguous positions a column tile
+        spans forward (64 B of bf16, 128 B of fp32 were best); column_bytes_backward: bytes of
+        them backward (bf16 dim=1 of 32x512x4096: 64 positions, 146 us, against 198 us for 32,
+        log-softmax backward). split_programs_per_sm: the programs per SM split plans aim at.
+        exchange_tile, exchange_warps (by op), exchange_per_sm (by backward): the exchange plan's
+        chunk elements per program, warps and programs per SM; best of 12 settings on bf16
+        128x262144 and 1024x131072: softmax forward at 16 warps (40 registers a thread once rows
+        along one axis skip the row decomposition: 3 programs per SM) beat 8 warps (74-78
+        registers) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per SM, 9%
+        slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
+        sms: the streaming multiprocessors to plan for (None: the device's). row_exchange: plan
+        the exchange at all (None: unless TRAINOPS_ROW_EXCHANGE=0, see exchange.py).
+    Compared by identity (a plan's cache key holds the object it was made with).
+    """
+
+    register_tile: Mapping[int, int] = field(default_factory=lambda: dict(REGISTER_TILE))
+    stream_tile: Mapping[int, int] = field(default_factory=lambda: {1: 16384, 2: 16384, 4: 8192, 8: 4096})
+    column_block: int = 32
+    column_bytes_backward: int = 128
+    split_programs_per_sm: int = 16
+    exchange_tile: Mapping[int, int] = field(default_factory=lambda: {1: 8192, 2: 8192, 4: 8192, 8: 4096})
+    exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
+        "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
+    exchange_per_sm: Mapping[bool, int] = field(default_factory=lambda: {False: 3, True: 2})
+    sms: int | None = None
+    row_exchange: bool | None = None
+
+    def sm_count(self, device: torch.device) -> int:
+        return self.sms if self.sms is not None else sm_count(device)
+
+    def exchange_on(self) -> bool:
+        return self.row_exchange if self.row_exchange is not None else exchange_enabled()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,6 +112,7 @@ class SoftmaxProblem:
     device: torch.device
     strides: tuple[tuple[int, ...], ...]
     out_strides: tuple[int, ...]
+    heuristics: SoftmaxHeuristics
     index_dtype = None
 
     @property
@@ -100,12 +146,14 @@ class SoftmaxProblem:
         return torch.empty_strided(self.shape, self.out_strides, dtype=self.out_dtype, device=self.device)
 
 
-def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None) -> SoftmaxProblem:
+def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
+              heuristics=None) -> SoftmaxProblem:
     """Validate a softmax-family descriptor.
 
     shape: sizes (rank 0..8). dim: the reduced axis, negative counts from the end.
     dtype: the inputs' dtype. out_dtype: the output's (default: dtype). device: where it runs.
     strides: None (contiguous), one stride tuple for every input, or one tuple per input.
+    heuristics: a SoftmaxHeuristics (default: the one in force, trainops.heuristics).
     """
     names = ("x",) if op in FORWARD_OPS else ("dy", "y")
     try:
@@ -149,12 +197,18 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
                                  f"has strides {st}; expected {rank} non-negative strides for shape {shape}")
     reference = torch.empty_strided(shape, strides[-1], device="meta")
     out_strides = tuple(torch.empty_like(reference).stride())
-    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides)
+    if heuristics is None:
+        heuristics = heuristics_for(SoftmaxHeuristics)
+    elif not isinstance(heuristics, SoftmaxHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"must be a SoftmaxHeuristics, got "
+                             f"{type(heuristics).__name__}")
+    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides, heuristics)
 
 
 def _describer(op: str):
-    def describe(shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None) -> SoftmaxProblem:
-        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides)
+    def describe(shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
+                 heuristics=None) -> SoftmaxProblem:
+        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides, heuristics=heuristics)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -175,7 +229,7 @@ def descriptor_of(op: str, tensors: Sequence[torch.Tensor], dim: int, out_dtype=
         if dy.device != ref.device:
             raise argument_error(InvalidProblemError, op, "dy", f"is on {dy.device} but y is on {ref.device}")
     return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype=out_dtype,
-                           strides=tuple(t.stride() for t in tensors))
+                           strides=tuple(t.stride() for t in tensors), heuristics=heuristics_for(SoftmaxHeuristics))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,6 +607,10 @@ if triton_available():
                 tl.store(dx_ptr + _row(o0, o1, i, dx_base, dx_so0, dx_so1, dx_si) + offsets,
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
+    # The kernel of a fused / chunked (looped or split) plan, by (backward, fused).
+    _KERNELS = {(False, True): _softmax_fwd_fused, (True, True): _softmax_bwd_fused,
+                (False, False): _softmax_fwd_chunked, (True, False): _softmax_bwd_chunked}
+
 
 # ----------------------------------------------------------------------------------------------
 # Launcher: heuristic, layout, launch
@@ -571,49 +629,27 @@ class TritonConfig:
     per_sm: int = 0  # exchange: programs per SM wanted (capped by the kernel's occupancy)
 
 
-# Elements of a row (per tensor) one program keeps in registers: a fused plan up to here.
-# Measured on the H100 (benchmarks/NOTES.md): 32768 fp32 or bf16 elements fused beat streaming
-# by 30-40%, forward and backward.
-_REGISTER_TILE = {1: 32768, 2: 32768, 4: 32768, 8: 16384}
-# Elements one program loads per loop step when streaming a long row (32 KiB per tensor).
-_STREAM_TILE = {1: 16384, 2: 16384, 4: 8192, 8: 4096}
-# Contiguous positions a column tile spans: forward 32 (64 B of bf16, 128 B of fp32 were best
-# measured); backward 128 B whatever the dtype (bf16 dim=1 of 32x512x4096: 64 positions, 146 us,
-# against 198 us for 32, log-softmax backward; benchmarks/NOTES.md).
-_COLUMN_BLOCK = 32
-_COLUMN_BYTES_BACKWARD = 128
-# Split plans aim at this many programs per SM.
-_SPLIT_PROGRAMS_PER_SM = 16
-# Exchange plans (exchange.py): chunk elements per program, warps per op and programs per SM by
-# direction (False: forward, True: backward). Best of 12 settings measured on the H100, bf16
-# 128x262144 and 1024x131072 (benchmarks/NOTES.md): softmax forward at 16 warps (40 registers a
-# thread once rows along one axis skip the row decomposition: 3 programs per SM) beat 8 warps
-# (74-78 registers, 3 per SM) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per
-# SM, 9% slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
-_EXCHANGE_TILE = {1: 8192, 2: 8192, 4: 8192, 8: 4096}
-_EXCHANGE_WARPS = {"softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8}
-_EXCHANGE_PER_SM = {False: 3, True: 2}
 
 
 def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonConfig:
-    """Pick the plan, block sizes and warps (measured on the H100: benchmarks/NOTES.md).
+    """Pick the plan, block sizes and warps from the problem's SoftmaxHeuristics (h).
 
-    Row-major (the reduced axis is the most contiguous): a row of up to _REGISTER_TILE elements
+    Row-major (the reduced axis is the most contiguous): a row of up to h.register_tile elements
     is fused, several short rows to a program so that each moves at least 1/8 of a register tile.
-    Longer rows of at most SMs x _EXCHANGE_TILE elements are cut into chunks of _EXCHANGE_TILE
+    Longer rows of at most SMs x h.exchange_tile elements are cut into chunks of h.exchange_tile
     held by programs that trade partial sums ("exchange", exchange.py). Longer still (or with
-    the exchange off) rows stream _STREAM_TILE elements a step, one row to a program ("looped");
+    the exchange off) rows stream h.stream_tile elements a step, one row to a program ("looped");
     with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
-    ("split"), aiming at _SPLIT_PROGRAMS_PER_SM programs per SM.
+    ("split"), aiming at h.split_programs_per_sm programs per SM.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
-    of _COLUMN_BLOCK contiguous positions (backward: _COLUMN_BYTES_BACKWARD bytes of them) by
+    of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
-    exchange 16 for the softmax forward, 8 otherwise; streaming 16 forward, 32 backward; split 8
-    forward, 16 backward.
+    exchange h.exchange_warps; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
+    h = problem.heuristics
     itemsize = max(problem.dtype.itemsize, problem.out_dtype.itemsize)
-    reg_tile, stream_tile = _REGISTER_TILE[itemsize], _STREAM_TILE[itemsize]
+    reg_tile, stream_tile = h.register_tile[itemsize], h.stream_tile[itemsize]
     n, inner = layout.n, layout.inner
     block_n_full = next_pow2(n)
     backward = problem.backward
@@ -625,27 +661,27 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     if column:
-        positions = max(_COLUMN_BLOCK, _COLUMN_BYTES_BACKWARD // itemsize) if backward else _COLUMN_BLOCK
+        positions = max(h.column_block, h.column_bytes_backward // itemsize) if backward else h.column_block
         block_i = min(next_pow2(inner), positions)
         fitting = reg_tile // block_n_full
-        if fitting >= min(block_i, _COLUMN_BLOCK // 2):
+        if fitting >= min(block_i, h.column_block // 2):
             return fused(min(block_i, fitting))
     elif block_n_full <= reg_tile:
         return fused(min(next_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
     else:
         block_i = 1
-        tile = _EXCHANGE_TILE[itemsize]
+        tile = h.exchange_tile[itemsize]
         splits = -(-n // tile)
-        if exchange_enabled() and splits <= sm_count(problem.device):
-            return TritonConfig("exchange", 1, tile, _EXCHANGE_WARPS[problem.op], splits, tile,
-                                _EXCHANGE_PER_SM[backward])
+        if h.exchange_on() and splits <= h.sm_count(problem.device):
+            return TritonConfig("exchange", 1, tile, h.exchange_warps[problem.op], splits, tile,
+                                h.exchange_per_sm[backward])
     programs = -(-layout.rows // block_i)
-    sms = sm_count(problem.device)
+    sms = h.sm_count(problem.device)
     if programs >= 2 * sms:
         block_n = max(1, stream_tile // block_i)
         return TritonConfig("looped", block_i, block_n, 32 if backward else 16, 1, block_n_full)
     block_n = max(1, stream_tile // 2 // block_i)
-    splits = min(next_pow2(-(-_SPLIT_PROGRAMS_PER_SM * sms // programs)), next_pow2(-(-n // block_n)), 256)
+    splits = min(next_pow2(-(-h.split_programs_per_sm * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
     return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
 
@@ -673,7 +709,7 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
     rows, splits = layout.rows, config.splits
     meta = dict(meta, SPLITS=splits, SPLITS_P2=next_pow2(splits))
     del meta["BLOCK_I"]
-    grid = ExchangeGrid(fn, rows, splits, config.per_sm, sm_count(problem.device))
+    grid = ExchangeGrid(fn, rows, splits, config.per_sm, problem.heuristics.sm_count(problem.device))
     ws_elems = rows * splits * (1 if problem.backward else 2)
     sizes = [layout.n, layout.inner, layout.outer1, rows]
     host_args = [_operand_args(layout, bases) + sizes for bases in layout.host_bases]
@@ -711,10 +747,8 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     sizes = [layout.n, layout.inner, layout.outer1, i_blocks]
     if config.kind != "fused":
         sizes += [config.chunk, ws_rows * config.splits]
-    kernel = {
-        (False, "fused"): "_softmax_fwd_fused", (True, "fused"): "_softmax_bwd_fused",
-    }.get((problem.backward, config.kind), "_softmax_bwd_chunked" if problem.backward else "_softmax_fwd_chunked")
-    fn = globals()[kernel]
+    fn = _KERNELS[problem.backward, config.kind == "fused"]
+    kernel = fn.__name__
     phases = {"fused": ({},), "looped": (dict(SPLITS=1, PHASE=0),),
               "split": (dict(SPLITS=config.splits, PHASE=1), dict(SPLITS=config.splits, PHASE=2))}[config.kind]
     calls = [(_operand_args(layout, bases) + sizes, {**meta, **phase})
