@@ -1,7 +1,7 @@
 """PyTorch integration: the one helper that declares a trainops op as a ``torch.library`` custom op.
 
-    softmax_op = custom_op("softmax", impl, fake, backward=backward, save=save)
-    y = softmax_op(x, dim, None)             # torch.ops.trainops.softmax, or its impl in plain eager mode
+    norm_op = custom_op("rms_norm", impl, fake, backward=backward, save=save)   # in ops/<family>.py
+    y = norm_op(x, weight, eps)              # torch.ops.trainops.rms_norm, or its impl in plain eager mode
 
 ``custom_op`` registers ``torch.ops.trainops.<name>``: the schema (inferred from ``impl``'s
 annotations), the fake (meta) implementation torch.compile traces with, and the autograd formula.
