@@ -47,7 +47,7 @@ from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, m
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
-from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
+from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -97,7 +97,7 @@ def row_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int,
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
-class CrossEntropyHeuristics:
+class CrossEntropyHeuristics(ExchangeHeuristics):
     """Cross-entropy's tunables; the defaults are the choices measured on the H100
     (benchmarks/NOTES.md). Tables are keyed by the logits' element size in bytes.
 
@@ -115,8 +115,7 @@ class CrossEntropyHeuristics:
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
-    sms: the streaming multiprocessors to plan for (None: the device's). row_exchange: plan the
-        exchange at all (None: unless TRAINOPS_ROW_EXCHANGE=0).
+    sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -128,14 +127,6 @@ class CrossEntropyHeuristics:
     exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
     exchange_warps: int = 16
     exchange_per_sm: int = 1
-    sms: int | None = None
-    row_exchange: bool | None = None
-
-    def sm_count(self, device: torch.device) -> int:
-        return self.sms if self.sms is not None else sm_count(device)
-
-    def exchange_on(self) -> bool:
-        return self.row_exchange if self.row_exchange is not None else exchange_enabled()
 
 
 # ----------------------------------------------------------------------------------------------

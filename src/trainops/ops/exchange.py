@@ -33,16 +33,33 @@ it. PHASE 0 is the one-launch kernel the GPU runs.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..registry import triton_available, triton_interpreting
+from ..registry import sm_count, triton_available, triton_interpreting
 
 
 def exchange_enabled() -> bool:
     """False when ``TRAINOPS_ROW_EXCHANGE=0``: long rows then take the two-read plans."""
     return os.environ.get("TRAINOPS_ROW_EXCHANGE", "1") != "0"
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangeHeuristics:
+    """The part of a family's heuristics the exchange plans share: ``sms``, the streaming
+    multiprocessors to plan for (None: the device's), and ``row_exchange``, whether to plan the
+    exchange at all (None: unless TRAINOPS_ROW_EXCHANGE=0)."""
+
+    sms: int | None = None
+    row_exchange: bool | None = None
+
+    def sm_count(self, device: torch.device) -> int:
+        return self.sms if self.sms is not None else sm_count(device)
+
+    def exchange_on(self) -> bool:
+        return self.row_exchange if self.row_exchange is not None else exchange_enabled()
 
 
 def exchange_phases() -> tuple[int, ...]:

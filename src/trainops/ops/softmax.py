@@ -39,8 +39,8 @@ from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
-                        sm_count, triton_available)
-from .exchange import ExchangeGrid, exchange_enabled, launch_exchange
+                        triton_available)
+from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
@@ -52,7 +52,7 @@ BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
-class SoftmaxHeuristics:
+class SoftmaxHeuristics(ExchangeHeuristics):
     """The softmax family's tunables; the defaults are the choices measured on the H100
     (benchmarks/NOTES.md). Tables keyed by element size in bytes are per tensor.
 
@@ -68,8 +68,7 @@ class SoftmaxHeuristics:
         along one axis skip the row decomposition: 3 programs per SM) beat 8 warps (74-78
         registers) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per SM, 9%
         slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
-        sms: the streaming multiprocessors to plan for (None: the device's). row_exchange: plan
-        the exchange at all (None: unless TRAINOPS_ROW_EXCHANGE=0, see exchange.py).
+        sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -82,14 +81,6 @@ class SoftmaxHeuristics:
     exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
         "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
     exchange_per_sm: Mapping[bool, int] = field(default_factory=lambda: {False: 3, True: 2})
-    sms: int | None = None
-    row_exchange: bool | None = None
-
-    def sm_count(self, device: torch.device) -> int:
-        return self.sms if self.sms is not None else sm_count(device)
-
-    def exchange_on(self) -> bool:
-        return self.row_exchange if self.row_exchange is not None else exchange_enabled()
 
 
 # ----------------------------------------------------------------------------------------------
