@@ -9,8 +9,8 @@ Each op family declares its ops in its own module (``ops/<family>.py``); this mo
 
 Autograd, by name rather than by position: ``save(ctx, inputs, output)`` receives the call's
 arguments as attributes (``inputs.dim``), and ``backward(ctx, *grad_outputs)`` returns a dict
-``{argument name: gradient}``; arguments it leaves out get None. ``ctx.needs_grad`` maps each
-argument name to ``ctx.needs_input_grad``'s flag.
+``{argument name: gradient}``; arguments it leaves out get None. ``ctx.needs_grad.<name>`` is
+``ctx.needs_input_grad``'s flag of that argument.
 
 Calls in plain eager mode (plain tensors, no torch.compile, no functorch transform) skip the
 dispatcher: the same ``impl``, ``save`` and ``backward`` run through a ``torch.autograd.Function``
@@ -22,7 +22,7 @@ take (benchmarks/NOTES.md). Everything else goes through the op.
 from __future__ import annotations
 
 import inspect
-from types import SimpleNamespace
+from collections import namedtuple
 from typing import Callable
 
 import torch
@@ -43,6 +43,7 @@ class CustomOp:
         self.name = name
         self.arguments = tuple(p.name for p in params)
         self._argument_set = frozenset(self.arguments)
+        self._by_name = namedtuple(f"{name}_arguments", self.arguments)  # the call's arguments, by name
         self._impl, self._backward, self._save = impl, backward, save
         self._defaults = tuple(p.default for p in params)
         self._required = sum(p.default is inspect.Parameter.empty for p in params)
@@ -56,7 +57,7 @@ class CustomOp:
                 "forward": staticmethod(self._eager_forward), "backward": staticmethod(self._gradients)})
 
     def _setup_context(self, ctx, inputs, output) -> None:
-        self._save(ctx, SimpleNamespace(**dict(zip(self.arguments, inputs))), output)
+        self._save(ctx, self._by_name(*inputs), output)
 
     def _eager_forward(self, ctx, *args):
         output = self._impl(*args)
@@ -64,13 +65,13 @@ class CustomOp:
         return output
 
     def _gradients(self, ctx, *grad_outputs) -> tuple:
-        ctx.needs_grad = dict(zip(self.arguments, ctx.needs_input_grad))
+        ctx.needs_grad = self._by_name(*ctx.needs_input_grad)
         by_name = self._backward(ctx, *grad_outputs)
         if not by_name.keys() <= self._argument_set:
             unknown = sorted(set(by_name).difference(self.arguments))
             raise TypeError(f"trainops.{self.name}: backward returned gradients for {unknown}, which are not "
                             f"arguments ({', '.join(self.arguments)})")
-        return tuple(by_name.get(name) for name in self.arguments)
+        return tuple(map(by_name.get, self.arguments))
 
     def __call__(self, *args, **kwargs):
         if (kwargs or len(args) < self._required or torch.compiler.is_compiling()

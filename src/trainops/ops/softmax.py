@@ -207,20 +207,25 @@ def _describer(op: str):
 DESCRIPTORS = {op: register_op(op, _describer(op)) for op in FORWARD_OPS + BACKWARD_OPS}
 
 
+def _raise_mismatch(op: str, dy: torch.Tensor, y: torch.Tensor):
+    if dy.shape != y.shape:
+        raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
+    if dy.dtype != y.dtype:
+        raise argument_error(InvalidProblemError, op, "dy", f"has dtype {dy.dtype} but y has {y.dtype}")
+    raise argument_error(InvalidProblemError, op, "dy", f"is on {dy.device} but y is on {y.device}")
+
+
 def descriptor_of(op: str, tensors: Sequence[torch.Tensor], dim: int, out_dtype=None) -> tuple:
     """The descriptor (and plan-cache key) of a call on concrete tensors; backward inputs must agree
     in shape, dtype and device."""
     ref = tensors[-1]
     if len(tensors) == 2:
         dy = tensors[0]
-        if dy.shape != ref.shape:
-            raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)} but y has {tuple(ref.shape)}")
-        if dy.dtype != ref.dtype:
-            raise argument_error(InvalidProblemError, op, "dy", f"has dtype {dy.dtype} but y has {ref.dtype}")
-        if dy.device != ref.device:
-            raise argument_error(InvalidProblemError, op, "dy", f"is on {dy.device} but y is on {ref.device}")
-    return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype=out_dtype,
-                           strides=tuple(t.stride() for t in tensors), heuristics=heuristics_for(SoftmaxHeuristics))
+        if dy.shape != ref.shape or dy.dtype != ref.dtype or dy.device != ref.device:
+            _raise_mismatch(op, dy, ref)
+    # positionally: (shape, dim, dtype, device, out_dtype, strides, heuristics), the hot path's cheapest build
+    return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype, tuple(t.stride() for t in tensors),
+                           heuristics_for(SoftmaxHeuristics))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -826,9 +831,9 @@ def _softmax_backward_grad(ctx, g: Tensor) -> dict:
     dy, y = ctx.saved_tensors
     g = g.to(y.dtype)
     grads = {}
-    if ctx.needs_grad["dy"]:
+    if ctx.needs_grad.dy:
         grads["dy"] = softmax_backward_op(g, y, ctx.dim)
-    if ctx.needs_grad["y"]:
+    if ctx.needs_grad.y:
         grads["y"] = g * (dy - (y * dy).sum(ctx.dim, keepdim=True)) - dy * (g * y).sum(ctx.dim, keepdim=True)
     return grads
 
@@ -839,9 +844,9 @@ def _log_softmax_backward_grad(ctx, g: Tensor) -> dict:
     g = g.to(y.dtype)
     p = y.exp()
     grads = {}
-    if ctx.needs_grad["dy"]:
+    if ctx.needs_grad.dy:
         grads["dy"] = g - (g * p).sum(ctx.dim, keepdim=True)
-    if ctx.needs_grad["y"]:
+    if ctx.needs_grad.y:
         grads["y"] = -g * p * dy.sum(ctx.dim, keepdim=True)
     return grads
 
