@@ -43,7 +43,9 @@ class CustomOp:
         self.name = name
         self.arguments = tuple(p.name for p in params)
         self._argument_set = frozenset(self.arguments)
-        self._by_name = namedtuple(f"{name}_arguments", self.arguments)  # the call's arguments, by name
+        # the call's arguments by name (the dispatcher may leave defaulted ones out)
+        self._by_name = namedtuple(f"{name}_arguments", self.arguments,
+                                   defaults=[p.default for p in params if p.default is not inspect.Parameter.empty])
         self._impl, self._backward, self._save = impl, backward, save
         self._defaults = tuple(p.default for p in params)
         self._required = sum(p.default is inspect.Parameter.empty for p in params)
