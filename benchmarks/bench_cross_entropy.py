@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
 from trainops.bench import copy_ceiling_gbps  # noqa: E402
 from trainops.ops import cross_entropy as ce_ops  # noqa: E402
-from trainops.plan import clear_plan_cache  # noqa: E402
 
 CASES = [(8192, 32000), (8192, 128256), (4096, 262144)]
 
@@ -92,22 +91,20 @@ def bench_case(rows, classes, impls, ceiling, log, forward_only=False):
 
 
 def sweep(ceiling, log):
-    """Cache hints of the streamed (two-pass) rows and the fused rows' grid."""
+    """Cache hints of the streamed (two-pass) rows and the fused rows' grid (CrossEntropyHeuristics)."""
     rows_out = []
-    names = ("_FIRST_PASS_EVICT", "_GRAD_STORE", "_STREAM_PROGRAMS_PER_SM")
-    base = tuple(getattr(ce_ops, n) for n in names)
+    names = ("first_pass_evict", "grad_store", "stream_programs_per_sm")
     variants = [("evict_last", ".cs", 1), ("", "", 1), ("evict_last", "", 1), ("", ".cs", 1), ("evict_last", ".cs", 2)]
     for values in variants:
-        for n, v in zip(names, values):
-            setattr(ce_ops, n, v)
-        clear_plan_cache()
-        name = "trainops unchecked " + " ".join(f"{n.strip('_').lower()}={v or '-'}" for n, v in zip(names, values))
-        impls = {name: implementations(None)["trainops unchecked"]}
+        heuristics = ce_ops.CrossEntropyHeuristics(**dict(zip(names, values)))
+        name = "trainops unchecked " + " ".join(f"{n}={v or '-'}" for n, v in zip(names, values))
+        plain = implementations(None)["trainops unchecked"]
+
+        def run(x, t, plain=plain, heuristics=heuristics):
+            with trainops.heuristics(heuristics):
+                return plain(x, t)
         for rows, classes in CASES:
-            rows_out += bench_case(rows, classes, impls, ceiling, log)
-    for n, v in zip(names, base):
-        setattr(ce_ops, n, v)
-    clear_plan_cache()
+            rows_out += bench_case(rows, classes, {name: run}, ceiling, log)
     return rows_out
 
 

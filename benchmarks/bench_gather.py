@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
 from trainops.bench import copy_ceiling_gbps  # noqa: E402
 from trainops.ops import gather as gather_ops  # noqa: E402
-from trainops.plan import clear_plan_cache  # noqa: E402
 
 CASES = [(32768, 4096, 128256, torch.bfloat16), (32768, 4096, 32000, torch.float32),
          (65536, 1024, 50257, torch.float32), (8192, 4096, 128256, torch.bfloat16)]
@@ -106,23 +105,21 @@ def bench_case(tokens, dim, rows, dtype, stream, impls, ceiling, l2, log):
 
 
 def sweep(ceiling, l2, log):
-    """Tile shapes, chunk and step of the sorted kernel on two cases, both streams."""
+    """Tile shapes and chunk of the sorted kernel (GatherHeuristics) on two cases, both streams."""
     rows_out = []
-    names = ("_ROW_BLOCK", "_ROW_TILE", "_CHUNK")
-    base = tuple(getattr(gather_ops, n) for n in names)
+    names = ("row_block", "row_tile", "chunk")
     variants = [(4096, 4096, 64), (4096, 4096, 32), (4096, 8192, 64), (4096, 4096, 128), (2048, 4096, 64)]
     for variant in variants:
-        for n, v in zip(names, variant):
-            setattr(gather_ops, n, v)
-        clear_plan_cache()
-        label = "sorted " + " ".join(f"{n.strip('_').lower()}={v}" for n, v in zip(names, variant))
+        heuristics = gather_ops.GatherHeuristics(**dict(zip(names, variant)))
+        label = "sorted " + " ".join(f"{n}={v}" for n, v in zip(names, variant))
         for tokens, dim, rows, dtype in (CASES[0], CASES[3]):
-            impls = {label: implementations(rows, None)["trainops"]}
+            plain = implementations(rows, None)["trainops"]
+
+            def run(dy, idx, plain=plain, heuristics=heuristics):
+                with trainops.heuristics(heuristics):
+                    return plain(dy, idx)
             for stream in ("uniform", "zipf"):
-                rows_out += bench_case(tokens, dim, rows, dtype, stream, impls, ceiling, l2, log)
-    for n, v in zip(names, base):
-        setattr(gather_ops, n, v)
-    clear_plan_cache()
+                rows_out += bench_case(tokens, dim, rows, dtype, stream, {label: run}, ceiling, l2, log)
     return rows_out
 
 

@@ -27,7 +27,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
 from trainops.bench import copy_ceiling_gbps  # noqa: E402
-from trainops.ops import optimizers as optimizer_ops  # noqa: E402
+from trainops.ops.multi_tensor import MultiTensorHeuristics  # noqa: E402
 
 TOTAL = 1_485_000_000
 TENSORS = 96
@@ -161,14 +161,13 @@ def main() -> int:
         params = make_params(fp32)
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
-                optimizer_ops._BLOCK, optimizer_ops._WARPS = block, warps
-                opt = trainops.optim.AdamW(params, lr=1e-3)
-                ms = time_step(opt.step, rep=200)
+                with trainops.heuristics(MultiTensorHeuristics(block=block, warps=warps)):
+                    opt = trainops.optim.AdamW(params, lr=1e-3)
+                    ms = time_step(opt.step, rep=200)
                 results.append(row("sweep adamw fp32", f"BLOCK={block} warps={warps}", ms, 28, ceiling))
                 del opt
                 gc.collect()
                 torch.cuda.empty_cache()
-        optimizer_ops._BLOCK, optimizer_ops._WARPS = 4096, 8
         del params
 
     small = make_params(fp32, count=200, total=200 * 4096)

@@ -107,6 +107,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         best of six settings, 2.80 vs 2.98-3.24 ms, 8192x128256). fused_programs_per_sm,
         stream_programs_per_sm: persistent grids; streaming rows re-read each row, and one row
         in flight per SM (132 x 256 KiB for 128K bf16 classes) fits in the H100's 50 MiB L2.
+    first_pass_evict, grad_store: cache hints; the first pass over a streamed row asks L2 to keep
+        it for the second, and gradient stores stream past L2 (".cs") so they do not evict it.
     exchange_block, exchange_warps, exchange_per_sm: the exchange plan (ops/exchange.py, flagged
         partials) for class-index targets without label smoothing, rows of more than half a
         block: a block of classes a program (64 KiB of logits), one program of 16 warps per SM (64
@@ -124,6 +126,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     stream_warps: int = 16
     fused_programs_per_sm: int = 8
     stream_programs_per_sm: int = 1
+    first_pass_evict: str = "evict_last"
+    grad_store: str = ".cs"
     exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
     exchange_warps: int = 16
     exchange_per_sm: int = 1
@@ -792,12 +796,6 @@ if triton_available():
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# Cache hints: the first pass over a streamed row asks L2 to keep it for the second; gradient
-# stores stream past L2 (".cs") so they do not evict it.
-_FIRST_PASS_EVICT = "evict_last"
-_GRAD_STORE = ".cs"
-
-
 def _exchange_splits(problem: CrossEntropyProblem) -> int:
     """Chunks per row of the exchange plan, or 0 where it does not apply (see CrossEntropyHeuristics)."""
     h = problem.heuristics
@@ -865,7 +863,8 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     smooth = problem.label_smoothing > 0
     meta = dict(PROBS=problem.probabilities, HAS_WEIGHT=problem.has_weight, SMOOTH=smooth, GRAD=problem.compute_grad,
                 ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_C=block, CHUNKS=chunks, num_warps=warps,
-                FIRST_PASS_EVICT=_FIRST_PASS_EVICT, GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
+                FIRST_PASS_EVICT=problem.heuristics.first_pass_evict, GRAD_STORE=problem.heuristics.grad_store,
+                MEAN_BY_TARGETS=mean_by_targets,
                 REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient)
 
     def run(tensors, out):
@@ -889,7 +888,7 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
     block = h.exchange_block[problem.dtype.itemsize]
     c, rows = problem.classes, problem.rows
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
-                SPLITS_P2=next_pow2(splits), GRAD_STORE=_GRAD_STORE, MEAN_BY_TARGETS=mean_by_targets,
+                SPLITS_P2=next_pow2(splits), GRAD_STORE=h.grad_store, MEAN_BY_TARGETS=mean_by_targets,
                 REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=h.exchange_warps)
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, h.exchange_per_sm, h.sm_count(problem.device))
 
