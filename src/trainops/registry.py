@@ -255,7 +255,7 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         raise UnsupportedError(f"trainops.{op}: no {chosen} kernel is registered{hint}; asked for {where}")
     if not info.supports(device_type, dtype, index_dtype):
         hint = ""
-        if chosen == "triton" and device_type == "cpu":
+        if chosen == "triton" and device_type == "cpu" and not triton_interpreting():
             hint = " (Triton kernels run on CPU tensors only with TRITON_INTERPRET=1 set before import)"
         raise UnsupportedError(f"trainops.{op}: the {chosen} kernel does not support {where}{hint}")
     return info
