@@ -52,3 +52,12 @@ def test_env_runs_as_a_module():
     assert f"trainops: {trainops.__version__}" in done.stdout
     driver = env.cuda_driver_version()
     assert driver is None or re.fullmatch(r"\d+\.\d+", driver)
+
+
+def test_bench_refuses_unknown_ops_before_any_work(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--ops", "softmax,bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainops bench: error: argument --ops: bogus not among the registered ops")

@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         from . import env
         print(env.format_report(env.collect()))
         return 0
+    if args.ops != "all":
+        from .registry import ops as registered_ops
+        unknown = sorted(set(args.ops.split(",")) - set(registered_ops()))
+        if unknown:
+            bench.error(f"argument --ops: {', '.join(unknown)} not among the registered ops "
+                         f"({', '.join(registered_ops())}), or 'all'")
     from . import bench as bench_module
     return bench_module.main(quick=args.quick, ops=args.ops, out=args.out, peers=not args.no_peers)
 
