@@ -3,6 +3,7 @@
     import trainops
     y = trainops.softmax(x, dim=-1)                 # autograd, torch.compile, any strides
     e = trainops.embedding(tokens, weight)          # deterministic, fast weight gradient
+    y, h = trainops.rms_norm(x, w, residual=h)      # pre-norm block: add, then normalize (also layer_norm)
     loss = trainops.cross_entropy(logits, labels)   # loss and gradient in one pass
     p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
     opt = trainops.optim.AdamW(model.parameters())  # multi-tensor fused step (SGD, Adam, AdamW, LAMB)
@@ -14,8 +15,8 @@ from . import ops  # noqa: F401  (registers every kernel)
 from . import errors, functional, library, nn, registry
 from . import amp, distributed, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
-from .functional import (cross_entropy, embedding, gather, gather_backward, log_softmax, log_softmax_backward, softmax,
-                         softmax_backward)
+from .functional import (cross_entropy, embedding, gather, gather_backward, layer_norm, log_softmax, log_softmax_backward,
+                         rms_norm, softmax, softmax_backward)
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
@@ -25,6 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
     "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "heuristics", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
-    "library", "log_softmax", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
+    "layer_norm", "library", "log_softmax", "rms_norm", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward",
 ]

@@ -13,6 +13,7 @@ from torch import Tensor
 from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import gather as gather_ops
+from .ops import normalization as norm_ops
 from .ops import softmax as softmax_ops
 
 
@@ -178,3 +179,90 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     loss, lse = cross_entropy_ops.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
                                                 float(z_loss), loss_dtype, check_target, inplace_backward)
     return (loss, lse) if return_lse else loss
+
+
+def _check_norm_tensors(op: str, x, params: dict) -> None:
+    """x a float tensor; each given parameter a tensor on x's device (weight / bias: the normalized
+    shape; residual: x's shape and dtype)."""
+    if not isinstance(x, Tensor):
+        raise argument_error(InvalidProblemError, op, "x", f"must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise argument_error(UnsupportedError, op, "x", f"has dtype {x.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    for name, (t, shape) in params.items():
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.device != x.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but x is on {x.device}")
+        if tuple(t.shape) != tuple(shape):
+            raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; expected {tuple(shape)}")
+        if name == "residual" and t.dtype != x.dtype:
+            raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype} but x has {x.dtype}")
+
+
+def _eps(op: str, eps):
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise argument_error(InvalidProblemError, op, "eps", f"must be a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, residual: Tensor | None = None,
+             weight_offset: float = 0.0):
+    """RMSNorm over the trailing axes of ``weight``'s shape (the last axis when weight is None):
+    y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset), with h = x, or x + residual.
+
+    As ``torch.nn.functional.rms_norm(x, weight.shape, weight, eps)``; eps None is
+    torch.finfo(x.dtype).eps. ``residual`` (x's shape and dtype): the pre-norm block's fused add,
+    returning ``(y, h)`` with h = x + residual (rounded to x's dtype, then normalized).
+    ``weight_offset=1.0`` multiplies by (1 + weight), as Gemma. x: any shape and strides,
+    float32/float16/bfloat16/float64; weight any float dtype; y (and h) in x's dtype, contiguous.
+    Statistics and sums in float32 (float64 for float64 x). Backward: dx (= d residual), dweight,
+    deterministic (fixed-order reduction, no atomics), bit-identical run to run.
+    Errors: InvalidProblemError (shapes, devices, eps < 0, residual dtype, weight_offset without
+    weight), UnsupportedError (integer or other dtypes, rank above 8).
+    """
+    op = "rms_norm"
+    normalized_ndim = 1 if weight is None else (weight.dim() if isinstance(weight, Tensor) else 0)
+    if isinstance(x, Tensor) and not 1 <= normalized_ndim <= x.dim():
+        raise argument_error(InvalidProblemError, op, "weight", f"has {normalized_ndim} axes; x has {x.dim()}: "
+                             f"expected 1 to {x.dim()}")
+    shape = x.shape[x.dim() - normalized_ndim:] if isinstance(x, Tensor) else ()
+    _check_norm_tensors(op, x, {"weight": (weight, shape), "residual": (residual, getattr(x, "shape", ()))})
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
+        raise argument_error(InvalidProblemError, op, "weight_offset", f"must be a number, got {weight_offset!r}")
+    y, h, _ = norm_ops.rms_norm_op(x, weight, residual, normalized_ndim, _eps(op, eps), float(weight_offset))
+    return y if residual is None else (y, h)
+
+
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, *, residual: Tensor | None = None):
+    """LayerNorm over the trailing ``normalized_shape`` axes, as ``torch.nn.functional.layer_norm``:
+    y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias (biased variance), with h = x, or
+    x + residual.
+
+    ``residual`` (x's shape and dtype): the pre-norm block's fused add, returning ``(y, h)``.
+    Shapes, dtypes, accumulation, determinism and errors as ``rms_norm``; backward gives dx
+    (= d residual), dweight and dbias, each reduced in a fixed order.
+    """
+    op = "layer_norm"
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    try:
+        if isinstance(normalized_shape, str):
+            raise TypeError
+        normalized_shape = tuple(int(s) for s in normalized_shape)
+    except (TypeError, ValueError):
+        raise argument_error(InvalidProblemError, op, "normalized_shape",
+                             f"must be an int or a sequence of ints, got {normalized_shape!r}") from None
+    if isinstance(x, Tensor) and (not 1 <= len(normalized_shape) <= x.dim()
+                                  or tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape):
+        raise argument_error(InvalidProblemError, op, "normalized_shape",
+                             f"is {list(normalized_shape)}; x has shape {tuple(x.shape)}")
+    _check_norm_tensors(op, x, {"weight": (weight, normalized_shape), "bias": (bias, normalized_shape),
+                                "residual": (residual, getattr(x, "shape", ()))})
+    y, h, _ = norm_ops.layer_norm_op(x, weight, bias, residual, len(normalized_shape), _eps(op, eps))
+    return y if residual is None else (y, h)

@@ -87,3 +87,38 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
                                label_smoothing=self.label_smoothing, z_loss=self.z_loss, loss_dtype=self.loss_dtype)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` computed by ``trainops.functional.rms_norm`` (same constructor,
+    parameters and state dict). ``forward(x, residual=None)``: with a residual, returns
+    ``(y, x + residual)`` (the pre-norm block's fused add). ``weight_offset`` (keyword, default
+    0.0): multiply by (weight + weight_offset), Gemma's 1.0."""
+
+    def __init__(self, *args, weight_offset: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weight_offset = weight_offset
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if self.weight is None:
+            x_rows = x.flatten(x.dim() - len(self.normalized_shape)) if len(self.normalized_shape) > 1 else x
+            r_rows = residual
+            if residual is not None and len(self.normalized_shape) > 1:
+                r_rows = residual.flatten(residual.dim() - len(self.normalized_shape))
+            out = F.rms_norm(x_rows, None, self.eps, residual=r_rows, weight_offset=self.weight_offset)
+            if len(self.normalized_shape) > 1:
+                out = out.view(x.shape) if residual is None else (out[0].view(x.shape), out[1].view(x.shape))
+            return out
+        return F.rms_norm(x, self.weight, self.eps, residual=residual, weight_offset=self.weight_offset)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` computed by ``trainops.functional.layer_norm`` (same constructor,
+    parameters and state dict). ``forward(x, residual=None)``: with a residual, returns
+    ``(y, x + residual)``."""
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)

@@ -1,4 +1,4 @@
 """One module per op family: heuristics, problem and descriptor, Triton kernels, launcher, CPU
 path, registrations and custom ops together. Adding a family: CONTRIBUTING.md (five files)."""
 
-from . import amp, cross_entropy, gather, grad, optimizers, softmax  # noqa: F401
+from . import amp, cross_entropy, gather, grad, normalization, optimizers, softmax  # noqa: F401

@@ -1,0 +1,884 @@
+"""RMSNorm and LayerNorm over the trailing axes, forward and backward, with the pre-norm block's
+fused residual add: Triton kernels, CPU path, registrations and custom ops.
+
+Each row holds the N elements of the last ``normalized_ndim`` axes. With h = x (+ residual, when
+given: the op then also returns h, the block's new residual stream), w_eff = weight + weight_offset:
+
+    rms_norm     rstd = 1 / sqrt(mean(h^2) + eps)                    y = h * rstd * w_eff
+    layer_norm   mu = mean(h), rstd = 1 / sqrt(mean((h - mu)^2) + eps)  y = (h - mu) * rstd * w + b
+
+Backward, with hh = the normalized h ((h - mu) * rstd, mu = 0 for RMSNorm) and g = dy * w_eff:
+
+    rms_norm     dh = rstd * (g - hh * mean(g * hh))                 dw = sum over rows of dy * hh
+    layer_norm   dh = rstd * (g - mean(g) - hh * mean(g * hh))       dw as above, db = sum over rows of dy
+    dx = d residual = dh + (the gradient of the returned h)
+
+Shapes: x of any shape whose trailing ``normalized_ndim`` axes are weight's (and bias's) shape;
+residual x's shape. Strides: any for x, residual, dy and the gradient of h (read in place when the
+normalized axes of each walk as one strided axis, the case of every view users make; otherwise that
+tensor is copied first). Outputs are contiguous. Dtypes: x and residual float32 / float16 /
+bfloat16 / float64, one dtype; weight and bias any of those (their gradients in their own dtype);
+y and h in x's dtype. Statistics (mean, rstd) and every sum in float32 (float64 for float64 x).
+h is rounded to x's dtype before it is normalized, as ``x + residual`` in torch, so the stored h
+and the normalized one agree.
+
+Deterministic and bit-identical run to run: the weight and bias gradients are summed per program
+over a fixed block of rows into a float32 workspace, then across programs in a fixed order by a
+second kernel (no atomics). The number of programs depends on the device's SM count.
+
+Triton plans (``_choose_config``): rows of up to ``NormHeuristics.fused_max`` elements are held
+in registers (forward: one read of x (and residual), one write of y (and h); backward: one read
+of dy and h, one write of dx). Longer rows are looped in chunks: statistics first (Chan's
+combination of per-chunk means and squared deviations), then a second read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..layout import ReductionLayout, merge_dims, next_pow2, reduction_layout
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics, heuristics_for
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
+                        triton_available)
+
+FORWARD_OPS = ("rms_norm", "layer_norm")
+BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
+MAX_RANK = 8
+_FLOAT_NAMES = "float32, float16, bfloat16, float64"
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NormHeuristics:
+    """The normalization family's tunables (trainops.heuristics(...) overrides them).
+
+    fused_max: longest row (elements) held in registers; longer rows are looped in chunks of
+        ``chunk`` elements. forward_tile / backward_tile: elements one program holds per step
+        (rows per program = tile // row block, at least 1). backward_programs_per_sm: programs of
+        the backward kernel per SM; each sums its rows' weight gradient into one workspace row.
+        backward_stages: software-pipelining stages of the backward's loop over its rows.
+        reduce_block: columns one program of the partial-sum reduction owns.
+        warps: (row block elements at most, warps) steps, the first that fits (fused rows).
+        looped_warps: warps of the looped plan.
+    Defaults measured on the H100 (benchmarks/NOTES.md, "Normalization", CUDA-graph GPU times):
+    2 backward programs per SM beat 1, 4, 8 and 16 on every measured shape (RMSNorm 32768x768
+    fwd+bwd 0.111 ms against 0.122 at 4; LayerNorm 8192x4096 0.145 against 0.163).
+    """
+
+    fused_max: int = 16384
+    chunk: int = 4096
+    forward_tile: int = 4096
+    backward_tile: int = 4096
+    backward_programs_per_sm: int = 2
+    backward_stages: int = 1
+    reduce_block: int = 64
+    warps: tuple[tuple[int, int], ...] = ((1024, 4), (4096, 8), (1 << 62, 16))
+    looped_warps: int = 8
+
+    def num_warps(self, elements: int) -> int:
+        return next(w for limit, w in self.warps if elements <= limit)
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NormProblem:
+    """One normalization problem over rows of ``n`` elements (the last ``normalized_ndim`` axes).
+
+    Forward inputs (x, weight, bias, residual) -> (y, h, stats); backward inputs
+    (dy, h, weight, stats, grad_h) -> (dx, dweight, dbias). Absent optional tensors are None;
+    absent outputs are empty tensors. ``stats`` is float32 (float64 for float64 x) of shape
+    (k, rows): RMSNorm's rstd (k = 1), LayerNorm's mean and rstd (k = 2).
+    ``strides``: the strided inputs' strides in the order of ``strided_names`` (None when absent).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    normalized_ndim: int
+    dtype: torch.dtype
+    device: torch.device
+    weight_dtype: torch.dtype | None
+    bias_dtype: torch.dtype | None
+    has_residual: bool
+    strides: tuple[tuple[int, ...] | None, ...]
+    eps: float
+    weight_offset: float
+    heuristics: NormHeuristics
+    index_dtype = None
+
+    @property
+    def backward(self) -> bool:
+        return self.op in BACKWARD_OPS
+
+    @property
+    def rms(self) -> bool:
+        return self.op.startswith("rms")
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape[len(self.shape) - self.normalized_ndim:])
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:len(self.shape) - self.normalized_ndim])
+
+    @property
+    def normalized_shape(self) -> tuple[int, ...]:
+        return self.shape[len(self.shape) - self.normalized_ndim:]
+
+    @property
+    def stats_rows(self) -> int:
+        return 1 if self.rms else 2
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return accumulator_dtype(self.dtype)
+
+    @property
+    def strided_names(self) -> tuple[str, ...]:
+        return ("dy", "h", "grad_h") if self.backward else ("x", "residual")
+
+    def check(self, tensors: Sequence[Tensor | None], out) -> None:
+        """Cheap checks of concrete tensors against the plan (shape, strides, dtype, device)."""
+        names = ("dy", "h", "weight", "stats", "grad_h") if self.backward else ("x", "weight", "bias", "residual")
+        if len(tensors) != len(names):
+            raise InvalidProblemError(f"trainops.{self.op}: expected {len(names)} tensors ({', '.join(names)}), "
+                                      f"got {len(tensors)}")
+        given = dict(zip(names, tensors))
+        expected = {"weight": self.weight_dtype, "residual" if not self.backward else "grad_h":
+                    self.dtype if self.has_residual else None}
+        if not self.backward:
+            expected["bias"] = self.bias_dtype
+        for name, dtype in expected.items():
+            if (given[name] is None) != (dtype is None):
+                raise argument_error(InvalidProblemError, self.op, name,
+                                     "is missing; the plan has one" if dtype is not None else
+                                     "is given; the plan has none")
+        for name, strides in zip(self.strided_names, self.strides):
+            if given[name] is not None:
+                check_tensor(self.op, name, given[name], self.shape, self.dtype, self.device, strides)
+        for name in ("weight", "bias"):
+            if given.get(name) is not None:
+                check_tensor(self.op, name, given[name], self.normalized_shape, expected[name], self.device)
+        if self.backward:
+            check_tensor(self.op, "stats", given["stats"], (self.stats_rows, self.rows), self.acc_dtype, self.device)
+            if not given["stats"].is_contiguous():
+                raise argument_error(InvalidProblemError, self.op, "stats", "must be contiguous (the forward's)")
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
+
+    def new_output(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Forward: (y, h, stats); backward: (dx, dweight, dbias). Absent outputs are empty."""
+        def empty():  # an absent output: its own empty tensor (outputs of a custom op may not alias)
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        if self.backward:
+            dw = (torch.empty(self.normalized_shape, dtype=self.weight_dtype, device=self.device)
+                  if self.weight_dtype is not None else empty())
+            db = (torch.empty(self.normalized_shape, dtype=self.bias_dtype, device=self.device)
+                  if self.bias_dtype is not None else empty())
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device), dw, db
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        h = torch.empty(self.shape, dtype=self.dtype, device=self.device) if self.has_residual else empty()
+        stats = torch.empty((self.stats_rows, self.rows), dtype=self.acc_dtype, device=self.device)
+        return y, h, stats
+
+
+def _float_dtype(op: str, name: str, dtype, optional: bool = True) -> torch.dtype | None:
+    if dtype is None and optional:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
+    return dtype
+
+
+def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
+              has_residual=False, strides=None, eps=None, weight_offset=0.0, heuristics=None) -> NormProblem:
+    """Validate a normalization descriptor.
+
+    shape: x's sizes (rank 1..8). normalized_ndim: how many trailing axes form a row (1..rank).
+    dtype: x's (and residual's, dy's, h's) dtype. weight_dtype / bias_dtype: None when absent.
+    has_residual: forward, a residual is added; backward, a gradient of h is added.
+    strides: None (contiguous) or one entry per strided input (forward x, residual; backward dy, h,
+    grad_h), None for an absent one; each input's normalized axes must walk as one strided axis.
+    eps: >= 0 (default: RMSNorm torch.finfo(dtype).eps, LayerNorm 1e-5). weight_offset: RMSNorm's
+    w_eff = weight + weight_offset (Gemma: 1.0); needs a weight. heuristics: a NormHeuristics.
+    """
+    backward = op in BACKWARD_OPS
+    first = "dy" if backward else "x"
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise argument_error(InvalidProblemError, op, "shape", f"has a negative size: {shape}")
+    if not 1 <= len(shape) <= MAX_RANK:
+        raise argument_error(UnsupportedError, op, first, f"has rank {len(shape)}; ranks 1 to {MAX_RANK} are supported")
+    if not isinstance(normalized_ndim, int) or isinstance(normalized_ndim, bool) \
+            or not 1 <= normalized_ndim <= len(shape):
+        raise argument_error(InvalidProblemError, op, "normalized_shape",
+                             f"must name 1 to {len(shape)} trailing axes of a rank-{len(shape)} input, "
+                             f"got {normalized_ndim!r}")
+    dtype = _float_dtype(op, first, dtype, optional=False)
+    weight_dtype = _float_dtype(op, "weight", weight_dtype)
+    bias_dtype = _float_dtype(op, "bias", bias_dtype)
+    if bias_dtype is not None and op.startswith("rms"):
+        raise argument_error(InvalidProblemError, op, "bias", "is not an argument of RMSNorm")
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    if eps is None:
+        eps = torch.finfo(dtype).eps if op.startswith("rms") else 1e-5
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or math.isinf(eps):
+        raise argument_error(InvalidProblemError, op, "eps", f"must be a finite number >= 0, got {eps!r}")
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) \
+            or not math.isfinite(weight_offset):
+        raise argument_error(InvalidProblemError, op, "weight_offset", f"must be a finite number, got {weight_offset!r}")
+    if weight_offset != 0 and weight_dtype is None:
+        raise argument_error(InvalidProblemError, op, "weight_offset",
+                             f"is {weight_offset}, but there is no weight to offset")
+    names = ("dy", "h", "grad_h") if backward else ("x", "residual")
+    present = (True, True, bool(has_residual)) if backward else (True, bool(has_residual))
+    contiguous = torch.empty(shape, device="meta").stride()
+    if strides is None:
+        strides = tuple(contiguous if p else None for p in present)
+    strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
+    if len(strides) != len(names):
+        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
+    for name, st, p in zip(names, strides, present):
+        if (st is None) == p:
+            raise argument_error(InvalidProblemError, op, "strides", f"of {name} is {'missing' if p else 'given'}")
+        if st is None:
+            continue
+        if len(st) != len(shape) or any(v < 0 for v in st):
+            raise argument_error(InvalidProblemError, op, name,
+                                 f"has strides {st}; expected {len(shape)} non-negative strides for shape {shape}")
+        if merge_dims(shape[len(shape) - normalized_ndim:], st[len(shape) - normalized_ndim:]) is None:
+            raise argument_error(UnsupportedError, op, name,
+                                 f"has strides {st}: its last {normalized_ndim} axes do not walk as one strided axis")
+    if heuristics is None:
+        heuristics = heuristics_for(NormHeuristics)
+    elif not isinstance(heuristics, NormHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics",
+                             f"must be a NormHeuristics, got {type(heuristics).__name__}")
+    return NormProblem(op, shape, normalized_ndim, dtype, device, weight_dtype, bias_dtype, bool(has_residual),
+                       strides, float(eps), float(weight_offset), heuristics)
+
+
+def _describer(op: str):
+    def describe(shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
+                 has_residual=False, strides=None, eps=None, weight_offset=0.0, heuristics=None) -> NormProblem:
+        return _describe(op, shape, dtype, device, normalized_ndim=normalized_ndim, weight_dtype=weight_dtype,
+                         bias_dtype=bias_dtype, has_residual=has_residual, strides=strides, eps=eps,
+                         weight_offset=weight_offset, heuristics=heuristics)
+    describe.__doc__ = _describe.__doc__
+    return describe
+
+
+DESCRIPTORS = {op: register_op(op, _describer(op)) for op in FORWARD_OPS + BACKWARD_OPS}
+
+
+def _dtype_of(t: Tensor | None):
+    return None if t is None else t.dtype
+
+
+def _strides_of(t: Tensor | None):
+    return None if t is None else t.stride()
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path: torch's CPU ops in the accumulator dtype (the same formulas as the kernels)
+# ----------------------------------------------------------------------------------------------
+
+def _rows_view(t: Tensor, problem: NormProblem) -> Tensor:
+    return t.reshape(problem.rows, problem.n)
+
+
+def _cpu_forward(problem: NormProblem, tensors, outputs) -> None:
+    x, weight, bias, residual = tensors
+    y, h_out, stats = outputs
+    acc = problem.acc_dtype
+    h = x
+    if residual is not None:
+        h_out.copy_(x + residual)
+        h = h_out
+    h = _rows_view(h, problem).to(acc)
+    if problem.rms:
+        rstd = torch.rsqrt(h.square().mean(1) + problem.eps)
+        normed = h * rstd[:, None]
+        stats[0].copy_(rstd)
+    else:
+        mean = h.mean(1)
+        centered = h - mean[:, None]
+        rstd = torch.rsqrt(centered.square().mean(1) + problem.eps)
+        normed = centered * rstd[:, None]
+        stats[0].copy_(mean)
+        stats[1].copy_(rstd)
+    if weight is not None:
+        normed = normed * (weight.reshape(-1).to(acc) + problem.weight_offset)
+    if bias is not None:
+        normed = normed + bias.reshape(-1).to(acc)
+    y.copy_(normed.reshape(problem.shape))
+
+
+def _cpu_backward(problem: NormProblem, tensors, outputs) -> None:
+    dy, h, weight, stats, grad_h = tensors
+    dx, dweight, dbias = outputs
+    acc = problem.acc_dtype
+    dy = _rows_view(dy, problem).to(acc)
+    h = _rows_view(h, problem).to(acc)
+    rstd = stats[-1][:, None]
+    normed = h * rstd if problem.rms else (h - stats[0][:, None]) * rstd
+    g = dy * (weight.reshape(-1).to(acc) + problem.weight_offset) if weight is not None else dy
+    dh = g - normed * (g * normed).mean(1, keepdim=True)
+    if not problem.rms:
+        dh = dh - g.mean(1, keepdim=True)
+    dh = dh * rstd
+    if grad_h is not None:
+        dh = dh + _rows_view(grad_h, problem).to(acc)
+    dx.copy_(dh.reshape(problem.shape))
+    if weight is not None:
+        dweight.copy_((dy * normed).sum(0).reshape(dweight.shape))
+    if dbias.numel() or problem.bias_dtype is not None:
+        dbias.copy_(dy.sum(0).reshape(dbias.shape))
+
+
+def _prepare_cpu(problem: NormProblem) -> Launch:
+    compute = _cpu_backward if problem.backward else _cpu_forward
+
+    def run(tensors, outputs):
+        if problem.rows and problem.n:
+            compute(problem, tensors, outputs)
+        else:
+            _write_empty(problem, outputs)
+
+    return Launch(run, KernelChoice(f"{problem.op}_cpu", "cpu", ()), problem.acc_dtype)
+
+
+def _write_empty(problem: NormProblem, outputs) -> None:
+    """No element to normalize: statistics of no row; gradients of the weight and bias are zero."""
+    if problem.backward:
+        for grad in outputs[1:]:
+            grad.zero_()
+
+
+for _op in FORWARD_OPS + BACKWARD_OPS:
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+             name=f"{_op}_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):
+        """Element offset of row ``r`` (rows numbered as the contiguous output's) in a strided operand."""
+        i = r % INNER
+        t = r // INNER
+        return (t // OUTER1).to(tl.int64) * s_o0 + (t % OUTER1).to(tl.int64) * s_o1 + i.to(tl.int64) * s_i
+
+    @triton.jit
+    def _load_h(X, R, H, x_row, r_row, out_row, cols, mask, x_sn, r_sn,
+                HAS_R: tl.constexpr, STORE_H: tl.constexpr, ACC: tl.constexpr):
+        """h = x (+ residual, rounded to x's dtype; stored to H when STORE_H) as ACC."""
+        x = tl.load(X + x_row[:, None] + cols[None, :].to(tl.int64) * x_sn, mask=mask, other=0.0)
+        if HAS_R:
+            r = tl.load(R + r_row[:, None] + cols[None, :].to(tl.int64) * r_sn, mask=mask, other=0.0)
+            h = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+            if STORE_H:
+                tl.store(H + out_row[:, None] + cols[None, :], h, mask=mask)
+            return h.to(ACC)
+        return x.to(ACC)
+
+    @triton.jit
+    def _norm_fwd(
+        X, R, Y, H, W, B, STATS,                  # inputs x, residual; outputs y, h; weight, bias; stats (k, rows)
+        x_base, x_s0, x_s1, x_si, x_sn,           # x: base offset, outer0 / outer1 / inner / row-axis strides
+        r_base, r_s0, r_s1, r_si, r_sn,           # residual, likewise
+        out_base, rows_total,                     # contiguous outputs: first row's offset; rows of the whole problem
+        rows, n, OUTER1, INNER, eps, w_offset,    # rows of this launch, row length, batch sizes, eps, w_eff - w
+        RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    ):
+        """BLOCK_M rows a program: statistics, then y (and h) written once."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_mask = r < rows
+        x_row = x_base + _row_offset(r, OUTER1, INNER, x_s0, x_s1, x_si)
+        r_row = r_base + _row_offset(r, OUTER1, INNER, r_s0, r_s1, r_si)
+        out_row = out_base + r.to(tl.int64) * n
+        cols = tl.arange(0, BLOCK_N)
+        if not LOOPED:
+            mask = r_mask[:, None] & (cols < n)[None, :]
+            h = _load_h(X, R, H, x_row, r_row, out_row, cols, mask, x_sn, r_sn, HAS_R, True, ACC)
+            if RMS:
+                mean = tl.zeros([BLOCK_M], ACC)
+                centered = h
+            else:
+                mean = tl.sum(h, 1) / n
+                centered = tl.where(mask, h - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / n + eps)
+            y = centered * rstd[:, None]
+            if HAS_W:
+                y = y * (tl.load(W + cols, mask=cols < n, other=0.0).to(ACC) + w_offset)[None, :]
+            if HAS_B:
+                y = y + tl.load(B + cols, mask=cols < n, other=0.0).to(ACC)[None, :]
+            tl.store(Y + out_row[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        else:
+            # Chan's combination of per-chunk (count, mean, squared deviations): stable for any mean
+            count = tl.zeros([BLOCK_M], ACC)
+            mean = tl.zeros([BLOCK_M], ACC)
+            m2 = tl.zeros([BLOCK_M], ACC)
+            for start in range(0, n, BLOCK_N):
+                c = start + cols
+                mask = r_mask[:, None] & (c < n)[None, :]
+                h = _load_h(X, R, H, x_row, r_row, out_row, c, mask, x_sn, r_sn, HAS_R, False, ACC)
+                k = tl.minimum(n - start, BLOCK_N).to(ACC)
+                if RMS:
+                    m2 += tl.sum(h * h, 1)
+                else:
+                    chunk_mean = tl.sum(h, 1) / k
+                    d = tl.where(mask, h - chunk_mean[:, None], 0.0)
+                    delta = chunk_mean - mean
+                    total = count + k
+                    mean += delta * (k / total)
+                    m2 += tl.sum(d * d, 1) + delta * delta * (count * k / total)
+                    count = total
+            rstd = 1.0 / tl.sqrt(m2 / n + eps)
+            for start in range(0, n, BLOCK_N):
+                c = start + cols
+                mask = r_mask[:, None] & (c < n)[None, :]
+                h = _load_h(X, R, H, x_row, r_row, out_row, c, mask, x_sn, r_sn, HAS_R, True, ACC)
+                y = (h - mean[:, None]) * rstd[:, None]
+                if HAS_W:
+                    y = y * (tl.load(W + c, mask=c < n, other=0.0).to(ACC) + w_offset)[None, :]
+                if HAS_B:
+                    y = y + tl.load(B + c, mask=c < n, other=0.0).to(ACC)[None, :]
+                tl.store(Y + out_row[:, None] + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        stats_row = out_base // n + r
+        if RMS:
+            tl.store(STATS + stats_row, rstd, mask=r_mask)
+        else:
+            tl.store(STATS + stats_row, mean, mask=r_mask)
+            tl.store(STATS + rows_total + stats_row, rstd, mask=r_mask)
+
+    @triton.jit
+    def _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
+                       dy_sn, h_sn, s_sn, n, w_offset,
+                       HAS_W: tl.constexpr, HAS_DS: tl.constexpr, ACC: tl.constexpr):
+        """(dy, hh, g) of one tile: the row gradient's ingredients."""
+        dy = tl.load(DY + dy_row[:, None] + c[None, :].to(tl.int64) * dy_sn, mask=mask, other=0.0).to(ACC)
+        h = tl.load(HX + h_row[:, None] + c[None, :].to(tl.int64) * h_sn, mask=mask, other=0.0).to(ACC)
+        hh = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * (tl.load(W + c, mask=c < n, other=0.0).to(ACC) + w_offset)[None, :]
+        else:
+            g = dy
+        return dy, hh, g
+
+    @triton.jit
+    def _norm_bwd(
+        DY, HX, W, STATS, DS, DX, DW_PART, DB_PART,   # dy, h, weight, stats, grad of h; dx; per-program partials
+        dy_base, dy_s0, dy_s1, dy_si, dy_sn,
+        h_base, h_s0, h_s1, h_si, h_sn,
+        s_base, s_s0, s_s1, s_si, s_sn,
+        out_base, rows_total, part_base,              # first row's offset in dx; rows in all; first partial row
+        rows, n, OUTER1, INNER, rows_per_program, w_offset,
+        RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
+        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        """dx of ``rows_per_program`` rows, BLOCK_M at a time; their dweight / dbias summed in registers
+        (or in the program's own workspace row, looped) and written as one partial row."""
+        pid = tl.program_id(0)
+        first = pid * rows_per_program
+        last = tl.minimum(first + rows_per_program, rows)
+        cols = tl.arange(0, BLOCK_N)
+        part = (part_base + pid).to(tl.int64) * n
+        # fused: the weight and bias gradients of the program's rows kept per (row slot, column) and
+        # reduced over the row slots once, after the loop (no cross-warp reduction per step)
+        dw = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        db = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        for start in tl.range(first, last, BLOCK_M, num_stages=STAGES):
+            r = start + tl.arange(0, BLOCK_M)
+            r_mask = r < last
+            dy_row = dy_base + _row_offset(r, OUTER1, INNER, dy_s0, dy_s1, dy_si)
+            h_row = h_base + _row_offset(r, OUTER1, INNER, h_s0, h_s1, h_si)
+            s_row = s_base + _row_offset(r, OUTER1, INNER, s_s0, s_s1, s_si)
+            out_row = out_base + r.to(tl.int64) * n
+            stats_row = out_base // n + r
+            rstd = tl.load(STATS + (rows_total if not RMS else 0) + stats_row, mask=r_mask, other=0.0)
+            if RMS:
+                mean = tl.zeros([BLOCK_M], ACC)
+            else:
+                mean = tl.load(STATS + stats_row, mask=r_mask, other=0.0)
+            if not LOOPED:
+                mask = r_mask[:, None] & (cols < n)[None, :]
+                dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, cols, mask, mean, rstd,
+                                           dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                c2 = tl.sum(g * hh, 1) / n
+                dh = g - hh * c2[:, None]
+                if not RMS:
+                    dh -= (tl.sum(g, 1) / n)[:, None]
+                dh = dh * rstd[:, None]
+                if HAS_DS:
+                    dh += tl.load(DS + s_row[:, None] + cols[None, :].to(tl.int64) * s_sn, mask=mask,
+                                  other=0.0).to(ACC)
+                tl.store(DX + out_row[:, None] + cols[None, :], dh.to(DX.dtype.element_ty), mask=mask)
+                if HAS_W:
+                    dw += dy * hh
+                if HAS_B:
+                    db += dy
+            else:
+                c1 = tl.zeros([BLOCK_M], ACC)
+                c2 = tl.zeros([BLOCK_M], ACC)
+                for cs in range(0, n, BLOCK_N):
+                    c = cs + cols
+                    mask = r_mask[:, None] & (c < n)[None, :]
+                    dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
+                                               dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                    c1 += tl.sum(g, 1)
+                    c2 += tl.sum(g * hh, 1)
+                c1, c2 = c1 / n, c2 / n
+                for cs in range(0, n, BLOCK_N):
+                    c = cs + cols
+                    mask = r_mask[:, None] & (c < n)[None, :]
+                    dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
+                                               dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                    dh = g - hh * c2[:, None]
+                    if not RMS:
+                        dh -= c1[:, None]
+                    dh = dh * rstd[:, None]
+                    if HAS_DS:
+                        dh += tl.load(DS + s_row[:, None] + c[None, :].to(tl.int64) * s_sn, mask=mask,
+                                      other=0.0).to(ACC)
+                    tl.store(DX + out_row[:, None] + c[None, :], dh.to(DX.dtype.element_ty), mask=mask)
+                    # the program's own workspace row (zeroed before launch): no other program touches it
+                    if HAS_W:
+                        p = DW_PART + part + c
+                        tl.store(p, tl.load(p, mask=c < n, other=0.0) + tl.sum(dy * hh, 0), mask=c < n)
+                    if HAS_B:
+                        p = DB_PART + part + c
+                        tl.store(p, tl.load(p, mask=c < n, other=0.0) + tl.sum(dy, 0), mask=c < n)
+        if not LOOPED:
+            if HAS_W:
+                tl.store(DW_PART + part + cols, tl.sum(dw, 0), mask=cols < n)
+            if HAS_B:
+                tl.store(DB_PART + part + cols, tl.sum(db, 0), mask=cols < n)
+
+    @triton.jit
+    def _sum_partials(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        """OUT[j] = sum over p of PART[p, j], in a fixed order (deterministic)."""
+        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_P, BLOCK_N], PART.dtype.element_ty)
+        for start in range(0, parts, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            mask = (p < parts)[:, None] & (c < n)[None, :]
+            acc += tl.load(PART + p[:, None].to(tl.int64) * n + c[None, :], mask=mask, other=0.0)
+        tl.store(OUT + c, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=c < n)
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """A Triton plan: rows per program (block_m), row block (block_n), warps, looped or fused."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    looped: bool
+
+
+def _choose_config(problem: NormProblem) -> NormConfig:
+    """Fused rows up to ``fused_max`` elements (a program holds BLOCK_M rows, about ``*_tile``
+    elements); longer rows looped in ``chunk``-element blocks, one row a program."""
+    h = problem.heuristics
+    n = max(problem.n, 1)
+    tile = h.backward_tile if problem.backward else h.forward_tile
+    if n > h.fused_max:
+        return NormConfig(1, next_pow2(min(h.chunk, n)), h.looped_warps, True)
+    block_n = next_pow2(n)
+    block_m = max(1, min(tile // block_n, next_pow2(max(problem.rows, 1))))
+    return NormConfig(block_m, block_n, h.num_warps(block_n), False)
+
+
+def _layout(problem: NormProblem) -> tuple[ReductionLayout, list[bool]]:
+    """The strided inputs' and the contiguous output's rows as one reduction over a merged row axis."""
+    k = problem.normalized_ndim
+    lead = problem.shape[:len(problem.shape) - k]
+    operands, present = [], []
+    for st in problem.strides:
+        present.append(st is not None)
+        if st is None:
+            operands.append((0,) * (len(lead) + 1))
+            continue
+        _, s_n = merge_dims(problem.shape[len(problem.shape) - k:], st[len(st) - k:])
+        operands.append(tuple(st[:len(lead)]) + (s_n,))
+    operands.append(torch.empty(lead + (problem.n,), device="meta").stride())
+    return reduction_layout(lead + (problem.n,), len(lead), operands), present
+
+
+def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> Launch:
+    config = config or _choose_config(problem)
+    layout, _ = _layout(problem)
+    acc = problem.acc_dtype
+    n, rows_total = problem.n, problem.rows
+    meta = dict(RMS=problem.rms, HAS_W=problem.weight_dtype is not None, ACC=tl.float64 if acc == torch.float64
+                else tl.float32, BLOCK_M=config.block_m, BLOCK_N=config.block_n, LOOPED=config.looped,
+                num_warps=config.num_warps)
+    per_launch = layout.outer0 * layout.outer1 * layout.inner
+    sizes = [layout.outer1, layout.inner]
+
+    def operand_args(bases):
+        args = []
+        for k in range(len(problem.strides)):
+            args += [bases[k], layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k],
+                     layout.stride_n[k]]
+        return args
+
+    if not problem.backward:
+        grid = (triton.cdiv(per_launch, config.block_m),)
+        meta.update(HAS_R=problem.has_residual, HAS_B=problem.bias_dtype is not None)
+
+        # every scalar argument is fixed by the plan: built once here, not per call
+        launches = [(*operand_args(bases), bases[-1], rows_total, per_launch, n, *sizes, problem.eps,
+                     problem.weight_offset) for bases in layout.host_bases]
+        launch_fwd = _norm_fwd[grid]
+
+        def run(tensors, outputs):
+            x, weight, bias, residual = tensors
+            y, h, stats = outputs
+            if rows_total == 0:
+                return
+            if n == 0:
+                stats.fill_(float("nan") if problem.rms else 0.0)
+                if not problem.rms:
+                    stats[1].fill_(float("nan"))
+                return
+            pointers = (x, x if residual is None else residual, y, y if residual is None else h,
+                        y if weight is None else weight, y if bias is None else bias, stats)
+            for args in launches:
+                launch_fwd(*pointers, *args, **meta)
+
+        kernel = "norm_fwd"
+        workspace = 0
+    else:
+        programs_cap = sm_count(problem.device) * problem.heuristics.backward_programs_per_sm
+        rows_per_program = max(config.block_m, triton.cdiv(per_launch, max(1, programs_cap)))
+        rows_per_program = triton.cdiv(rows_per_program, config.block_m) * config.block_m
+        programs = max(1, triton.cdiv(per_launch, rows_per_program))
+        parts = programs * len(layout.host_bases)
+        grads = [d for d in (problem.weight_dtype, problem.bias_dtype) if d is not None]
+        workspace = parts * n * len(grads) * acc.itemsize
+        meta.update(HAS_B=problem.bias_dtype is not None, HAS_DS=problem.has_residual,
+                    STAGES=problem.heuristics.backward_stages)
+        reduce_block_n = min(problem.heuristics.reduce_block, next_pow2(max(n, 1)))
+        reduce_block_p = max(1, min(64, next_pow2(parts), 8192 // reduce_block_n))
+
+        launches = [(*operand_args(bases), bases[-1], rows_total, index * programs, per_launch, n, *sizes,
+                     rows_per_program, problem.weight_offset) for index, bases in enumerate(layout.host_bases)]
+        launch_bwd = _norm_bwd[(programs,)]
+        launch_sum = _sum_partials[(triton.cdiv(n, reduce_block_n),)]
+        # one workspace: row k of (len(grads), parts, n) holds the partial sums of the k-th gradient
+        make_workspace = torch.zeros if config.looped else torch.empty
+
+        def run(tensors, outputs):
+            dy, h, weight, stats, grad_h = tensors
+            dx, dweight, dbias = outputs
+            if rows_total == 0 or n == 0:
+                _write_empty(problem, outputs)
+                return
+            workspace = make_workspace((max(1, len(grads)), parts, n), dtype=acc, device=dx.device)
+            dw_part = workspace[0]
+            db_part = workspace[-1]
+            pointers = (dy, h, dx if weight is None else weight, stats, dy if grad_h is None else grad_h, dx,
+                        dw_part, db_part)
+            for args in launches:
+                launch_bwd(*pointers, *args, **meta)
+            for part, grad in ((dw_part, dweight), (db_part, dbias)):
+                if grad.numel():
+                    launch_sum(part, grad, parts, n, BLOCK_P=reduce_block_p, BLOCK_N=reduce_block_n, num_warps=4)
+
+        kernel = "norm_bwd"
+    params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
+              ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
+              ("host_launches", len(layout.host_bases)))
+    return Launch(run, KernelChoice(kernel, "triton", params), acc, workspace_bytes=workspace)
+
+
+if triton_available():
+    for _op in FORWARD_OPS + BACKWARD_OPS:
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+                 name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.rms_norm / layer_norm and their backward, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _normalized_axes_walk(t: Tensor, k: int) -> bool:
+    return merge_dims(t.shape[t.dim() - k:], t.stride()[t.dim() - k:]) is not None
+
+
+def _walkable(t: Tensor | None, k: int) -> Tensor | None:
+    """``t``, or a contiguous copy when its normalized axes do not walk as one strided axis (rare views)."""
+    if t is None or _normalized_axes_walk(t, k):
+        return t
+    return t.contiguous()
+
+
+def _mismatch(op: str, name: str, t: Tensor, shape, dtype, device) -> None:
+    """Raise the named error for a tensor the descriptor does not cover (the checks of Plan.run)."""
+    check_tensor(op, name, t, shape, dtype, device)
+    raise AssertionError(f"trainops.{op}: {name} passed check_tensor after failing the fast check")
+
+
+def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
+             normalized_ndim: int, eps: float, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    if not x.is_contiguous():
+        x = _walkable(x, normalized_ndim)
+    if residual is not None:
+        residual = _walkable(residual, normalized_ndim)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            _mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
+    descriptor = DESCRIPTORS[op](x.shape, x.dtype, x.device, normalized_ndim, _dtype_of(weight), _dtype_of(bias),
+                                 residual is not None, (x.stride(), _strides_of(residual)), eps, weight_offset,
+                                 heuristics_for(NormHeuristics))
+    plan = cached_plan(descriptor)
+    normalized_shape = x.shape[x.dim() - normalized_ndim:]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != normalized_shape or t.device != x.device):
+            _mismatch(op, name, t, normalized_shape, t.dtype, x.device)
+    return plan.run_unchecked((x, weight, bias, residual))
+
+
+def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tensor, grad_h: Tensor | None,
+              normalized_ndim: int, has_bias: bool, bias_dtype, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    dy, h, grad_h = (t if t is None or t.is_contiguous() else _walkable(t, normalized_ndim) for t in (dy, h, grad_h))
+    descriptor = DESCRIPTORS[op](dy.shape, dy.dtype, dy.device, normalized_ndim, _dtype_of(weight),
+                                 bias_dtype if has_bias else None, grad_h is not None,
+                                 (dy.stride(), h.stride(), _strides_of(grad_h)), 0.0, weight_offset,
+                                 heuristics_for(NormHeuristics))
+    plan = cached_plan(descriptor)
+    problem = plan.problem
+    for name, t in (("h", h), ("grad_h", grad_h)):
+        if t is not None and (t.shape != dy.shape or t.dtype != dy.dtype or t.device != dy.device):
+            _mismatch(op, name, t, dy.shape, dy.dtype, dy.device)
+    if weight is not None and (weight.shape != problem.normalized_shape or weight.device != dy.device):
+        _mismatch(op, "weight", weight, problem.normalized_shape, weight.dtype, dy.device)
+    if stats.shape != (problem.stats_rows, problem.rows) or stats.dtype != problem.acc_dtype \
+            or stats.device != dy.device or not stats.is_contiguous():
+        problem.check((dy, h, weight, stats, grad_h), None)
+    return plan.run_unchecked((dy, h, weight, stats, grad_h))
+
+
+def _rms_norm_impl(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], normalized_ndim: int,
+                   eps: Optional[float], weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward("rms_norm", x, weight, None, residual, normalized_ndim, eps, weight_offset)
+
+
+def _layer_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                     normalized_ndim: int, eps: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward("layer_norm", x, weight, bias, residual, normalized_ndim, eps, 0.0)
+
+
+def _forward_fake(x: Tensor, weight, residual, normalized_ndim: int, stats_rows: int):
+    rows = math.prod(x.shape[:x.dim() - normalized_ndim])
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty((stats_rows, rows), dtype=accumulator_dtype(x.dtype))
+
+
+def _rms_norm_fake(x, weight, residual, normalized_ndim, eps, weight_offset):
+    return _forward_fake(x, weight, residual, normalized_ndim, 1)
+
+
+def _layer_norm_fake(x, weight, bias, residual, normalized_ndim, eps):
+    return _forward_fake(x, weight, residual, normalized_ndim, 2)
+
+
+def _save_forward(ctx, inputs, outputs) -> None:
+    y, h, stats = outputs
+    ctx.save_for_backward(h if inputs.residual is not None else inputs.x, inputs.weight, stats)
+    ctx.normalized_ndim = inputs.normalized_ndim
+    ctx.has_residual = inputs.residual is not None
+    bias = getattr(inputs, "bias", None)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.weight_offset = getattr(inputs, "weight_offset", 0.0)
+    # the backward plans with the forward's heuristics: autograd may run it on another thread (CUDA
+    # devices have their own), where the caller's trainops.heuristics(...) block is not in force
+    ctx.heuristics = heuristics_for(NormHeuristics)
+
+
+def _forward_grad(backward_op):
+    def grad(ctx, dy, dh, dstats) -> dict:
+        h, weight, stats = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        grad_h = dh if ctx.has_residual and dh is not None and dh.numel() else None
+        with heuristics(ctx.heuristics):
+            if backward_op is rms_norm_backward_op:
+                dx, dweight, dbias = backward_op(dy, h, weight, stats, grad_h, ctx.normalized_ndim,
+                                                 ctx.weight_offset)
+            else:
+                dx, dweight, dbias = backward_op(dy, h, weight, stats, grad_h, ctx.normalized_ndim,
+                                                 ctx.bias_dtype is not None, ctx.bias_dtype)
+        grads = {"x": dx, "residual": dx if ctx.has_residual else None}
+        if weight is not None and ctx.needs_grad.weight:
+            grads["weight"] = dweight
+        if ctx.bias_dtype is not None and ctx.needs_grad.bias:
+            grads["bias"] = dbias
+        return grads
+    return grad
+
+
+def _rms_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], stats: Tensor, grad_h: Optional[Tensor],
+                            normalized_ndim: int, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward("rms_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_offset)
+
+
+def _layer_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], stats: Tensor,
+                              grad_h: Optional[Tensor], normalized_ndim: int, has_bias: bool,
+                              bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward("layer_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, 0.0)
+
+
+def _backward_fake(dy, weight, bias_dtype):
+    dw = dy.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else dy.new_empty(0)
+    db = dy.new_empty(dy.shape[dy.dim() - (weight.dim() if weight is not None else 1):], dtype=bias_dtype) \
+        if bias_dtype is not None else dy.new_empty(0)
+    return dy.new_empty(dy.shape), dw, db
+
+
+def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weight_offset):
+    return _backward_fake(dy, weight, None)
+
+
+def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype):
+    dw = dy.new_empty(dy.shape[dy.dim() - normalized_ndim:], dtype=weight.dtype) if weight is not None \
+        else dy.new_empty(0)
+    db = dy.new_empty(dy.shape[dy.dim() - normalized_ndim:], dtype=bias_dtype) if has_bias else dy.new_empty(0)
+    return dy.new_empty(dy.shape), dw, db
+
+
+# The backward ops have no autograd of their own (double backward through a norm is not supported).
+rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _rms_norm_backward_fake)
+layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake)
+rms_norm_op = custom_op("rms_norm", _rms_norm_impl, _rms_norm_fake, backward=_forward_grad(rms_norm_backward_op),
+                        save=_save_forward)
+layer_norm_op = custom_op("layer_norm", _layer_norm_impl, _layer_norm_fake,
+                          backward=_forward_grad(layer_norm_backward_op), save=_save_forward)

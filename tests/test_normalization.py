@@ -1,0 +1,408 @@
+"""RMSNorm and LayerNorm (with the fused residual add): forward and backward, every backend, against
+float64 references; plans forced on small shapes; layouts; errors; modules; torch.compile."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops import normalization as norm_ops
+from trainops.ops.normalization import NormHeuristics
+from trainops.plan import clear_plan_cache
+
+from conftest import HAS_CUDA
+from numerics import FLOATS, assert_close, interpreter_rounding
+
+# small shapes that still force every plan: looped rows, several rows a program, many programs
+LOOPED = NormHeuristics(fused_max=16, chunk=8)
+MANY_ROWS = NormHeuristics(forward_tile=64, backward_tile=64, backward_programs_per_sm=1)
+PLANS = {"default": NormHeuristics(), "looped": LOOPED, "many_rows": MANY_ROWS}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
+    original = norm_ops.NormProblem.new_output
+
+    def new_output(self):
+        return tuple(t.fill_(float("nan")) if t.is_floating_point() else t for t in original(self))
+    monkeypatch.setattr(norm_ops.NormProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def _randn(shape, dtype, device, gen, scale=1.0, offset=0.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + offset).to(dtype).to(device)
+
+
+def make_input(shape, layout, dtype, device, gen, scale=2.0, offset=0.0):
+    """x of ``shape`` laid out as named (the normalized axis stays walkable except for 'copied')."""
+    if layout == "contiguous":
+        return _randn(shape, dtype, device, gen, scale, offset)
+    if layout == "transposed":  # leading axes swapped: rows are not in memory order
+        base = _randn((shape[1], shape[0]) + tuple(shape[2:]), dtype, device, gen, scale, offset)
+        return base.transpose(0, 1)
+    if layout == "strided_row":  # the row axis itself has stride 2
+        base = _randn(tuple(shape[:-1]) + (2 * shape[-1],), dtype, device, gen, scale, offset)
+        return base[..., ::2]
+    if layout == "expanded":  # a broadcast batch axis (stride 0)
+        base = _randn((1,) + tuple(shape[1:]), dtype, device, gen, scale, offset)
+        return base.expand(shape)
+    if layout == "offset":
+        flat = _randn((math.prod(shape) + 5,), dtype, device, gen, scale, offset)
+        return flat[5:].view(shape)
+    raise ValueError(layout)
+
+
+def reference(op, x, weight, bias, residual, eps, weight_offset, normalized_ndim):
+    """(y, h) in float64, h = x + residual rounded to x's dtype as the kernels round it."""
+    h = x
+    if residual is not None:
+        h = interpreter_rounding((x.double() + residual.double()).float(), x.dtype) if x.dtype != torch.float64 \
+            else x + residual
+    hd = h.double()
+    dims = tuple(range(hd.dim() - normalized_ndim, hd.dim()))
+    if op == "rms_norm":
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        y = hd * torch.rsqrt(hd.square().mean(dims, keepdim=True) + eps)
+        if weight is not None:
+            y = y * (weight.double() + weight_offset)
+    else:
+        y = torch_F.layer_norm(hd, hd.shape[hd.dim() - normalized_ndim:], None if weight is None else weight.double(),
+                               None if bias is None else bias.double(), 1e-5 if eps is None else eps)
+    return y, h
+
+
+def call(op, x, weight, bias, residual, eps, weight_offset, normalized_ndim):
+    if op == "rms_norm":
+        return trainops.rms_norm(x, weight, eps, residual=residual, weight_offset=weight_offset)
+    return trainops.layer_norm(x, x.shape[x.dim() - normalized_ndim:], weight, bias, 1e-5 if eps is None else eps,
+                               residual=residual)
+
+
+CASES = [  # shape, normalized_ndim
+    ((7, 33), 1), ((2, 3, 40), 1), ((5, 4, 6), 2), ((1, 64), 1), ((3, 2, 2, 2, 17), 1),
+]
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_forward_and_backward_match_float64(backend, device, op, dtype, plan):
+    gen = torch.Generator().manual_seed(hash((op, str(dtype), plan)) % 2**31)
+    with trainops.heuristics(PLANS[plan]):
+        for shape, k in CASES:
+            for with_weight, with_residual in ((True, False), (True, True), (False, False), (False, True)):
+                if op == "rms_norm" and not with_weight:
+                    k = 1  # rms_norm without a weight normalizes the last axis
+                nshape = shape[len(shape) - k:]
+                x = _randn(shape, dtype, device, gen, 2.0, 0.5).requires_grad_()
+                weight = _randn(nshape, torch.float32, device, gen, 0.5, 1.0).requires_grad_() if with_weight else None
+                bias = (_randn(nshape, torch.float32, device, gen).requires_grad_()
+                        if with_weight and op == "layer_norm" else None)
+                residual = _randn(shape, dtype, device, gen).requires_grad_() if with_residual else None
+                offset = 1.0 if op == "rms_norm" and with_weight else 0.0
+                out = call(op, x, weight, bias, residual, None, offset, k)
+                y, h = out if with_residual else (out, None)
+                ref_y, ref_h = reference(op, x.detach(), None if weight is None else weight.detach(),
+                                         None if bias is None else bias.detach(),
+                                         None if residual is None else residual.detach(), None, offset, k)
+                what = f"{op} {shape} k={k} w={with_weight} r={with_residual}"
+                assert y.dtype == dtype and y.is_contiguous()
+                assert_close(y, ref_y, dtype, what + " y")
+                if with_residual:
+                    assert_close(h, ref_h, dtype, what + " h")
+                # backward: dy into y (and dh into h); reference through float64 autograd on the same h
+                dy = _randn(shape, dtype, device, gen)
+                dh = _randn(shape, dtype, device, gen) if with_residual else None
+                leaves = [t for t in (x, weight, bias, residual) if t is not None]
+                grads = torch.autograd.grad((y, h) if with_residual else (y,), leaves,
+                                            (dy, dh) if with_residual else (dy,))
+                xd = x.detach().double().requires_grad_()
+                rd = None if residual is None else residual.detach().double().requires_grad_()
+                wd = None if weight is None else weight.detach().double().requires_grad_()
+                bd = None if bias is None else bias.detach().double().requires_grad_()
+                hd = xd if rd is None else xd + rd
+                # h as rounded forward: the gradient passes through the rounding unchanged
+                hd = hd + (ref_h.double() - hd).detach() if rd is not None else hd
+                ry, _ = reference(op, hd, wd, bd, None, torch.finfo(dtype).eps if op == "rms_norm" else None, offset, k)
+                outs, gouts = [ry], [dy.double()]
+                if rd is not None:
+                    outs.append(hd)
+                    gouts.append(dh.double())
+                ref_grads = torch.autograd.grad(outs, [t for t in (xd, wd, bd, rd) if t is not None], gouts)
+                names = [n for n, t in zip(("x", "weight", "bias", "residual"), (x, weight, bias, residual))
+                         if t is not None]
+                for name, got, want in zip(names, grads, ref_grads):
+                    assert got.dtype == {"x": dtype, "residual": dtype}.get(name, torch.float32)
+                    # weight and bias are float32: their gradients carry float32 rounding at most
+                    tol = torch.float32 if dtype == torch.float64 and name in ("weight", "bias") else dtype
+                    assert_close(got, want, tol, f"{what} d{name}")
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("layout", ["transposed", "strided_row", "expanded", "offset"])
+def test_strided_inputs_are_read_in_place(backend, device, op, layout):
+    gen = torch.Generator().manual_seed(11)
+    for plan in (NormHeuristics(), LOOPED):
+        with trainops.heuristics(plan):
+            x = make_input((6, 5, 24), layout, torch.float32, device, gen).requires_grad_()
+            residual = make_input((6, 5, 24), "transposed", torch.float32, device, gen)
+            weight = _randn((24,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
+            y, h = call(op, x, weight, None, residual, None, 0.0, 1)
+            ref_y, ref_h = reference(op, x.detach(), weight.detach(), None, residual, None, 0.0, 1)
+            assert_close(y, ref_y, torch.float32, f"{layout} y")
+            assert_close(h, ref_h, torch.float32, f"{layout} h")
+            dy = make_input((6, 5, 24), "strided_row", torch.float32, device, gen)
+            dx, dw = torch.autograd.grad(y, (x, weight), dy)
+            xd, wd = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+            ry, _ = reference(op, xd + residual.double(), wd, None, None, None, 0.0, 1)
+            rdx, rdw = torch.autograd.grad(ry, (xd, wd), dy.double())
+            assert_close(dx, rdx, torch.float32, f"{layout} dx")
+            assert_close(dw, rdw, torch.float32, f"{layout} dweight")
+
+
+def test_many_unmergeable_batch_axes_launch_per_host_index(backend, device):
+    """Five batch axes in a scrambled order: the leading ones become host launches."""
+    gen = torch.Generator().manual_seed(12)
+    base = _randn((3, 2, 4, 2, 3, 16), torch.float32, device, gen)
+    x = base.permute(4, 0, 3, 1, 2, 5).requires_grad_()  # no two batch axes merge
+    weight = _randn((16,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
+    for plan in ("default", "many_rows"):
+        with trainops.heuristics(PLANS[plan]):
+            y = trainops.rms_norm(x, weight)
+            assert_close(y, reference("rms_norm", x.detach(), weight.detach(), None, None, None, 0.0, 1)[0],
+                         torch.float32, plan)
+            with trainops.track_kernels():
+                plan_ = trainops.plan("rms_norm", shape=x.shape, dtype=x.dtype, device=x.device,
+                                      weight_dtype=weight.dtype, strides=(x.stride(), None))
+            if backend == "triton":
+                assert plan_.kernel["host_launches"] > 1
+            dy = torch.randn(x.shape, generator=gen).to(device)
+            dx, dw = torch.autograd.grad(y, (x, weight), dy)
+            xd, wd = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+            ry, _ = reference("rms_norm", xd, wd, None, None, None, 0.0, 1)
+            rdx, rdw = torch.autograd.grad(ry, (xd, wd), dy.double())
+            assert_close(dx, rdx, torch.float32, "dx")
+            assert_close(dw, rdw, torch.float32, "dweight")
+
+
+def test_matches_torch_functional_and_special_values(backend, device):
+    gen = torch.Generator().manual_seed(13)
+    x = _randn((4, 32), torch.float32, device, gen, 1e15)  # huge but squares stay finite in float32
+    w = _randn((32,), torch.float32, device, gen)
+    assert_close(trainops.rms_norm(x, w, 1e-6), torch_F.rms_norm(x, (32,), w, 1e-6), torch.float32, "huge rms")
+    assert_close(trainops.layer_norm(x, 32, w, w), torch_F.layer_norm(x, (32,), w, w), torch.float32, "huge ln")
+    x = torch.zeros(3, 8, device=device)  # zero rows: rstd = 1/sqrt(eps), y = 0 (bias for LayerNorm)
+    assert torch.equal(trainops.rms_norm(x, None), torch.zeros_like(x))
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    for y, ref in ((trainops.rms_norm(x, None), torch_F.rms_norm(x, (8,))),
+                   (trainops.layer_norm(x, 8), torch_F.layer_norm(x, (8,)))):
+        assert torch.equal(y.isnan(), ref.isnan()), "NaN / inf rows must poison their row only, as torch"
+        assert torch.equal(y[0], ref[0])
+
+
+def test_empty_and_length_one(backend, device):
+    for op in ("rms_norm", "layer_norm"):
+        x = torch.randn(0, 5, device=device, requires_grad=True)
+        w = torch.randn(5, device=device, requires_grad=True)
+        y = call(op, x, w, None, None, None, 0.0, 1)
+        assert y.shape == (0, 5)
+        dx, dw = torch.autograd.grad(y.sum(), (x, w))
+        assert dx.shape == (0, 5) and torch.equal(dw, torch.zeros(5, device=device))
+        x = torch.randn(4, 1, device=device, dtype=torch.float64)
+        w = torch.randn(1, device=device, dtype=torch.float64)
+        ref, _ = reference(op, x, w, None, None, None, 0.0, 1)
+        assert_close(call(op, x, w, None, None, None, 0.0, 1), ref, torch.float64, op)
+        # one element a row: dx is the eps term alone (cancellation: compared absolutely, in float64 terms)
+        x32 = torch.randn(9, 1, device=device, requires_grad=True)
+        dx, = torch.autograd.grad(call(op, x32, None, None, None, None, 0.0, 1).sum(), (x32,))
+        xd = x32.detach().double().requires_grad_()
+        eps = torch.finfo(torch.float32).eps if op == "rms_norm" else None
+        rdx, = torch.autograd.grad(reference(op, xd, None, None, None, eps, 0.0, 1)[0].sum(), (xd,))
+        # float32 rounding of the cancelling terms, each of size rstd = 1 / sqrt(x^2 + eps)
+        rstd = (xd.detach().square() + torch.finfo(torch.float32).eps).rsqrt() if op == "rms_norm" else 1 / math.sqrt(1e-5)
+        bound = 8 * torch.finfo(torch.float32).eps * float(torch.as_tensor(rstd).max())
+        assert (dx.double() - rdx).abs().max() < bound, (dx, rdx)
+
+
+def test_weight_gradient_is_bit_identical_run_to_run(backend, device):
+    gen = torch.Generator().manual_seed(14)
+    x = _randn((100, 48), torch.float32, device, gen).requires_grad_()
+    w = _randn((48,), torch.float32, device, gen).requires_grad_()
+    b = _randn((48,), torch.float32, device, gen).requires_grad_()
+    dy = _randn((100, 48), torch.float32, device, gen)
+    with trainops.heuristics(MANY_ROWS):
+        first = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
+        for _ in range(3):
+            again = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
+            assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_gradcheck_float64(backend, device, op):
+    gen = torch.Generator().manual_seed(15)
+    x = _randn((3, 2, 7), torch.float64, device, gen).requires_grad_()
+    r = _randn((3, 2, 7), torch.float64, device, gen).requires_grad_()
+    w = _randn((7,), torch.float64, device, gen).requires_grad_()
+    b = _randn((7,), torch.float64, device, gen).requires_grad_()
+    for plan in (NormHeuristics(), LOOPED):
+        with trainops.heuristics(plan):
+            if op == "rms_norm":
+                def f(x, r, w, b):
+                    y, h = trainops.rms_norm(x, w, 1e-6, residual=r, weight_offset=0.5)
+                    return y, h
+            else:
+                def f(x, r, w, b):
+                    return trainops.layer_norm(x, 7, w, b, residual=r)
+            assert torch.autograd.gradcheck(f, (x, r, w, b))
+
+
+def test_torch_compile_fullgraph(backend, device):
+    gen = torch.Generator().manual_seed(16)
+    x = _randn((4, 16), torch.float32, device, gen).requires_grad_()
+    r = _randn((4, 16), torch.float32, device, gen)
+    w = _randn((16,), torch.float32, device, gen).requires_grad_()
+
+    def block(x, r, w):
+        y, h = trainops.rms_norm(x, w, residual=r)
+        return (trainops.layer_norm(y, 16) * h).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, r, w)
+    grads = torch.autograd.grad(loss, (x, w))
+    torch._dynamo.reset()
+    eager_loss = block(x, r, w)
+    eager_grads = torch.autograd.grad(eager_loss, (x, w))
+    assert_close(loss, eager_loss, torch.float32, "loss")
+    for got, want in zip(grads, eager_grads):
+        assert_close(got, want, torch.float32, "grad")
+
+
+def test_modules_are_drop_ins(backend, device):
+    torch.manual_seed(17)
+    for torch_cls, ours_cls, kwargs in ((torch.nn.RMSNorm, trainops.nn.RMSNorm, dict(eps=1e-6)),
+                                        (torch.nn.RMSNorm, trainops.nn.RMSNorm, dict(elementwise_affine=False)),
+                                        (torch.nn.LayerNorm, trainops.nn.LayerNorm, {}),
+                                        (torch.nn.LayerNorm, trainops.nn.LayerNorm, dict(bias=False))):
+        theirs = torch_cls((3, 8), device=device, **kwargs)
+        ours = ours_cls((3, 8), device=device, **kwargs)
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.uniform_(0.5, 1.5)
+        ours.load_state_dict(theirs.state_dict())
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        x = torch.randn(5, 3, 8, device=device)
+        assert_close(ours(x), theirs(x), torch.float32, f"{torch_cls.__name__} {kwargs}")
+        y, h = ours(x, residual=x)
+        assert_close(y, theirs(2 * x), torch.float32, "residual")
+        assert torch.equal(h, 2 * x)
+    gemma = trainops.nn.RMSNorm(8, weight_offset=1.0, device=device)
+    torch.nn.init.zeros_(gemma.weight)
+    x = torch.randn(4, 8, device=device)
+    assert_close(gemma(x), torch_F.rms_norm(x, (8,)), torch.float32, "weight_offset")
+
+
+def test_plan_api_runs_and_reports_precision(backend, device):
+    p = trainops.plan("layer_norm", shape=(8, 32), dtype=torch.float32, device=device, weight_dtype=torch.float32,
+                      bias_dtype=torch.float32)
+    assert p.precision.accumulator == torch.float32 and p.precision.bitwise_reproducible
+    x, w, b = torch.randn(8, 32, device=device), torch.randn(32, device=device), torch.randn(32, device=device)
+    y, h, stats = p.run(x, w, b, None)
+    assert h.numel() == 0 and stats.shape == (2, 8)
+    assert_close(y, torch_F.layer_norm(x.double(), (32,), w.double(), b.double()), torch.float32, "plan")
+    assert not p.can_implement(x, w, None, None)
+    assert not p.can_implement(x.t().contiguous().t(), w, b, None)  # other strides: another plan
+
+
+# ---- errors: named, before anything is written -------------------------------------------------------
+
+def test_errors_name_the_argument():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    cases = [
+        (lambda: trainops.rms_norm(x, torch.randn(7)), InvalidProblemError, "'weight' has shape"),
+        (lambda: trainops.rms_norm(x, torch.randn(2, 4, 8)), InvalidProblemError, "'weight'"),
+        (lambda: trainops.rms_norm(x, w, -1e-5), InvalidProblemError, "'eps'"),
+        (lambda: trainops.rms_norm(x, w, float("nan")), InvalidProblemError, "'eps'"),
+        (lambda: trainops.rms_norm(x.int(), None), UnsupportedError, "'x' has dtype torch.int32"),
+        (lambda: trainops.rms_norm(x, w, residual=x.double()), InvalidProblemError, "'residual' has dtype"),
+        (lambda: trainops.rms_norm(x, w, residual=x[:2]), InvalidProblemError, "'residual' has shape"),
+        (lambda: trainops.rms_norm(x, w, residual=x.to("meta")), InvalidProblemError, "'residual' is on meta"),
+        (lambda: trainops.rms_norm(x, None, weight_offset=1.0), InvalidProblemError, "'weight_offset'"),
+        (lambda: trainops.rms_norm(x, w, weight_offset="1"), InvalidProblemError, "'weight_offset'"),
+        (lambda: trainops.rms_norm("x", w), InvalidProblemError, "'x' must be a torch.Tensor"),
+        (lambda: trainops.rms_norm(x, w.int()), UnsupportedError, "'weight' has dtype torch.int32"),
+        (lambda: trainops.layer_norm(x, (4,)), InvalidProblemError, "'normalized_shape' is [4]"),
+        (lambda: trainops.layer_norm(x, (2, 4, 8)), InvalidProblemError, "'normalized_shape'"),
+        (lambda: trainops.layer_norm(x, 8, w, torch.randn(3)), InvalidProblemError, "'bias' has shape"),
+        (lambda: trainops.layer_norm(x, 8, w.to("meta")), InvalidProblemError, "'weight' is on meta"),
+        (lambda: trainops.layer_norm(x, "8"), InvalidProblemError, "'normalized_shape'"),
+    ]
+    for fn, cls, text in cases:
+        with pytest.raises(cls) as info:
+            fn()
+        assert text in str(info.value), str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("shape", [(8192, 4096), (32768, 768), (4, 2048, 5120), (1000, 50000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_real_sizes(op, shape, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    n = shape[-1]
+    x = (torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5).to(dtype).requires_grad_()
+    r = torch.randn(shape, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (torch.rand(n, device="cuda", generator=gen) + 0.5).requires_grad_()
+    b = torch.randn(n, device="cuda", generator=gen).requires_grad_() if op == "layer_norm" else None
+    y, h = call(op, x, w, b, r, 1e-6, 0.0, 1)
+    ref_y, ref_h = reference(op, x.detach(), w.detach(), None if b is None else b.detach(), r.detach(), 1e-6, 0.0, 1)
+    assert torch.equal(h, x.detach() + r.detach())  # the GPU rounds the sum as torch does
+    assert_close(y, ref_y, dtype, "y")
+    dy = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    leaves = [t for t in (x, w, b) if t is not None]
+    grads = torch.autograd.grad(y, leaves, dy)
+    xd = h.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    ry, _ = reference(op, xd, wd, bd, None, 1e-6, 0.0, 1)
+    ref_grads = torch.autograd.grad(ry, [t for t in (xd, wd, bd) if t is not None], dy.double())
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype, "grad")
+    again = torch.autograd.grad(call(op, x, w, b, r, 1e-6, 0.0, 1)[0], leaves, dy)
+    assert all(torch.equal(a, c) for a, c in zip(grads, again)), "bit-identical run to run"
+
+
+def test_backward_plans_with_the_forward_heuristics_on_any_thread(backend, device):
+    """The forward's trainops.heuristics(...) block holds for its backward, even when autograd runs it
+    on another thread (as it does for CUDA tensors) or after the block has closed."""
+    import threading
+
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    with trainops.heuristics(LOOPED):
+        y = trainops.rms_norm(x, None)
+    seen = []
+    original = norm_ops._choose_config
+
+    def spy(problem):
+        seen.append((problem.op, problem.heuristics))
+        return original(problem)
+    norm_ops._choose_config = spy
+    try:
+        clear_plan_cache()
+        def run_backward():
+            with trainops.backend(backend):  # the thread's own context: the backend pinned, no heuristics
+                y.backward(torch.ones_like(y))
+        worker = threading.Thread(target=run_backward)
+        worker.start()
+        worker.join()
+    finally:
+        norm_ops._choose_config = original
+    if backend == "triton":
+        assert seen == [("rms_norm_backward", LOOPED)]
+    assert x.grad is not None and x.grad.isfinite().all()
