@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import inspect
 import importlib
 
 import pytest
@@ -17,8 +18,10 @@ SWAPPABLE = [
     (lambda: torch.nn.LogSoftmax(dim=-1), trainops.nn.LogSoftmax),
     (lambda: torch.nn.Embedding(10, 4, padding_idx=1), trainops.nn.Embedding),
     (lambda: torch.nn.CrossEntropyLoss(weight=torch.rand(6) + 0.5, label_smoothing=0.1), trainops.nn.CrossEntropyLoss),
+    (lambda: torch.nn.RMSNorm(6, eps=1e-6), trainops.nn.RMSNorm),
+    (lambda: torch.nn.LayerNorm(6), trainops.nn.LayerNorm),
 ]
-SWAPPABLE_IDS = ["Softmax", "LogSoftmax", "Embedding", "CrossEntropyLoss"]
+SWAPPABLE_IDS = ["Softmax", "LogSoftmax", "Embedding", "CrossEntropyLoss", "RMSNorm", "LayerNorm"]
 
 
 def sample_inputs(module):
@@ -219,8 +222,9 @@ HOOKS = {
 def exercise(model, module):
     """Forward (keyword arguments where the module takes one input), backward, state_dict, load_state_dict."""
     args = sample_inputs(module)
-    if len(args) == 1:
-        call_and_backward(module, input=args[0])
+    if len(args) == 1:  # by keyword, under the name torch's forward gives it (input; x for RMSNorm)
+        name = list(inspect.signature(type(module).forward).parameters)[1]
+        call_and_backward(module, **{name: args[0]})
     else:
         call_and_backward(module, *args)
     model.load_state_dict(model.state_dict())
@@ -291,7 +295,8 @@ def test_a_patched_module_has_every_attribute_a_fresh_trainops_module_has(make, 
     # guards patch's table of the attributes trainops.nn's __init__ adds against drift
     model = torch.nn.Sequential(make())
     trainops.patch(model)
-    fresh = new_class(10, 4) if new_class is trainops.nn.Embedding else new_class()
+    needs = {trainops.nn.Embedding: (10, 4), trainops.nn.RMSNorm: (6,), trainops.nn.LayerNorm: (6,)}
+    fresh = new_class(*needs.get(new_class, ()))
     added = set(vars(fresh)) - set(vars(make()))
     assert set(vars(fresh)) <= set(vars(model[0]))
     assert {name: getattr(model[0], name) for name in added} == {name: getattr(fresh, name) for name in added}

@@ -99,7 +99,7 @@ class RMSNorm(torch.nn.RMSNorm):
         super().__init__(*args, **kwargs)
         self.weight_offset = weight_offset
 
-    def forward(self, x: Tensor, residual: Tensor | None = None):
+    def forward(self, x: Tensor, residual: Tensor | None = None):  # torch.nn.RMSNorm names it x
         if self.weight is None:
             x_rows = x.flatten(x.dim() - len(self.normalized_shape)) if len(self.normalized_shape) > 1 else x
             r_rows = residual
@@ -120,5 +120,5 @@ class LayerNorm(torch.nn.LayerNorm):
     parameters and state dict). ``forward(x, residual=None)``: with a residual, returns
     ``(y, x + residual)``."""
 
-    def forward(self, x: Tensor, residual: Tensor | None = None):
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+    def forward(self, input: Tensor, residual: Tensor | None = None):
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
