@@ -406,3 +406,17 @@ def test_backward_plans_with_the_forward_heuristics_on_any_thread(backend, devic
     if backend == "triton":
         assert seen == [("rms_norm_backward", LOOPED)]
     assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_backward_pipeline_stages_fit_the_staging_budget():
+    """Fewer stages where stages x a step's tiles would pass pipeline_bytes (shared memory on the GPU)."""
+    def stages(dtype, n, residual=False):
+        strides = ((n, 1), (n, 1), (n, 1) if residual else None)
+        with trainops.backend("triton"):
+            return trainops.plan("rms_norm_backward", shape=(8, n), dtype=dtype, device="cuda" if HAS_CUDA else "cpu",
+                                 has_residual=residual, strides=strides).kernel["stages"]
+    if not HAS_CUDA and not trainops.registry.triton_interpreting():
+        pytest.skip("no Triton kernels here")
+    assert stages(torch.bfloat16, 4096) == 3          # 2 tiles of 8 KB a step
+    assert stages(torch.float32, 4096, True) == 2     # 3 tiles of 16 KB
+    assert stages(torch.float32, 5120) == 1           # 2 tiles of 32 KB: 3 stages did not fit on the H100

@@ -66,13 +66,19 @@ class NormHeuristics:
         ``chunk`` elements. forward_tile / backward_tile: elements one program holds per step
         (rows per program = tile // row block, at least 1). backward_programs_per_sm: programs of
         the backward kernel per SM; each sums its rows' weight gradient into one workspace row.
-        backward_stages: software-pipelining stages of the backward's loop over its rows.
+        backward_stages: software-pipelining stages of the backward's loop over its rows, fewer
+        when stages x the bytes a step loads (dy, h, grad_h tiles) would pass pipeline_bytes (the
+        staging lives in shared memory: 3 stages of two 8192-element float32 tiles needed 262 KB
+        with the reductions' scratch, over the H100's 227 KB; 3 of two 4096-element bf16 tiles
+        ran).
         reduce_block: columns one program of the partial-sum reduction owns.
         warps: (row block elements at most, warps) steps, the first that fits (fused rows).
         looped_warps: warps of the looped plan.
     Defaults measured on the H100 (benchmarks/NOTES.md, "Normalization", CUDA-graph GPU times):
     2 backward programs per SM beat 1, 4, 8 and 16 on every measured shape (RMSNorm 32768x768
-    fwd+bwd 0.111 ms against 0.122 at 4; LayerNorm 8192x4096 0.145 against 0.163).
+    fwd+bwd 0.111 ms against 0.122 at 4; LayerNorm 8192x4096 0.145 against 0.163); 3 pipeline
+    stages on the backward's row loop beat 1 and 2 on all six (RMSNorm 8192x4096 0.127 against
+    0.131; LayerNorm 32768x768 0.109 against 0.123).
     """
 
     fused_max: int = 16384
@@ -80,7 +86,8 @@ class NormHeuristics:
     forward_tile: int = 4096
     backward_tile: int = 4096
     backward_programs_per_sm: int = 2
-    backward_stages: int = 1
+    backward_stages: int = 3
+    pipeline_bytes: int = 98304
     reduce_block: int = 64
     warps: tuple[tuple[int, int], ...] = ((1024, 4), (4096, 8), (1 << 62, 16))
     looped_warps: int = 8
@@ -685,8 +692,9 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         parts = programs * len(layout.host_bases)
         grads = [d for d in (problem.weight_dtype, problem.bias_dtype) if d is not None]
         workspace = parts * n * len(grads) * acc.itemsize
-        meta.update(HAS_B=problem.bias_dtype is not None, HAS_DS=problem.has_residual,
-                    STAGES=problem.heuristics.backward_stages)
+        step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
+        stages = max(1, min(problem.heuristics.backward_stages, problem.heuristics.pipeline_bytes // step_bytes))
+        meta.update(HAS_B=problem.bias_dtype is not None, HAS_DS=problem.has_residual, STAGES=stages)
         reduce_block_n = min(problem.heuristics.reduce_block, next_pow2(max(n, 1)))
         reduce_block_p = max(1, min(64, next_pow2(parts), 8192 // reduce_block_n))
 
@@ -717,7 +725,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         kernel = "norm_bwd"
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
               ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
-              ("host_launches", len(layout.host_bases)))
+              ("host_launches", len(layout.host_bases))) + ((("stages", meta["STAGES"]),) if problem.backward else ())
     return Launch(run, KernelChoice(kernel, "triton", params), acc, workspace_bytes=workspace)
 
 
