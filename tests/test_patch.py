@@ -18,10 +18,8 @@ SWAPPABLE = [
     (lambda: torch.nn.LogSoftmax(dim=-1), trainops.nn.LogSoftmax),
     (lambda: torch.nn.Embedding(10, 4, padding_idx=1), trainops.nn.Embedding),
     (lambda: torch.nn.CrossEntropyLoss(weight=torch.rand(6) + 0.5, label_smoothing=0.1), trainops.nn.CrossEntropyLoss),
-    (lambda: torch.nn.RMSNorm(6, eps=1e-6), trainops.nn.RMSNorm),
-    (lambda: torch.nn.LayerNorm(6), trainops.nn.LayerNorm),
 ]
-SWAPPABLE_IDS = ["Softmax", "LogSoftmax", "Embedding", "CrossEntropyLoss", "RMSNorm", "LayerNorm"]
+SWAPPABLE_IDS = ["Softmax", "LogSoftmax", "Embedding", "CrossEntropyLoss"]
 
 
 def sample_inputs(module):
@@ -222,7 +220,7 @@ HOOKS = {
 def exercise(model, module):
     """Forward (keyword arguments where the module takes one input), backward, state_dict, load_state_dict."""
     args = sample_inputs(module)
-    if len(args) == 1:  # by keyword, under the name torch's forward gives it (input; x for RMSNorm)
+    if len(args) == 1:  # by keyword, under the name torch's forward gives it
         name = list(inspect.signature(type(module).forward).parameters)[1]
         call_and_backward(module, **{name: args[0]})
     else:
@@ -295,8 +293,7 @@ def test_a_patched_module_has_every_attribute_a_fresh_trainops_module_has(make, 
     # guards patch's table of the attributes trainops.nn's __init__ adds against drift
     model = torch.nn.Sequential(make())
     trainops.patch(model)
-    needs = {trainops.nn.Embedding: (10, 4), trainops.nn.RMSNorm: (6,), trainops.nn.LayerNorm: (6,)}
-    fresh = new_class(*needs.get(new_class, ()))
+    fresh = new_class(10, 4) if new_class is trainops.nn.Embedding else new_class()
     added = set(vars(fresh)) - set(vars(make()))
     assert set(vars(fresh)) <= set(vars(model[0]))
     assert {name: getattr(model[0], name) for name in added} == {name: getattr(fresh, name) for name in added}
@@ -457,3 +454,10 @@ def test_a_patched_model_gives_the_same_outputs_gradients_and_hook_calls():
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert counts == reference_counts
     assert counts[("softmax", "forward")] == 4 and counts[("loss", "full_backward")] == 2
+
+
+def test_norm_modules_are_not_swapped_yet():
+    """patch leaves torch.nn.RMSNorm and LayerNorm alone (host time; patch's docstring says why)."""
+    model = torch.nn.Sequential(torch.nn.RMSNorm(6), torch.nn.LayerNorm(6))
+    report = trainops.patch(model)
+    assert report.swapped == [] and type(model[0]) is torch.nn.RMSNorm and type(model[1]) is torch.nn.LayerNorm

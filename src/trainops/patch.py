@@ -7,7 +7,6 @@
 Swapped (exact torch classes only; subclasses are left alone and reported, they may override forward):
     torch.nn.Softmax -> trainops.nn.Softmax            torch.nn.LogSoftmax -> trainops.nn.LogSoftmax
     torch.nn.Embedding -> trainops.nn.Embedding        torch.nn.CrossEntropyLoss -> trainops.nn.CrossEntropyLoss
-    torch.nn.RMSNorm -> trainops.nn.RMSNorm            torch.nn.LayerNorm -> trainops.nn.LayerNorm
 
 A module is swapped by changing its class, not by putting a new object in its place: it stays
 the same Python object, so everything attached to it is kept as it is: its parameters (the very
@@ -18,8 +17,12 @@ that remove them) and any attribute set on it. A module reachable under several 
 two places, in a ModuleList, ...) stays one module, and every reference to it, inside ``model``
 or not, sees the trainops class. ``state_dict()`` keys do not change, so checkpoints load either
 way. The root module itself is swapped too when it is one of these classes. A swapped
-CrossEntropyLoss gets trainops's extra settings at their defaults (``z_loss=0.0``, ``loss_dtype=None``),
-a swapped RMSNorm ``weight_offset=0.0``.
+CrossEntropyLoss gets trainops's extra settings at their defaults (``z_loss=0.0``, ``loss_dtype=None``).
+
+torch.nn.RMSNorm and LayerNorm are not swapped yet: trainops.nn's are faster on the GPU but
+cost more host time a call (benchmarks/NOTES.md, "Normalization"), and swapped into the training
+demo they made its host-bound step slower on the H100 (44-45.5 ms against 32-34). Use
+trainops.nn.RMSNorm / LayerNorm directly where the GPU, not the host, bounds the step.
 
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module
@@ -100,8 +103,6 @@ _SWAPS = {swap.torch_class: swap for swap in (
     _Swap(torch.nn.Embedding, trainops_nn.Embedding, unsupported_settings=_embedding_unsupported_settings),
     _Swap(torch.nn.CrossEntropyLoss, trainops_nn.CrossEntropyLoss,
           added_attributes={"z_loss": 0.0, "loss_dtype": None}),
-    _Swap(torch.nn.RMSNorm, trainops_nn.RMSNorm, added_attributes={"weight_offset": 0.0}),
-    _Swap(torch.nn.LayerNorm, trainops_nn.LayerNorm),
 )}
 _TRAINOPS_CLASSES = tuple(swap.trainops_class for swap in _SWAPS.values())
 _TORCH_CLASSES = tuple(_SWAPS)
