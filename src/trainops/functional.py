@@ -221,7 +221,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, resi
     ``weight_offset=1.0`` multiplies by (1 + weight), as Gemma. x: any shape and strides,
     float32/float16/bfloat16/float64; weight any float dtype; y (and h) in x's dtype, contiguous.
     Statistics and sums in float32 (float64 for float64 x). Backward: dx (= d residual), dweight,
-    deterministic (fixed-order reduction, no atomics), bit-identical run to run.
+    deterministic (fixed-order reduction, no atomics), bit-identical run to run. Under
+    torch.autocast nothing is cast: the statistics are float32 anyway and y keeps x's dtype
+    (torch's autocast would return float32).
     Errors: InvalidProblemError (shapes, devices, eps < 0, residual dtype, weight_offset without
     weight), UnsupportedError (integer or other dtypes, rank above 8).
     """
