@@ -420,3 +420,22 @@ def test_backward_pipeline_stages_fit_the_staging_budget():
     assert stages(torch.bfloat16, 4096) == 3          # 2 tiles of 8 KB a step
     assert stages(torch.float32, 4096, True) == 2     # 3 tiles of 16 KB
     assert stages(torch.float32, 5120) == 1           # 2 tiles of 32 KB: 3 stages did not fit on the H100
+
+
+def test_strided_weight_and_bias_are_read_correctly(backend, device):
+    gen = torch.Generator().manual_seed(19)
+    x = _randn((5, 16), torch.float32, device, gen)
+    big = _randn((16, 2), torch.float32, device, gen, 0.5, 1.0)
+    w, b = big[:, 0], big[:, 1]  # stride 2
+    assert_close(trainops.rms_norm(x, w), torch_F.rms_norm(x.double(), (16,), w.double(), torch.finfo(torch.float32).eps),
+                 torch.float32, "rms")
+    assert_close(trainops.layer_norm(x, 16, w, b), torch_F.layer_norm(x.double(), (16,), w.double(), b.double()),
+                 torch.float32, "layer")
+
+
+def test_double_backward_raises(backend, device):
+    x = torch.randn(4, 8, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, device=device, dtype=torch.float64, requires_grad=True)
+    y = trainops.rms_norm(x, w)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad((y * y).sum(), x, create_graph=True)

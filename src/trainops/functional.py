@@ -222,8 +222,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, resi
     float32/float16/bfloat16/float64; weight any float dtype; y (and h) in x's dtype, contiguous.
     Statistics and sums in float32 (float64 for float64 x). Backward: dx (= d residual), dweight,
     deterministic (fixed-order reduction, no atomics), bit-identical run to run. Under
-    torch.autocast nothing is cast: the statistics are float32 anyway and y keeps x's dtype
-    (torch's autocast would return float32).
+    torch.autocast nothing is cast: the statistics are float32 anyway and y keeps x's dtype (as
+    torch's rms_norm; torch's autocast runs layer_norm in float32 and returns float32).
+    Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes, devices, eps < 0, residual dtype, weight_offset without
     weight), UnsupportedError (integer or other dtypes, rank above 8).
     """

@@ -769,6 +769,9 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
                                  heuristics_for(NormHeuristics))
     plan = cached_plan(descriptor)
     normalized_shape = x.shape[x.dim() - normalized_ndim:]
+    # the kernels read weight and bias as dense rows: a strided one (a view, rare) is copied
+    weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+    bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.shape != normalized_shape or t.device != x.device):
             _mismatch(op, name, t, normalized_shape, t.dtype, x.device)
@@ -784,6 +787,7 @@ def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tens
                                  heuristics_for(NormHeuristics))
     plan = cached_plan(descriptor)
     problem = plan.problem
+    weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
     for name, t in (("h", h), ("grad_h", grad_h)):
         if t is not None and (t.shape != dy.shape or t.dtype != dy.dtype or t.device != dy.device):
             _mismatch(op, name, t, dy.shape, dy.dtype, dy.device)
@@ -834,6 +838,9 @@ def _save_forward(ctx, inputs, outputs) -> None:
 
 def _forward_grad(backward_op):
     def grad(ctx, dy, dh, dstats) -> dict:
+        if torch.is_grad_enabled():  # create_graph=True: the backward ops record no graph of their own
+            raise UnsupportedError(f"trainops.{backward_op.name.removesuffix('_backward')}: double backward "
+                                   "(create_graph=True) is not supported")
         h, weight, stats = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(h)
