@@ -135,6 +135,17 @@ def check_tensor(op: str, name: str, t, shape, dtype, device, strides=None) -> N
                              f"has strides {t.stride()}; the plan is for {tuple(strides)} (make a plan for this layout)")
 
 
+def checked_shape(op: str, name: str, shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, or InvalidProblemError naming ``name`` (not ints, a negative size)."""
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise argument_error(InvalidProblemError, op, name, f"must be a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise argument_error(InvalidProblemError, op, name, f"has a negative size: {shape}")
+    return shape
+
+
 def select(problem) -> Plan:
     """Bind a validated problem to the registry's kernel for its device and dtype."""
     info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype,
@@ -247,6 +258,6 @@ def clear_plan_cache() -> None:
     _PLANS.clear()
 
 
-__all__ = ["check_tensor", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
+__all__ = ["check_tensor", "checked_shape", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
            "heuristics", "heuristics_for", "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError",
            "UnsupportedError"]

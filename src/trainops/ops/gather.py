@@ -44,7 +44,7 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import merge_dims, next_pow2
 from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
 
@@ -176,20 +176,10 @@ class GatherBackwardProblem(_GatherShapes):
         return torch.empty(self.x_shape, dtype=self.dtype, device=self.device)
 
 
-def _shape(op, name, shape) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise argument_error(InvalidProblemError, op, name, f"must be a sequence of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise argument_error(InvalidProblemError, op, name, f"has a negative size: {shape}")
-    return shape
-
-
 def _common(op, x_name, x_shape, dim, index_shape, dtype, index_dtype, device):
     """Validation shared by gather and gather_backward; returns normalized (x_shape, dim, index_shape, device)."""
-    x_shape = _shape(op, "input_shape" if op == "gather_backward" else "x_shape", x_shape)
-    index_shape = _shape(op, "index_shape", index_shape)
+    x_shape = checked_shape(op, "input_shape" if op == "gather_backward" else "x_shape", x_shape)
+    index_shape = checked_shape(op, "index_shape", index_shape)
     rank = len(x_shape)
     if rank == 0:
         raise argument_error(InvalidProblemError, op, x_name, "must have at least one dimension to gather along")

@@ -44,7 +44,7 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..layout import ReductionLayout, merge_dims, next_pow2, reduction_layout
 from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics, heuristics_for
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
 
@@ -224,12 +224,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
     """
     backward = op in BACKWARD_OPS
     first = "dy" if backward else "x"
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise argument_error(InvalidProblemError, op, "shape", f"has a negative size: {shape}")
+    shape = checked_shape(op, "shape", shape)
     if not 1 <= len(shape) <= MAX_RANK:
         raise argument_error(UnsupportedError, op, first, f"has rank {len(shape)}; ranks 1 to {MAX_RANK} are supported")
     if not isinstance(normalized_ndim, int) or isinstance(normalized_ndim, bool) \
@@ -486,9 +481,8 @@ if triton_available():
             tl.store(STATS + rows_total + stats_row, rstd, mask=r_mask)
 
     @triton.jit
-    def _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
-                       dy_sn, h_sn, s_sn, n, w_offset,
-                       HAS_W: tl.constexpr, HAS_DS: tl.constexpr, ACC: tl.constexpr):
+    def _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n, w_offset,
+                       HAS_W: tl.constexpr, ACC: tl.constexpr):
         """(dy, hh, g) of one tile: the row gradient's ingredients."""
         dy = tl.load(DY + dy_row[:, None] + c[None, :].to(tl.int64) * dy_sn, mask=mask, other=0.0).to(ACC)
         h = tl.load(HX + h_row[:, None] + c[None, :].to(tl.int64) * h_sn, mask=mask, other=0.0).to(ACC)
@@ -537,8 +531,8 @@ if triton_available():
                 mean = tl.load(STATS + stats_row, mask=r_mask, other=0.0)
             if not LOOPED:
                 mask = r_mask[:, None] & (cols < n)[None, :]
-                dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, cols, mask, mean, rstd,
-                                           dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, cols, mask, mean, rstd, dy_sn, h_sn, n,
+                                           w_offset, HAS_W, ACC)
                 c2 = tl.sum(g * hh, 1) / n
                 dh = g - hh * c2[:, None]
                 if not RMS:
@@ -558,16 +552,16 @@ if triton_available():
                 for cs in range(0, n, BLOCK_N):
                     c = cs + cols
                     mask = r_mask[:, None] & (c < n)[None, :]
-                    dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
-                                               dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                    dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n,
+                                               w_offset, HAS_W, ACC)
                     c1 += tl.sum(g, 1)
                     c2 += tl.sum(g * hh, 1)
                 c1, c2 = c1 / n, c2 / n
                 for cs in range(0, n, BLOCK_N):
                     c = cs + cols
                     mask = r_mask[:, None] & (c < n)[None, :]
-                    dy, hh, g = _norm_bwd_tile(DY, HX, W, DS, DX, dy_row, h_row, s_row, out_row, c, mask, mean, rstd,
-                                               dy_sn, h_sn, s_sn, n, w_offset, HAS_W, HAS_DS, ACC)
+                    dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n,
+                                               w_offset, HAS_W, ACC)
                     dh = g - hh * c2[:, None]
                     if not RMS:
                         dh -= c1[:, None]
@@ -624,25 +618,24 @@ def _choose_config(problem: NormProblem) -> NormConfig:
     return NormConfig(block_m, block_n, h.num_warps(block_n), False)
 
 
-def _layout(problem: NormProblem) -> tuple[ReductionLayout, list[bool]]:
+def _layout(problem: NormProblem) -> ReductionLayout:
     """The strided inputs' and the contiguous output's rows as one reduction over a merged row axis."""
     k = problem.normalized_ndim
     lead = problem.shape[:len(problem.shape) - k]
-    operands, present = [], []
+    operands = []
     for st in problem.strides:
-        present.append(st is not None)
         if st is None:
             operands.append((0,) * (len(lead) + 1))
             continue
         _, s_n = merge_dims(problem.shape[len(problem.shape) - k:], st[len(st) - k:])
         operands.append(tuple(st[:len(lead)]) + (s_n,))
     operands.append(torch.empty(lead + (problem.n,), device="meta").stride())
-    return reduction_layout(lead + (problem.n,), len(lead), operands), present
+    return reduction_layout(lead + (problem.n,), len(lead), operands)
 
 
 def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> Launch:
     config = config or _choose_config(problem)
-    layout, _ = _layout(problem)
+    layout = _layout(problem)
     acc = problem.acc_dtype
     n, rows_total = problem.n, problem.rows
     meta = dict(RMS=problem.rms, HAS_W=problem.weight_dtype is not None, ACC=tl.float64 if acc == torch.float64
@@ -872,22 +865,15 @@ def _layer_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], s
     return _backward("layer_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, 0.0)
 
 
-def _backward_fake(dy, weight, bias_dtype):
-    dw = dy.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else dy.new_empty(0)
-    db = dy.new_empty(dy.shape[dy.dim() - (weight.dim() if weight is not None else 1):], dtype=bias_dtype) \
-        if bias_dtype is not None else dy.new_empty(0)
+def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype):
+    normalized_shape = dy.shape[dy.dim() - normalized_ndim:]
+    dw = dy.new_empty(normalized_shape, dtype=weight.dtype) if weight is not None else dy.new_empty(0)
+    db = dy.new_empty(normalized_shape, dtype=bias_dtype) if has_bias else dy.new_empty(0)
     return dy.new_empty(dy.shape), dw, db
 
 
 def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weight_offset):
-    return _backward_fake(dy, weight, None)
-
-
-def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype):
-    dw = dy.new_empty(dy.shape[dy.dim() - normalized_ndim:], dtype=weight.dtype) if weight is not None \
-        else dy.new_empty(0)
-    db = dy.new_empty(dy.shape[dy.dim() - normalized_ndim:], dtype=bias_dtype) if has_bias else dy.new_empty(0)
-    return dy.new_empty(dy.shape), dw, db
+    return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None)
 
 
 # The backward ops have no autograd of their own (double backward through a norm is not supported).

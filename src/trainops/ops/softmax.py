@@ -37,7 +37,7 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
                         triton_available)
 from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
@@ -147,12 +147,7 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
     heuristics: a SoftmaxHeuristics (default: the one in force, trainops.heuristics).
     """
     names = ("x",) if op in FORWARD_OPS else ("dy", "y")
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise argument_error(InvalidProblemError, op, "shape", f"has a negative size: {shape}")
+    shape = checked_shape(op, "shape", shape)
     rank = len(shape)
     if rank > MAX_RANK:
         raise argument_error(UnsupportedError, op, names[0], f"has rank {rank}; ranks 0 to {MAX_RANK} are supported")
