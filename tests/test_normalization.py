@@ -365,16 +365,18 @@ def test_gpu_real_sizes(op, shape, dtype):
     assert torch.equal(h, x.detach() + r.detach())  # the GPU rounds the sum as torch does
     assert_close(y, ref_y, dtype, "y")
     dy = torch.randn(shape, device="cuda", generator=gen).to(dtype)
-    leaves = [t for t in (x, w, b) if t is not None]
-    grads = torch.autograd.grad(y, leaves, dy)
-    xd = h.detach().double().requires_grad_()
+    dh = torch.randn(shape, device="cuda", generator=gen).to(dtype)  # the residual stream's own gradient
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    grads = torch.autograd.grad((y, h), leaves, (dy, dh))
+    hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
     bd = None if b is None else b.detach().double().requires_grad_()
-    ry, _ = reference(op, xd, wd, bd, None, 1e-6, 0.0, 1)
-    ref_grads = torch.autograd.grad(ry, [t for t in (xd, wd, bd) if t is not None], dy.double())
-    for got, want in zip(grads, ref_grads):
-        assert_close(got, want, dtype, "grad")
-    again = torch.autograd.grad(call(op, x, w, b, r, 1e-6, 0.0, 1)[0], leaves, dy)
+    ry, _ = reference(op, hd, wd, bd, None, 1e-6, 0.0, 1)
+    rdh, *rdp = torch.autograd.grad(ry, [t for t in (hd, wd, bd) if t is not None], dy.double())
+    for got, want, name in zip(grads, [rdh + dh.double(), rdh + dh.double(), *rdp], ("x", "residual", "w", "b")):
+        assert_close(got, want, dtype, f"d{name}")
+    assert torch.equal(grads[0], grads[1]), "dx and d residual are the same gradient"
+    again = torch.autograd.grad(call(op, x, w, b, r, 1e-6, 0.0, 1), leaves, (dy, dh))
     assert all(torch.equal(a, c) for a, c in zip(grads, again)), "bit-identical run to run"
 
 
@@ -439,3 +441,124 @@ def test_double_backward_raises(backend, device):
     y = trainops.rms_norm(x, w)
     with pytest.raises(UnsupportedError, match="double backward"):
         torch.autograd.grad((y * y).sum(), x, create_graph=True)
+
+
+def test_frozen_parameters_get_no_gradient_and_no_sum(backend, device):
+    """A frozen weight (or bias) gets no gradient, and the backward plan sums no partials for it."""
+    from trainops.plan import _PLANS
+    gen = torch.Generator().manual_seed(21)
+    x = _randn((9, 24), torch.float32, device, gen).requires_grad_()
+    w = _randn((24,), torch.float32, device, gen, 0.5, 1.0)
+    b = _randn((24,), torch.float32, device, gen)
+    dy = _randn((9, 24), torch.float32, device, gen)
+    for plan in (NormHeuristics(), LOOPED):
+        with trainops.heuristics(plan):
+            for frozen in ("weight", "bias", "both"):
+                clear_plan_cache()
+                wt = w.clone().requires_grad_(frozen == "bias")
+                bt = b.clone().requires_grad_(frozen == "weight")
+                y = trainops.layer_norm(x, 24, wt, bt)
+                y.backward(dy)
+                xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+                rdx, rdw, rdb = torch.autograd.grad(torch_F.layer_norm(xd, (24,), wd, bd), (xd, wd, bd), dy.double())
+                assert_close(x.grad, rdx, torch.float32, f"{frozen} frozen: dx")
+                assert (wt.grad is None) == (frozen != "bias") and (bt.grad is None) == (frozen != "weight")
+                if wt.grad is not None:
+                    assert_close(wt.grad, rdw, torch.float32, "dweight")
+                if bt.grad is not None:
+                    assert_close(bt.grad, rdb, torch.float32, "dbias")
+                backward = [p.problem for p in _PLANS.values() if p.problem.op == "layer_norm_backward"]
+                assert [(k.weight_grad, k.bias_dtype is not None) for k in backward] == \
+                    [(frozen == "bias", frozen == "weight")], backward
+                x.grad = None
+    dx, dw, db = norm_ops.layer_norm_backward_op(dy, x.detach(), w, torch.zeros(2, 9, device=device), None, 1,
+                                                 False, None, False)
+    assert dw.numel() == 0 and db.numel() == 0 and dx.shape == x.shape
+
+
+def test_unused_outputs_get_no_materialized_gradient(backend, device):
+    """stats (and h without a residual) are not differentiable; an output nobody used costs nothing."""
+    gen = torch.Generator().manual_seed(22)
+    x = _randn((5, 16), torch.float32, device, gen).requires_grad_()
+    r = _randn((5, 16), torch.float32, device, gen).requires_grad_()
+    w = _randn((16,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
+    y, h, stats = norm_ops.rms_norm_op(x, w, None, 1, None, 0.0)
+    assert y.requires_grad and not stats.requires_grad and not h.requires_grad
+    y, h = trainops.rms_norm(x, w, residual=r)
+    dh = _randn((5, 16), torch.float32, device, gen)
+    dx, dr, dw = torch.autograd.grad(h, (x, r, w), dh, retain_graph=True)  # only the residual stream used
+    assert torch.equal(dx, dh) and torch.equal(dr, dh) and torch.equal(dw, torch.zeros_like(dw))
+    dy = _randn((5, 16), torch.float32, device, gen)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)  # only y used: dh is None, not a tensor of zeros
+    hd, wd = (x.detach() + r.detach()).double().requires_grad_(), w.detach().double().requires_grad_()
+    rdx, rdw = torch.autograd.grad(reference("rms_norm", hd, wd, None, None, torch.finfo(torch.float32).eps, 0.0, 1)[0],
+                                   (hd, wd), dy.double())
+    assert_close(dx, rdx, torch.float32, "dx")
+    assert_close(dw, rdw, torch.float32, "dweight")
+
+
+def test_rows_of_length_zero_have_the_same_statistics_on_every_backend(backend, device):
+    for op, expected in (("rms_norm", [[math.nan] * 3]), ("layer_norm", [[0.0] * 3, [math.nan] * 3])):
+        p = trainops.plan(op, shape=(3, 0), dtype=torch.float32, device=device)
+        y, h, stats = p.run(torch.randn(3, 0, device=device), None, None, None)
+        assert y.shape == (3, 0)
+        assert torch.equal(stats.isnan(), torch.tensor(expected).isnan()), (op, stats)
+        assert torch.equal(stats.nan_to_num(), torch.tensor(expected).nan_to_num()), (op, stats)
+
+
+def test_bias_without_weight_and_low_precision_weights(backend, device):
+    gen = torch.Generator().manual_seed(23)
+    x = _randn((6, 2, 20), torch.bfloat16, device, gen, 2.0, 0.5).requires_grad_()
+    for wdtype in (torch.bfloat16, torch.float16):
+        for with_weight in (False, True):
+            w = _randn((20,), wdtype, device, gen, 0.5, 1.0).requires_grad_() if with_weight else None
+            b = _randn((20,), wdtype, device, gen).requires_grad_()
+            y = trainops.layer_norm(x, 20, w, b)
+            dy = _randn((6, 2, 20), torch.bfloat16, device, gen)
+            leaves = [t for t in (x, w, b) if t is not None]
+            grads = torch.autograd.grad(y, leaves, dy)
+            dl = [t.detach().double().requires_grad_() for t in leaves]
+            xd, wd, bd = dl[0], (dl[1] if with_weight else None), dl[-1]
+            ry = torch_F.layer_norm(xd, (20,), wd, bd)
+            assert_close(y, ry, torch.bfloat16, f"{wdtype} w={with_weight} y")
+            for got, want, t in zip(grads, torch.autograd.grad(ry, dl, dy.double()), leaves):
+                assert got.dtype == t.dtype
+                assert_close(got, want, t.dtype if t.dtype != torch.float16 else torch.bfloat16, "grad")
+
+
+def test_strided_inputs_are_not_copied(backend, device, monkeypatch):
+    """Views whose normalized axis walks as one strided axis reach the kernels as they are."""
+    copies = []
+    original = torch.Tensor.contiguous
+
+    def spy(self, *args, **kwargs):
+        if not self.is_contiguous(*args, **kwargs):
+            copies.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+    gen = torch.Generator().manual_seed(24)
+    xs = [make_input((6, 5, 24), layout, torch.float32, device, gen).requires_grad_()
+          for layout in ("transposed", "strided_row", "expanded", "offset")]
+    w = _randn((24,), torch.float32, device, gen).requires_grad_()
+    monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+    for x in xs:
+        y, h = trainops.rms_norm(x, w, residual=make_input((6, 5, 24), "transposed", torch.float32, device, gen))
+        torch.autograd.grad((y, h), (x, w), (make_input((6, 5, 24), "strided_row", torch.float32, device, gen),
+                                             make_input((6, 5, 24), "transposed", torch.float32, device, gen)))
+    assert copies == []
+    x = _randn((4, 6, 4), torch.float32, device, gen).transpose(1, 2)  # 2 normalized axes that do not walk
+    trainops.layer_norm(x, (4, 6))
+    assert copies[-1] == (4, 4, 6), "a view whose normalized axes do not walk as one is copied (and said so)"
+
+
+def test_rms_norm_module_checks_its_shape_and_starts_at_scale_one(backend, device):
+    m = trainops.nn.RMSNorm((3, 8), elementwise_affine=False, device=device)
+    with pytest.raises(InvalidProblemError, match="'x' has shape"):
+        m(torch.randn(4, 2, 8, device=device))
+    gemma = trainops.nn.RMSNorm(8, weight_offset=1.0, device=device)
+    assert torch.equal(gemma.weight.detach(), torch.zeros(8, device=device))  # (1 + w) = 1, as Gemma starts
+    x = torch.randn(4, 8, device=device)
+    assert_close(gemma(x), torch_F.rms_norm(x, (8,)), torch.float32, "new Gemma module")
+    gemma.reset_parameters()
+    assert torch.equal(gemma.weight.detach(), torch.zeros(8, device=device))
+    with pytest.raises(InvalidProblemError, match="'weight' is \\(8,\\): trainops.rms_norm takes"):
+        trainops.rms_norm(x, (8,), None)

@@ -229,6 +229,11 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, resi
     weight), UnsupportedError (integer or other dtypes, rank above 8).
     """
     op = "rms_norm"
+    if isinstance(weight, (int, list, tuple, torch.Size)):
+        raise argument_error(InvalidProblemError, op, "weight",
+                             f"is {weight!r}: trainops.rms_norm takes (x, weight, eps); the normalized shape is "
+                             "weight's shape (torch.nn.functional.rms_norm(x, normalized_shape, weight, eps) is "
+                             "trainops.rms_norm(x, weight, eps), or trainops.nn.RMSNorm without a weight)")
     normalized_ndim = 1 if weight is None else (weight.dim() if isinstance(weight, Tensor) else 0)
     if isinstance(x, Tensor) and not 1 <= normalized_ndim <= x.dim():
         raise argument_error(InvalidProblemError, op, "weight", f"has {normalized_ndim} axes; x has {x.dim()}: "

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
-from .errors import UnsupportedError, argument_error
+from .errors import InvalidProblemError, UnsupportedError, argument_error
 
 
 def _legacy_softmax_dim(name: str, ndim: int) -> int:
@@ -93,13 +93,28 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by ``trainops.functional.rms_norm`` (same constructor,
     parameters and state dict). ``forward(x, residual=None)``: with a residual, returns
     ``(y, x + residual)`` (the pre-norm block's fused add). ``weight_offset`` (keyword, default
-    0.0): multiply by (weight + weight_offset), Gemma's 1.0."""
+    0.0): multiply by (weight + weight_offset), Gemma's 1.0; the weight then starts at
+    1 - weight_offset (zeros for Gemma), so that a new module scales by 1 as torch's does."""
 
     def __init__(self, *args, weight_offset: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.weight_offset = weight_offset
+        if weight_offset:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        offset = getattr(self, "weight_offset", 0.0)  # torch's __init__ calls this before it is set
+        if self.weight is not None and offset:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - offset)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):  # torch.nn.RMSNorm names it x
+        k = len(self.normalized_shape)
+        if isinstance(x, Tensor) and tuple(x.shape[max(0, x.dim() - k):]) != tuple(self.normalized_shape):
+            raise argument_error(InvalidProblemError, "rms_norm", "x",
+                                 f"has shape {tuple(x.shape)}; its last {k} axes must be the module's "
+                                 f"normalized_shape {tuple(self.normalized_shape)}")
         if self.weight is None:
             x_rows = x.flatten(x.dim() - len(self.normalized_shape)) if len(self.normalized_shape) > 1 else x
             r_rows = residual

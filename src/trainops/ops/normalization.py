@@ -122,6 +122,7 @@ class NormProblem:
     strides: tuple[tuple[int, ...] | None, ...]
     eps: float
     weight_offset: float
+    weight_grad: bool
     heuristics: NormHeuristics
     index_dtype = None
 
@@ -192,7 +193,7 @@ class NormProblem:
             return torch.empty(0, dtype=self.dtype, device=self.device)
         if self.backward:
             dw = (torch.empty(self.normalized_shape, dtype=self.weight_dtype, device=self.device)
-                  if self.weight_dtype is not None else empty())
+                  if self.weight_dtype is not None and self.weight_grad else empty())
             db = (torch.empty(self.normalized_shape, dtype=self.bias_dtype, device=self.device)
                   if self.bias_dtype is not None else empty())
             return torch.empty(self.shape, dtype=self.dtype, device=self.device), dw, db
@@ -211,7 +212,8 @@ def _float_dtype(op: str, name: str, dtype, optional: bool = True) -> torch.dtyp
 
 
 def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
-              has_residual=False, strides=None, eps=None, weight_offset=0.0, heuristics=None) -> NormProblem:
+              has_residual=False, strides=None, eps=None, weight_offset=0.0, weight_grad=True,
+              heuristics=None) -> NormProblem:
     """Validate a normalization descriptor.
 
     shape: x's sizes (rank 1..8). normalized_ndim: how many trailing axes form a row (1..rank).
@@ -220,7 +222,10 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
     strides: None (contiguous) or one entry per strided input (forward x, residual; backward dy, h,
     grad_h), None for an absent one; each input's normalized axes must walk as one strided axis.
     eps: >= 0 (default: RMSNorm torch.finfo(dtype).eps, LayerNorm 1e-5). weight_offset: RMSNorm's
-    w_eff = weight + weight_offset (Gemma: 1.0); needs a weight. heuristics: a NormHeuristics.
+    w_eff = weight + weight_offset (Gemma: 1.0); needs a weight. weight_grad: backward, whether to
+    compute the weight's gradient (False for a frozen weight: the backward then reads the weight but
+    sums no partials; the bias gradient is left out by giving no bias_dtype). heuristics: a
+    NormHeuristics.
     """
     backward = op in BACKWARD_OPS
     first = "dy" if backward else "x"
@@ -276,15 +281,16 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a NormHeuristics, got {type(heuristics).__name__}")
     return NormProblem(op, shape, normalized_ndim, dtype, device, weight_dtype, bias_dtype, bool(has_residual),
-                       strides, float(eps), float(weight_offset), heuristics)
+                       strides, float(eps), float(weight_offset), bool(weight_grad), heuristics)
 
 
 def _describer(op: str):
     def describe(shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
-                 has_residual=False, strides=None, eps=None, weight_offset=0.0, heuristics=None) -> NormProblem:
+                 has_residual=False, strides=None, eps=None, weight_offset=0.0, weight_grad=True,
+                 heuristics=None) -> NormProblem:
         return _describe(op, shape, dtype, device, normalized_ndim=normalized_ndim, weight_dtype=weight_dtype,
                          bias_dtype=bias_dtype, has_residual=has_residual, strides=strides, eps=eps,
-                         weight_offset=weight_offset, heuristics=heuristics)
+                         weight_offset=weight_offset, weight_grad=weight_grad, heuristics=heuristics)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -351,7 +357,7 @@ def _cpu_backward(problem: NormProblem, tensors, outputs) -> None:
     if grad_h is not None:
         dh = dh + _rows_view(grad_h, problem).to(acc)
     dx.copy_(dh.reshape(problem.shape))
-    if weight is not None:
+    if weight is not None and problem.weight_grad:
         dweight.copy_((dy * normed).sum(0).reshape(dweight.shape))
     if dbias.numel() or problem.bias_dtype is not None:
         dbias.copy_(dy.sum(0).reshape(dbias.shape))
@@ -370,10 +376,16 @@ def _prepare_cpu(problem: NormProblem) -> Launch:
 
 
 def _write_empty(problem: NormProblem, outputs) -> None:
-    """No element to normalize: statistics of no row; gradients of the weight and bias are zero."""
+    """No element to normalize. Forward: rows of length 0 have mean 0 and rstd NaN (1 / sqrt(0 / 0
+    + eps)); backward: the weight and bias gradients are zero."""
     if problem.backward:
         for grad in outputs[1:]:
             grad.zero_()
+    elif problem.rows:
+        stats = outputs[2]
+        stats[-1].fill_(float("nan"))
+        if not problem.rms:
+            stats[0].zero_()
 
 
 for _op in FORWARD_OPS + BACKWARD_OPS:
@@ -501,7 +513,7 @@ if triton_available():
         s_base, s_s0, s_s1, s_si, s_sn,
         out_base, rows_total, part_base,              # first row's offset in dx; rows in all; first partial row
         rows, n, OUTER1, INNER, rows_per_program, w_offset,
-        RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
+        RMS: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
         STAGES: tl.constexpr,
     ):
@@ -542,7 +554,7 @@ if triton_available():
                     dh += tl.load(DS + s_row[:, None] + cols[None, :].to(tl.int64) * s_sn, mask=mask,
                                   other=0.0).to(ACC)
                 tl.store(DX + out_row[:, None] + cols[None, :], dh.to(DX.dtype.element_ty), mask=mask)
-                if HAS_W:
+                if DW:
                     dw += dy * hh
                 if HAS_B:
                     db += dy
@@ -571,14 +583,14 @@ if triton_available():
                                       other=0.0).to(ACC)
                     tl.store(DX + out_row[:, None] + c[None, :], dh.to(DX.dtype.element_ty), mask=mask)
                     # the program's own workspace row (zeroed before launch): no other program touches it
-                    if HAS_W:
+                    if DW:
                         p = DW_PART + part + c
                         tl.store(p, tl.load(p, mask=c < n, other=0.0) + tl.sum(dy * hh, 0), mask=c < n)
                     if HAS_B:
                         p = DB_PART + part + c
                         tl.store(p, tl.load(p, mask=c < n, other=0.0) + tl.sum(dy, 0), mask=c < n)
         if not LOOPED:
-            if HAS_W:
+            if DW:
                 tl.store(DW_PART + part + cols, tl.sum(dw, 0), mask=cols < n)
             if HAS_B:
                 tl.store(DB_PART + part + cols, tl.sum(db, 0), mask=cols < n)
@@ -666,9 +678,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
             if rows_total == 0:
                 return
             if n == 0:
-                stats.fill_(float("nan") if problem.rms else 0.0)
-                if not problem.rms:
-                    stats[1].fill_(float("nan"))
+                _write_empty(problem, outputs)
                 return
             pointers = (x, x if residual is None else residual, y, y if residual is None else h,
                         y if weight is None else weight, y if bias is None else bias, stats)
@@ -683,11 +693,13 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         rows_per_program = triton.cdiv(rows_per_program, config.block_m) * config.block_m
         programs = max(1, triton.cdiv(per_launch, rows_per_program))
         parts = programs * len(layout.host_bases)
-        grads = [d for d in (problem.weight_dtype, problem.bias_dtype) if d is not None]
+        grads = [d for d in (problem.weight_dtype if problem.weight_grad else None, problem.bias_dtype)
+                 if d is not None]
         workspace = parts * n * len(grads) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
         stages = max(1, min(problem.heuristics.backward_stages, problem.heuristics.pipeline_bytes // step_bytes))
-        meta.update(HAS_B=problem.bias_dtype is not None, HAS_DS=problem.has_residual, STAGES=stages)
+        meta.update(DW=problem.weight_dtype is not None and problem.weight_grad, HAS_B=problem.bias_dtype is not None,
+                    HAS_DS=problem.has_residual, STAGES=stages)
         reduce_block_n = min(problem.heuristics.reduce_block, next_pow2(max(n, 1)))
         reduce_block_p = max(1, min(64, next_pow2(parts), 8192 // reduce_block_n))
 
@@ -759,7 +771,7 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
             _mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
     descriptor = DESCRIPTORS[op](x.shape, x.dtype, x.device, normalized_ndim, _dtype_of(weight), _dtype_of(bias),
                                  residual is not None, (x.stride(), _strides_of(residual)), eps, weight_offset,
-                                 heuristics_for(NormHeuristics))
+                                 True, heuristics_for(NormHeuristics))
     plan = cached_plan(descriptor)
     normalized_shape = x.shape[x.dim() - normalized_ndim:]
     # the kernels read weight and bias as dense rows: a strided one (a view, rare) is copied
@@ -772,12 +784,13 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
 
 
 def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tensor, grad_h: Tensor | None,
-              normalized_ndim: int, has_bias: bool, bias_dtype, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+              normalized_ndim: int, has_bias: bool, bias_dtype, weight_offset: float,
+              weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     dy, h, grad_h = (t if t is None or t.is_contiguous() else _walkable(t, normalized_ndim) for t in (dy, h, grad_h))
     descriptor = DESCRIPTORS[op](dy.shape, dy.dtype, dy.device, normalized_ndim, _dtype_of(weight),
                                  bias_dtype if has_bias else None, grad_h is not None,
                                  (dy.stride(), h.stride(), _strides_of(grad_h)), 0.0, weight_offset,
-                                 heuristics_for(NormHeuristics))
+                                 weight_grad, heuristics_for(NormHeuristics))
     plan = cached_plan(descriptor)
     problem = plan.problem
     weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
@@ -818,6 +831,9 @@ def _layer_norm_fake(x, weight, bias, residual, normalized_ndim, eps):
 
 def _save_forward(ctx, inputs, outputs) -> None:
     y, h, stats = outputs
+    # stats (and h without a residual) carry no gradient; an output nobody used gets None, not zeros
+    ctx.mark_non_differentiable(stats, h) if inputs.residual is None else ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if inputs.residual is not None else inputs.x, inputs.weight, stats)
     ctx.normalized_ndim = inputs.normalized_ndim
     ctx.has_residual = inputs.residual is not None
@@ -835,45 +851,54 @@ def _forward_grad(backward_op):
             raise UnsupportedError(f"trainops.{backward_op.name.removesuffix('_backward')}: double backward "
                                    "(create_graph=True) is not supported")
         h, weight, stats = ctx.saved_tensors
+        grad_h = dh if ctx.has_residual and dh is not None else None
         if dy is None:
+            if grad_h is None:  # neither output was used
+                return {}
             dy = torch.zeros_like(h)
-        grad_h = dh if ctx.has_residual and dh is not None and dh.numel() else None
+        weight_grad = weight is not None and ctx.needs_grad.weight
+        bias_grad = ctx.bias_dtype is not None and ctx.needs_grad.bias  # a frozen bias: no dbias computed
         with heuristics(ctx.heuristics):
             if backward_op is rms_norm_backward_op:
                 dx, dweight, dbias = backward_op(dy, h, weight, stats, grad_h, ctx.normalized_ndim,
-                                                 ctx.weight_offset)
+                                                 ctx.weight_offset, weight_grad)
             else:
-                dx, dweight, dbias = backward_op(dy, h, weight, stats, grad_h, ctx.normalized_ndim,
-                                                 ctx.bias_dtype is not None, ctx.bias_dtype)
+                dx, dweight, dbias = backward_op(dy, h, weight, stats, grad_h, ctx.normalized_ndim, bias_grad,
+                                                 ctx.bias_dtype, weight_grad)
         grads = {"x": dx, "residual": dx if ctx.has_residual else None}
-        if weight is not None and ctx.needs_grad.weight:
+        if weight_grad:
             grads["weight"] = dweight
-        if ctx.bias_dtype is not None and ctx.needs_grad.bias:
+        if bias_grad:
             grads["bias"] = dbias
         return grads
     return grad
 
 
 def _rms_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], stats: Tensor, grad_h: Optional[Tensor],
-                            normalized_ndim: int, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward("rms_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_offset)
+                            normalized_ndim: int, weight_offset: float,
+                            weight_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward("rms_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_offset,
+                     weight_grad)
 
 
 def _layer_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], stats: Tensor,
                               grad_h: Optional[Tensor], normalized_ndim: int, has_bias: bool,
-                              bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward("layer_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, 0.0)
+                              bias_dtype: Optional[torch.dtype],
+                              weight_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward("layer_norm_backward", dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, 0.0,
+                     weight_grad)
 
 
-def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype):
+def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, weight_grad=True):
     normalized_shape = dy.shape[dy.dim() - normalized_ndim:]
-    dw = dy.new_empty(normalized_shape, dtype=weight.dtype) if weight is not None else dy.new_empty(0)
+    dw = dy.new_empty(normalized_shape, dtype=weight.dtype) if weight is not None and weight_grad \
+        else dy.new_empty(0)
     db = dy.new_empty(normalized_shape, dtype=bias_dtype) if has_bias else dy.new_empty(0)
     return dy.new_empty(dy.shape), dw, db
 
 
-def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weight_offset):
-    return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None)
+def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weight_offset, weight_grad=True):
+    return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_grad)
 
 
 # The backward ops have no autograd of their own (double backward through a norm is not supported).
