@@ -1,4 +1,4 @@
-"""``python -m trainops bench``: every registered GPU kernel family against torch and the peers.
+"""``python -m trainops bench``, and the one runner behind every benchmark script of ``benchmarks/``.
 
 On a CUDA device: the ../shared/ANCHORS.md shapes of softmax / log-softmax and their backward,
 embedding forward and backward (GatherGrad), fused cross-entropy, the AdamW / SGD / LAMB steps
@@ -12,17 +12,40 @@ the case has one. Writes JSON to benchmarks/results/ and a bar chart of % of the
 (PNG, when matplotlib is installed).
 
 Without a GPU it says so and runs the CPU path against torch on small shapes instead.
+
+The per-family scripts (``benchmarks/bench_cross_entropy.py``, ``bench_gather.py``,
+``bench_optim.py``, ``sweep_softmax.py``) are front-ends to the same runner: they choose case
+lists from ``trainops.bench.cases`` and call :func:`run_cases`. What a case may ask of the runner
+beyond ``Case(op, label, nbytes, build)``:
+
+- ``Case.timing``: :class:`Timing` (``do_bench`` warm-up / repetition ms, or CUDA events around a
+  fixed number of back-to-back calls for launch-bound cases);
+- ``Case.fields``: extra keys of every row of the case (``stream``, ``classes``...); ``build`` may
+  return a third element, a dict of fields known only once the inputs exist
+  (``hottest_row_count``);
+- ``Case.tolerance``: the largest relative error a trainops implementation may have (exceeding it
+  stops the run; a peer that exceeds it is reported and left out);
+- an implementation may be an :class:`Impl` instead of a bare factory: its own byte count, extra
+  row fields (``config``, ``default``), and a context entered around its check and its timing (a
+  heuristics object through ``trainops.heuristics``, torch's deterministic mode);
+- :func:`rotate` and :func:`rotation_sets`: inputs that fit in L2 rotate among 4 sets.
+
+Timing seam: :func:`run_cases` takes ``timer(call, timing) -> ms``; by default CUDA timing when a
+copy ceiling is given, else :func:`time_cpu` (the CPU path, used by the CPU tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
+import itertools
 import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable, ContextManager
 
 import torch
 
@@ -39,6 +62,54 @@ class Row:
     pct_of_copy: float | None
     error: float | None
     pct_of_same_copy: float | None = None  # copy moving this case's bytes: its time / ours, in %
+    fields: dict = field(default_factory=dict)  # the case's and the implementation's extra keys
+
+    def as_dict(self) -> dict:
+        """The JSON row: the fixed keys, then ``fields`` flattened into it."""
+        out = asdict(self)
+        fields = out.pop("fields")
+        return {**out, **fields}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a case's implementations are timed on the GPU (the CPU path ignores it: see time_cpu).
+
+    method "do_bench": ``triton.testing.do_bench`` median, ``warmup`` and ``rep`` in ms.
+    method "events": ``warmup`` calls, then CUDA events around ``rep`` back-to-back calls, ms per
+    call (host launch cost included: for launch-bound cases).
+    """
+
+    method: str = "do_bench"
+    warmup: int = 25
+    rep: int = 200
+
+    def __post_init__(self):
+        if self.method not in ("do_bench", "events"):
+            raise ValueError(f"Timing.method must be 'do_bench' or 'events', got {self.method!r}")
+
+
+DEFAULT_TIMING = Timing()
+
+
+@dataclass
+class Impl:
+    """An implementation of a case that needs more than a factory.
+
+    factory: as a bare factory, returns the zero-argument call that is checked, then timed.
+    nbytes: the bytes this implementation is credited with (default: the case's).
+    context: returns a context manager entered around the factory, the check and the timing.
+    fields: extra keys of this implementation's row.
+    """
+
+    factory: Callable[[], Callable[[], object]]
+    nbytes: int | None = None
+    context: Callable[[], ContextManager] | None = None
+    fields: dict = field(default_factory=dict)
+
+
+class CheckFailed(AssertionError):
+    """An implementation's output is further from the reference than its case's tolerance."""
 
 
 def copy_ceiling_gbps(device) -> float:
@@ -61,6 +132,35 @@ def same_bytes_copy_ms(nbytes: int, device) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return ms
+
+
+def l2_cache_bytes(device="cuda") -> int:
+    """The CUDA device's L2 cache size in bytes (50 MiB, the H100's, where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+
+
+def rotation_sets(nbytes: int, l2_bytes: int) -> int:
+    """Input sets a case rotates among: 4 when the bytes it moves fit in 4x L2 (so that a timed
+    call does not find its inputs in L2 from the call before), else 1."""
+    return 1 if nbytes > 4 * l2_bytes else 4
+
+
+def rotate(fn: Callable, sets) -> Callable[[], object]:
+    """A zero-argument call of ``fn(*sets[0])``, then ``fn(*sets[1])``, ... in turn, cyclically
+    (the first call, the runner's check, uses sets[0])."""
+    turn = itertools.cycle(sets)
+    return lambda: fn(*next(turn))
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(warn_only: bool = True):
+    """``torch.use_deterministic_algorithms(True)`` inside the block, torch's previous mode after."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def launch_overhead_us(device, calls: int = 2000) -> dict[str, float]:
@@ -94,58 +194,110 @@ def _time_cpu(fn, reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def run_cases(cases, *, peers: bool, ceiling: float | None, log=print) -> list[Row]:
-    """Build each case, check each implementation against the reference, time it, free it."""
-    import triton.testing
+def time_cpu(call, timing: Timing = DEFAULT_TIMING) -> float:
+    """Mean host ms of 10 calls after one (the CPU path; ``timing`` is for the GPU and ignored)."""
+    return _time_cpu(call)
 
+
+def time_events(call, warmup: int, calls: int) -> float:
+    """ms per call: ``warmup`` calls, then CUDA events around ``calls`` back-to-back calls."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def time_gpu(call, timing: Timing = DEFAULT_TIMING) -> float:
+    """ms of one call on the GPU, as ``timing`` says."""
+    if timing.method == "events":
+        return time_events(call, timing.warmup, timing.rep)
+    import triton.testing
+    return triton.testing.do_bench(call, warmup=timing.warmup, rep=timing.rep, return_mode="median")
+
+
+def _free_device_memory() -> None:
+    """Collect what an implementation left (cycles included) and return it to the device, so the
+    next one starts from the same memory. Only with CUDA: on the CPU path refcounting frees the
+    small cases' tensors, and a full collection (~0.1 s) would take most of a CPU run's time."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
+              timer: Callable[[Callable, Timing], float] | None = None, same_copy: bool = True) -> list[Row]:
+    """Build each case, check each implementation against the reference, time it, free it.
+
+    ``ceiling``: the large copy's GB/s (None: the CPU path, no % of copy, CPU timing). ``timer``:
+    ``timer(call, timing) -> ms`` (default time_gpu with a ceiling, else time_cpu). ``same_copy``:
+    also time a copy of each case's bytes (GPU only; rows whose implementation has bytes of its
+    own get None there). A failing implementation is reported and left out, but "trainops"
+    itself, and a trainops implementation outside its case's tolerance, stop the run.
+    """
+    timer = timer or (time_cpu if ceiling is None else time_gpu)
     rows: list[Row] = []
     for case in cases:
-        copy_ms = None if ceiling is None else same_bytes_copy_ms(case.nbytes, "cuda")
-        impls, reference = case.build(peers)
+        copy_ms = None if ceiling is None or not same_copy else same_bytes_copy_ms(case.nbytes, "cuda")
+        built = case.build(peers)
+        impls, reference = built[0], built[1]
+        case_fields = {**getattr(case, "fields", {}), **(built[2] if len(built) > 2 else {})}
+        tolerance = getattr(case, "tolerance", None)
+        timing = getattr(case, "timing", DEFAULT_TIMING)
         ref = reference() if reference is not None else None
-        for name, factory in impls.items():
+        for name, impl in impls.items():
+            impl = impl if isinstance(impl, Impl) else Impl(impl)
+            fields = {**case_fields, **impl.fields}
+            clash = set(fields) & set(Row.__dataclass_fields__)
+            if clash:
+                raise ValueError(f"case {case.op} {case.label}: row fields {sorted(clash)} clash with Row's keys")
+            call = None
             try:
-                call = factory()
-                error = _relative_error(call(), ref)
-                if ceiling is None:
-                    ms = _time_cpu(call)
-                else:
-                    ms = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
+                with impl.context() if impl.context is not None else contextlib.nullcontext():
+                    call = impl.factory()
+                    error = _relative_error(call(), ref)
+                    if tolerance is not None and error is not None and not error <= tolerance:
+                        raise CheckFailed(f"relative error {error:.2e} > tolerance {tolerance:.1e}")
+                    ms = timer(call, timing)
             except Exception as e:  # a peer that fails on a shape is reported, not fatal
                 log(f"  {case.op} {case.label}: {name} failed: {type(e).__name__}: {str(e)[:160]}")
-                if name == "trainops":
+                if name == "trainops" or (isinstance(e, CheckFailed) and name.startswith("trainops")):
                     raise
                 continue
             finally:
                 call = None
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            gbps = case.nbytes / ms / 1e6
+                _free_device_memory()
+            nbytes = case.nbytes if impl.nbytes is None else impl.nbytes
+            gbps = nbytes / ms / 1e6
             pct = None if ceiling is None else round(100 * gbps / ceiling, 1)
-            same = None if copy_ms is None else round(100 * copy_ms / ms, 1)
-            rows.append(Row(case.op, case.label, name, round(ms, 4), round(gbps, 1), pct, error, same))
+            same = None if copy_ms is None or nbytes != case.nbytes else round(100 * copy_ms / ms, 1)
+            rows.append(Row(case.op, case.label, name, round(ms, 4), round(gbps, 1), pct, error, same, fields))
             err = "-" if error is None else f"{error:.1e}"
             log(f"  {case.op:20s} {case.label:40s} {name:28s} {ms:9.4f} ms {gbps:7.0f} GB/s"
-                + (f" {pct:5.1f}% ({same:5.1f}% of same-size copy)" if pct is not None else "") + f"  err {err}")
-        del impls, ref
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+                + (f" {pct:5.1f}%" if pct is not None else "")
+                + (f" ({same:5.1f}% of same-size copy)" if same is not None else "") + f"  err {err}")
+        del impls, ref, built
+        _free_device_memory()
     return rows
 
 
 def summary_table(rows: list[Row]) -> list[str]:
     """One line per case: trainops ms, GB/s, % of the large copy and of a same-size copy, the best
     non-trainops implementation, speed-up
-    (other trainops kernels of the op, e.g. the atomic gradient, are rows of their own, not rivals)."""
+    (other trainops kernels of the op, e.g. the atomic gradient, are rows of their own, not rivals;
+    a case without a row named "trainops" is shown by its first trainops implementation)."""
     cases: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         cases.setdefault((r.op, r.case), {})[r.impl] = r
     lines = [f"{'op':20s} {'case':40s} {'trainops ms':>11s} {'GB/s':>6s} {'%copy':>6s} {'%same':>6s} "
              f"{'best other':>34s} {'speed-up':>8s}"]
     for (op, case), impls in cases.items():
-        ours = impls.get("trainops")
+        ours = impls.get("trainops") or next((r for k, r in impls.items() if k.startswith("trainops")), None)
         if ours is None:
             continue
         others = [r for k, r in impls.items() if not k.startswith("trainops")]
@@ -155,6 +307,22 @@ def summary_table(rows: list[Row]) -> list[str]:
         pct = f"{ours.pct_of_copy:6.1f}" if ours.pct_of_copy is not None else "     -"
         same = f"{ours.pct_of_same_copy:6.1f}" if ours.pct_of_same_copy is not None else "     -"
         lines.append(f"{op:20s} {case:40s} {ours.ms:11.4f} {ours.gbps:6.0f} {pct} {same} {best_s:>34s} {speed:>8s}")
+    return lines
+
+
+def sweep_table(rows: list[Row]) -> list[str]:
+    """One line per case of a sweep: the default variant (the row whose ``default`` field is
+    true), the fastest variant, and default ms / fastest ms."""
+    cases: dict[tuple, list[Row]] = {}
+    for r in rows:
+        cases.setdefault((r.op, r.case), []).append(r)
+    lines = [f"{'op':20s} {'case':40s} {'default ms':>10s} {'best ms':>9s} {'gain':>6s}  best variant"]
+    for (op, case), variants in cases.items():
+        best = min(variants, key=lambda r: r.ms)
+        default = next((r for r in variants if r.fields.get("default")), None)
+        d_ms = f"{default.ms:10.4f}" if default else f"{'-':>10s}"
+        gain = f"{default.ms / best.ms:5.2f}x" if default else f"{'-':>6s}"
+        lines.append(f"{op:20s} {case:40s} {d_ms} {best.ms:9.4f} {gain}  {best.impl}")
     return lines
 
 
@@ -202,6 +370,31 @@ def environment() -> dict:
     return env
 
 
+def start(cpu: bool, log=print) -> tuple[dict, float | None]:
+    """A front-end's first step: the environment, and the copy ceiling in GB/s (measured on the
+    GPU; None with ``cpu``, the CPU path). Logs one line saying which."""
+    env = environment()
+    if cpu:
+        log(f"{env['device']}: the CPU path on tiny shapes (CPU timings, no % of copy: a self-check, "
+            "not a benchmark)")
+        return env, None
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (--cpu runs the CPU path on tiny shapes)")
+    ceiling = copy_ceiling_gbps("cuda")
+    log(f"{env['device']}: copy ceiling {ceiling:.0f} GB/s (torch {env['torch']}, triton {env['triton']}, "
+        f"liger {env['liger_kernel'] or 'not installed'}, quack {env['quack-kernels'] or 'not installed'})")
+    return env, ceiling
+
+
+def write_results(path: str, env: dict, meta: dict | None = None, **sections: list[Row]) -> str:
+    """JSON: {"environment": env, **meta, section: [row dicts], ...}; returns the path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"environment": env, **(meta or {}),
+                   **{name: [r.as_dict() for r in rows] for name, rows in sections.items()}}, f, indent=1)
+    return path
+
+
 def main(quick: bool = False, ops: str = "all", out: str | None = None, peers: bool = True) -> int:
     from .cases import cpu_cases, gpu_cases
 
@@ -228,9 +421,7 @@ def main(quick: bool = False, ops: str = "all", out: str | None = None, peers: b
     if out is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = os.path.join("benchmarks", "results", f"bench-{tag}-{stamp}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"environment": env, **meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    write_results(out, env, meta, rows=rows)
     print(f"wrote {out}")
     if ceiling is not None:
         print(bar_chart(rows, os.path.splitext(out)[0] + ".png",
@@ -238,5 +429,7 @@ def main(quick: bool = False, ops: str = "all", out: str | None = None, peers: b
     return 0
 
 
-__all__ = ["Row", "bar_chart", "copy_ceiling_gbps", "launch_overhead_us", "main", "run_cases", "same_bytes_copy_ms",
-           "summary_table"]
+__all__ = ["CheckFailed", "DEFAULT_TIMING", "Impl", "Row", "Timing", "bar_chart", "copy_ceiling_gbps",
+           "deterministic_algorithms", "environment", "l2_cache_bytes", "launch_overhead_us", "main", "rotate",
+           "rotation_sets", "run_cases", "same_bytes_copy_ms", "start", "summary_table", "sweep_table", "time_cpu",
+           "time_events", "time_gpu", "write_results"]

@@ -1,0 +1,226 @@
+"""The one benchmark harness: trainops.bench's runner and the benchmarks/ scripts, its front-ends.
+
+Each script runs in-process on the CPU path with tiny shapes (``--cpu``: CPU timing, no copy
+ceiling; the softmax config sweep under Triton's interpreter), so a broken front-end or case list
+fails here. What this cannot check: the CUDA timers (do_bench, CUDA events), the copy ceilings,
+the device's L2 size and the peers (torch.compile, Liger, quack): those run on the GPU only.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from trainops import bench
+from trainops.bench import Impl, Row, Timing, cases
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_script_{name}", os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_script(name, argv, tmp_path, capsys):
+    out = str(tmp_path / f"{name}.json")
+    argv = [a.replace("OUT", out) for a in argv]
+    assert _script(name).main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == f"wrote {out}", printed[-5:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def _by_case(rows):
+    grouped = {}
+    for r in rows:
+        grouped.setdefault(r["case"], []).append(r)
+    return grouped
+
+
+# -- the runner ----------------------------------------------------------------------------------
+
+def test_bench_json_rows_keep_their_keys():
+    """`python -m trainops bench` rows: the same keys as before the runner took extra fields."""
+    assert list(Row("softmax", "8x8", "trainops", 1.0, 2.0, 3.0, 0.0, 4.0).as_dict()) == [
+        "op", "case", "impl", "ms", "gbps", "pct_of_copy", "error", "pct_of_same_copy"]
+    row = Row("gather_backward", "c", "torch", 1.0, 2.0, None, None, None, {"stream": "zipf"}).as_dict()
+    assert row["stream"] == "zipf" and "fields" not in row
+
+
+def test_runner_impl_bytes_context_fields_and_timing():
+    """Per-implementation bytes, a context around factory + check + timing, case / build /
+    implementation fields, and the case's Timing handed to the timer."""
+    x = torch.randn(64, dtype=torch.float64)
+    active, seen = [], []
+
+    class Flag:
+        def __enter__(self):
+            active.append(True)
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    def timer(call, timing):
+        seen.append((timing, bool(active)))
+        call()
+        return 2.0  # a fixed time, so that GB/s can be checked
+
+    def factory():
+        assert active, "the factory runs inside the implementation's context"
+        return lambda: x * 2 if active else None
+
+    def build(peers):
+        return ({"trainops": lambda: (lambda: x * 2),
+                 "trainops half": Impl(factory, nbytes=500, context=Flag, fields={"variant": "half"})},
+                lambda: x * 2, {"built": 7})
+
+    case = cases.Case("softmax", "64", 1000, build, fields={"shape": [64]}, timing=Timing("events", 3, 5))
+    rows = bench.run_cases([case], peers=False, ceiling=None, log=lambda s: None, timer=timer)
+    assert [r.impl for r in rows] == ["trainops", "trainops half"]
+    assert [s[0] for s in seen] == [Timing("events", 3, 5)] * 2 and [s[1] for s in seen] == [False, True]
+    assert rows[0].gbps == round(1000 / 2.0 / 1e6, 1) and rows[1].gbps == round(500 / 2.0 / 1e6, 1)
+    assert rows[0].error == 0.0 and rows[1].error == 0.0
+    assert rows[0].fields == {"shape": [64], "built": 7}
+    assert rows[1].fields == {"shape": [64], "built": 7, "variant": "half"}
+
+
+def test_runner_tolerance_failures_and_field_clashes():
+    x = torch.randn(32, dtype=torch.float64)
+
+    def broken():
+        raise RuntimeError("boom")
+
+    def build(peers):
+        return {"torch": lambda: (lambda: x), "peer off": lambda: (lambda: x + 1), "peer broken": broken,
+                "trainops": lambda: (lambda: x)}, lambda: x
+    case = cases.Case("softmax", "32", 256, build, tolerance=1e-6)
+    logged = []
+    rows = bench.run_cases([case], peers=False, ceiling=None, log=logged.append)
+    assert [r.impl for r in rows] == ["torch", "trainops"]  # peers outside tolerance or failing: left out
+    assert any("peer off failed: CheckFailed" in s for s in logged) and any("boom" in s for s in logged)
+
+    def ours_off(peers):
+        return {"trainops variant": lambda: (lambda: x * 1.01)}, lambda: x
+    with pytest.raises(bench.CheckFailed, match="tolerance"):
+        bench.run_cases([cases.Case("softmax", "32", 256, ours_off, tolerance=1e-6)], peers=False, ceiling=None,
+                        log=lambda s: None)
+    clash = cases.Case("softmax", "32", 256, lambda peers: ({"torch": lambda: (lambda: x)}, None), fields={"ms": 1})
+    with pytest.raises(ValueError, match="clash"):
+        bench.run_cases([clash], peers=False, ceiling=None, log=lambda s: None)
+
+
+def test_rotation_and_deterministic_mode():
+    sets = [(i,) for i in range(4)]
+    call = bench.rotate(lambda i: i, sets)
+    assert [call() for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert bench.rotation_sets(4 * 1024, 1024) == 4 and bench.rotation_sets(4 * 1024 + 1, 1024) == 1
+    assert not torch.are_deterministic_algorithms_enabled()
+    with bench.deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_sweep_table_marks_default_and_best():
+    rows = [Row("op", "c", "a", 2.0, 1.0, None, None, None, {"default": True}),
+            Row("op", "c", "b", 1.0, 1.0, None, None, None, {"default": False})]
+    line = bench.sweep_table(rows)[1]
+    assert "2.0000" in line and "1.0000" in line and "2.00x" in line and line.endswith("b")
+
+
+# -- the front-ends ------------------------------------------------------------------------------
+
+def test_bench_cross_entropy_front_end(tmp_path, capsys):
+    result = _run_script("bench_cross_entropy", ["--cpu", "--sweep", "--out", "OUT"], tmp_path, capsys)
+    shapes = _script("bench_cross_entropy").CPU_SHAPES
+    expected = ["trainops", "trainops unchecked", "trainops fp32 loss + z", "torch", "trainops forward only (no grad)",
+                "trainops inplace_backward"]
+    grouped = _by_case(result["rows"])
+    assert list(grouped) == [f"{r}x{c} bfloat16 fwd+bwd" for r, c in shapes]
+    for (rows, classes), impls in zip(shapes, grouped.values()):
+        assert [r["impl"] for r in impls] == expected
+        assert all((r["rows"], r["classes"], r["dtype"]) == (rows, classes, "bfloat16") for r in impls)
+        for r in impls:
+            if r["impl"] == "trainops forward only (no grad)":
+                assert r["error"] is None  # no gradient to compare
+            elif r["impl"] != "trainops fp32 loss + z":  # z-loss changes the gradient
+                assert r["error"] < 1e-2, r
+    sweep = _by_case(result["sweep"])
+    assert len(sweep) == len(shapes)
+    for variants in sweep.values():
+        assert len(variants) == len(cases.CE_SWEEP) and sum(r["default"] for r in variants) == 1
+        assert all(r["error"] < 1e-2 and set(r["heuristics"]) == set(cases.CE_SWEEP_NAMES) for r in variants)
+
+
+def test_cross_entropy_peers_are_built_when_asked():
+    impls, _ = cases.cross_entropy_variant_cases("cpu", [(4, 10)])[0].build(True)
+    assert "torch.compile" in impls and "trainops inplace_backward" in impls
+    assert impls["trainops forward only (no grad)"].nbytes == 4 * 10 * 2  # half of 2 x logits
+
+
+def test_bench_gather_front_end(tmp_path, capsys):
+    result = _run_script("bench_gather", ["--cpu", "--sweep", "--out", "OUT"], tmp_path, capsys)
+    script = _script("bench_gather")
+    expected = ["trainops", "trainops atomic", "trainops checked", "torch", "torch deterministic", "torch index_add_"]
+    grouped = _by_case(result["rows"])
+    assert len(grouped) == 2 * len(script.CPU_SHAPES)
+    for impls in grouped.values():
+        assert [r["impl"] for r in impls] == expected
+        assert all(r["error"] < (1e-2 if r["dtype"] == "bfloat16" else 1e-5) for r in impls)
+        assert len({(r["stream"], r["hottest_row_count"], r["input_sets"]) for r in impls}) == 1
+    sets = {(r["tokens"], r["stream"]): r["input_sets"] for r in result["rows"]}
+    assert sets[(64, "uniform")] == 4 and sets[(256, "uniform")] == 1  # fits / does not fit in 4x the 2 KiB "L2"
+    zipf = max(r["hottest_row_count"] for r in result["rows"] if r["stream"] == "zipf" and r["tokens"] == 256)
+    assert zipf > max(r["hottest_row_count"] for r in result["rows"] if r["stream"] == "uniform" and r["tokens"] == 256)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert [r["impl"] for r in result["forward"]] == ["trainops", "trainops checked", "torch"]
+    assert all(r["error"] == 0.0 for r in result["forward"])
+    for variants in _by_case(result["sweep"]).values():
+        assert len(variants) == len(cases.GATHER_SWEEP) and sum(r["default"] for r in variants) == 1
+    assert result["l2_bytes"] == script.CPU_L2_BYTES
+
+
+def test_bench_optim_front_end(tmp_path, capsys):
+    result = _run_script("bench_optim", ["--cpu", "--sweep", "--out", "OUT"], tmp_path, capsys)
+    assert set(result["checks"]) == {"adamw", "adamw_clip", "adamw_bf16_master", "sgd"}
+    assert all(0 <= e < 1e-5 for e in result["checks"].values())
+    expected = {"adamw fp32": {"torch foreach": 28, "torch fused": 28, "trainops": 28, "trainops lamb": 28},
+                "adamw fp32 + clip/scaler": {"torch fused + clip_grad_norm_": 32, "trainops max_grad_norm": 32,
+                                             "torch GradScaler + torch fused": 32,
+                                             "trainops GradScaler + trainops": 32},
+                "adamw bf16 params": {"torch fused (bf16 state)": 16, "trainops fp32 master + state": 28,
+                                      "trainops bf16 state, no master": 16},
+                "sgd momentum fp32": {"torch foreach": 20, "torch fused": 20, "trainops": 20},
+                "small 4x64 fp32": {"torch foreach": 28, "torch fused": 28, "trainops": 28}}
+    got = {case: {r["impl"]: r["bytes_per_param"] for r in impls} for case, impls in _by_case(result["rows"]).items()}
+    assert got == expected
+    assert {r["op"] for r in result["rows"] if r["case"] == "sgd momentum fp32"} == {"sgd_step"}
+    sweep = result["sweep"]
+    assert len(sweep) == len(cases.MULTI_TENSOR_SWEEP) and [r["heuristics"] for r in sweep if r["default"]] == [
+        {"block": 2048, "warps": 4}]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs Triton's interpreter")
+def test_sweep_softmax_front_end(tmp_path, capsys):
+    result = _run_script("sweep_softmax", ["OUT", "--cpu"], tmp_path, capsys)
+    grouped = _by_case(result["rows"])
+    assert len(grouped) == len(_script("sweep_softmax").CPU_PROBLEMS)
+    for configs in grouped.values():
+        assert len(configs) >= 4 and sum(r["default"] for r in configs) == 1 and configs[0]["default"]
+        assert all(r["error"] < 1e-5 and r["config"]["kind"] == "fused" for r in configs)
+
+
+def test_softmax_configs_column_tiles():
+    """softmax over dim=1 of [B, C, HW]: the heuristic's column tile first, then tiles x warps."""
+    from trainops.ops import softmax as S
+
+    problem = S._describe("softmax", (2, 16, 8), 1, torch.float32, "cpu")
+    layout = S.reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
+    configs = list(cases.softmax_configs(problem, layout))
+    assert configs[0] == S._choose_config(problem, layout) and configs[0].block_i > 1
+    assert [(c.block_i, c.num_warps) for c in configs[1:]] == [(b, w) for b in (16, 32, 64, 128) for w in (4, 8, 16, 32)]
