@@ -16,7 +16,9 @@ from . import errors, functional, library, nn, registry
 from . import amp, distributed, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
 from .functional import (cross_entropy, embedding, gather, gather_backward, layer_norm, log_softmax, log_softmax_backward,
-                         rms_norm, softmax, softmax_backward)
+                         rms_norm, rotary_embedding, softmax, softmax_backward)
+from .functional import bias_gelu, geglu, gelu, quick_gelu, silu, swiglu
+from .functional import bias_dropout_add, dropout
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
     "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "heuristics", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
-    "layer_norm", "library", "log_softmax", "rms_norm", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
-    "softmax_backward",
+    "layer_norm", "library", "log_softmax", "rms_norm", "rotary_embedding", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
+    "softmax_backward", "bias_gelu", "geglu", "gelu", "quick_gelu", "silu", "swiglu",
+    "bias_dropout_add", "dropout",
 ]

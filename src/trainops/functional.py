@@ -11,9 +11,12 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidProblemError, UnsupportedError, argument_error
+from .ops import activations as activation_ops
 from .ops import cross_entropy as cross_entropy_ops
+from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
 from .ops import normalization as norm_ops
+from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
 
 
@@ -274,3 +277,239 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
                                 "residual": (residual, getattr(x, "shape", ()))})
     y, h, _ = norm_ops.layer_norm_op(x, weight, bias, residual, len(normalized_shape), _eps(op, eps))
     return y if residual is None else (y, h)
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
+                     interleaved: bool = False, rotary_dim: int | None = None,
+                     check_position_ids: bool = True) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of queries and keys, Hugging Face's ``apply_rotary_pos_emb(q, k,
+    cos, sin)``: returns (q_out, k_out) with, on the first R = rotary_dim features of every head,
+
+        out = x * cos + rotate(x) * sin        (the features R.. are passed through unchanged)
+
+    rotate(x) = cat(-x[R/2:R], x[:R/2]) (rotate_half, Llama / GPT-NeoX); with ``interleaved=True``
+    (GPT-J) rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i] (cos and sin then per element:
+    cos[2i] == cos[2i+1]). Every feature's own cos and sin are read (HF's duplicated layout is not
+    assumed).
+
+    q: (batch, q_heads, seq, head_dim); k: (batch, k_heads, seq, head_dim) (head counts may differ,
+    GQA); any strides, read in place (HF's transposed views are not copied). cos, sin: (batch, seq,
+    R), (1, seq, R) or (seq, R), the same for every head; R defaults to cos.shape[-1] and must equal
+    it, be even and at most head_dim (partial rotary: GPT-NeoX, Phi). ``position_ids`` (int32 /
+    int64, (batch, seq), (1, seq) or (seq,)): cos and sin are then (max_position, R) tables and row
+    (b, s) uses row position_ids[b, s], read by the kernel (no gathered copy). Out-of-range ids
+    (outside [0, max_position)): ``check_position_ids=True`` (default, as ``embedding``'s
+    check_index) raises IndexError (IndexOutOfRangeError) before anything is written, at the cost of
+    one min/max and one host synchronisation per call on the GPU; unchecked, such a row's rotated
+    features come out NaN.
+
+    Dtypes: q and k float32/float16/bfloat16/float64, one dtype; cos and sin any float dtype (HF's
+    float32 tables with bf16 q are fine). Math in float32 (float64 for float64), each output rounded
+    once to q's dtype (HF rounds cos/sin to q's dtype and each product: results agree within a few
+    units in the last place). Outputs: q's and k's dtype and layout (as torch.empty_like).
+    Deterministic. Backward: dq = dy * cos + rotate^T(dy * sin) (the rotation by the negative
+    angle), same for dk, in one launch; dq takes q's layout; double backward works. cos and sin get
+    no gradient: UnsupportedError if either requires grad (with grad mode on).
+    Errors (before anything is written): InvalidProblemError for shapes that do not fit (q / k
+    batch, seq or head_dim; cos / sin not broadcastable to (batch, seq, R); rotary_dim odd, too
+    large or not cos.shape[-1]; position_ids' shape), mismatched dtypes of q and k or of cos and
+    sin, tensors on other devices; UnsupportedError for integer or other dtypes.
+    """
+    op = "rotary_embedding"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
+        if name == "position_ids" and t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if name != "position_ids" and not t.is_floating_point():
+            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
+                                 "bfloat16, float64")
+    if torch.is_grad_enabled():
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.requires_grad:
+                raise argument_error(UnsupportedError, op, name, "requires grad; rotary_embedding gives cos and sin "
+                                     "no gradient (detach them)")
+    if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
+        raise argument_error(InvalidProblemError, op, "rotary_dim", f"must be an int or None, got {rotary_dim!r}")
+    return rotary_ops.rotary_op(q, k, cos, sin, position_ids, bool(interleaved), rotary_dim, bool(check_position_ids))
+
+
+# -- activations (ops/activations.py) ------------------------------------------------------------------
+
+def _check_activation_tensor(op: str, name: str, t, optional: bool = False) -> None:
+    if (t is not None or not optional) and not isinstance(t, Tensor):
+        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_approximate(op: str, approximate) -> None:
+    if not isinstance(approximate, str) or approximate not in ("none", "tanh"):
+        raise argument_error(InvalidProblemError, op, "approximate", f"is {approximate!r}; expected 'none' or 'tanh'")
+
+
+def gelu(input: Tensor, approximate: str = "none") -> Tensor:
+    """GELU, as ``torch.nn.functional.gelu(input, approximate)``: y = x * 0.5 * (1 + erf(x / sqrt 2))
+    ("none"), or 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) ("tanh").
+
+    input: any shape (0-d too) and strides, read in place; float32/float16/bfloat16/float64. Math in
+    float32 (float64 for float64), torch's CUDA expressions (the GPU forward matches torch's bits);
+    y in input's dtype, contiguous. At -inf y = 0 and at +-inf the gradient is its limit (0, 1)
+    where torch gives NaN. Backward saves only the input. Errors: InvalidProblemError for an
+    unknown ``approximate``; UnsupportedError for integer or other dtypes.
+    """
+    _check_activation_tensor("gelu", "input", input)
+    _check_approximate("gelu", approximate)
+    return activation_ops.gelu_op(input, approximate)
+
+
+def quick_gelu(input: Tensor) -> Tensor:
+    """QuickGELU (CLIP, OpenAI GPT-2 variants): y = x * sigmoid(1.702 x), computed in float32 and
+    rounded once. Shapes, dtypes, limits at +-inf and errors as ``gelu``."""
+    _check_activation_tensor("quick_gelu", "input", input)
+    return activation_ops.quick_gelu_op(input)
+
+
+def silu(input: Tensor, inplace: bool = False) -> Tensor:
+    """SiLU (swish), as ``torch.nn.functional.silu``: y = x / (1 + exp(-x)) (= x * sigmoid(x)).
+
+    Shapes, dtypes, limits at +-inf (silu(-inf) = 0, not NaN) and errors as ``gelu``.
+    ``inplace=True`` raises UnsupportedError: the backward needs the input the in-place op would
+    overwrite (torch saves it; an honest in-place op would have to copy it first).
+    """
+    if inplace:
+        raise argument_error(UnsupportedError, "silu", "inplace", "is True; in-place SiLU is not supported (its "
+                             "backward needs the input it would overwrite): use inplace=False")
+    _check_activation_tensor("silu", "input", input)
+    return activation_ops.silu_op(input)
+
+
+def bias_gelu(input: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+    """ONNX Runtime's BiasGelu: y = gelu(input + bias), bias of shape input.shape[-1:] broadcast over
+    the leading axes (``approximate`` as ``gelu``; "tanh" is FastGelu with bias).
+
+    input + bias is added in float32 (float64 for float64) and not rounded before the GELU (torch's
+    ``gelu(x + b)`` rounds the sum to the input's dtype first). bias: input's dtype and device, any
+    strides. Backward: d input = dy * gelu'(input + bias); d bias = the sum of d input over every
+    leading element, deterministic (per-program float32 partial sums added in a fixed order by a
+    second kernel, no atomics: bit-identical run to run). Errors as ``gelu``, and
+    InvalidProblemError for a bias of another shape, dtype or device.
+    """
+    _check_activation_tensor("bias_gelu", "input", input)
+    _check_activation_tensor("bias_gelu", "bias", bias)
+    _check_approximate("bias_gelu", approximate)
+    return activation_ops.bias_gelu_op(input, bias, approximate)
+
+
+def swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """SwiGLU (Llama, Mistral, Qwen MLPs): y = silu(gate) * up, in one pass.
+
+    gate, up: the same shape, dtype and device, any strides (read in place). ``up=None``: gate holds
+    both on its last axis (gate = x[..., :n], up = x[..., n:], n = x.shape[-1] // 2; an odd last
+    axis is an InvalidProblemError), and the backward writes one gradient of x's shape. Math in
+    float32 (float64 for float64), rounded once (torch's ``silu(gate) * up`` rounds silu(gate) to
+    the dtype first; in float32 the results are torch's). Backward recomputes sigmoid(gate) from
+    the saved gate and up (no output is saved: torch's memory): d gate = dy * up * silu'(gate),
+    d up = dy * silu(gate), each only when needed. Errors: InvalidProblemError for mismatched
+    shapes, dtypes or devices; UnsupportedError for integer or other dtypes.
+    """
+    _check_activation_tensor("swiglu", "gate", gate)
+    _check_activation_tensor("swiglu", "up", up, optional=True)
+    return activation_ops.swiglu_op(gate, up)
+
+
+def geglu(gate: Tensor, up: Tensor | None = None, approximate: str = "tanh") -> Tensor:
+    """GeGLU (Gemma, T5 v1.1): y = gelu(gate, approximate) * up, in one pass; "tanh" by default
+    (Gemma's gelu_pytorch_tanh), "none" for the erf form. Layouts, ``up=None``, dtypes, backward
+    and errors as ``swiglu``."""
+    _check_activation_tensor("geglu", "gate", gate)
+    _check_activation_tensor("geglu", "up", up, optional=True)
+    _check_approximate("geglu", approximate)
+    return activation_ops.geglu_op(gate, up, approximate)
+
+
+def _dropout_args(op: str, x, p, generator, mask_mode) -> float:
+    """p as a float; x a float tensor, generator a CPU torch.Generator or None, mask_mode known."""
+    if not isinstance(x, Tensor):
+        raise argument_error(InvalidProblemError, op, "x", f"must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise argument_error(UnsupportedError, op, "x", f"has dtype {x.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    p = dropout_ops.check_p(op, p)
+    if mask_mode not in dropout_ops.MASK_MODES:
+        raise argument_error(InvalidProblemError, op, "mask_mode",
+                             f"is {mask_mode!r}; expected one of {dropout_ops.MASK_MODES}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise argument_error(InvalidProblemError, op, "generator",
+                                 f"must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise argument_error(InvalidProblemError, op, "generator",
+                                 f"is a {generator.device.type} generator; seeds are drawn on the host from a CPU "
+                                 "generator (a device draw would synchronize)")
+        if torch.compiler.is_compiling():
+            raise argument_error(UnsupportedError, op, "generator",
+                                 "cannot be traced by torch.compile; leave it None (seeds then come from torch's "
+                                 "default generator: torch.manual_seed makes runs repeat)")
+    return p
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+            generator: torch.Generator | None = None, mask_mode: str = "regenerate") -> Tensor:
+    """y = x * keep / (1 - p), each element kept with probability 1 - p, as
+    ``torch.nn.functional.dropout(x, p, training)``.
+
+    ``training=False`` or ``p == 0`` returns x itself (as torch: no copy, nothing drawn); ``p == 1``
+    gives x * 0 (zeros; NaN where x is NaN or infinite, as torch). Dropped elements are x * 0, so
+    NaN and inf propagate as in torch. The mask is Philox-4x32-10 (Triton's ``tl.randint4x`` /
+    ``tl.rand``) of a seed drawn from ``generator`` (a CPU torch.Generator; default torch's default
+    CPU generator, so ``torch.manual_seed`` makes runs repeat; each call draws a new seed, without
+    a GPU sync); the same seed gives the same mask on the CPU path and on the GPU, but not
+    torch's mask (its statistics are torch's). ``mask_mode="regenerate"`` (default): the backward
+    regenerates the mask from the seed (nothing else saved); ``"bits"``: the forward also stores
+    it, 1 bit an element, and the backward reads it. Gradient: dx = dy * keep / (1 - p), the same
+    in both modes.
+
+    x: any shape and strides (read in place), float32/float16/bfloat16/float64; y contiguous, x's
+    dtype; math in float32 (float64 for float64): a kept element is x * float32(1 / (1 - p))
+    rounded once. Deterministic. Under torch.compile the seed is drawn by ``torch.randint`` in the
+    graph (a ``generator`` cannot be traced: UnsupportedError); a captured CUDA graph replays its
+    seed. See ``trainops.ops.dropout``.
+    Errors: InvalidProblemError (p not a number in [0, 1], mask_mode, a non-CPU generator),
+    UnsupportedError (integer dtypes; ``inplace=True``: the result is always a new tensor; a
+    generator under torch.compile); double backward raises UnsupportedError.
+    """
+    op = "dropout"
+    p = _dropout_args(op, x, p, generator, mask_mode)
+    if inplace:
+        raise argument_error(UnsupportedError, op, "inplace", "is not supported: dropout writes a new tensor "
+                             "(its backward saves only a seed, so out of place costs one output buffer)")
+    if not training or p == 0:
+        return x
+    y, _ = dropout_ops.dropout_op(x, None, None, dropout_ops.draw_seed(generator), p, 0, mask_mode == "bits")
+    return y
+
+
+def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float, training: bool = True, *,
+                     generator: torch.Generator | None = None, mask_mode: str = "regenerate") -> Tensor:
+    """y = residual + dropout(x + bias, p, training) in one pass (ORT's BiasDropout; Megatron's
+    bias_dropout_add).
+
+    bias: (x.shape[-1],) or None, any float dtype (read in float32; not promoted: y has x's dtype);
+    residual: x's shape and dtype; both any strides. Math in float32 (float64 for float64), y
+    rounded once. Eval (``training=False``) or p == 0: y = residual + x + bias, nothing drawn.
+    Seeds, mask and ``mask_mode`` as ``dropout``. Backward: dx = dy * keep / (1 - p); dbias = dx
+    summed over the leading axes in float32, deterministically (per-program partial rows summed in
+    a fixed order: bit-identical run to run); d residual = dy itself.
+    Errors as ``dropout``, and InvalidProblemError for a bias or residual of the wrong shape,
+    device or (residual) dtype.
+    """
+    op = "bias_dropout_add"
+    p = _dropout_args(op, x, p, generator, mask_mode)
+    if not isinstance(residual, Tensor):
+        raise argument_error(InvalidProblemError, op, "residual", f"must be a torch.Tensor, got "
+                             f"{type(residual).__name__}")
+    if bias is not None and x.dim() == 0:
+        raise argument_error(InvalidProblemError, op, "bias", "needs x of rank >= 1 (it runs along x's last axis)")
+    _check_norm_tensors(op, x, {"bias": (bias, x.shape[-1:]), "residual": (residual, x.shape)})
+    seed = dropout_ops.draw_seed(generator) if training and p > 0 else None
+    y, _ = dropout_ops.dropout_op(x, bias, residual, seed, p, 0, mask_mode == "bits")
+    return y

@@ -137,3 +137,42 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: Tensor, residual: Tensor | None = None):
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+
+
+class GELU(torch.nn.GELU):
+    """``torch.nn.GELU`` computed by ``trainops.functional.gelu`` (same constructor, repr and state)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.gelu(input, approximate=self.approximate)
+
+
+class SiLU(torch.nn.SiLU):
+    """``torch.nn.SiLU`` computed by ``trainops.functional.silu`` (same constructor, repr and state).
+    ``inplace=True`` raises UnsupportedError (see ``trainops.functional.silu``)."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        if inplace:
+            raise argument_error(UnsupportedError, "nn.SiLU", "inplace", "is True; in-place SiLU is not supported "
+                                 "(its backward needs the input it would overwrite): use inplace=False")
+        super().__init__(inplace)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.silu(input)
+
+
+class Dropout(torch.nn.Dropout):
+    """``torch.nn.Dropout`` computed by ``trainops.functional.dropout`` (same constructor, repr and
+    state; identity in eval mode, returning the input itself). Keyword ``mask_mode``: "regenerate"
+    (default: the backward regenerates the mask from the seed) or "bits" (a 1-bit-per-element mask is
+    stored). ``inplace=True`` raises UnsupportedError (the result is always a new tensor)."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, mask_mode: str = "regenerate") -> None:
+        if inplace:
+            raise argument_error(UnsupportedError, "nn.Dropout", "inplace", "is True; in-place dropout is not "
+                                 "supported (its backward saves only a seed, so out of place costs one output "
+                                 "buffer): use inplace=False")
+        super().__init__(p, inplace)
+        self.mask_mode = mask_mode
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.dropout(input, self.p, self.training, mask_mode=self.mask_mode)

@@ -769,17 +769,33 @@ def optimizer_first_step_errors(device, count: int = 10, numel: int = 100_003) -
             for name, (ref, ours, dtype, master) in checks.items()}
 
 
+def _family_cases():
+    """The case modules of the families whose cases live beside this one (``cases_<family>.py``;
+    imported here, late, since they import Case from this module): (gpu_cases, cpu_cases) pairs."""
+    from . import cases_activations, cases_dropout, cases_normalization, cases_rotary
+    return [(cases_normalization.normalization_cases, cases_normalization.normalization_cpu_cases),
+            (cases_activations.activation_cases, lambda: cases_activations.activation_cases(torch.device("cpu"), True)),
+            (cases_rotary.rotary_cases, cases_rotary.rotary_cpu_cases),
+            (cases_dropout.dropout_cases, cases_dropout.dropout_cpu_cases)]
+
+
 def gpu_cases(quick: bool) -> list[Case]:
     device = torch.device("cuda")
-    return (softmax_cases(device, quick) + gather_cases(device, quick) + cross_entropy_cases(device, quick)
-            + multi_tensor_cases(device, quick))
+    cases = (softmax_cases(device, quick) + gather_cases(device, quick) + cross_entropy_cases(device, quick)
+             + multi_tensor_cases(device, quick))
+    for family_gpu_cases, _ in _family_cases():
+        cases += family_gpu_cases(device, quick)
+    return cases
 
 
 def cpu_cases() -> list[Case]:
     """Small shapes for the CPU path (a self-check and a rough comparison, not a benchmark)."""
     device = torch.device("cpu")
-    return [_softmax_case("softmax", (256, 1024), -1, torch.float32, device),
-            _softmax_case("log_softmax_backward", (64, 256, 64), 1, torch.float32, device),
-            _embedding_backward_case(2048, 64, 1000, torch.float32, device),
-            _cross_entropy_case(256, 1000, torch.float32, device),
-            _optimizer_case("AdamW", 1_000_000, 8, 28, device)]
+    cases = [_softmax_case("softmax", (256, 1024), -1, torch.float32, device),
+             _softmax_case("log_softmax_backward", (64, 256, 64), 1, torch.float32, device),
+             _embedding_backward_case(2048, 64, 1000, torch.float32, device),
+             _cross_entropy_case(256, 1000, torch.float32, device),
+             _optimizer_case("AdamW", 1_000_000, 8, 28, device)]
+    for _, family_cpu_cases in _family_cases():
+        cases += family_cpu_cases()
+    return cases
