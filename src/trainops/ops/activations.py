@@ -21,8 +21,10 @@ gradients into one tensor of x's shape.
 
 Formulas and rounding are torch's CUDA kernels' (ActivationGeluKernel.cu, ActivationSiluKernel.cu):
 the same expressions in the same order, with libdevice's expf / erff / tanhf and IEEE division
-(``ActivationHeuristics.precise_math``), so the unary forwards can match torch bit for bit on the
-GPU. At +-inf every activation and derivative takes its limit (f(-inf) = 0, f(inf) = inf,
+(``ActivationHeuristics.precise_math``). Measured on the H100 (torch 2.11, Triton 3.6, 8192 x 4096):
+gelu(tanh), silu, and float32 swiglu / geglu forwards equal torch's bit for bit; exact (erf) gelu
+differs from torch's in 9% of float32 elements (1.4% in bfloat16) at the same error against float64
+(2.9e-8 ours, 3.1e-8 torch's). At +-inf every activation and derivative takes its limit (f(-inf) = 0, f(inf) = inf,
 f'(-inf) = 0, f'(inf) = 1; also where 1.702 x overflows in quick_gelu's derivative) where torch's
 formulas give NaN (gelu(-inf), silu(-inf), every derivative at +-inf); NaN stays NaN. The fused
 ops round once: bias_gelu adds x + b in the accumulator (torch's ``gelu(x + b)`` rounds x + b to
@@ -104,7 +106,7 @@ class ActivationHeuristics:
         per step (a power of two). int64_from: offsets are computed in
         int64 when an operand's extent (or numel) plus a block reaches this (2^31; tests lower it
         to run the int64 path on small tensors). precise_math: libdevice's expf / erff / tanhf and
-        IEEE division, as torch's CUDA kernels (bit-identical unary forwards); False: Triton's
+        IEEE division, as torch's CUDA kernels (bit-identical tanh-gelu and silu forwards); False: Triton's
         exp2-based exp, tanh through exp and approximate division (fewer instructions). Triton's
         interpreter has no libdevice: there the plan always uses the portable functions.
     Defaults: not yet measured on the GPU. 4096-element blocks with 8 warps give each thread 16
