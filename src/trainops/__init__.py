@@ -19,6 +19,7 @@ from .functional import (cross_entropy, embedding, gather, gather_backward, laye
                          rms_norm, rotary_embedding, softmax, softmax_backward)
 from .functional import bias_gelu, geglu, gelu, quick_gelu, silu, swiglu
 from .functional import bias_dropout_add, dropout
+from .functional import attention_softmax
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
@@ -31,4 +32,5 @@ __all__ = [
     "layer_norm", "library", "log_softmax", "rms_norm", "rotary_embedding", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward", "bias_gelu", "geglu", "gelu", "quick_gelu", "silu", "swiglu",
     "bias_dropout_add", "dropout",
+    "attention_softmax",
 ]

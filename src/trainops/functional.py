@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import activations as activation_ops
+from .ops import attention_softmax as attention_ops
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
@@ -513,3 +514,100 @@ def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float,
     seed = dropout_ops.draw_seed(generator) if training and p > 0 else None
     y, _ = dropout_ops.dropout_op(x, bias, residual, seed, p, 0, mask_mode == "bits")
     return y
+
+
+# -- attention softmax (ops/attention_softmax.py) -------------------------------------------------------
+
+_CAUSAL_MODES = ("upper_left", "lower_right")
+
+
+def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None = None, bias: Tensor | None = None,
+                      causal: bool | str = False, dropout_p: float = 0.0,
+                      generator: torch.Generator | None = None) -> Tensor:
+    """The softmax of an explicit attention, fused: dropout(softmax(scores * scale + bias, masked)),
+    forward and backward in one pass each (ONNX Runtime's BiasSoftmax / BiasSoftmaxDropout).
+
+    scores: (..., q_len, k_len), e.g. q @ k^T of shape (batch, heads, q_len, k_len); the softmax
+    runs over the last axis. Per row, in float32 (float64 for float64 scores):
+    z = scores * scale (+ bias), then z = -inf where ``mask`` is False or the causal mask hides the
+    key; y = softmax(z); with dropout_p = p > 0, out = y * keep / (1 - p) (each element kept with
+    probability 1 - p), else out = y. As torch's explicit attention
+    ``torch.softmax(scores * scale + bias.masked_fill(~mask, -inf), -1)`` (then ``F.dropout``),
+    and as the weights of ``F.scaled_dot_product_attention`` with a boolean ``attn_mask``.
+
+    mask: bool, broadcastable to scores' shape, **True = keep** (SDPA's boolean ``attn_mask``; the
+    inverse of nn.MultiheadAttention's key_padding_mask): False positions get -inf.
+    bias: additive, any float dtype, broadcastable to scores' shape ((1, 1, q, k), (b, 1, 1, k),
+    (b, h, q, k), ...). Both are read through their broadcast strides: never expanded in memory.
+    causal: False; True or "upper_left" masks key k in row q when k > q (SDPA's ``is_causal=True``:
+    the upper-left aligned lower triangle, also for q_len != k_len); "lower_right" masks k > q +
+    (k_len - q_len) (the diagonal ends at the bottom-right corner: torch's ``causal_lower_right``,
+    flash-attention's convention, the one for queries that are the last q_len of k_len positions).
+    A row whose every position is masked (or whose every z is -inf) gives zeros, not NaN (torch's
+    softmax gives NaN; SDPA's memory-efficient kernel zeros), and a zero gradient. A NaN in a row
+    makes the row NaN, as torch.
+    dropout_p: in [0, 1); pass 0 in evaluation (as SDPA, this function always applies it).
+    The mask is ops/dropout.py's Philox mask of each element's row-major index under a seed drawn
+    from ``generator`` (a CPU torch.Generator) or torch's default CPU generator, a host op with no
+    device synchronisation (``torch.manual_seed`` makes runs repeat; ``trainops.dropout`` of a tensor
+    of scores' shape with the same seed drops the same elements). The backward regenerates it.
+
+    Dtypes: scores float32 / float16 / bfloat16 / float64; out in scores' dtype, contiguous. Any
+    strides for scores (read in place). Backward: d scores = scale * y * (g - sum(g * y)), g = d out
+    * keep / (1 - p); d bias = the same dz (before the scale) summed over bias's broadcast axes, in
+    bias's dtype, only when bias requires grad. Saved: y (the output itself without dropout; with
+    dropout the pre-dropout y, a second tensor of scores' size) and the seed. Deterministic,
+    bit-identical run to run (fixed-order sums, no atomics). Double backward raises UnsupportedError.
+    Errors, before anything is written: InvalidProblemError for a mask that is not bool or not
+    broadcastable, a bias not broadcastable, tensors on different devices, dropout_p outside [0, 1),
+    a scale that is not a finite number, an unknown causal, causal with scores of rank 1, a CUDA
+    generator; UnsupportedError for integer (or other) dtypes of scores or bias, rank above 8, or a
+    generator under torch.compile.
+    """
+    op = "attention_softmax"
+    if not isinstance(scores, Tensor):
+        raise argument_error(InvalidProblemError, op, "scores", f"must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise argument_error(UnsupportedError, op, "scores", f"has dtype {scores.dtype}; supported: float32, "
+                             "float16, bfloat16, float64")
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.device != scores.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but scores is on {scores.device}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise argument_error(InvalidProblemError, op, "mask", f"has dtype {mask.dtype}; it must be torch.bool (True = "
+                             "keep); pass an additive float mask as bias")
+    if bias is not None and not bias.is_floating_point():
+        raise argument_error(UnsupportedError, op, "bias", f"has dtype {bias.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -float("inf") < scale < float("inf"):
+        raise argument_error(InvalidProblemError, op, "scale", f"must be a finite number, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise argument_error(InvalidProblemError, op, "dropout_p", f"must be a number in [0, 1), got {dropout_p!r}")
+    if not isinstance(causal, bool) and not (isinstance(causal, str) and causal in _CAUSAL_MODES):
+        raise argument_error(InvalidProblemError, op, "causal", f"must be a bool, 'upper_left' or 'lower_right', "
+                             f"got {causal!r}")
+    shift = None
+    if causal is not False:
+        if scores.dim() < 2:
+            raise argument_error(InvalidProblemError, op, "causal", f"needs scores of rank 2 or more (q_len, k_len), "
+                                 f"got shape {tuple(scores.shape)}")
+        shift = scores.shape[-1] - scores.shape[-2] if causal == "lower_right" else 0
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise argument_error(InvalidProblemError, op, "generator",
+                                 f"must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise argument_error(InvalidProblemError, op, "generator",
+                                 f"is a {generator.device.type} generator; seeds are drawn on the host from a CPU "
+                                 "generator (a device draw would synchronize)")
+        if torch.compiler.is_compiling():
+            raise argument_error(UnsupportedError, op, "generator",
+                                 "cannot be traced by torch.compile; leave it None (seeds then come from torch's "
+                                 "default generator: torch.manual_seed makes runs repeat)")
+    seed = dropout_ops.draw_seed(generator) if dropout_p > 0 else None
+    out, _ = attention_ops.attention_softmax_op(scores, mask, bias, float(scale), shift, float(dropout_p), seed)
+    return out

@@ -5,3 +5,4 @@ from . import amp, cross_entropy, gather, grad, normalization, optimizers, softm
 from . import activations  # noqa: F401
 from . import rotary  # noqa: F401
 from . import dropout  # noqa: F401
+from . import attention_softmax  # noqa: F401
