@@ -106,13 +106,15 @@ class DropoutHeuristics:
         two); rows_tile: elements a step of it holds (rows a step = rows_tile // its columns);
         rows_programs_per_sm: its programs per SM (each writes one float32 partial row);
         rows_warps: its warps. reduce_block: columns one program of the partial-sum kernel owns.
-    Not yet measured on the GPU: 4096-element programs as the normalization family's tiles, 4
-    warps (32 elements a thread, 8 Philox calls), dbias programs as normalization's backward
-    (``trainops.bench.cases_dropout.dropout_sweep_cases`` times the alternatives).
+    block and warps measured on the H100 (2026-11-24, benchmarks/NOTES.md "Transformer-block
+    families", GPU time of dropout p=0.1 forward + backward on 8192x4096 bf16): 2048 elements with
+    8 warps 91.6 us, against 105.8 at 4096 / 4 warps, 93.2 at 4096 / 8, 113.5 at 8192 / 8 (torch
+    124.7). The dbias kernel's choices are not yet measured (as normalization's backward;
+    ``trainops.bench.cases_dropout.dropout_sweep_cases`` times the alternatives).
     """
 
-    block: int = 4096
-    warps: int = 4
+    block: int = 2048
+    warps: int = 8
     rows_block_n: int = 1024
     rows_tile: int = 4096
     rows_programs_per_sm: int = 2

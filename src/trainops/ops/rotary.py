@@ -86,12 +86,14 @@ class RotaryHeuristics:
     programs_per_sm: when batch * seq rows give fewer programs than SMs x this, a row's heads are
         split over several programs (0: never split).
     warps: (tile elements at most, warps) steps, the first that fits.
-    Defaults not yet measured on the GPU (chosen as the normalization family's row tiles: 4096
-    elements with 4 warps). Compared by identity (a plan's cache key holds the object it was made
-    with).
+    Defaults measured on the H100 (2026-11-24, benchmarks/NOTES.md "Transformer-block families",
+    GPU time of forward + backward at q 4x32x2048x128, k 4x8x2048x128 bf16): 2048-element tiles
+    123.5 us against 134.9 at 4096 and 135.1 at 8192; programs_per_sm 2 and 8 gave the same time
+    there (no split at 8192 rows), 4 kept. Compared by identity (a plan's cache key holds the
+    object it was made with).
     """
 
-    tile: int = 4096
+    tile: int = 2048
     programs_per_sm: int = 4
     warps: tuple[tuple[int, int], ...] = ((1024, 2), (4096, 4), (1 << 62, 8))
 
