@@ -233,10 +233,12 @@ def test_gradcheck_gather_and_gather_backward(backend, device):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     index = torch.tensor([[4, -1], [0, 4], [2, 2]], device=device)
-    assert torch.autograd.gradcheck(lambda x: trainops.gather(x, index, 1), (x,))
-    assert torch.autograd.gradgradcheck(lambda x: trainops.gather(x, index, 1), (x,))
+    fast = backend == "triton"  # random projections under the interpreter (CI time); the CPU path in full
+    assert torch.autograd.gradcheck(lambda x: trainops.gather(x, index, 1), (x,), fast_mode=fast)
+    assert torch.autograd.gradgradcheck(lambda x: trainops.gather(x, index, 1), (x,), fast_mode=fast)
     dy = torch.randn(3, 3, 2, 2, generator=gen, dtype=torch.float64).to(device).requires_grad_()
-    assert torch.autograd.gradcheck(lambda dy: trainops.gather_backward(dy, index, 1, [3, 5, 2]), (dy,))
+    assert torch.autograd.gradcheck(lambda dy: trainops.gather_backward(dy, index, 1, [3, 5, 2]), (dy,),
+                                    fast_mode=fast)
 
 
 @pytest.mark.parametrize("padding_idx,scale", [(None, False), (1, True)])

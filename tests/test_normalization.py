@@ -87,6 +87,9 @@ def call(op, x, weight, bias, residual, eps, weight_offset, normalized_ndim):
 CASES = [  # shape, normalized_ndim
     ((7, 33), 1), ((2, 3, 40), 1), ((5, 4, 6), 2), ((1, 64), 1), ((3, 2, 2, 2, 17), 1),
 ]
+# the forced plans on the cases that reach them (CI time): looped rows of one and of two normalized
+# axes; several rows a program, over one and over four batch axes
+PLAN_CASES = {"default": CASES, "looped": [CASES[0], CASES[2]], "many_rows": [CASES[2], CASES[4]]}
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
@@ -95,7 +98,7 @@ CASES = [  # shape, normalized_ndim
 def test_forward_and_backward_match_float64(backend, device, op, dtype, plan):
     gen = torch.Generator().manual_seed(hash((op, str(dtype), plan)) % 2**31)
     with trainops.heuristics(PLANS[plan]):
-        for shape, k in CASES:
+        for shape, k in PLAN_CASES[plan]:
             for with_weight, with_residual in ((True, False), (True, True), (False, False), (False, True)):
                 if op == "rms_norm" and not with_weight:
                     k = 1  # rms_norm without a weight normalizes the last axis
@@ -260,7 +263,8 @@ def test_gradcheck_float64(backend, device, op):
             else:
                 def f(x, r, w, b):
                     return trainops.layer_norm(x, 7, w, b, residual=r)
-            assert torch.autograd.gradcheck(f, (x, r, w, b))
+            # random projections under the interpreter (CI time); the CPU path in full
+            assert torch.autograd.gradcheck(f, (x, r, w, b), fast_mode=backend == "triton")
 
 
 def test_torch_compile_fullgraph(backend, device):

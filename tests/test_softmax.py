@@ -312,8 +312,9 @@ def test_gradcheck_float64(backend, device, op):
     for shape, dim, layout in [((3, 7), -1, "contiguous"), ((2, 4, 3), 1, "transposed")]:
         x = make_tensor(shape, dim, layout, torch.float64, device, gen).detach().requires_grad_()
         fn = getattr(trainops, op)
-        assert torch.autograd.gradcheck(lambda t: fn(t, dim), (x,))
-        assert torch.autograd.gradgradcheck(lambda t: fn(t, dim), (x,))
+        fast = backend == "triton"  # random projections under the interpreter (CI time); the CPU path in full
+        assert torch.autograd.gradcheck(lambda t: fn(t, dim), (x,), fast_mode=fast)
+        assert torch.autograd.gradgradcheck(lambda t: fn(t, dim), (x,), fast_mode=fast)
 
 
 def test_gradients_match_torch_with_dtype(backend, device):
