@@ -20,7 +20,7 @@ from trainops.plan import clear_plan_cache
 PLAN_CACHE = importlib.import_module("trainops.plan")._PLANS  # (op, backend, descriptor) -> Plan
 
 from conftest import HAS_CUDA
-from numerics import FLOATS, assert_close, relative_error
+from numerics import FLOATS, TOLERANCE, assert_close, relative_error
 
 # small shapes that still force many programs, tiles of several rows and column blocks, int64 offsets
 SMALL = ActivationHeuristics(block=64, bias_programs_per_sm=1, reduce_block=8, reduce_parts=2)
@@ -355,6 +355,38 @@ def test_bias_gradient_is_bit_identical_run_to_run(backend, device):
                 assert p.workspace_bytes >= 2 * 24 * 4, "several partial rows summed by the second kernel"
 
 
+def test_bias_of_another_float_dtype(backend, device):
+    """bias_gelu's bias in any float dtype (float32 master weights beside a bfloat16 input under
+    autocast): read in the accumulator dtype; y and dx in the input's dtype, dbias in the bias's."""
+    gen = torch.Generator().manual_seed(12)
+    pairs = ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float64),
+             (torch.float64, torch.float32))
+    for plan in ("default", "small") if backend == "triton" else ("default",):
+        with trainops.heuristics(PLANS[plan]):
+            for x_dtype, b_dtype in pairs:
+                what = f"x {x_dtype} bias {b_dtype} {plan}"
+                x = _randn((6, 5, 24), x_dtype, device, gen).requires_grad_()
+                bias = _randn((24,), b_dtype, device, gen, 1.0).requires_grad_()
+                dy = _randn((6, 5, 24), x_dtype, device, gen)
+                y = trainops.bias_gelu(x, bias)
+                dx, dbias = torch.autograd.grad(y, (x, bias), dy)
+                assert (y.dtype, dx.dtype, dbias.dtype) == (x_dtype, x_dtype, b_dtype), what
+                xd, bd = x.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+                ref = torch_F.gelu(xd + bd)
+                ref_dx, ref_dbias = torch.autograd.grad(ref, (xd, bd), dy.double())
+                assert_close(y, ref, x_dtype, f"{what} y")
+                assert_close(dx, ref_dx, x_dtype, f"{what} dx")
+                # dbias: from dx in the accumulator (not rounded to x's dtype), rounded once to the bias's
+                acc = torch.float64 if x_dtype == torch.float64 else torch.float32
+                assert_close(dbias, ref_dbias, max(acc, b_dtype, key=TOLERANCE.get), f"{what} dbias")
+    compiled = torch.compile(lambda t, b: trainops.bias_gelu(t, b), fullgraph=True, backend="aot_eager")
+    x = _randn((4, 8), torch.bfloat16, device, gen)
+    bias = _randn((8,), torch.float32, device, gen, 1.0).requires_grad_()
+    dbias, = torch.autograd.grad(compiled(x, bias).sum(), bias)
+    assert dbias.dtype == torch.float32
+    torch._dynamo.reset()
+
+
 def test_gradients_only_for_inputs_that_need_them(backend, device):
     gen = torch.Generator().manual_seed(11)
     gate, up = _randn((4, 8), torch.float32, device, gen), _randn((4, 8), torch.float32, device, gen)
@@ -437,8 +469,10 @@ def test_modules_are_drop_ins(backend, device):
     ours, theirs = trainops.nn.SiLU(), torch.nn.SiLU()
     assert isinstance(ours, torch.nn.SiLU) and repr(ours) == repr(theirs)
     assert_close(ours(x), theirs(x.double()), torch.float32, "SiLU")
-    with pytest.raises(UnsupportedError, match="'inplace'"):
-        trainops.nn.SiLU(inplace=True)
+    ours, theirs = trainops.nn.SiLU(inplace=True), torch.nn.SiLU(inplace=True)
+    assert repr(ours) == repr(theirs)
+    y = x.clone()
+    assert ours(y) is y and torch.equal(y, trainops.silu(x)), "inplace: the input holds the result"
 
 
 def test_plan_api(backend, device):
@@ -471,10 +505,13 @@ def test_errors_name_the_argument():
         (lambda: trainops.swiglu(torch.randn(())), InvalidProblemError, "'gate' is a 0-d tensor"),
         (lambda: trainops.bias_gelu(x, torch.randn(4)), InvalidProblemError, "'bias' has shape (4,); expected (8,)"),
         (lambda: trainops.bias_gelu(x, torch.randn(1, 8)), InvalidProblemError, "'bias' has shape (1, 8)"),
-        (lambda: trainops.bias_gelu(x, b.double()), InvalidProblemError, "'bias' has dtype torch.float64"),
+        (lambda: trainops.bias_gelu(x, b.int()), UnsupportedError, "'bias' has dtype torch.int32"),
+        (lambda: trainops.plan("gelu", shape=(4,), dtype=torch.float32, bias_dtype=torch.float32),
+         InvalidProblemError, "'bias_dtype'"),
+        (lambda: trainops.plan("bias_gelu", shape=(4,), dtype=torch.float32, bias_dtype=torch.int8), UnsupportedError,
+         "'bias' has dtype torch.int8"),
         (lambda: trainops.bias_gelu(x, b.to("meta")), InvalidProblemError, "'bias' is on meta"),
         (lambda: trainops.bias_gelu(x, None), InvalidProblemError, "'bias' must be a torch.Tensor"),
-        (lambda: trainops.silu(x, inplace=True), UnsupportedError, "'inplace'"),
         (lambda: act_ops.gelu_backward_op(x[:2], x, "none"), InvalidProblemError, "'dy' has shape (2, 8)"),
         (lambda: act_ops.swiglu_backward_op(x.double(), x, x, True, True), InvalidProblemError, "'dy' has dtype"),
         (lambda: trainops.plan("silu", shape=(4,), dtype=torch.float32, approximate="tanh"), InvalidProblemError,
@@ -561,3 +598,19 @@ def test_gpu_torch_compile_inductor():
     grad, = torch.autograd.grad(loss, x)
     eager_grad, = torch.autograd.grad(mlp(x), x)
     assert torch.equal(grad, eager_grad)
+
+
+def test_silu_inplace_keeps_the_gradient(backend, device):
+    """silu(x, inplace=True) on a non-leaf: the result replaces x, and the gradient is silu's at the
+    original x (the backward reads a copy taken before the write), as torch's silu_."""
+    leaf = torch.randn(5, 12, dtype=torch.float64, device=device, requires_grad=True)
+    h = leaf * 1.5
+    out = trainops.silu(h, inplace=True)
+    assert out is h
+    dy = torch.randn(5, 12, dtype=torch.float64, device=device)
+    (dx,) = torch.autograd.grad(out, leaf, dy)
+    ref = leaf.detach().clone().requires_grad_()
+    (rdx,) = torch.autograd.grad(torch_F.silu(ref * 1.5), ref, dy)
+    assert_close(dx, rdx, torch.float64, "inplace silu gradient")
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        trainops.silu(leaf, inplace=True)

@@ -3,6 +3,7 @@ against Triton's tl.randint4x / tl.rand, bit for bit; independent of blocks, gri
 statistics; seeds; both mask modes; dbias determinism; layouts; empty tensors; torch.compile; the
 module; errors."""
 
+import fractions
 import math
 
 import pytest
@@ -438,10 +439,10 @@ def test_module_is_a_drop_in(backend, device):
     assert torch.equal(trainops.nn.Dropout(0.3, mask_mode="bits")(x), y)
     ours.eval()
     assert ours(x) is x, "eval: the input itself, as torch.nn.Dropout"
-    with pytest.raises(UnsupportedError, match="'inplace'"):
-        trainops.nn.Dropout(0.3, inplace=True)
     with pytest.raises(ValueError):
         trainops.nn.Dropout(1.5)
+    with pytest.raises(InvalidProblemError, match="'mask_mode'"):
+        trainops.nn.Dropout(0.3, mask_mode="bytes")
 
 
 def test_plan_api(backend, device):
@@ -471,9 +472,8 @@ def test_errors_name_the_argument():
         (lambda: trainops.dropout(x, True), InvalidProblemError, "'p'"),
         (lambda: trainops.dropout(x, 0.5, mask_mode="bytes"), InvalidProblemError, "'mask_mode'"),
         (lambda: trainops.dropout(x, 0.5, generator=1), InvalidProblemError, "'generator'"),
-        (lambda: trainops.dropout(x, 0.5, inplace=True), UnsupportedError, "'inplace'"),
-        (lambda: trainops.dropout(x.int(), 0.5), UnsupportedError, "'x' has dtype"),
-        (lambda: trainops.dropout("x", 0.5), InvalidProblemError, "'x' must be a torch.Tensor"),
+        (lambda: trainops.dropout(x.int(), 0.5), UnsupportedError, "'input' has dtype"),
+        (lambda: trainops.dropout("x", 0.5), InvalidProblemError, "'input' must be a torch.Tensor"),
         (lambda: trainops.bias_dropout_add(x, torch.randn(7), x, 0.5), InvalidProblemError, "'bias' has shape"),
         (lambda: trainops.bias_dropout_add(x, None, x[:2], 0.5), InvalidProblemError, "'residual' has shape"),
         (lambda: trainops.bias_dropout_add(x, None, x.double(), 0.5), InvalidProblemError, "'residual' has dtype"),
@@ -494,6 +494,25 @@ def test_errors_name_the_argument():
         with pytest.raises(cls) as info:
             fn()
         assert text in str(info.value), str(info.value)
+
+
+def test_p_any_real_number_as_torch(backend, device):
+    """numpy scalars and other real numbers are probabilities (torch takes them); bools, tensors,
+    NaN and values outside [0, 1] are not."""
+    np = pytest.importorskip("numpy")
+    x = torch.ones(4, 64, device=device)
+    for p in (np.float32(0.25), np.float64(0.5), np.float16(0.75), fractions.Fraction(1, 2)):
+        got = trainops.dropout(x, p, generator=_gen(21))
+        assert torch.equal(got, trainops.dropout(x, float(p), generator=_gen(21))), repr(p)
+    assert trainops.dropout(x, np.int64(0)) is x and trainops.dropout(x, np.float32(0.0)) is x
+    assert torch.equal(trainops.dropout(x, np.int64(1)), torch.zeros_like(x))
+    assert D.check_p("dropout", np.float32(0.1)) == float(np.float32(0.1))
+    assert type(D.check_p("dropout", np.float64(0.5))) is float
+    for p in (np.float32("nan"), np.float64(1.5), np.float32(-0.1), np.int64(2), np.bool_(True), torch.tensor(0.5),
+              10 ** 400, complex(0.5)):
+        with pytest.raises(InvalidProblemError) as info:
+            trainops.dropout(x, p)
+        assert "'p'" in str(info.value), repr(p)
 
 
 def test_double_backward_raises(backend, device):
@@ -551,3 +570,27 @@ def test_gpu_bias_dropout_add_real_size():
     assert torch.equal(dr, dy)
     again = torch.autograd.grad(trainops.bias_dropout_add(x, b, r, p, generator=_gen(29)), (x, b, r), dy)
     assert all(torch.equal(a, c) for a, c in zip((dx, db, dr), again)), "bit-identical run to run"
+
+
+def test_inplace_as_torch(backend, device):
+    """inplace=True writes into the input and returns it (torch's dropout_); eval and p = 0 return the
+    input untouched; gradients flow through the in-place result; a leaf that requires grad raises, as
+    in torch; the keyword ``input`` is torch's name."""
+    x = torch.randn(6, 40, device=device)
+    assert trainops.dropout(x, 0.5, training=False, inplace=True) is x
+    g = _gen(31)
+    y = x.clone()
+    out = trainops.dropout(input=y, p=0.4, inplace=True, generator=g)
+    assert out is y
+    assert torch.equal(y, trainops.dropout(x, 0.4, generator=_gen(31)))
+    assert trainops.nn.Dropout(0.4, inplace=True).inplace
+    leaf = torch.randn(6, 40, device=device, requires_grad=True)
+    h = leaf * 2
+    out = trainops.dropout(h, 0.4, inplace=True, generator=_gen(32))
+    assert out is h
+    (dx,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+    keep = trainops.dropout(torch.ones(6, 40, device=device), 0.4, generator=_gen(32)) != 0
+    scale = torch.tensor(1 / 0.6, dtype=torch.float32, device=device)  # dx = 2 * float32(1 / (1 - p)) where kept
+    assert torch.equal(dx, torch.where(keep, 2 * scale, torch.zeros_like(dx)))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        trainops.dropout(leaf, 0.4, inplace=True)

@@ -558,6 +558,8 @@ def test_rms_norm_module_checks_its_shape_and_starts_at_scale_one(backend, devic
     m = trainops.nn.RMSNorm((3, 8), elementwise_affine=False, device=device)
     with pytest.raises(InvalidProblemError, match="'x' has shape"):
         m(torch.randn(4, 2, 8, device=device))
+    with pytest.raises(InvalidProblemError, match="'weight_offset' is 1.0, but elementwise_affine=False"):
+        trainops.nn.RMSNorm(8, elementwise_affine=False, weight_offset=1.0)
     gemma = trainops.nn.RMSNorm(8, weight_offset=1.0, device=device)
     assert torch.equal(gemma.weight.detach(), torch.zeros(8, device=device))  # (1 + w) = 1, as Gemma starts
     x = torch.randn(4, 8, device=device)

@@ -214,9 +214,9 @@ def test_position_ids_shapes_and_range(backend, device):
     for bad in (6, -1):
         pos = torch.tensor([[0, 1, bad, 2], [0, 1, 2, 3]], device=device)
         with pytest.raises(IndexOutOfRangeError, match=f"'position_ids' holds {bad}"):
-            trainops.rotary_embedding(q, k, cos, sin, position_ids=pos)
-        # unchecked: the bad row's rotated features are NaN, everything else is exact
-        qo, ko = trainops.rotary_embedding(q, k, cos, sin, position_ids=pos, check_position_ids=False)
+            trainops.rotary_embedding(q, k, cos, sin, position_ids=pos, check_position_ids=True)
+        # unchecked (the default: no host sync): the bad row's rotated features are NaN, the rest exact
+        qo, ko = trainops.rotary_embedding(q, k, cos, sin, position_ids=pos)
         rq, _ = reference(q, k, cos, sin, pos.clamp(0, 5))
         bad_row = torch.zeros(b, s, dtype=torch.bool, device=device)
         bad_row[0, 2] = True
@@ -368,7 +368,8 @@ def test_errors_name_the_argument():
         (lambda: rot(q, k, table_c, table_s, position_ids=pos[:, :2]), InvalidProblemError, "'position_ids' has shape"),
         (lambda: rot(q, k, table_c, table_s, position_ids=pos[None]), InvalidProblemError, "'position_ids' has shape"),
         (lambda: rot(q, k, cos, sin, position_ids=pos), InvalidProblemError, "'cos' has shape"),
-        (lambda: rot(q, k, table_c, table_s, position_ids=pos + 10), IndexOutOfRangeError, "'position_ids' holds 10"),
+        (lambda: rot(q, k, table_c, table_s, position_ids=pos + 10, check_position_ids=True), IndexOutOfRangeError,
+         "'position_ids' holds 10"),
         (lambda: rot(q, k.to("meta"), cos, sin), InvalidProblemError, "'k' is on meta"),
         (lambda: rot(q, k, cos.to("meta"), sin), InvalidProblemError, "'cos' is on meta"),
         (lambda: rot(q, k, table_c, table_s, position_ids=pos.to("meta")), InvalidProblemError,
@@ -419,3 +420,15 @@ def test_gpu_real_sizes(dtype, interleaved, positions):
     assert dq.stride() == q.stride()
     again = trainops.rotary_embedding(q, k, cos, sin, position_ids=pos, interleaved=interleaved)
     assert torch.equal(again[0], qo) and torch.equal(again[1], ko), "bit-identical run to run"
+
+
+def test_outputs_of_broadcast_inputs_are_laid_out_as_torch_empty_like(backend, device):
+    """An expanded k (a broadcast head axis) gives k_out torch.empty_like's strides, not a permutation."""
+    gen = torch.Generator().manual_seed(41)
+    q, _ = make_qk(2, 4, 1, 5, 8, torch.float32, device, gen)
+    k = torch.randn(2, 1, 5, 8, generator=gen).to(device).expand(2, 4, 5, 8)
+    cos, sin = angles((5,), 8, False, device, gen)
+    qo, ko = trainops.rotary_embedding(q, k, cos, sin)
+    assert ko.stride() == torch.empty_like(k).stride() and qo.stride() == torch.empty_like(q).stride()
+    rq, rk = reference(q, k, cos, sin)
+    assert_close(ko, rk, torch.float32, "expanded k")

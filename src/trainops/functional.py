@@ -282,7 +282,7 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
 
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
                      interleaved: bool = False, rotary_dim: int | None = None,
-                     check_position_ids: bool = True) -> tuple[Tensor, Tensor]:
+                     check_position_ids: bool = False) -> tuple[Tensor, Tensor]:
     """Rotary position embedding of queries and keys, Hugging Face's ``apply_rotary_pos_emb(q, k,
     cos, sin)``: returns (q_out, k_out) with, on the first R = rotary_dim features of every head,
 
@@ -299,10 +299,10 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     it, be even and at most head_dim (partial rotary: GPT-NeoX, Phi). ``position_ids`` (int32 /
     int64, (batch, seq), (1, seq) or (seq,)): cos and sin are then (max_position, R) tables and row
     (b, s) uses row position_ids[b, s], read by the kernel (no gathered copy). Out-of-range ids
-    (outside [0, max_position)): ``check_position_ids=True`` (default, as ``embedding``'s
-    check_index) raises IndexError (IndexOutOfRangeError) before anything is written, at the cost of
-    one min/max and one host synchronisation per call on the GPU; unchecked, such a row's rotated
-    features come out NaN.
+    (outside [0, max_position)): by default nothing is synchronised with the host and such a row's
+    rotated features come out NaN (the error shows in the loss); ``check_position_ids=True`` raises
+    IndexError (IndexOutOfRangeError) before anything is written, at the cost of one min/max and
+    one host synchronisation per call on the GPU.
 
     Dtypes: q and k float32/float16/bfloat16/float64, one dtype; cos and sin any float dtype (HF's
     float32 tables with bf16 q are fine). Math in float32 (float64 for float64), each output rounded
@@ -373,14 +373,16 @@ def silu(input: Tensor, inplace: bool = False) -> Tensor:
     """SiLU (swish), as ``torch.nn.functional.silu``: y = x / (1 + exp(-x)) (= x * sigmoid(x)).
 
     Shapes, dtypes, limits at +-inf (silu(-inf) = 0, not NaN) and errors as ``gelu``.
-    ``inplace=True`` raises UnsupportedError: the backward needs the input the in-place op would
-    overwrite (torch saves it; an honest in-place op would have to copy it first).
+    ``inplace=True`` writes the result into ``input`` and returns it, as torch's ``silu_``; where a
+    gradient is recorded, the backward's input is a copy taken first (torch keeps one too), so
+    in place saves no memory there. torch's in-place rules hold (a leaf that requires grad raises
+    RuntimeError).
     """
-    if inplace:
-        raise argument_error(UnsupportedError, "silu", "inplace", "is True; in-place SiLU is not supported (its "
-                             "backward needs the input it would overwrite): use inplace=False")
     _check_activation_tensor("silu", "input", input)
-    return activation_ops.silu_op(input)
+    if not inplace:
+        return activation_ops.silu_op(input)
+    source = input.clone() if torch.is_grad_enabled() and input.requires_grad else input
+    return input.copy_(activation_ops.silu_op(source))
 
 
 def bias_gelu(input: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
@@ -388,11 +390,13 @@ def bias_gelu(input: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     the leading axes (``approximate`` as ``gelu``; "tanh" is FastGelu with bias).
 
     input + bias is added in float32 (float64 for float64) and not rounded before the GELU (torch's
-    ``gelu(x + b)`` rounds the sum to the input's dtype first). bias: input's dtype and device, any
-    strides. Backward: d input = dy * gelu'(input + bias); d bias = the sum of d input over every
-    leading element, deterministic (per-program float32 partial sums added in a fixed order by a
-    second kernel, no atomics: bit-identical run to run). Errors as ``gelu``, and
-    InvalidProblemError for a bias of another shape, dtype or device.
+    ``gelu(x + b)`` rounds the sum to the input's dtype first). bias: any float dtype (read in the
+    accumulator dtype; an fp32 bias beside bf16 input, as fp32 master parameters give, is fine: the
+    output keeps the input's dtype), the input's device, any strides. Backward: d input = dy *
+    gelu'(input + bias); d bias = the sum of d input over every leading element, in the bias's
+    dtype, deterministic (per-program float32 partial sums added in a fixed order by a second
+    kernel, no atomics: bit-identical run to run). Errors as ``gelu``, InvalidProblemError for a
+    bias of another shape or device, UnsupportedError for a non-float bias.
     """
     _check_activation_tensor("bias_gelu", "input", input)
     _check_activation_tensor("bias_gelu", "bias", bias)
@@ -427,12 +431,13 @@ def geglu(gate: Tensor, up: Tensor | None = None, approximate: str = "tanh") -> 
     return activation_ops.geglu_op(gate, up, approximate)
 
 
-def _dropout_args(op: str, x, p, generator, mask_mode) -> float:
-    """p as a float; x a float tensor, generator a CPU torch.Generator or None, mask_mode known."""
+def _dropout_args(op: str, x, p, generator, mask_mode, name: str = "x") -> float:
+    """p as a float; x (the argument ``name``) a float tensor, generator a CPU torch.Generator or
+    None, mask_mode known."""
     if not isinstance(x, Tensor):
-        raise argument_error(InvalidProblemError, op, "x", f"must be a torch.Tensor, got {type(x).__name__}")
+        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise argument_error(UnsupportedError, op, "x", f"has dtype {x.dtype}; supported: float32, float16, "
+        raise argument_error(UnsupportedError, op, name, f"has dtype {x.dtype}; supported: float32, float16, "
                              "bfloat16, float64")
     p = dropout_ops.check_p(op, p)
     if mask_mode not in dropout_ops.MASK_MODES:
@@ -453,10 +458,10 @@ def _dropout_args(op: str, x, p, generator, mask_mode) -> float:
     return p
 
 
-def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
             generator: torch.Generator | None = None, mask_mode: str = "regenerate") -> Tensor:
-    """y = x * keep / (1 - p), each element kept with probability 1 - p, as
-    ``torch.nn.functional.dropout(x, p, training)``.
+    """y = x * keep / (1 - p) (x: ``input``), each element kept with probability 1 - p, as
+    ``torch.nn.functional.dropout(input, p, training, inplace)``.
 
     ``training=False`` or ``p == 0`` returns x itself (as torch: no copy, nothing drawn); ``p == 1``
     gives x * 0 (zeros; NaN where x is NaN or infinite, as torch). Dropped elements are x * 0, so
@@ -474,19 +479,20 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     rounded once. Deterministic. Under torch.compile the seed is drawn by ``torch.randint`` in the
     graph (a ``generator`` cannot be traced: UnsupportedError); a captured CUDA graph replays its
     seed. See ``trainops.ops.dropout``.
+    ``inplace=True``: the result is written into ``input``, which is returned (as torch's
+    ``dropout_``; the kernel writes a new buffer that is copied over, so it saves no memory; torch's
+    in-place rules hold: a leaf that requires grad raises RuntimeError).
     Errors: InvalidProblemError (p not a number in [0, 1], mask_mode, a non-CPU generator),
-    UnsupportedError (integer dtypes; ``inplace=True``: the result is always a new tensor; a
-    generator under torch.compile); double backward raises UnsupportedError.
+    UnsupportedError (integer dtypes; a generator under torch.compile); double backward raises
+    UnsupportedError.
     """
     op = "dropout"
-    p = _dropout_args(op, x, p, generator, mask_mode)
-    if inplace:
-        raise argument_error(UnsupportedError, op, "inplace", "is not supported: dropout writes a new tensor "
-                             "(its backward saves only a seed, so out of place costs one output buffer)")
+    x = input
+    p = _dropout_args(op, x, p, generator, mask_mode, "input")
     if not training or p == 0:
         return x
     y, _ = dropout_ops.dropout_op(x, None, None, dropout_ops.draw_seed(generator), p, 0, mask_mode == "bits")
-    return y
+    return x.copy_(y) if inplace else y
 
 
 def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float, training: bool = True, *,

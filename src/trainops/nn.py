@@ -98,6 +98,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, *args, weight_offset: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if weight_offset and self.weight is None:
+            raise argument_error(InvalidProblemError, "nn.RMSNorm", "weight_offset",
+                                 f"is {weight_offset}, but elementwise_affine=False gives no weight to offset")
         self.weight_offset = weight_offset
         if weight_offset:
             self.reset_parameters()
@@ -147,32 +150,26 @@ class GELU(torch.nn.GELU):
 
 
 class SiLU(torch.nn.SiLU):
-    """``torch.nn.SiLU`` computed by ``trainops.functional.silu`` (same constructor, repr and state).
-    ``inplace=True`` raises UnsupportedError (see ``trainops.functional.silu``)."""
-
-    def __init__(self, inplace: bool = False) -> None:
-        if inplace:
-            raise argument_error(UnsupportedError, "nn.SiLU", "inplace", "is True; in-place SiLU is not supported "
-                                 "(its backward needs the input it would overwrite): use inplace=False")
-        super().__init__(inplace)
+    """``torch.nn.SiLU`` computed by ``trainops.functional.silu`` (same constructor, repr and state;
+    ``inplace=True`` as ``trainops.functional.silu``'s)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.silu(input)
+        return F.silu(input, self.inplace)
 
 
 class Dropout(torch.nn.Dropout):
     """``torch.nn.Dropout`` computed by ``trainops.functional.dropout`` (same constructor, repr and
     state; identity in eval mode, returning the input itself). Keyword ``mask_mode``: "regenerate"
     (default: the backward regenerates the mask from the seed) or "bits" (a 1-bit-per-element mask is
-    stored). ``inplace=True`` raises UnsupportedError (the result is always a new tensor)."""
+    stored). ``inplace=True`` as ``trainops.functional.dropout``'s."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False, *, mask_mode: str = "regenerate") -> None:
-        if inplace:
-            raise argument_error(UnsupportedError, "nn.Dropout", "inplace", "is True; in-place dropout is not "
-                                 "supported (its backward saves only a seed, so out of place costs one output "
-                                 "buffer): use inplace=False")
+        from .ops.dropout import MASK_MODES
+        if mask_mode not in MASK_MODES:
+            raise argument_error(InvalidProblemError, "nn.Dropout", "mask_mode",
+                                 f"is {mask_mode!r}; expected one of {MASK_MODES}")
         super().__init__(p, inplace)
         self.mask_mode = mask_mode
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.dropout(input, self.p, self.training, mask_mode=self.mask_mode)
+        return F.dropout(input, self.p, self.training, self.inplace, mask_mode=self.mask_mode)

@@ -36,8 +36,10 @@ Shapes: any (rank 0 too). Strides: any, read in place (no copies): dims that wal
 operand are merged; a fully contiguous problem is one flat offset; other layouts index rows of a
 merged inner axis. Outputs are contiguous, row-major (torch.empty_like would keep a permuted dense
 input's layout; the fakes torch.compile traces with say contiguous, and so do the kernels).
-Dtypes: float32, float16, bfloat16, float64 (inputs of one op share one dtype: gate and up, x and
-bias); math in float32 (float64 for float64 inputs); outputs in the input's dtype.
+Dtypes: float32, float16, bfloat16, float64 (gate and up share one dtype; bias_gelu's bias may have
+any of the four, e.g. float32 master weights beside a bfloat16 input under autocast); math in
+float32 (float64 for float64 inputs; the bias is read in that accumulator dtype); outputs in the
+input's dtype, the bias gradient in the bias's.
 Deterministic: the bias gradient is summed per program over a fixed block of rows into a float32
 workspace, then across programs in a fixed order by a second kernel (no atomics): bit-identical
 run to run on one device (the number of programs depends on its SM count).
@@ -60,11 +62,13 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import merge_dims, next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available, triton_interpreting)
+from ._common import contiguous_strides, float_dtype
 
 UNARY_OPS = ("gelu", "quick_gelu", "silu")
 BIAS_OPS = ("bias_gelu",)
@@ -73,7 +77,6 @@ FORWARD_OPS = UNARY_OPS + BIAS_OPS + GATED_OPS
 BACKWARD_OPS = tuple(op + "_backward" for op in FORWARD_OPS)
 APPROXIMATIONS = ("none", "tanh")
 _WITH_APPROXIMATE = {"gelu": "none", "bias_gelu": "none", "geglu": "tanh"}  # op -> default approximate
-_FLOAT_NAMES = "float32, float16, bfloat16, float64"
 
 # the kernels' activation codes (constexpr ACT) and operand modes (constexpr MODE)
 GELU, GELU_TANH, QUICK_GELU, SILU = 0, 1, 2, 3
@@ -163,7 +166,8 @@ class ActivationProblem:
     backward dy first. ``strides``: one entry per input, None for the absent ``up`` of a packed
     problem. ``needs``: backward, which of the two gradients (input / gate, bias / up) to compute.
     Outputs (``new_output``): forward y; backward dx (unary), (dx, dbias) or (dgate, dup)
-    (packed: (dx of ``shape``, empty)); a gradient not needed is an empty tensor.
+    (packed: (dx of ``shape``, empty)); a gradient not needed is an empty tensor. ``dtype``: every
+    tensor's but bias_gelu's bias (and dbias), whose dtype is ``bias_dtype`` (None for the other ops).
     """
 
     op: str
@@ -176,6 +180,7 @@ class ActivationProblem:
     packed: bool
     needs: tuple[bool, bool]
     heuristics: ActivationHeuristics
+    bias_dtype: torch.dtype | None = None
     index_dtype = None
     backward: bool = field(init=False, repr=False, compare=False)   # set from op: read on every call
     mode: int = field(init=False, repr=False, compare=False)
@@ -215,7 +220,8 @@ class ActivationProblem:
                     raise argument_error(InvalidProblemError, self.op, name,
                                          "is given; the plan is for one tensor holding gate and up (up=None)")
                 continue
-            check_tensor(self.op, name, t, self._shape_of(name), self.dtype, self.device, strides)
+            check_tensor(self.op, name, t, self._shape_of(name), self.bias_dtype if name == "bias" else self.dtype,
+                         self.device, strides)
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
 
@@ -229,17 +235,19 @@ class ActivationProblem:
             return torch.empty(self.shape, dtype=dtype, device=device)
         if self.packed:
             return torch.empty(self.shape, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device)
-        second = self.bias_shape if mode == BIAS else self.shape
+        second, second_dtype = (self.bias_shape, self.bias_dtype) if mode == BIAS else (self.shape, dtype)
         return (torch.empty(self.shape if self.needs[0] else (0,), dtype=dtype, device=device),
-                torch.empty(second if self.needs[1] else (0,), dtype=dtype, device=device))
+                torch.empty(second if self.needs[1] else (0,), dtype=second_dtype, device=device))
 
 
 def _describe(op: str, shape, dtype, device="cuda", approximate=None, strides=None, packed=False,
-              needs=(True, True), heuristics=None) -> ActivationProblem:
+              needs=(True, True), heuristics=None, bias_dtype=None) -> ActivationProblem:
     """Validate an activation descriptor; errors name the argument (errors.argument_error).
 
     shape: the first input's sizes (input / gate, or with ``packed`` the tensor holding gate and
-    up). dtype: every tensor's dtype (float32, float16, bfloat16, float64). approximate: "none" or
+    up). dtype: every tensor's dtype (float32, float16, bfloat16, float64) but bias_gelu's bias.
+    bias_dtype: bias_gelu's bias (and dbias) dtype, any of the four (None: ``dtype``); the other
+    ops take none. approximate: "none" or
     "tanh" for gelu / bias_gelu / geglu (None: the op's default, geglu's is "tanh"); the others
     take none. strides: None (every input contiguous) or one entry per input in the op's order
     (forward input[, bias | up]; backward dy first), None for the absent ``up`` of a packed gated
@@ -252,8 +260,11 @@ def _describe(op: str, shape, dtype, device="cuda", approximate=None, strides=No
     names = _input_names(op)
     first = names[1] if backward else names[0]
     shape = checked_shape(op, "shape", shape)
-    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
-        raise argument_error(UnsupportedError, op, first, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
+    dtype = float_dtype(op, first, dtype)
+    if _mode(op) == BIAS:
+        bias_dtype = float_dtype(op, "bias", dtype if bias_dtype is None else bias_dtype)
+    elif bias_dtype is not None:
+        raise argument_error(InvalidProblemError, op, "bias_dtype", f"is for bias_gelu; {base} has no bias")
     try:
         device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
@@ -286,7 +297,7 @@ def _describe(op: str, shape, dtype, device="cuda", approximate=None, strides=No
     probe = ActivationProblem(op, shape, out_shape, dtype, device, approximate, (), packed, (True, True),
                               ActivationHeuristics())
     if strides is None:
-        strides = tuple(_contiguous_strides(probe._shape_of(name)) if p else None for name, p in zip(names, present))
+        strides = tuple(contiguous_strides(probe._shape_of(name)) if p else None for name, p in zip(names, present))
     try:
         strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
     except TypeError:
@@ -317,21 +328,14 @@ def _describe(op: str, shape, dtype, device="cuda", approximate=None, strides=No
     if heuristics.block < 64 or heuristics.block & (heuristics.block - 1):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"has block {heuristics.block}; expected a power of two >= 64")
-    return ActivationProblem(op, shape, out_shape, dtype, device, approximate, strides, packed, needs, heuristics)
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return ActivationProblem(op, shape, out_shape, dtype, device, approximate, strides, packed, needs, heuristics,
+                             bias_dtype)
 
 
 def _describer(op: str):
     def describe(shape, dtype, device="cuda", approximate=None, strides=None, packed=False, needs=(True, True),
-                 heuristics=None) -> ActivationProblem:
-        return _describe(op, shape, dtype, device, approximate, strides, packed, needs, heuristics)
+                 heuristics=None, bias_dtype=None) -> ActivationProblem:
+        return _describe(op, shape, dtype, device, approximate, strides, packed, needs, heuristics, bias_dtype)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -439,6 +443,8 @@ if triton_available():
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from ._common import column_sum
 
     # The kernels write torch's constants as literals (tests check them against the ones above): a
     # constexpr global on the left of a tensor product stays a constexpr under the interpreter.
@@ -641,16 +647,6 @@ if triton_available():
         if MODE == 1 and NEED_B:
             tl.store(PART + (part_row + pid_r) * C + c, tl.sum(dbias, 0), mask=c < C)
 
-    @triton.jit
-    def _sum_columns(PART, OUT, parts, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        """OUT[j] = sum over p of PART[p, j], in a fixed order (deterministic)."""
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        acc = tl.zeros([BLOCK_P, BLOCK_C], PART.dtype.element_ty)
-        for start in range(0, parts, BLOCK_P):
-            p = start + tl.arange(0, BLOCK_P)
-            mask = (p < parts)[:, None] & (c < C)[None, :]
-            acc += tl.load(PART + p[:, None].to(tl.int64) * C + c[None, :], mask=mask, other=0.0)
-        tl.store(OUT + c, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=c < C)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -685,7 +681,7 @@ def _operands(problem: ActivationProblem) -> tuple[tuple[int, ...], list[tuple[i
         shape = (1,)  # a 0-d input: one column, its bias the 0-d bias
     rank = len(shape)
     zeros = (0,) * rank
-    contiguous = _contiguous_strides(shape)
+    contiguous = contiguous_strides(shape)
     if problem.backward:
         dy, a, b = (problem.strides + (None,))[:3]
     else:
@@ -700,7 +696,7 @@ def _operands(problem: ActivationProblem) -> tuple[tuple[int, ...], list[tuple[i
     if not problem.backward:
         ops = a_ops + [(contiguous, 0, True)]
     else:
-        full = _contiguous_strides(problem.shape) if packed else contiguous
+        full = contiguous_strides(problem.shape) if packed else contiguous
         need_a, need_b = problem.needs
         da = (full, 0, need_a)
         if mode == GATED:
@@ -781,22 +777,22 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
         numel = layout.numel
         if not backward:
             meta.update(GATED=mode == GATED)
-            launch_fwd = _act_fwd_flat[grid]
+            launch_fwd = launcher(_act_fwd_flat, grid, **meta)
 
             def run(tensors, y):
                 a = tensors[0]
-                launch_fwd(a, tensors[1] if mode == GATED else a, y, numel, **meta)
+                launch_fwd(a, tensors[1] if mode == GATED else a, y, numel)
         else:
             meta.update(GATED=mode == GATED, NEED_A=need_a, NEED_B=need_b)
-            launch_bwd = _act_bwd_flat[grid]
+            launch_bwd = launcher(_act_bwd_flat, grid, **meta)
 
             def run(tensors, outputs):
                 dy, a = tensors[0], tensors[1]
                 if mode == GATED:
                     da, db = outputs
-                    launch_bwd(dy, a, tensors[2], da if need_a else dy, db if need_b else dy, numel, **meta)
+                    launch_bwd(dy, a, tensors[2], da if need_a else dy, db if need_b else dy, numel)
                 else:
-                    launch_bwd(dy, a, a, outputs, outputs, numel, **meta)
+                    launch_bwd(dy, a, a, outputs, outputs, numel)
         params = (("plan", "flat"), ("BLOCK", block), ("num_warps", meta["num_warps"]), ("int64", meta["INT64"]))
         return Launch(run, KernelChoice(f"{_base(problem.op)}_{'bwd' if backward else 'fwd'}_flat", "triton", params),
                       acc)
@@ -815,7 +811,7 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
 
     if not backward:
         grid = (triton.cdiv(rows, block_r) * col_blocks,)
-        launch_fwd = _act_fwd_strided[grid]
+        launch_fwd = launcher(_act_fwd_strided, grid, **meta)
         # every scalar argument is fixed by the plan: built once here, not per call
         launches = [(*operand_args(bases), rows, cols, o1, o2, col_blocks) for bases in layout.host_bases]
 
@@ -823,7 +819,7 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
             a = tensors[0]
             b = a if mode == UNARY or tensors[1] is None else tensors[1]
             for args in launches:
-                launch_fwd(a, b, y, *args, **meta)
+                launch_fwd(a, b, y, *args)
         kernel = "fwd_strided"
         rows_per_program = block_r
     else:
@@ -837,15 +833,13 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
         parts = groups * len(layout.host_bases)
         grid = (groups * col_blocks,)
         meta.update(NEED_A=need_a, NEED_B=need_b)
-        launch_bwd = _act_bwd_strided[grid]
+        launch_bwd = launcher(_act_bwd_strided, grid, **meta)
         launches = [(*operand_args(bases), index * groups, rows, cols, o1, o2, col_blocks, rows_per_program)
                     for index, bases in enumerate(layout.host_bases)]
         with_partials = mode == BIAS and need_b
         if with_partials:
             workspace = parts * cols * acc.itemsize
-            reduce_c = min(h.reduce_block, next_pow2(cols))
-            reduce_p = max(1, min(h.reduce_parts, next_pow2(parts), 8192 // reduce_c))
-            launch_sum = _sum_columns[(triton.cdiv(cols, reduce_c),)]
+            sum_columns = column_sum(parts, cols, h.reduce_block, h.reduce_parts)
 
         def run(tensors, outputs):
             dy, a = tensors[0], tensors[1]
@@ -859,10 +853,9 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
                     db = da
             part = torch.empty((parts, cols), dtype=acc, device=dy.device) if with_partials else dy
             for args in launches:
-                launch_bwd(dy, a, b, da if need_a else dy, db if mode == GATED and need_b else dy, part, *args,
-                           **meta)
+                launch_bwd(dy, a, b, da if need_a else dy, db if mode == GATED and need_b else dy, part, *args)
             if with_partials:
-                launch_sum(part, db, parts, cols, BLOCK_P=reduce_p, BLOCK_C=reduce_c, num_warps=4)
+                sum_columns(part, db)
         kernel = "bwd_strided"
     params = (("plan", "strided"), ("BLOCK_R", block_r), ("BLOCK_C", block_c), ("num_warps", meta["num_warps"]),
               ("rows_per_program", rows_per_program), ("host_launches", len(layout.host_bases)),
@@ -899,18 +892,23 @@ def _check_like(op: str, name: str, t, ref_name: str, shape_name: str, shape, dt
 
 
 def _check_second(op: str, a: Tensor, b: Tensor | None) -> None:
-    """bias_gelu's bias (shape a.shape[-1:]) or a gated op's up (a's shape), same dtype and device as a."""
+    """bias_gelu's bias (shape a.shape[-1:], any float dtype) or a gated op's up (a's shape and
+    dtype), on a's device."""
     if _MODES[op] == BIAS:
-        if not (isinstance(b, Tensor) and b.shape == a.shape[-1:] and b.dtype == a.dtype and b.device == a.device):
-            _check_like(op, "bias", b, "input", "input.shape[-1:]", a.shape[-1:], a.dtype, a.device)
+        if not (isinstance(b, Tensor) and b.shape == a.shape[-1:] and b.dtype in FLOATS and b.device == a.device):
+            if isinstance(b, Tensor):
+                float_dtype(op, "bias", b.dtype)
+            _check_like(op, "bias", b, "input", "input.shape[-1:]", a.shape[-1:], getattr(b, "dtype", a.dtype),
+                        a.device)
     elif b is not None and not (isinstance(b, Tensor) and b.shape == a.shape and b.dtype == a.dtype
                                 and b.device == a.device):
         _check_like(op, "up", b, "gate", "gate's shape", a.shape, a.dtype, a.device)
 
 
-def _run(op: str, tensors: tuple, a: Tensor, strides: tuple, approximate, packed: bool, needs=_BOTH):
+def _run(op: str, tensors: tuple, a: Tensor, strides: tuple, approximate, packed: bool, needs=_BOTH,
+         bias_dtype=None):
     descriptor = DESCRIPTORS[op](a.shape, a.dtype, a.device, approximate, strides, packed, needs,
-                                 heuristics_for(ActivationHeuristics))
+                                 heuristics_for(ActivationHeuristics), bias_dtype)
     return cached_plan(descriptor).run_unchecked(tensors)
 
 
@@ -918,7 +916,8 @@ def _forward(op: str, a: Tensor, b: Tensor | None, approximate) -> Tensor:
     mode = _MODES[op]
     if b is not None or mode == BIAS:
         _check_second(op, a, b)
-        return _run(op, (a, b), a, (a.stride(), b.stride()), approximate, False)
+        return _run(op, (a, b), a, (a.stride(), b.stride()), approximate, False, _BOTH,
+                    b.dtype if mode == BIAS else None)
     if mode == GATED:
         return _run(op, (a, None), a, (a.stride(), None), approximate, True)
     return _run(op, (a,), a, (a.stride(),), approximate, False)
@@ -932,7 +931,8 @@ def _backward(op: str, dy: Tensor, a: Tensor, b: Tensor | None, approximate, nee
         _check_like(op, "dy", dy, _input_names(op)[1], "the forward output's shape", out_shape, a.dtype, a.device)
     if b is not None or mode == BIAS:
         _check_second(op, a, b)
-        return _run(op, (dy, a, b), a, (dy.stride(), a.stride(), b.stride()), approximate, False, needs)
+        return _run(op, (dy, a, b), a, (dy.stride(), a.stride(), b.stride()), approximate, False, needs,
+                    b.dtype if mode == BIAS else None)
     if packed:
         return _run(op, (dy, a, None), a, (dy.stride(), a.stride(), None), approximate, True, needs)
     return _run(op, (dy, a), a, (dy.stride(), a.stride()), approximate, False)
@@ -945,7 +945,8 @@ def _validate(op: str, a, b, approximate) -> None:
                              f"{type(a).__name__}")
     if b is not None or _mode(op) == BIAS:
         _check_second(op, a, b)
-    _describe(op, a.shape, a.dtype, a.device, approximate, None, _mode(op) == GATED and b is None)
+    _describe(op, a.shape, a.dtype, a.device, approximate, None, _mode(op) == GATED and b is None,
+              bias_dtype=b.dtype if _mode(op) == BIAS else None)
 
 
 def _in_force(ctx):
@@ -1049,7 +1050,7 @@ def _bias_gelu_backward_impl(dy: Tensor, input: Tensor, bias: Tensor, approximat
 
 def _bias_gelu_backward_fake(dy, input, bias, approximate, needs_input, needs_bias):
     return (input.new_empty(input.shape if needs_input else (0,)),
-            input.new_empty(bias.shape if needs_bias else (0,)))
+            bias.new_empty(bias.shape if needs_bias else (0,)))
 
 
 def _save_bias(ctx, inputs, output) -> None:

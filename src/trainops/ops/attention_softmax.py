@@ -61,17 +61,18 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
+from ._common import contiguous_strides, float_dtype
 from .dropout import SEED_BOUND, keep_mask, keep_threshold
 
 OP = "attention_softmax"
 BACKWARD_OP = "attention_softmax_backward"
 MAX_RANK = 8
-_FLOAT_NAMES = "float32, float16, bfloat16, float64"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,14 +109,6 @@ class AttentionSoftmaxHeuristics:
 # ----------------------------------------------------------------------------------------------
 # Problem
 # ----------------------------------------------------------------------------------------------
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
 
 @dataclass(frozen=True)
 class AttentionSoftmaxProblem:
@@ -246,12 +239,6 @@ def broadcast_strides(op: str, name: str, t: Tensor, shape: Sequence[int]) -> tu
     return tuple(out)
 
 
-def _float_dtype(op: str, name: str, dtype) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
-        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
-    return dtype
-
-
 def _strides_arg(op: str, name: str, strides, rank: int) -> tuple[int, ...]:
     try:
         strides = tuple(int(v) for v in strides)
@@ -270,13 +257,13 @@ def _describe(op: str, shape, dtype, device, strides, mask_strides, bias_dtype, 
     shape = checked_shape(op, "shape", shape)
     if not 1 <= len(shape) <= MAX_RANK:
         raise argument_error(UnsupportedError, op, first, f"has rank {len(shape)}; ranks 1 to {MAX_RANK} are supported")
-    dtype = _float_dtype(op, first, dtype)
+    dtype = float_dtype(op, first, dtype)
     try:
         device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     names = ("dout", "y") if backward else ("scores",)
-    contiguous = _contiguous_strides(shape)
+    contiguous = contiguous_strides(shape)
     if strides is None:
         strides = (contiguous,) * len(names)
     elif len(strides) > 0 and all(isinstance(v, int) for v in strides):  # one stride tuple for every input
@@ -290,7 +277,7 @@ def _describe(op: str, shape, dtype, device, strides, mask_strides, bias_dtype, 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise argument_error(InvalidProblemError, op, "dropout_p", f"must be a number in [0, 1), got {dropout_p!r}")
     if bias_dtype is not None:
-        bias_dtype = _float_dtype(op, "bias", bias_dtype)
+        bias_dtype = float_dtype(op, "bias", bias_dtype)
     if causal_shift is not None:
         if isinstance(causal_shift, bool) or not isinstance(causal_shift, int):
             raise argument_error(InvalidProblemError, op, "causal", f"shift must be an int, got {causal_shift!r}")
@@ -452,16 +439,10 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    # the dropout family's mask decision (Philox-4x32 lane vs threshold), under its own name: Triton's
-    # interpreter looks a called jit function up by its __name__
+    # the shared row offset and the dropout family's mask decision (Philox-4x32 lane vs threshold),
+    # each under its own name: Triton's interpreter looks a called jit function up by its __name__
+    from ._common import _row_offset
     from .dropout import _keep
-
-    @triton.jit
-    def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):
-        """Element offset (int64) of row ``r`` (numbered as the layout's reference) in a strided operand."""
-        i = r % INNER
-        t = r // INNER
-        return (t // OUTER1).to(tl.int64) * s_o0 + (t % OUTER1).to(tl.int64) * s_o1 + i.to(tl.int64) * s_i
 
     @triton.jit
     def _from_bits(bits, ACC: tl.constexpr):
@@ -739,7 +720,7 @@ def _prepare_forward(problem: AttentionSoftmaxProblem) -> Launch:
     rank = len(shape)
     zeros = (0,) * rank
     operands = [problem.strides[0], problem.mask_strides or zeros, problem.bias_strides or zeros,
-                _contiguous_strides(shape)]
+                contiguous_strides(shape)]
     layout = reduction_layout(shape, rank - 1, operands)   # reference: the contiguous outputs
     config = _choose_config(problem, layout.rows)
     meta = _meta(problem, config, HAS_MASK=problem.mask_strides is not None,
@@ -748,7 +729,7 @@ def _prepare_forward(problem: AttentionSoftmaxProblem) -> Launch:
     # every scalar argument but the seed is fixed by the plan: built once here, not per call
     launches = [(*_operand_args(layout, bases, 3), bases[3], layout.rows, n, layout.outer1, layout.inner,
                  problem.q_len, shift, *_scalar_args(problem)) for bases in layout.host_bases]
-    launch = _attention_softmax_fwd[(triton.cdiv(layout.rows, config.block_m),)]
+    launch = launcher(_attention_softmax_fwd, (triton.cdiv(layout.rows, config.block_m),), **meta)
     dropout = problem.dropout
 
     def run(tensors, outputs):
@@ -758,7 +739,7 @@ def _prepare_forward(problem: AttentionSoftmaxProblem) -> Launch:
                     y if dropout else out, out)
         seed = seed if dropout else 0
         for args in launches:
-            launch(*pointers, *args, seed, **meta)
+            launch(*pointers, *args, seed)
 
     return Launch(run, KernelChoice("attention_softmax_fwd", "triton",
                                     _params(config, host_launches=len(layout.host_bases))), problem.acc_dtype)
@@ -770,12 +751,12 @@ def _backward_layouts(problem: AttentionSoftmaxProblem) -> tuple[ReductionLayout
     y, d scores, and (kept layout only) d bias, contiguous, the reference."""
     shape, n = problem.shape, problem.n
     lead = range(len(shape) - 1)
-    ds_strides = _contiguous_strides(shape)
+    ds_strides = contiguous_strides(shape)
     if problem.bias_shape is not None:
         aligned = problem.aligned_bias_shape
         kept = [d for d in lead if aligned[d] != 1]
         spread = [d for d in lead if aligned[d] == 1 and shape[d] != 1]
-        db_strides = _contiguous_strides(aligned)
+        db_strides = contiguous_strides(aligned)
     else:
         kept, spread, db_strides = list(lead), [], ds_strides
     operands = problem.strides + (ds_strides,)
@@ -823,7 +804,7 @@ def _prepare_backward(problem: AttentionSoftmaxProblem) -> Launch:
                  spread.rows, spread.outer1, spread.inner, per_program, splits, n, nb, problem.q_len, shift,
                  *_scalar_args(problem))
                 for k_bases in kept.host_bases for index, b_bases in enumerate(spread.host_bases)]
-    launch = _attention_softmax_bwd[(k_blocks * splits,)]
+    launch = launcher(_attention_softmax_bwd, (k_blocks * splits,), **meta)
     dropout = problem.dropout
     make_workspace = torch.zeros if config.looped and not rowsum else torch.empty
 
@@ -833,7 +814,7 @@ def _prepare_backward(problem: AttentionSoftmaxProblem) -> Launch:
         db = make_workspace((parts, bias_rows, nb), dtype=acc, device=ds.device) if workspace else dbias
         seed = seed if dropout else 0
         for args in launches:
-            launch(dout, y, ds, db if bias_grad else ds, *args, seed, **meta)
+            launch(dout, y, ds, db if bias_grad else ds, *args, seed)
         if workspace:  # the partial rows summed over a fixed axis: deterministic
             dbias.view(bias_rows, nb).copy_(db.sum(0))
 

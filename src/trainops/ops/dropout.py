@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
@@ -73,17 +74,18 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
+from ._common import contiguous_strides, float_dtype, raise_mismatch
 
 DROPOUT_OPS = ("dropout", "dropout_backward")
 MASK_MODES = ("regenerate", "bits")
 MAX_MERGED_AXES = 4
 SEED_BOUND = 2 ** 63 - 1        # seeds are in [0, SEED_BOUND)
-_FLOAT_NAMES = "float32, float16, bfloat16, float64"
 _M32 = 0xFFFFFFFF
 # Philox-4x32 constants, as triton/language/random.py
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -244,8 +246,9 @@ def _check_random(op: str, random) -> DropoutRandom:
 
 
 def check_p(op: str, p) -> float:
-    """``p`` as a float, or InvalidProblemError naming 'p' (not a number, NaN, outside [0, 1])."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+    """``p`` as a float: any real number (Python's, numpy's scalars) in [0, 1], or InvalidProblemError
+    naming 'p' (a bool, a tensor or another non-number, NaN, outside [0, 1])."""
+    if isinstance(p, (bool, Tensor)) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:
         raise argument_error(InvalidProblemError, op, "p", f"must be a probability in [0, 1], got {p!r}")
     return float(p)
 
@@ -363,14 +366,6 @@ class DropoutProblem:
         return y, bits
 
 
-def _float_dtype(op: str, name: str, dtype, optional: bool = True) -> torch.dtype | None:
-    if dtype is None and optional:
-        return None
-    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
-        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
-    return dtype
-
-
 def _describe(op: str, shape, dtype, device="cuda", *, bias_dtype=None, has_residual=False, mask_bits=False,
               masked=True, strides=None, heuristics=None) -> DropoutProblem:
     """Validate a dropout descriptor.
@@ -385,8 +380,8 @@ def _describe(op: str, shape, dtype, device="cuda", *, bias_dtype=None, has_resi
     backward = op == "dropout_backward"
     first = "dy" if backward else "x"
     shape = checked_shape(op, "shape", shape)
-    dtype = _float_dtype(op, first, dtype, optional=False)
-    bias_dtype = _float_dtype(op, "bias", bias_dtype)
+    dtype = float_dtype(op, first, dtype)
+    bias_dtype = float_dtype(op, "bias", bias_dtype, optional=True)
     if bias_dtype is not None and not shape:
         raise argument_error(InvalidProblemError, op, "bias", f"needs {first} of rank >= 1 (the bias runs along "
                              "its last axis)")
@@ -400,7 +395,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, bias_dtype=None, has_resi
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     names = ("dy",) if backward else ("x", "residual")
     present = (True,) if backward else (True, bool(has_residual))
-    contiguous = torch.empty(shape, device="meta").stride()
+    contiguous = contiguous_strides(shape)
     if strides is None:
         strides = tuple(contiguous if p else None for p in present)
     strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
@@ -502,6 +497,8 @@ for _op in DROPOUT_OPS:
 if triton_available():
     import triton
     import triton.language as tl
+
+    from ._common import column_sum
 
     @triton.jit
     def _keep(seed, counter, lane, threshold):
@@ -668,16 +665,6 @@ if triton_available():
         cols = pid_n * (BLOCK_G * LANES) + tl.arange(0, BLOCK_G)[:, None] * LANES + tl.arange(0, LANES)[None, :]
         tl.store(PART + pid_m.to(tl.int64) * n_last + cols, tl.sum(acc, 0), mask=cols < n_last)
 
-    @triton.jit
-    def _sum_partial_rows(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        """OUT[j] = sum over p of PART[p, j], in a fixed order (deterministic)."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], PART.dtype.element_ty)
-        for start in range(0, parts, BLOCK_P):
-            p = start + tl.arange(0, BLOCK_P)
-            mask = (p < parts)[:, None] & (cols < n)[None, :]
-            acc += tl.load(PART + p[:, None].to(tl.int64) * n + cols[None, :], mask=mask, other=0.0)
-        tl.store(OUT + cols, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=cols < n)
 
 
 @dataclass(frozen=True)
@@ -735,7 +722,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
                     STORE_BITS=problem.mask_bits and masked, MASKED=masked, STRIDED=layout.strided, RANK=layout.rank,
                     INT64=layout.int64, BIAS_WRAP_ONCE=problem.n_last >= block, ACC=acc_tl, num_warps=h.warps)
         args = (n, problem.n_last, *layout.sizes, *x_st, *r_st)  # fixed by the plan: built once here
-        launch = _dropout_fwd[(triton.cdiv(n, block),)]
+        launch = launcher(_dropout_fwd, (triton.cdiv(n, block),), **meta)
 
         def run(tensors, outputs):
             x, bias, residual, random = tensors
@@ -745,7 +732,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
             p = random.p
             launch(x, y if bias is None else bias, y if residual is None else residual, y,
                    bits if bits.numel() else y, *args, random.seed, random.offset // 4, threshold_of(p),
-                   scale_of(p, acc)[1], **meta)
+                   scale_of(p, acc)[1])
 
         params = (("BLOCK", block), ("num_warps", h.warps), ("strided", layout.strided), ("axes", layout.rank))
         return Launch(run, KernelChoice("dropout_fwd", "triton", params), acc)
@@ -754,7 +741,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
         meta = dict(BLOCK=block, LOAD_BITS=problem.mask_bits, MASKED=masked, STRIDED=layout.strided,
                     RANK=layout.rank, INT64=layout.int64, ACC=acc_tl, num_warps=h.warps)
         args = (n, *layout.sizes, *layout.strides[0])
-        launch = _dropout_bwd[(triton.cdiv(n, block),)]
+        launch = launcher(_dropout_bwd, (triton.cdiv(n, block),), **meta)
 
         def run(tensors, outputs):
             dy, bits, random = tensors
@@ -763,7 +750,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
                 return
             p = random.p
             launch(dy, dx, dx if bits is None else bits, *args, random.seed, random.offset // 4, threshold_of(p),
-                   scale_of(p, acc)[1], **meta)
+                   scale_of(p, acc)[1])
 
         params = (("BLOCK", block), ("num_warps", h.warps), ("strided", layout.strided), ("axes", layout.rank))
         return Launch(run, KernelChoice("dropout_bwd", "triton", params), acc)
@@ -783,10 +770,8 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
     meta = dict(BLOCK_M=block_m, BLOCK_G=block_n // lanes, LANES=lanes, LOAD_BITS=problem.mask_bits, MASKED=masked,
                 STRIDED=layout.strided, RANK=layout.rank, INT64=layout.int64, ACC=acc_tl, num_warps=h.rows_warps)
     args = (rows_total, n_last, rows_per_program, *layout.sizes, *layout.strides[0])
-    launch = _dropout_bwd_rows[(col_blocks, programs)]
-    reduce_n = min(h.reduce_block, next_pow2(max(n_last, 1)))
-    reduce_p = max(1, min(64, next_pow2(programs), 8192 // reduce_n))
-    launch_sum = _sum_partial_rows[(triton.cdiv(max(n_last, 1), reduce_n),)]
+    launch = launcher(_dropout_bwd_rows, (col_blocks, programs), **meta)
+    sum_columns = column_sum(programs, n_last, h.reduce_block, 64)
 
     def run(tensors, outputs):
         dy, bits, random = tensors
@@ -797,8 +782,8 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
         p = random.p
         part = torch.empty((programs, n_last), dtype=acc, device=dx.device)
         launch(dy, dx, dx if bits is None else bits, part, *args, random.seed, random.offset // 4, threshold_of(p),
-               scale_of(p, acc)[1], **meta)
-        launch_sum(part, dbias, programs, n_last, BLOCK_P=reduce_p, BLOCK_N=reduce_n, num_warps=4)
+               scale_of(p, acc)[1])
+        sum_columns(part, dbias)
 
     params = (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("lanes", lanes), ("programs", (col_blocks, programs)),
               ("num_warps", h.rows_warps), ("strided", layout.strided), ("axes", layout.rank))
@@ -825,12 +810,6 @@ def _readable(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
-def _mismatch(op: str, name: str, t, shape, dtype, device) -> None:
-    """Raise the named error for a tensor the descriptor does not cover (the checks of Plan.run)."""
-    check_tensor(op, name, t, shape, dtype, device)
-    raise AssertionError(f"trainops.{op}: {name} passed check_tensor after failing the fast check")
-
-
 def _random(op: str, seed: Tensor | None, offset: int, p: float) -> DropoutRandom:
     if seed is None:
         return DropoutRandom(0, offset, p)
@@ -847,10 +826,10 @@ def _dropout_impl(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
         x, residual = _readable(x, residual)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device):
-        _mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
+        raise_mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
     if bias is not None:
         if bias.shape != x.shape[-1:] or bias.device != x.device:
-            _mismatch(op, "bias", bias, x.shape[-1:], bias.dtype, x.device)
+            raise_mismatch(op, "bias", bias, x.shape[-1:], bias.dtype, x.device)
         bias = bias if bias.is_contiguous() else bias.contiguous()  # a strided bias vector: dense first
     masked = seed is not None
     descriptor = DropoutDescriptor(x.shape, x.dtype, x.device, None if bias is None else bias.dtype,

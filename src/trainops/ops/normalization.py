@@ -42,16 +42,17 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import ReductionLayout, merge_dims, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
+from ._common import contiguous_strides, float_dtype, raise_mismatch
 
 FORWARD_OPS = ("rms_norm", "layer_norm")
 BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
 MAX_RANK = 8
-_FLOAT_NAMES = "float32, float16, bfloat16, float64"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,14 +204,6 @@ class NormProblem:
         return y, h, stats
 
 
-def _float_dtype(op: str, name: str, dtype, optional: bool = True) -> torch.dtype | None:
-    if dtype is None and optional:
-        return None
-    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
-        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
-    return dtype
-
-
 def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
               has_residual=False, strides=None, eps=None, weight_offset=0.0, weight_grad=True,
               heuristics=None) -> NormProblem:
@@ -237,9 +230,9 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
         raise argument_error(InvalidProblemError, op, "normalized_shape",
                              f"must name 1 to {len(shape)} trailing axes of a rank-{len(shape)} input, "
                              f"got {normalized_ndim!r}")
-    dtype = _float_dtype(op, first, dtype, optional=False)
-    weight_dtype = _float_dtype(op, "weight", weight_dtype)
-    bias_dtype = _float_dtype(op, "bias", bias_dtype)
+    dtype = float_dtype(op, first, dtype)
+    weight_dtype = float_dtype(op, "weight", weight_dtype, optional=True)
+    bias_dtype = float_dtype(op, "bias", bias_dtype, optional=True)
     if bias_dtype is not None and op.startswith("rms"):
         raise argument_error(InvalidProblemError, op, "bias", "is not an argument of RMSNorm")
     try:
@@ -258,7 +251,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
                              f"is {weight_offset}, but there is no weight to offset")
     names = ("dy", "h", "grad_h") if backward else ("x", "residual")
     present = (True, True, bool(has_residual)) if backward else (True, bool(has_residual))
-    contiguous = torch.empty(shape, device="meta").stride()
+    contiguous = contiguous_strides(shape)
     if strides is None:
         strides = tuple(contiguous if p else None for p in present)
     strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
@@ -401,12 +394,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):
-        """Element offset of row ``r`` (rows numbered as the contiguous output's) in a strided operand."""
-        i = r % INNER
-        t = r // INNER
-        return (t // OUTER1).to(tl.int64) * s_o0 + (t % OUTER1).to(tl.int64) * s_o1 + i.to(tl.int64) * s_i
+    from ._common import _row_offset, column_sum
 
     @triton.jit
     def _load_h(X, R, H, x_row, r_row, out_row, cols, mask, x_sn, r_sn,
@@ -595,17 +583,6 @@ if triton_available():
             if HAS_B:
                 tl.store(DB_PART + part + cols, tl.sum(db, 0), mask=cols < n)
 
-    @triton.jit
-    def _sum_partials(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        """OUT[j] = sum over p of PART[p, j], in a fixed order (deterministic)."""
-        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], PART.dtype.element_ty)
-        for start in range(0, parts, BLOCK_P):
-            p = start + tl.arange(0, BLOCK_P)
-            mask = (p < parts)[:, None] & (c < n)[None, :]
-            acc += tl.load(PART + p[:, None].to(tl.int64) * n + c[None, :], mask=mask, other=0.0)
-        tl.store(OUT + c, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=c < n)
-
 
 @dataclass(frozen=True)
 class NormConfig:
@@ -641,7 +618,7 @@ def _layout(problem: NormProblem) -> ReductionLayout:
             continue
         _, s_n = merge_dims(problem.shape[len(problem.shape) - k:], st[len(st) - k:])
         operands.append(tuple(st[:len(lead)]) + (s_n,))
-    operands.append(torch.empty(lead + (problem.n,), device="meta").stride())
+    operands.append(contiguous_strides(lead + (problem.n,)))
     return reduction_layout(lead + (problem.n,), len(lead), operands)
 
 
@@ -670,7 +647,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         # every scalar argument is fixed by the plan: built once here, not per call
         launches = [(*operand_args(bases), bases[-1], rows_total, per_launch, n, *sizes, problem.eps,
                      problem.weight_offset) for bases in layout.host_bases]
-        launch_fwd = _norm_fwd[grid]
+        launch_fwd = launcher(_norm_fwd, grid, **meta)
 
         def run(tensors, outputs):
             x, weight, bias, residual = tensors
@@ -683,7 +660,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
             pointers = (x, x if residual is None else residual, y, y if residual is None else h,
                         y if weight is None else weight, y if bias is None else bias, stats)
             for args in launches:
-                launch_fwd(*pointers, *args, **meta)
+                launch_fwd(*pointers, *args)
 
         kernel = "norm_fwd"
         workspace = 0
@@ -700,13 +677,11 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         stages = max(1, min(problem.heuristics.backward_stages, problem.heuristics.pipeline_bytes // step_bytes))
         meta.update(DW=problem.weight_dtype is not None and problem.weight_grad, HAS_B=problem.bias_dtype is not None,
                     HAS_DS=problem.has_residual, STAGES=stages)
-        reduce_block_n = min(problem.heuristics.reduce_block, next_pow2(max(n, 1)))
-        reduce_block_p = max(1, min(64, next_pow2(parts), 8192 // reduce_block_n))
 
         launches = [(*operand_args(bases), bases[-1], rows_total, index * programs, per_launch, n, *sizes,
                      rows_per_program, problem.weight_offset) for index, bases in enumerate(layout.host_bases)]
-        launch_bwd = _norm_bwd[(programs,)]
-        launch_sum = _sum_partials[(triton.cdiv(n, reduce_block_n),)]
+        launch_bwd = launcher(_norm_bwd, (programs,), **meta)
+        sum_columns = column_sum(parts, n, problem.heuristics.reduce_block, 64)
         # one workspace: row k of (len(grads), parts, n) holds the partial sums of the k-th gradient
         make_workspace = torch.zeros if config.looped else torch.empty
 
@@ -722,10 +697,10 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
             pointers = (dy, h, dx if weight is None else weight, stats, dy if grad_h is None else grad_h, dx,
                         dw_part, db_part)
             for args in launches:
-                launch_bwd(*pointers, *args, **meta)
+                launch_bwd(*pointers, *args)
             for part, grad in ((dw_part, dweight), (db_part, dbias)):
                 if grad.numel():
-                    launch_sum(part, grad, parts, n, BLOCK_P=reduce_block_p, BLOCK_N=reduce_block_n, num_warps=4)
+                    sum_columns(part, grad)
 
         kernel = "norm_bwd"
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
@@ -755,12 +730,6 @@ def _walkable(t: Tensor | None, k: int) -> Tensor | None:
     return t.contiguous()
 
 
-def _mismatch(op: str, name: str, t: Tensor, shape, dtype, device) -> None:
-    """Raise the named error for a tensor the descriptor does not cover (the checks of Plan.run)."""
-    check_tensor(op, name, t, shape, dtype, device)
-    raise AssertionError(f"trainops.{op}: {name} passed check_tensor after failing the fast check")
-
-
 def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
              normalized_ndim: int, eps: float, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
     if not x.is_contiguous():
@@ -768,7 +737,7 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
     if residual is not None:
         residual = _walkable(residual, normalized_ndim)
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            _mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
+            raise_mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
     descriptor = DESCRIPTORS[op](x.shape, x.dtype, x.device, normalized_ndim, _dtype_of(weight), _dtype_of(bias),
                                  residual is not None, (x.stride(), _strides_of(residual)), eps, weight_offset,
                                  True, heuristics_for(NormHeuristics))
@@ -779,7 +748,7 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
     bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.shape != normalized_shape or t.device != x.device):
-            _mismatch(op, name, t, normalized_shape, t.dtype, x.device)
+            raise_mismatch(op, name, t, normalized_shape, t.dtype, x.device)
     return plan.run_unchecked((x, weight, bias, residual))
 
 
@@ -796,9 +765,9 @@ def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tens
     weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
     for name, t in (("h", h), ("grad_h", grad_h)):
         if t is not None and (t.shape != dy.shape or t.dtype != dy.dtype or t.device != dy.device):
-            _mismatch(op, name, t, dy.shape, dy.dtype, dy.device)
+            raise_mismatch(op, name, t, dy.shape, dy.dtype, dy.device)
     if weight is not None and (weight.shape != problem.normalized_shape or weight.device != dy.device):
-        _mismatch(op, "weight", weight, problem.normalized_shape, weight.dtype, dy.device)
+        raise_mismatch(op, "weight", weight, problem.normalized_shape, weight.dtype, dy.device)
     if stats.shape != (problem.stats_rows, problem.rows) or stats.dtype != problem.acc_dtype \
             or stats.device != dy.device or not stats.is_contiguous():
         problem.check((dy, h, weight, stats, grad_h), None)

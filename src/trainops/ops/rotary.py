@@ -37,13 +37,13 @@ outputs take the layout of their input as ``torch.empty_like`` does for a dense 
 by the input's strides, written dense), so HF's (b, s, h, d)-ordered q gives a (b, s, h, d)-ordered
 q_out, and dq the layout of q.
 
-Position ids out of range ([0, max_position); negative ids are out of range too): with
-``check_position_ids=True`` (the default, as ``trainops.embedding``'s ``check_index``) the launcher
-reads their min and max first and raises IndexOutOfRangeError before anything is written; on the
-GPU that is one small reduction and one host synchronisation per forward (the backward does not
-check again). Pass ``check_position_ids=False`` when the ids are known valid: an unchecked
-out-of-range id reads nothing, and its row's rotated features come out NaN (forward and backward),
-so the error shows in the loss rather than training silently on a wrong angle.
+Position ids out of range ([0, max_position); negative ids are out of range too): by default
+(``check_position_ids=False``: no host synchronisation on a training path) an out-of-range id reads
+nothing, and its row's rotated features come out NaN (forward and backward), so the error shows in
+the loss rather than training silently on a wrong angle. ``check_position_ids=True`` makes the
+launcher read their min and max first and raise IndexOutOfRangeError before anything is written;
+on the GPU that is one small reduction and one host synchronisation per forward (the backward
+does not check again).
 
 Triton plan (``_prepare_triton``): one launch handles q and k. Programs form a grid of
 (batch * seq rows, head splits); a program loads its row's cos and sin once, then rotates its
@@ -62,14 +62,15 @@ import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
+from ._common import contiguous_strides, float_dtype
 
 ROTARY_OPS = ("rotary_embedding", "rotary_embedding_backward")
-_FLOAT_NAMES = "float32, float16, bfloat16, float64"
 _MATH = "none (float32 math; float64 for float64)"
 
 
@@ -106,14 +107,33 @@ class RotaryHeuristics:
 # ----------------------------------------------------------------------------------------------
 
 def dense_like(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides with ``strides``' order of dims (``torch.empty_like`` of a dense input): dims of
-    size > 1 and stride > 0 innermost by increasing stride (ties: the later dim inner); size-1 and
-    broadcast (stride-0) dims outermost. A dense input keeps its strides (up to its size-1 dims)."""
+    """Dense strides in ``strides``' order of dims, as ``torch.empty_like`` chooses them for an input
+    that is not itself dense (torch's ``infer_dense_strides``): dims sorted innermost-first by
+    increasing stride (equal strides: the larger size outer), a stride-0 (broadcast) dim keeping its
+    place in the dims' own order. A dense input keeps its strides (up to its size-1 dims)."""
     n = len(shape)
-    order = sorted(range(n), key=lambda d: (0, -strides[d], d) if shape[d] > 1 and strides[d] > 0 else (-1, 0, d))
+    perm = list(range(n - 1, -1, -1))  # perm[0]: the innermost dim
+
+    def should_swap(d0: int, d1: int) -> int:
+        s0, s1 = strides[d0], strides[d1]
+        if s0 == 0 or s1 == 0:
+            return 0
+        if s0 != s1:
+            return -1 if s0 < s1 else 1
+        return 1 if shape[d0] > shape[d1] else 0
+
+    for i in range(1, n):  # insertion sort, stable where the comparison is ambiguous
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            comparison = should_swap(perm[d0], perm[d1])
+            if comparison > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif comparison < 0:
+                break
     out = [0] * n
     step = 1
-    for d in reversed(order):
+    for d in perm:
         out[d] = step
         step *= max(int(shape[d]), 1)
     return tuple(out)
@@ -241,7 +261,7 @@ class RotaryProblem:
 
 def _strides(op: str, name: str, strides, shape) -> tuple[int, ...]:
     if strides is None:
-        return torch.empty(shape, device="meta").stride()
+        return contiguous_strides(shape)
     try:
         strides = tuple(int(s) for s in strides)
     except TypeError:
@@ -252,15 +272,9 @@ def _strides(op: str, name: str, strides, shape) -> tuple[int, ...]:
     return strides
 
 
-def _float_dtype(op: str, name: str, dtype) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
-        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {_FLOAT_NAMES}")
-    return dtype
-
-
 def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, cos_dtype=None, q_strides=None,
               k_strides=None, cos_strides=None, sin_strides=None, position_dtype=None, position_shape=None,
-              position_strides=None, interleaved=False, rotary_dim=None, check_position_ids=True,
+              position_strides=None, interleaved=False, rotary_dim=None, check_position_ids=False,
               out_strides=None, heuristics=None) -> RotaryProblem:
     """Validate a rotary descriptor.
 
@@ -287,8 +301,8 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, cos
         raise argument_error(InvalidProblemError, op, second,
                              f"has shape {k_shape}; its batch, seq and head_dim must be {first}'s "
                              f"({batch}, _, {seq}, {head_dim})")
-    dtype = _float_dtype(op, first, dtype)
-    cos_dtype = _float_dtype(op, "cos", dtype if cos_dtype is None else cos_dtype)
+    dtype = float_dtype(op, first, dtype)
+    cos_dtype = float_dtype(op, "cos", dtype if cos_dtype is None else cos_dtype)
     try:
         device = normalize_device(device)
     except (RuntimeError, TypeError) as e:
@@ -358,7 +372,7 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, cos
 def _describer(op: str):
     def describe(q_shape, k_shape, cos_shape, dtype, device="cuda", *, cos_dtype=None, q_strides=None,
                  k_strides=None, cos_strides=None, sin_strides=None, position_dtype=None, position_shape=None,
-                 position_strides=None, interleaved=False, rotary_dim=None, check_position_ids=True,
+                 position_strides=None, interleaved=False, rotary_dim=None, check_position_ids=False,
                  out_strides=None, heuristics=None) -> RotaryProblem:
         return _describe(op, q_shape, k_shape, cos_shape, dtype, device, cos_dtype=cos_dtype, q_strides=q_strides,
                          k_strides=k_strides, cos_strides=cos_strides, sin_strides=sin_strides,
@@ -618,7 +632,7 @@ def _prepare_triton(problem: RotaryProblem, config: RotaryConfig | None = None) 
     args = (problem.seq, problem.positions, problem.q_shape[1], problem.k_shape[1], config.q_per, config.k_per,
             *bshd(problem.q_strides), *bshd(problem.k_strides), *bshd(problem.q_out_strides),
             *bshd(problem.k_out_strides), *problem.cos_view, *problem.sin_view, *problem.position_view)
-    launch = _rotary_rows[(problem.batch * problem.seq, config.splits)]
+    launch = launcher(_rotary_rows, (problem.batch * problem.seq, config.splits), **meta)
     empty = _empty(problem)
     check = problem.check_position_ids and has_pos
 
@@ -628,7 +642,7 @@ def _prepare_triton(problem: RotaryProblem, config: RotaryConfig | None = None) 
             check_position_range(problem.op, pos, problem.positions)
         if empty:
             return
-        launch(xq, xk, outputs[0], outputs[1], cos, sin, cos if pos is None else pos, *args, **meta)
+        launch(xq, xk, outputs[0], outputs[1], cos, sin, cos if pos is None else pos, *args)
 
     params = (("grid", (problem.batch * problem.seq, config.splits)),
               ("heads_per_program", (config.q_per, config.k_per)),

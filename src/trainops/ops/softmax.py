@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
@@ -742,9 +743,9 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     kernel = fn.__name__
     phases = {"fused": ({},), "looped": (dict(SPLITS=1, PHASE=0),),
               "split": (dict(SPLITS=config.splits, PHASE=1), dict(SPLITS=config.splits, PHASE=2))}[config.kind]
-    calls = [(_operand_args(layout, bases) + sizes, {**meta, **phase})
-             for bases in layout.host_bases for phase in phases]
     grid = (row_programs * config.splits,)
+    calls = [(_operand_args(layout, bases) + sizes, launcher(fn, grid, **meta, **phase))
+             for bases in layout.host_bases for phase in phases]
 
     def run(tensors, out):
         if problem.numel == 0:
@@ -752,8 +753,8 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
         pointers = (*tensors, out)
         if config.kind != "fused":
             pointers += (torch.empty(max(ws_elems, 1), dtype=acc, device=out.device),)
-        for args, kwargs in calls:
-            fn[grid](*pointers, *args, **kwargs)
+        for args, launch in calls:
+            launch(*pointers, *args)
 
     params = (("plan", config.kind), ("BLOCK_I", config.block_i), ("BLOCK_N", config.block_n),
               ("num_warps", config.num_warps), ("splits", config.splits), ("chunk", config.chunk),

@@ -1,0 +1,114 @@
+"""Launching a Triton kernel without the JIT's per-call work.
+
+    launch = launcher(_norm_fwd, grid, RMS=True, BLOCK_N=4096, num_warps=8)   # once, in a plan
+    launch(x, w, y, ...)                                                       # every call
+
+``kernel[grid](*args, **meta)`` binds the arguments, specialises each one (pointer alignment,
+integers equal to 1 or divisible by 16), formats a cache key and looks the compiled kernel up
+before it launches: 25-49 us of host time a launch on the H100 machine, three times that on
+autograd's CUDA thread, where our backward ops run (benchmarks/NOTES.md, "Host overhead"). A
+``launcher`` does that work on the first call of each argument specialisation and keeps the
+compiled kernel: later calls compute the specialisation key themselves (each tensor's 16-byte
+alignment and dtype, each integer's == 1, % 16 == 0 and 32 / 64-bit range, at the positions the first call
+found them) and call the compiled kernel's launcher with the arguments in the kernel's order:
+7.9-12.6 us a launch on the same machine. The key is at least as fine as Triton's own
+specialisation, so a cached kernel only ever runs on arguments it was compiled for.
+
+Falls back to ``kernel[grid]`` (always correct) under Triton's interpreter, when a launch hook is
+installed (profilers such as proton), and for argument lists it does not handle (another argument
+count, other argument types than the first call's, objects that are neither tensors nor numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .registry import triton_interpreting
+
+_I32 = (-(2**31), 2**31 - 1)  # Triton types an int i32 here, i64 past it, u64 from 2^63
+_U64 = 2**63
+
+
+def launcher(kernel, grid: tuple, **meta) -> Callable[..., Any]:
+    """``lambda *args: kernel[grid](*args, **meta)``, launching the cached compiled kernel directly
+    after the first call of each argument specialisation (see the module docstring). ``meta``: the
+    kernel's constexpr arguments and launch options (num_warps, num_stages), fixed for this
+    launcher; ``grid``: a tuple of 1 to 3 ints."""
+    if triton_interpreting():
+        jit = kernel[grid]
+        return lambda *args: jit(*args, **meta)
+    return _DirectLaunch(kernel, grid, meta)
+
+
+class _DirectLaunch:
+    __slots__ = ("kernel", "meta", "jit", "compiled", "types", "tensor_at", "int_at", "full", "arg_at", "tail",
+                 "grid3", "knobs", "driver")
+
+    def __init__(self, kernel, grid: tuple, meta: dict):
+        from triton import knobs
+        from triton.runtime import driver
+
+        self.kernel, self.meta = kernel, meta
+        self.jit = kernel[tuple(grid)]
+        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.compiled: dict = {}
+        self.knobs, self.driver = knobs, driver
+        self.types = None  # the first call's argument types; () when the direct path does not apply
+
+    def _layout(self, args) -> tuple:
+        """On the first call: the kernel's full argument list (constexprs from ``meta``), the slots
+        the call's arguments fill, where its tensors and integers are. Returns the argument types
+        the direct path then requires, or () when it does not handle this argument list."""
+        params = self.kernel.params
+        positional = [p for p in params if not p.is_constexpr]
+        if len(positional) != len(args) or any(p.name not in self.meta for p in params if p.is_constexpr):
+            return ()
+        if any(a is not None and type(a) not in (int, float, bool) and not isinstance(a, torch.Tensor) for a in args):
+            return ()
+        self.full, self.arg_at = [], []
+        for p in params:
+            self.arg_at += [] if p.is_constexpr else [len(self.full)]
+            self.full.append(self.meta[p.name] if p.is_constexpr else None)
+        # the usual case, constexprs after every run-time argument: the full list is args + tail
+        self.tail = tuple(self.full[len(args):]) if self.arg_at == list(range(len(args))) else None
+        self.tensor_at = tuple(k for k, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.int_at = tuple(k for k, a in enumerate(args) if type(a) in (int, bool))
+        return tuple(map(type, args))
+
+    def __call__(self, *args):
+        if self.types is None:
+            self.types = self._layout(args)
+        hooks = self.knobs.runtime
+        if (not self.types or tuple(map(type, args)) != self.types
+                or _installed(hooks.launch_enter_hook) or _installed(hooks.launch_exit_hook)):
+            return self.jit(*args, **self.meta)
+        device = self.driver.active.get_current_device()
+        tensors = [args[k] for k in self.tensor_at]
+        ints = [args[k] for k in self.int_at]
+        key = (device, tuple([t.data_ptr() & 15 == 0 for t in tensors]), tuple([t.dtype for t in tensors]),
+               tuple([(a == 1, a & 15 == 0, _I32[0] <= a <= _I32[1], a >= _U64, a) if type(a) is bool else
+                      (a == 1, a & 15 == 0, _I32[0] <= a <= _I32[1], a >= _U64) for a in ints]))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.compiled[key] = self.jit(*args, **self.meta)  # compiles or loads, and launches
+            return compiled
+        if self.tail is not None:
+            full = args + self.tail
+        else:
+            full = list(self.full)
+            for slot, a in zip(self.arg_at, args):
+                full[slot] = a
+        g0, g1, g2 = self.grid3
+        compiled.run(g0, g1, g2, self.driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *full)
+        return compiled
+
+
+def _installed(hook) -> bool:
+    """Whether a launch hook would do anything: Triton 3.6+ keeps an empty HookChain there."""
+    return bool(getattr(hook, "calls", hook))
+
+
+__all__ = ["launcher"]

@@ -1,0 +1,91 @@
+"""Pieces shared by the op families (activations, dropout, normalization, attention softmax,
+rotary): dtype and stride checks of the descriptors, and two Triton helpers: the fixed-order
+column sum that turns per-program partial rows into a bias / weight gradient, and the row offset
+of a strided operand.
+
+Not an op family: nothing here registers an op or a kernel in the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import UnsupportedError, argument_error
+from ..launch import launcher
+from ..layout import next_pow2
+from ..plan import check_tensor
+from ..registry import FLOATS, triton_available
+
+FLOAT_NAMES = "float32, float16, bfloat16, float64"
+
+
+def float_dtype(op: str, name: str, dtype, optional: bool = False) -> torch.dtype | None:
+    """``dtype`` when it is one of FLOATS (None passes with ``optional``), else UnsupportedError naming ``name``."""
+    if dtype is None and optional:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOATS:
+        raise argument_error(UnsupportedError, op, name, f"has dtype {dtype}; supported: {FLOAT_NAMES}")
+    return dtype
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, as torch's (a size-0 or size-1 dim counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def raise_mismatch(op: str, name: str, t, shape, dtype, device) -> None:
+    """Raise the named error for a tensor the descriptor does not cover (the checks of Plan.run)."""
+    check_tensor(op, name, t, shape, dtype, device)
+    raise AssertionError(f"trainops.{op}: {name} passed check_tensor after failing the fast check")
+
+
+# elements of a (BLOCK_P, BLOCK_C) tile of _sum_columns one program holds: 8192 float32 values over
+# 4 warps are 64 registers a thread (chosen, not measured on the GPU)
+_SUM_TILE = 8192
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):
+        """Element offset (int64) of row ``r`` (numbered as the layout's reference: the contiguous
+        output's rows) in a strided operand: row axes (outer0, outer1, inner), strides s_o0, s_o1, s_i."""
+        i = r % INNER
+        t = r // INNER
+        return (t // OUTER1).to(tl.int64) * s_o0 + (t % OUTER1).to(tl.int64) * s_o1 + i.to(tl.int64) * s_i
+
+    @triton.jit
+    def _sum_columns(PART, OUT, parts, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """OUT[j] = sum over p of PART[p, j] (PART: contiguous (parts, C)), in a fixed order
+        (deterministic): BLOCK_P-row slabs added elementwise in order, then the BLOCK_P lanes
+        reduced by tl.sum. BLOCK_P sets the order; BLOCK_C (columns a program owns) does not."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([BLOCK_P, BLOCK_C], PART.dtype.element_ty)
+        for start in range(0, parts, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            mask = (p < parts)[:, None] & (c < C)[None, :]
+            acc += tl.load(PART + p[:, None].to(tl.int64) * C + c[None, :], mask=mask, other=0.0)
+        tl.store(OUT + c, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=c < C)
+
+    def column_sum(parts: int, cols: int, block_c: int, max_parts: int):
+        """A launcher of ``_sum_columns`` for a (parts, cols) workspace, built at plan time:
+        ``run(part, out)`` writes out[j] = sum over p of part[p, j] (cast to out's dtype).
+
+        block_c: columns a program owns (capped by next_pow2(cols)); max_parts: workspace rows added
+        per step (capped by next_pow2(parts) and the tile); the family's heuristic fixes both, and
+        with them the summation order. Four warps."""
+        block_c = min(block_c, next_pow2(max(cols, 1)))
+        block_p = max(1, min(max_parts, next_pow2(parts), _SUM_TILE // block_c))
+        launch = launcher(_sum_columns, (triton.cdiv(max(cols, 1), block_c),), BLOCK_P=block_p, BLOCK_C=block_c,
+                          num_warps=4)
+
+        def run(part, out) -> None:
+            launch(part, out, parts, cols)
+        return run
