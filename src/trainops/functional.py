@@ -431,6 +431,23 @@ def geglu(gate: Tensor, up: Tensor | None = None, approximate: str = "tanh") -> 
     return activation_ops.geglu_op(gate, up, approximate)
 
 
+def _check_generator(op: str, generator) -> None:
+    """None, or a CPU torch.Generator outside torch.compile (seeds are drawn on the host)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise argument_error(InvalidProblemError, op, "generator",
+                             f"must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != "cpu":
+        raise argument_error(InvalidProblemError, op, "generator",
+                             f"is a {generator.device.type} generator; seeds are drawn on the host from a CPU "
+                             "generator (a device draw would synchronize)")
+    if torch.compiler.is_compiling():
+        raise argument_error(UnsupportedError, op, "generator",
+                             "cannot be traced by torch.compile; leave it None (seeds then come from torch's "
+                             "default generator: torch.manual_seed makes runs repeat)")
+
+
 def _dropout_args(op: str, x, p, generator, mask_mode, name: str = "x") -> float:
     """p as a float; x (the argument ``name``) a float tensor, generator a CPU torch.Generator or
     None, mask_mode known."""
@@ -443,18 +460,7 @@ def _dropout_args(op: str, x, p, generator, mask_mode, name: str = "x") -> float
     if mask_mode not in dropout_ops.MASK_MODES:
         raise argument_error(InvalidProblemError, op, "mask_mode",
                              f"is {mask_mode!r}; expected one of {dropout_ops.MASK_MODES}")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise argument_error(InvalidProblemError, op, "generator",
-                                 f"must be a torch.Generator or None, got {type(generator).__name__}")
-        if generator.device.type != "cpu":
-            raise argument_error(InvalidProblemError, op, "generator",
-                                 f"is a {generator.device.type} generator; seeds are drawn on the host from a CPU "
-                                 "generator (a device draw would synchronize)")
-        if torch.compiler.is_compiling():
-            raise argument_error(UnsupportedError, op, "generator",
-                                 "cannot be traced by torch.compile; leave it None (seeds then come from torch's "
-                                 "default generator: torch.manual_seed makes runs repeat)")
+    _check_generator(op, generator)
     return p
 
 
@@ -602,18 +608,7 @@ def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None
             raise argument_error(InvalidProblemError, op, "causal", f"needs scores of rank 2 or more (q_len, k_len), "
                                  f"got shape {tuple(scores.shape)}")
         shift = scores.shape[-1] - scores.shape[-2] if causal == "lower_right" else 0
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise argument_error(InvalidProblemError, op, "generator",
-                                 f"must be a torch.Generator or None, got {type(generator).__name__}")
-        if generator.device.type != "cpu":
-            raise argument_error(InvalidProblemError, op, "generator",
-                                 f"is a {generator.device.type} generator; seeds are drawn on the host from a CPU "
-                                 "generator (a device draw would synchronize)")
-        if torch.compiler.is_compiling():
-            raise argument_error(UnsupportedError, op, "generator",
-                                 "cannot be traced by torch.compile; leave it None (seeds then come from torch's "
-                                 "default generator: torch.manual_seed makes runs repeat)")
+    _check_generator(op, generator)
     seed = dropout_ops.draw_seed(generator) if dropout_p > 0 else None
     out, _ = attention_ops.attention_softmax_op(scores, mask, bias, float(scale), shift, float(dropout_p), seed)
     return out

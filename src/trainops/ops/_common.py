@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import UnsupportedError, argument_error
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import next_pow2
 from ..plan import check_tensor
@@ -37,6 +37,28 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def checked_strides(op: str, names: Sequence[str], present: Sequence[bool], strides, shapes) -> tuple:
+    """A descriptor's ``strides`` (None: every present input contiguous) as one tuple of ints per
+    input, None for an absent one; InvalidProblemError naming ``strides`` or the input when an
+    entry is missing, given for an absent input, not ints, or not one non-negative stride per axis
+    of that input's shape (``shapes``: one per name)."""
+    if strides is None:
+        strides = tuple(contiguous_strides(shape) if p else None for shape, p in zip(shapes, present))
+    try:
+        strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
+    except TypeError:
+        raise argument_error(InvalidProblemError, op, "strides", f"must be sequences of ints, got {strides!r}") from None
+    if len(strides) != len(names):
+        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
+    for name, st, p, shape in zip(names, strides, present, shapes):
+        if (st is None) == p:
+            raise argument_error(InvalidProblemError, op, "strides", f"of {name} is {'missing' if p else 'given'}")
+        if st is not None and (len(st) != len(shape) or any(v < 0 for v in st)):
+            raise argument_error(InvalidProblemError, op, name, f"has strides {st}; expected {len(shape)} "
+                                 f"non-negative strides for shape {tuple(shape)}")
+    return strides
 
 
 def raise_mismatch(op: str, name: str, t, shape, dtype, device) -> None:

@@ -68,7 +68,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available, triton_interpreting)
-from ._common import contiguous_strides, float_dtype
+from ._common import checked_strides, contiguous_strides, float_dtype
 
 UNARY_OPS = ("gelu", "quick_gelu", "silu")
 BIAS_OPS = ("bias_gelu",)
@@ -296,25 +296,7 @@ def _describe(op: str, shape, dtype, device="cuda", approximate=None, strides=No
         present[-1] = False
     probe = ActivationProblem(op, shape, out_shape, dtype, device, approximate, (), packed, (True, True),
                               ActivationHeuristics())
-    if strides is None:
-        strides = tuple(contiguous_strides(probe._shape_of(name)) if p else None for name, p in zip(names, present))
-    try:
-        strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
-    except TypeError:
-        raise argument_error(InvalidProblemError, op, "strides",
-                             f"must be sequences of ints, got {strides!r}") from None
-    if len(strides) != len(names):
-        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
-    for name, st, p in zip(names, strides, present):
-        if (st is None) == p:
-            raise argument_error(InvalidProblemError, op, "strides", f"of {name} is {'missing' if p else 'given'}")
-        if st is None:
-            continue
-        rank = len(probe._shape_of(name))
-        if len(st) != rank or any(v < 0 for v in st):
-            raise argument_error(InvalidProblemError, op, name,
-                                 f"has strides {st}; expected {rank} non-negative strides for shape "
-                                 f"{probe._shape_of(name)}")
+    strides = checked_strides(op, names, present, strides, [probe._shape_of(name) for name in names])
     if not isinstance(needs, (tuple, list)) or len(needs) != 2:
         raise argument_error(InvalidProblemError, op, "needs", f"must be two bools, got {needs!r}")
     needs = (bool(needs[0]), bool(needs[1]))

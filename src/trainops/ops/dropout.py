@@ -80,7 +80,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_dtype, raise_mismatch
+from ._common import checked_strides, float_dtype, raise_mismatch
 
 DROPOUT_OPS = ("dropout", "dropout_backward")
 MASK_MODES = ("regenerate", "bits")
@@ -395,18 +395,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, bias_dtype=None, has_resi
         raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     names = ("dy",) if backward else ("x", "residual")
     present = (True,) if backward else (True, bool(has_residual))
-    contiguous = contiguous_strides(shape)
-    if strides is None:
-        strides = tuple(contiguous if p else None for p in present)
-    strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
-    if len(strides) != len(names):
-        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
-    for name, st, p in zip(names, strides, present):
-        if (st is None) == p:
-            raise argument_error(InvalidProblemError, op, "strides", f"of {name} is {'missing' if p else 'given'}")
-        if st is not None and (len(st) != len(shape) or any(v < 0 for v in st)):
-            raise argument_error(InvalidProblemError, op, name,
-                                 f"has strides {st}; expected {len(shape)} non-negative strides for shape {shape}")
+    strides = checked_strides(op, names, present, strides, (shape,) * len(names))
     if heuristics is None:
         heuristics = heuristics_for(DropoutHeuristics)
     elif not isinstance(heuristics, DropoutHeuristics):

@@ -48,7 +48,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_dtype, raise_mismatch
+from ._common import checked_strides, contiguous_strides, float_dtype, raise_mismatch
 
 FORWARD_OPS = ("rms_norm", "layer_norm")
 BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
@@ -251,21 +251,9 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
                              f"is {weight_offset}, but there is no weight to offset")
     names = ("dy", "h", "grad_h") if backward else ("x", "residual")
     present = (True, True, bool(has_residual)) if backward else (True, bool(has_residual))
-    contiguous = contiguous_strides(shape)
-    if strides is None:
-        strides = tuple(contiguous if p else None for p in present)
-    strides = tuple(None if s is None else tuple(int(v) for v in s) for s in strides)
-    if len(strides) != len(names):
-        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
-    for name, st, p in zip(names, strides, present):
-        if (st is None) == p:
-            raise argument_error(InvalidProblemError, op, "strides", f"of {name} is {'missing' if p else 'given'}")
-        if st is None:
-            continue
-        if len(st) != len(shape) or any(v < 0 for v in st):
-            raise argument_error(InvalidProblemError, op, name,
-                                 f"has strides {st}; expected {len(shape)} non-negative strides for shape {shape}")
-        if merge_dims(shape[len(shape) - normalized_ndim:], st[len(shape) - normalized_ndim:]) is None:
+    strides = checked_strides(op, names, present, strides, (shape,) * len(names))
+    for name, st in zip(names, strides):
+        if st is not None and merge_dims(shape[len(shape) - normalized_ndim:], st[len(shape) - normalized_ndim:]) is None:
             raise argument_error(UnsupportedError, op, name,
                                  f"has strides {st}: its last {normalized_ndim} axes do not walk as one strided axis")
     if heuristics is None:
