@@ -789,7 +789,7 @@ def _layer_norm_fake(x, weight, bias, residual, normalized_ndim, eps):
 def _save_forward(ctx, inputs, outputs) -> None:
     y, h, stats = outputs
     # stats (and h without a residual) carry no gradient; an output nobody used gets None, not zeros
-    ctx.mark_non_differentiable(stats, h) if inputs.residual is None else ctx.mark_non_differentiable(stats)
+    ctx.mark_non_differentiable(*((stats, h) if inputs.residual is None else (stats,)))
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if inputs.residual is not None else inputs.x, inputs.weight, stats)
     ctx.normalized_ndim = inputs.normalized_ndim
