@@ -70,3 +70,40 @@ def test_direct_launch_caches_one_kernel_per_specialisation():
     y = torch.empty(64, device="cuda")
     launch(x, y, x, 64, 3, 0.0, False)
     assert torch.equal(y, _reference(x, x, 3, 0.0, False))
+
+
+def _check_trailing(device):
+    """Arguments bound once (``trailing``): one launcher per (k, offset, flag), the tensors per call."""
+    base = torch.randint(-50, 50, (300,), device=device).float()
+    bias = torch.randint(-50, 50, (300,), device=device).float() / 2
+    launchers = []
+    for n, k, offset, flag in [(256, 16, 0.5, False), (256, 1, 2.0, True), (200, 7, -1.0, True)]:
+        launch = launcher(_affine, (4,), trailing=(n, k, offset, flag), BLOCK=64, HAS_B=True)
+        for start in (0, 1, 0, 3):  # aligned and unaligned pointers through one launcher
+            x, b = base[start:start + 256], bias[start:start + 256]
+            y = torch.full((256,), float("nan"), device=device)
+            launch(x, y, b)
+            want = _reference(x[:n], b[:n], k, offset, flag)
+            assert torch.equal(y[:n], want), (n, k, start)
+            assert torch.isnan(y[n:]).all(), "wrote past n"
+        launchers.append(launch)
+    return launchers
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_trailing_arguments_are_bound_once():
+    _check_trailing("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_trailing_arguments_must_be_numbers():
+    with pytest.raises(TypeError, match="trailing"):
+        launcher(_affine, (4,), trailing=(torch.zeros(1),), BLOCK=64, HAS_B=True)
+
+
+@pytest.mark.gpu
+def test_direct_launch_with_trailing_keys_only_the_call_arguments():
+    for launch in _check_trailing("cuda"):
+        keys = list(launch.compiled)
+        assert 1 <= len(keys) <= 2, keys  # aligned and unaligned x / b pointers
+        assert all(len(key[1]) == 3 for key in keys), keys  # the three tensors of the call, nothing bound

@@ -28,9 +28,39 @@ def test_trainops_run_learns_and_matches_pytorch(data):
         assert abs(a - b) <= 1e-5 * abs(b), (ours.losses, ref.losses)
     assert abs(ours.val_loss - ref.val_loss) <= 1e-5 * ref.val_loss
     ran = {op for op, *_ in ours.kernels}
-    assert {"gather", "gather_backward", "softmax", "softmax_backward", "cross_entropy", "adam_step", "grad_stats",
-            "accumulate"} <= ran
+    assert {"gather", "gather_backward", "rms_norm", "rms_norm_backward", "rotary_embedding",
+            "rotary_embedding_backward", "attention_softmax", "attention_softmax_backward", "swiglu",
+            "swiglu_backward", "cross_entropy", "adam_step", "grad_stats", "accumulate"} <= ran
     assert not ref.kernels
+
+
+def test_both_kernel_sets_compute_the_same_model():
+    """The Llama-style block over torch's ops and over trainops's: same parameters, same loss and
+    gradients (float64, CPU), with the residual add fused into trainops's norm."""
+    cfg = replace(tiny(), dropout=0.0)
+    torch.manual_seed(0)
+    ref = train.GPT(cfg, train.TORCH_KERNELS).double()
+    ours = train.GPT(cfg, train.trainops_kernels()).double()
+    ours.load_state_dict(ref.state_dict())
+    for p in ref.parameters():  # non-trivial norm weights
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randint(0, cfg.vocab, (3, 40))
+    y = torch.randint(0, cfg.vocab, (3, 40))
+    losses = [model(x, y) for model in (ref, ours)]
+    assert torch.allclose(losses[0], losses[1], rtol=1e-12, atol=0)
+    for loss in losses:
+        loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-12), name
+
+
+def test_dropout_run_learns_with_trainops_dropout(data):
+    result = train.run(tiny(dropout=0.1), torch.device("cpu"), True, data, quiet=True)
+    assert sum(result.losses[-3:]) < sum(result.losses[:3]) - 0.5, result.losses
+    ran = {op for op, *_ in result.kernels}
+    assert {"dropout", "dropout_backward"} <= ran
 
 
 def test_resume_continues_the_same_curve(data, tmp_path):

@@ -72,6 +72,12 @@ def test_lr_not_a_positive_finite_number_is_refused(value, capsys, no_work):
     assert "finite number above 0" in line
 
 
+@pytest.mark.parametrize("value", ["1", "-0.1", "1.5", "nan", "half"])
+def test_dropout_outside_zero_to_one_is_refused(value, capsys, no_work):
+    line = refused(capsys, TINY + ["--steps", "1", "--dropout", value], "--dropout")
+    assert "[0, 1)" in line
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_threads_below_one_is_refused(value, capsys, no_work):
     before = torch.get_num_threads()
@@ -259,7 +265,8 @@ def test_resume_under_another_config_is_refused(checkpoint, capsys, no_work):
     assert "--config tiny" in line and "--config small" in line
 
 
-@pytest.mark.parametrize("option, value", [("--optimizer", "lamb"), ("--amp", "bf16"), ("--lr", "0.01")])
+@pytest.mark.parametrize("option, value", [("--optimizer", "lamb"), ("--amp", "bf16"), ("--lr", "0.01"),
+                                           ("--dropout", "0.1")])
 def test_resume_with_another_optimizer_amp_or_lr_is_refused(option, value, checkpoint, capsys, no_work):
     line = refused(capsys, TINY + ["--steps", "3", "--resume", checkpoint, option, value], "--resume")
     assert f"this run has {option} {value}" in line

@@ -14,6 +14,10 @@ found them) and call the compiled kernel's launcher with the arguments in the ke
 7.9-12.6 us a launch on the same machine. The key is at least as fine as Triton's own
 specialisation, so a cached kernel only ever runs on arguments it was compiled for.
 
+Arguments fixed by the plan (strides, sizes, eps: usually every scalar) can be bound once with
+``trailing=(...)``: calls then pass only the leading arguments (the tensors), and the key covers
+those alone, since the bound ones specialise the same way on every call.
+
 Falls back to ``kernel[grid]`` (always correct) under Triton's interpreter, when a launch hook is
 installed (profilers such as proton), and for argument lists it does not handle (another argument
 count, other argument types than the first call's, objects that are neither tensors nor numbers).
@@ -31,26 +35,30 @@ _I32 = (-(2**31), 2**31 - 1)  # Triton types an int i32 here, i64 past it, u64 f
 _U64 = 2**63
 
 
-def launcher(kernel, grid: tuple, **meta) -> Callable[..., Any]:
-    """``lambda *args: kernel[grid](*args, **meta)``, launching the cached compiled kernel directly
-    after the first call of each argument specialisation (see the module docstring). ``meta``: the
-    kernel's constexpr arguments and launch options (num_warps, num_stages), fixed for this
-    launcher; ``grid``: a tuple of 1 to 3 ints."""
+def launcher(kernel, grid: tuple, trailing: tuple = (), **meta) -> Callable[..., Any]:
+    """``lambda *args: kernel[grid](*args, *trailing, **meta)``, launching the cached compiled kernel
+    directly after the first call of each argument specialisation (see the module docstring).
+    ``meta``: the kernel's constexpr arguments and launch options (num_warps, num_stages), fixed for
+    this launcher; ``trailing``: the last run-time arguments, fixed for this launcher (numbers, not
+    tensors); ``grid``: a tuple of 1 to 3 ints."""
+    trailing = tuple(trailing)
+    if any(isinstance(a, torch.Tensor) for a in trailing):
+        raise TypeError("trainops.launch.launcher: trailing arguments must be numbers (tensors vary by call)")
     if triton_interpreting():
         jit = kernel[grid]
-        return lambda *args: jit(*args, **meta)
-    return _DirectLaunch(kernel, grid, meta)
+        return lambda *args: jit(*args, *trailing, **meta)
+    return _DirectLaunch(kernel, grid, trailing, meta)
 
 
 class _DirectLaunch:
-    __slots__ = ("kernel", "meta", "jit", "compiled", "types", "tensor_at", "int_at", "full", "arg_at", "tail",
-                 "grid3", "knobs", "driver")
+    __slots__ = ("kernel", "meta", "trailing", "jit", "compiled", "types", "tensor_at", "int_at", "full", "arg_at",
+                 "tail", "grid3", "knobs", "driver")
 
-    def __init__(self, kernel, grid: tuple, meta: dict):
+    def __init__(self, kernel, grid: tuple, trailing: tuple, meta: dict):
         from triton import knobs
         from triton.runtime import driver
 
-        self.kernel, self.meta = kernel, meta
+        self.kernel, self.meta, self.trailing = kernel, meta, trailing
         self.jit = kernel[tuple(grid)]
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.compiled: dict = {}
@@ -59,18 +67,23 @@ class _DirectLaunch:
 
     def _layout(self, args) -> tuple:
         """On the first call: the kernel's full argument list (constexprs from ``meta``), the slots
-        the call's arguments fill, where its tensors and integers are. Returns the argument types
-        the direct path then requires, or () when it does not handle this argument list."""
+        the call's arguments (``trailing`` included) fill, where the call's own tensors and integers
+        are. Returns the argument types the direct path then requires, or () when it does not handle
+        this argument list."""
         params = self.kernel.params
         positional = [p for p in params if not p.is_constexpr]
-        if len(positional) != len(args) or any(p.name not in self.meta for p in params if p.is_constexpr):
+        every = args + self.trailing
+        if len(positional) != len(every) or any(p.name not in self.meta for p in params if p.is_constexpr):
             return ()
-        if any(a is not None and type(a) not in (int, float, bool) and not isinstance(a, torch.Tensor) for a in args):
+        if any(a is not None and type(a) not in (int, float, bool) and not isinstance(a, torch.Tensor) for a in every):
             return ()
         self.full, self.arg_at = [], []
         for p in params:
             self.arg_at += [] if p.is_constexpr else [len(self.full)]
             self.full.append(self.meta[p.name] if p.is_constexpr else None)
+        for slot, a in zip(self.arg_at[len(args):], self.trailing):
+            self.full[slot] = a
+        self.arg_at = self.arg_at[:len(args)]
         # the usual case, constexprs after every run-time argument: the full list is args + tail
         self.tail = tuple(self.full[len(args):]) if self.arg_at == list(range(len(args))) else None
         self.tensor_at = tuple(k for k, a in enumerate(args) if isinstance(a, torch.Tensor))
@@ -83,7 +96,7 @@ class _DirectLaunch:
         hooks = self.knobs.runtime
         if (not self.types or tuple(map(type, args)) != self.types
                 or _installed(hooks.launch_enter_hook) or _installed(hooks.launch_exit_hook)):
-            return self.jit(*args, **self.meta)
+            return self.jit(*args, *self.trailing, **self.meta)
         device = self.driver.active.get_current_device()
         tensors = [args[k] for k in self.tensor_at]
         ints = [args[k] for k in self.int_at]
@@ -92,7 +105,7 @@ class _DirectLaunch:
                       (a == 1, a & 15 == 0, _I32[0] <= a <= _I32[1], a >= _U64) for a in ints]))
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.compiled[key] = self.jit(*args, **self.meta)  # compiles or loads, and launches
+            compiled = self.compiled[key] = self.jit(*args, *self.trailing, **self.meta)  # compiles or loads, launches
             return compiled
         if self.tail is not None:
             full = args + self.tail

@@ -1,10 +1,15 @@
 """``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources.
 
-The model is written with plain torch.nn modules (Embedding, Softmax in attention,
-CrossEntropyLoss); the trainops run swaps them with ``trainops.patch`` and trains with
-``trainops.optim.AdamW`` (or LAMB), ``trainops.amp.GradScaler`` under fp16 autocast, and
-``trainops.grad.accumulate_`` across micro-batches. ``--compare`` trains the same model, from
-the same initial weights on the same batches, with plain PyTorch, and prints both loss curves.
+The model is Llama-style: pre-norm blocks with RMSNorm, rotary position embeddings, causal
+attention with an explicit softmax, a SwiGLU MLP, tied embeddings, dropout available
+(``--dropout``). It is written once over a set of ops (``Kernels``): the PyTorch run uses torch's
+(nn.RMSNorm, Hugging Face's rotate-half, a masked float32 softmax, silu(gate) * up, F.dropout),
+the trainops run trainops's (trainops.nn.RMSNorm with the residual add fused into it,
+rotary_embedding, attention_softmax, swiglu, dropout), and ``trainops.patch`` swaps its
+Embedding and CrossEntropyLoss. The trainops run trains with ``trainops.optim.AdamW`` (or LAMB),
+``trainops.amp.GradScaler`` under fp16 autocast, and ``trainops.grad.accumulate_`` across
+micro-batches. ``--compare`` trains the same model, from the same initial weights on the same
+batches, with plain PyTorch, and prints both loss curves.
 
 Data: every ``*.py`` file of the running interpreter's standard library (nothing is downloaded),
 read in sorted path order up to the configuration's byte budget; the last 5% is held out. Batch
@@ -35,8 +40,11 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 CONFIGS = {
     # layers, width, heads, context, batch, micro-batches, steps, lr, data bytes
@@ -67,6 +75,12 @@ class Config:
     amp: str = "none"          # none | fp16 | bf16
     max_grad_norm: float = 1.0
     compile: bool = False      # torch.compile the model's forward (both variants)
+    dropout: float = 0.0       # on attention probabilities and each block's two branch outputs
+
+    @property
+    def d_ff(self) -> int:
+        """SwiGLU's hidden width: 8/3 of the model's (Llama's ratio), a multiple of 64."""
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,60 +132,163 @@ class Batches:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: plain torch.nn; trainops.patch swaps Embedding, Softmax and CrossEntropyLoss
+# Model: a Llama-style block (pre-norm RMSNorm, rotary attention, SwiGLU MLP) written once, run
+# with either PyTorch's ops or trainops's (Kernels below); trainops.patch swaps Embedding and
+# CrossEntropyLoss in the trainops run
 # ----------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Kernels:
+    """The block's ops, PyTorch's (``TORCH_KERNELS``: what a user writes without trainops) or
+    trainops's (``trainops_kernels()``). Both compute the same function on the same parameters.
+
+    rms_norm: the norm module class. add_norm(norm, branch, residual) -> (norm(s), s) with
+    s = residual + branch (branch None: s = residual; dtypes promoted as torch's add). rotary(q, k, cos, sin) -> (q, k) rotated
+    (rotate-half). attention_softmax(scores, scale, causal, p) -> dropout(softmax(scores * scale,
+    causally masked), p) in scores' dtype (``causal``: the (t, t) boolean mask, True = keep).
+    swiglu(x) -> silu(x[..., :n]) * x[..., n:]. dropout(x, p) -> F.dropout(x, p)."""
+
+    name: str
+    rms_norm: type
+    add_norm: Callable
+    rotary: Callable
+    attention_softmax: Callable
+    swiglu: Callable
+    dropout: Callable
+
+
+def _torch_add_norm(norm, branch, residual):
+    s = residual if branch is None else residual + branch
+    return norm(s), s
+
+
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _torch_rotary(q, k, cos, sin):  # Hugging Face's apply_rotary_pos_emb
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _torch_attention_softmax(scores, scale, causal, p):
+    z = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale   # half scores: float32 math
+    probs = torch.softmax(z.masked_fill(~causal, float("-inf")), dim=-1)
+    return F.dropout(probs, p).to(scores.dtype) if p else probs.to(scores.dtype)
+
+
+def _torch_swiglu(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+TORCH_KERNELS = Kernels("pytorch", nn.RMSNorm, _torch_add_norm, _torch_rotary, _torch_attention_softmax,
+                        _torch_swiglu, F.dropout)
+
+
+def trainops_kernels() -> Kernels:
+    import trainops
+
+    def add_norm(norm, branch, residual):
+        if branch is None:
+            return norm(residual), residual
+        if branch.dtype != residual.dtype:
+            # autocast: a half branch into the float32 residual stream (the embedding's dtype); the fused
+            # add takes one dtype, and casting the branch first would move more bytes than torch's add
+            s = residual + branch
+            return norm(s), s
+        return norm(branch, residual)
+
+    def attention_softmax(scores, scale, causal, p):
+        return trainops.attention_softmax(scores, scale=scale, causal=True, dropout_p=p)
+
+    return Kernels("trainops", trainops.nn.RMSNorm, add_norm, trainops.rotary_embedding, attention_softmax,
+                   trainops.swiglu, trainops.dropout)
+
+
+def rotary_tables(context: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (context, head_dim) float32, in Hugging Face's duplicated rotate-half layout."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, kernels: Kernels):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.softmax = nn.Softmax(dim=-1)
+        self.kernels, self.n_head, self.dropout = kernels, cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(),
                              persistent=False)
 
-    def forward(self, x):
+    def forward(self, x, cos, sin):
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(c // self.n_head))
-        scores = scores.masked_fill(~self.causal[:t, :t], float("-inf"))
-        y = self.softmax(scores).to(v.dtype) @ v
+        q, k = self.kernels.rotary(q, k, cos, sin)
+        scores = q @ k.transpose(-2, -1)
+        probs = self.kernels.attention_softmax(scores, 1.0 / math.sqrt(c // self.n_head), self.causal[:t, :t],
+                                               self.dropout if self.training else 0.0)
+        y = probs.to(v.dtype) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: Config):
+class MLP(nn.Module):
+    def __init__(self, cfg: Config, kernels: Kernels):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
-                                 nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.kernels = kernels
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return self.down(self.kernels.swiglu(self.gate_up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm: takes the residual stream and the previous block's branch output not yet added to
+    it (None for the first block), returns both for the next; the add is fused into the norm."""
+
+    def __init__(self, cfg: Config, kernels: Kernels):
+        super().__init__()
+        self.kernels, self.dropout = kernels, cfg.dropout
+        self.norm1, self.norm2 = kernels.rms_norm(cfg.d_model, eps=1e-5), kernels.rms_norm(cfg.d_model, eps=1e-5)
+        self.attn = Attention(cfg, kernels)
+        self.mlp = MLP(cfg, kernels)
+
+    def _branch_dropout(self, y):
+        return self.kernels.dropout(y, self.dropout) if self.dropout and self.training else y
+
+    def forward(self, x, branch, cos, sin):
+        h, x = self.kernels.add_norm(self.norm1, branch, x)
+        h, x = self.kernels.add_norm(self.norm2, self._branch_dropout(self.attn(h, cos, sin)), x)
+        return x, self._branch_dropout(self.mlp(h))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
+        self.kernels = kernels
         self.tokens = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.positions = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg.n_layer)])
-        self.ln = nn.LayerNorm(cfg.d_model)
+        self.blocks = nn.ModuleList([Block(cfg, kernels) for _ in range(cfg.n_layer)])
+        self.norm = kernels.rms_norm(cfg.d_model, eps=1e-5)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tokens.weight
         self.loss = nn.CrossEntropyLoss()
+        cos, sin = rotary_tables(cfg.context, cfg.d_model // cfg.n_head)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
 
     def forward(self, x, y):
-        pos = torch.arange(x.shape[1], device=x.device)
-        h = self.ln(self.blocks(self.tokens(x) + self.positions(pos)))
+        t = x.shape[1]
+        h, branch = self.tokens(x), None
+        for block in self.blocks:
+            h, branch = block(h, branch, self.cos[:t], self.sin[:t])
+        h, _ = self.kernels.add_norm(self.norm, branch, h)
         logits = self.head(h)
         return self.loss(logits.view(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -190,7 +307,8 @@ CHECKPOINT_ENTRIES = {"variant": str, "config": dict, "model": dict, "optimizer"
                       "losses": list}
 _CHECKPOINT_LEAF_TYPES = (torch.Tensor, torch.dtype, str, int, float, bool, type(None))
 # The Config fields a command line sets besides --config, with their options.
-_OPTION_FIELDS = {"steps": "--steps", "lr": "--lr", "optimizer": "--optimizer", "amp": "--amp", "compile": "--compile"}
+_OPTION_FIELDS = {"steps": "--steps", "lr": "--lr", "optimizer": "--optimizer", "amp": "--amp", "compile": "--compile",
+                  "dropout": "--dropout"}
 
 
 def _first_type_outside(value, allowed: tuple) -> type | None:
@@ -261,7 +379,7 @@ def _config_option(cfg: Config) -> str:
 
 def check_continues(checkpoint: dict, cfg: Config, variant: str, path: str) -> None:
     """Raise CheckpointError unless ``checkpoint`` (from read_checkpoint) can be continued by this run:
-    the same variant, --config, --optimizer, --amp and --lr, and ``cfg.steps`` past its step. Only
+    the same variant, --config, --optimizer, --amp, --lr and --dropout, and ``cfg.steps`` past its step. Only
     --steps and --compile may differ (the learning-rate schedule then follows this run's steps)."""
     if checkpoint["variant"] != variant:
         raise CheckpointError(f"{path} is a checkpoint of the {checkpoint['variant']} run; this is the {variant} run")
@@ -269,7 +387,7 @@ def check_continues(checkpoint: dict, cfg: Config, variant: str, path: str) -> N
     from_config = [f.name for f in fields(Config) if f.name not in _OPTION_FIELDS]
     if any(getattr(saved, f) != getattr(cfg, f) for f in from_config):
         raise CheckpointError(f"{path} was saved by a {_config_option(saved)} run; this run has {_config_option(cfg)}")
-    for field in ("optimizer", "amp", "lr"):
+    for field in ("optimizer", "amp", "lr", "dropout"):
         option, before, now = _OPTION_FIELDS[field], getattr(saved, field), getattr(cfg, field)
         if before != now:
             raise CheckpointError(f"{path} was trained with {option} {before}; this run has {option} {now} "
@@ -358,12 +476,12 @@ def build(cfg: Config, device: torch.device, use_trainops: bool):
     import trainops
 
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg, trainops_kernels() if use_trainops else TORCH_KERNELS).to(device)
     report = None
     if use_trainops:
         report = trainops.patch(model)
         model.loss.loss_dtype = torch.float32   # half logits in, float32 loss out (torch's autocast does the same)
-        model.tokens.check_index = model.positions.check_index = False  # bytes and positions: valid by construction
+        model.tokens.check_index = False  # bytes: valid by construction
     amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -578,6 +696,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _dropout_probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def _training_device(text: str) -> torch.device:
     """argparse type: cpu, cuda or cuda:N, of which the CUDA ones only where torch sees that device."""
     allowed = "use cpu, cuda or cuda:N"
@@ -666,13 +794,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="CPU threads, at least 1 (torch.set_num_threads)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both runs)")
+    parser.add_argument("--dropout", type=_dropout_probability, default=0.0,
+                        help="dropout probability in [0, 1) on attention probabilities and each block's branch "
+                             "outputs (default: 0)")
     args = parser.parse_args(argv)
 
     device = args.device
     cfg = Config(**CONFIGS[args.config])
     cfg = replace(cfg, optimizer=args.optimizer, amp=args.amp or ("fp16" if device.type == "cuda" else "none"),
                   steps=cfg.steps if args.steps is None else args.steps, lr=cfg.lr if args.lr is None else args.lr,
-                  compile=args.compile)
+                  compile=args.compile, dropout=args.dropout)
     if args.compare and cfg.optimizer == "lamb":
         parser.error("argument --compare: the PyTorch run has no LAMB (torch.optim has none); "
                      "compare with --optimizer adamw")

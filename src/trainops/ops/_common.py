@@ -105,9 +105,5 @@ if triton_available():
         with them the summation order. Four warps."""
         block_c = min(block_c, next_pow2(max(cols, 1)))
         block_p = max(1, min(max_parts, next_pow2(parts), _SUM_TILE // block_c))
-        launch = launcher(_sum_columns, (triton.cdiv(max(cols, 1), block_c),), BLOCK_P=block_p, BLOCK_C=block_c,
-                          num_warps=4)
-
-        def run(part, out) -> None:
-            launch(part, out, parts, cols)
-        return run
+        return launcher(_sum_columns, (triton.cdiv(max(cols, 1), block_c),), trailing=(parts, cols),
+                        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)

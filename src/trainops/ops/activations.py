@@ -759,22 +759,22 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
         numel = layout.numel
         if not backward:
             meta.update(GATED=mode == GATED)
-            launch_fwd = launcher(_act_fwd_flat, grid, **meta)
+            launch_fwd = launcher(_act_fwd_flat, grid, trailing=(numel,), **meta)
 
             def run(tensors, y):
                 a = tensors[0]
-                launch_fwd(a, tensors[1] if mode == GATED else a, y, numel)
+                launch_fwd(a, tensors[1] if mode == GATED else a, y)
         else:
             meta.update(GATED=mode == GATED, NEED_A=need_a, NEED_B=need_b)
-            launch_bwd = launcher(_act_bwd_flat, grid, **meta)
+            launch_bwd = launcher(_act_bwd_flat, grid, trailing=(numel,), **meta)
 
             def run(tensors, outputs):
                 dy, a = tensors[0], tensors[1]
                 if mode == GATED:
                     da, db = outputs
-                    launch_bwd(dy, a, tensors[2], da if need_a else dy, db if need_b else dy, numel)
+                    launch_bwd(dy, a, tensors[2], da if need_a else dy, db if need_b else dy)
                 else:
-                    launch_bwd(dy, a, a, outputs, outputs, numel)
+                    launch_bwd(dy, a, a, outputs, outputs)
         params = (("plan", "flat"), ("BLOCK", block), ("num_warps", meta["num_warps"]), ("int64", meta["INT64"]))
         return Launch(run, KernelChoice(f"{_base(problem.op)}_{'bwd' if backward else 'fwd'}_flat", "triton", params),
                       acc)
@@ -793,15 +793,15 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
 
     if not backward:
         grid = (triton.cdiv(rows, block_r) * col_blocks,)
-        launch_fwd = launcher(_act_fwd_strided, grid, **meta)
-        # every scalar argument is fixed by the plan: built once here, not per call
-        launches = [(*operand_args(bases), rows, cols, o1, o2, col_blocks) for bases in layout.host_bases]
+        # every scalar argument is fixed by the plan: bound once here, not per call
+        launches = [launcher(_act_fwd_strided, grid, trailing=(*operand_args(bases), rows, cols, o1, o2, col_blocks),
+                             **meta) for bases in layout.host_bases]
 
         def run(tensors, y):
             a = tensors[0]
             b = a if mode == UNARY or tensors[1] is None else tensors[1]
-            for args in launches:
-                launch_fwd(a, b, y, *args)
+            for launch in launches:
+                launch(a, b, y)
         kernel = "fwd_strided"
         rows_per_program = block_r
     else:
@@ -815,8 +815,8 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
         parts = groups * len(layout.host_bases)
         grid = (groups * col_blocks,)
         meta.update(NEED_A=need_a, NEED_B=need_b)
-        launch_bwd = launcher(_act_bwd_strided, grid, **meta)
-        launches = [(*operand_args(bases), index * groups, rows, cols, o1, o2, col_blocks, rows_per_program)
+        launches = [launcher(_act_bwd_strided, grid, trailing=(*operand_args(bases), index * groups, rows, cols, o1,
+                                                               o2, col_blocks, rows_per_program), **meta)
                     for index, bases in enumerate(layout.host_bases)]
         with_partials = mode == BIAS and need_b
         if with_partials:
@@ -834,8 +834,8 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
                 if problem.packed:
                     db = da
             part = torch.empty((parts, cols), dtype=acc, device=dy.device) if with_partials else dy
-            for args in launches:
-                launch_bwd(dy, a, b, da if need_a else dy, db if mode == GATED and need_b else dy, part, *args)
+            for launch in launches:
+                launch(dy, a, b, da if need_a else dy, db if mode == GATED and need_b else dy, part)
             if with_partials:
                 sum_columns(part, db)
         kernel = "bwd_strided"

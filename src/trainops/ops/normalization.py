@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
@@ -127,35 +128,35 @@ class NormProblem:
     heuristics: NormHeuristics
     index_dtype = None
 
-    @property
+    @cached_property
     def backward(self) -> bool:
         return self.op in BACKWARD_OPS
 
-    @property
+    @cached_property
     def rms(self) -> bool:
         return self.op.startswith("rms")
 
-    @property
+    @cached_property
     def n(self) -> int:
         return math.prod(self.shape[len(self.shape) - self.normalized_ndim:])
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return math.prod(self.shape[:len(self.shape) - self.normalized_ndim])
 
-    @property
+    @cached_property
     def normalized_shape(self) -> tuple[int, ...]:
         return self.shape[len(self.shape) - self.normalized_ndim:]
 
-    @property
+    @cached_property
     def stats_rows(self) -> int:
         return 1 if self.rms else 2
 
-    @property
+    @cached_property
     def acc_dtype(self) -> torch.dtype:
         return accumulator_dtype(self.dtype)
 
-    @property
+    @cached_property
     def strided_names(self) -> tuple[str, ...]:
         return ("dy", "h", "grad_h") if self.backward else ("x", "residual")
 
@@ -633,9 +634,9 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         meta.update(HAS_R=problem.has_residual, HAS_B=problem.bias_dtype is not None)
 
         # every scalar argument is fixed by the plan: built once here, not per call
-        launches = [(*operand_args(bases), bases[-1], rows_total, per_launch, n, *sizes, problem.eps,
-                     problem.weight_offset) for bases in layout.host_bases]
-        launch_fwd = launcher(_norm_fwd, grid, **meta)
+        launches = [launcher(_norm_fwd, grid, trailing=(*operand_args(bases), bases[-1], rows_total, per_launch, n,
+                                                        *sizes, problem.eps, problem.weight_offset), **meta)
+                    for bases in layout.host_bases]
 
         def run(tensors, outputs):
             x, weight, bias, residual = tensors
@@ -647,8 +648,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
                 return
             pointers = (x, x if residual is None else residual, y, y if residual is None else h,
                         y if weight is None else weight, y if bias is None else bias, stats)
-            for args in launches:
-                launch_fwd(*pointers, *args)
+            for launch in launches:
+                launch(*pointers)
 
         kernel = "norm_fwd"
         workspace = 0
@@ -666,12 +667,13 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         meta.update(DW=problem.weight_dtype is not None and problem.weight_grad, HAS_B=problem.bias_dtype is not None,
                     HAS_DS=problem.has_residual, STAGES=stages)
 
-        launches = [(*operand_args(bases), bases[-1], rows_total, index * programs, per_launch, n, *sizes,
-                     rows_per_program, problem.weight_offset) for index, bases in enumerate(layout.host_bases)]
-        launch_bwd = launcher(_norm_bwd, (programs,), **meta)
+        launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
+                                                               index * programs, per_launch, n, *sizes,
+                                                               rows_per_program, problem.weight_offset), **meta)
+                    for index, bases in enumerate(layout.host_bases)]
         sum_columns = column_sum(parts, n, problem.heuristics.reduce_block, 64)
-        # one workspace: row k of (len(grads), parts, n) holds the partial sums of the k-th gradient
         make_workspace = torch.zeros if config.looped else torch.empty
+        dw_wanted, has_bias = meta["DW"], meta["HAS_B"]
 
         def run(tensors, outputs):
             dy, h, weight, stats, grad_h = tensors
@@ -679,16 +681,18 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
             if rows_total == 0 or n == 0:
                 _write_empty(problem, outputs)
                 return
-            workspace = make_workspace((max(1, len(grads)), parts, n), dtype=acc, device=dx.device)
-            dw_part = workspace[0]
-            db_part = workspace[-1]
+            # one (parts, n) workspace a gradient, holding its partial sums (no views of a shared one:
+            # each view is one more host call)
+            dw_part = make_workspace((parts, n), dtype=acc, device=dx.device) if dw_wanted else dx
+            db_part = make_workspace((parts, n), dtype=acc, device=dx.device) if has_bias else dx
             pointers = (dy, h, dx if weight is None else weight, stats, dy if grad_h is None else grad_h, dx,
                         dw_part, db_part)
-            for args in launches:
-                launch_bwd(*pointers, *args)
-            for part, grad in ((dw_part, dweight), (db_part, dbias)):
-                if grad.numel():
-                    sum_columns(part, grad)
+            for launch in launches:
+                launch(*pointers)
+            if dw_wanted:
+                sum_columns(dw_part, dweight)
+            if has_bias:
+                sum_columns(db_part, dbias)
 
         kernel = "norm_bwd"
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),

@@ -632,7 +632,7 @@ def _prepare_triton(problem: RotaryProblem, config: RotaryConfig | None = None) 
     args = (problem.seq, problem.positions, problem.q_shape[1], problem.k_shape[1], config.q_per, config.k_per,
             *bshd(problem.q_strides), *bshd(problem.k_strides), *bshd(problem.q_out_strides),
             *bshd(problem.k_out_strides), *problem.cos_view, *problem.sin_view, *problem.position_view)
-    launch = launcher(_rotary_rows, (problem.batch * problem.seq, config.splits), **meta)
+    launch = launcher(_rotary_rows, (problem.batch * problem.seq, config.splits), trailing=args, **meta)
     empty = _empty(problem)
     check = problem.check_position_ids and has_pos
 
@@ -642,7 +642,7 @@ def _prepare_triton(problem: RotaryProblem, config: RotaryConfig | None = None) 
             check_position_range(problem.op, pos, problem.positions)
         if empty:
             return
-        launch(xq, xk, outputs[0], outputs[1], cos, sin, cos if pos is None else pos, *args)
+        launch(xq, xk, outputs[0], outputs[1], cos, sin, cos if pos is None else pos)
 
     params = (("grid", (problem.batch * problem.seq, config.splits)),
               ("heads_per_program", (config.q_per, config.k_per)),

@@ -744,7 +744,7 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     phases = {"fused": ({},), "looped": (dict(SPLITS=1, PHASE=0),),
               "split": (dict(SPLITS=config.splits, PHASE=1), dict(SPLITS=config.splits, PHASE=2))}[config.kind]
     grid = (row_programs * config.splits,)
-    calls = [(_operand_args(layout, bases) + sizes, launcher(fn, grid, **meta, **phase))
+    calls = [launcher(fn, grid, trailing=_operand_args(layout, bases) + sizes, **meta, **phase)
              for bases in layout.host_bases for phase in phases]
 
     def run(tensors, out):
@@ -753,8 +753,8 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
         pointers = (*tensors, out)
         if config.kind != "fused":
             pointers += (torch.empty(max(ws_elems, 1), dtype=acc, device=out.device),)
-        for args, launch in calls:
-            launch(*pointers, *args)
+        for launch in calls:
+            launch(*pointers)
 
     params = (("plan", config.kind), ("BLOCK_I", config.block_i), ("BLOCK_N", config.block_n),
               ("num_warps", config.num_warps), ("splits", config.splits), ("chunk", config.chunk),
