@@ -18,6 +18,12 @@ Arguments fixed by the plan (strides, sizes, eps: usually every scalar) can be b
 ``trailing=(...)``: calls then pass only the leading arguments (the tensors), and the key covers
 those alone, since the bound ones specialise the same way on every call.
 
+Under torch.compile (custom ops declared with ``inline_triton``, library.py) the kernels are
+traced on functional or fake tensors: a call with such tensors goes through
+``torch.library.wrap_triton``, so that Inductor sees the kernel and launches it itself. Such a
+call must not pass one output tensor for two pointer arguments (functionalization clones each
+mutated argument on its own): absent pointers are None.
+
 Falls back to ``kernel[grid]`` (always correct) under Triton's interpreter, when a launch hook is
 installed (profilers such as proton), and for argument lists it does not handle (another argument
 count, other argument types than the first call's, objects that are neither tensors nor numbers).
@@ -50,16 +56,25 @@ def launcher(kernel, grid: tuple, trailing: tuple = (), **meta) -> Callable[...,
     return _DirectLaunch(kernel, grid, trailing, meta)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args) -> bool:
+    """Whether a call's tensors are torch.compile's (functional or fake tensors), not real ones."""
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+
+
 class _DirectLaunch:
-    __slots__ = ("kernel", "meta", "trailing", "jit", "compiled", "types", "tensor_at", "int_at", "full", "arg_at",
-                 "tail", "grid3", "knobs", "driver")
+    __slots__ = ("kernel", "grid", "meta", "trailing", "jit", "compiled", "types", "tensor_at", "int_at", "full",
+                 "arg_at", "tail", "grid3", "knobs", "driver")
 
     def __init__(self, kernel, grid: tuple, trailing: tuple, meta: dict):
         from triton import knobs
         from triton.runtime import driver
 
         self.kernel, self.meta, self.trailing = kernel, meta, trailing
-        self.jit = kernel[tuple(grid)]
+        self.grid = tuple(grid)
+        self.jit = kernel[self.grid]
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.compiled: dict = {}
         self.knobs, self.driver = knobs, driver
@@ -92,10 +107,14 @@ class _DirectLaunch:
 
     def __call__(self, *args):
         if self.types is None:
+            if _traced(args):
+                return self._traced_launch(args)
             self.types = self._layout(args)
         hooks = self.knobs.runtime
         if (not self.types or tuple(map(type, args)) != self.types
                 or _installed(hooks.launch_enter_hook) or _installed(hooks.launch_exit_hook)):
+            if _traced(args):
+                return self._traced_launch(args)
             return self.jit(*args, *self.trailing, **self.meta)
         device = self.driver.active.get_current_device()
         tensors = [args[k] for k in self.tensor_at]
@@ -117,6 +136,11 @@ class _DirectLaunch:
         compiled.run(g0, g1, g2, self.driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *full)
         return compiled
+
+    def _traced_launch(self, args):
+        from torch.library import wrap_triton
+
+        return wrap_triton(self.kernel)[self.grid](*args, *self.trailing, **self.meta)
 
 
 def _installed(hook) -> bool:

@@ -16,7 +16,11 @@ Calls in plain eager mode (plain tensors, no torch.compile, no functorch transfo
 dispatcher: the same ``impl``, ``save`` and ``backward`` run through a ``torch.autograd.Function``
 (or ``impl`` alone when no input needs a gradient). The custom op's dispatch, schema and aliasing
 checks cost 100-250 us of host time a call on the H100 machine, more than many of these kernels
-take (benchmarks/NOTES.md). Everything else goes through the op.
+take (benchmarks/NOTES.md). Everything else goes through the op, whose CPU and CUDA kernels are
+``impl`` itself, registered with the dispatcher directly: custom_op's own backend wrapper (its
+aliasing check included) took 155 us a call inside a torch.compile graph on that machine. So
+``impl`` must return new tensors, never its inputs or views of them: custom_op's aliasing check
+no longer runs on these calls.
 """
 
 from __future__ import annotations
@@ -27,16 +31,21 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.overrides import has_torch_function
 
+from .registry import triton_available, triton_interpreting
+
 _PLAIN = (Tensor, torch.nn.Parameter)
+_KERNELS = torch.library.Library("trainops", "IMPL")  # the ops' CPU and CUDA kernels (CustomOp.__init__)
 
 
 class CustomOp:
     """A trainops custom op (``.op`` is ``torch.ops.trainops.<name>``); call it like ``impl``."""
 
     def __init__(self, name: str, impl: Callable, fake: Callable, backward: Callable | None = None,
-                 save: Callable | None = None, mutates_args: tuple[str, ...] = ()):
+                 save: Callable | None = None, mutates_args: tuple[str, ...] = (),
+                 inline_triton: bool | Callable = False):
         if (backward is None) != (save is None):
             raise TypeError(f"trainops.library.custom_op({name!r}): pass both backward and save, or neither")
         params = list(inspect.signature(impl).parameters.values())
@@ -52,11 +61,31 @@ class CustomOp:
         self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
         self.op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args)
         self.op.register_fake(fake)
+        # impl as the CPU and CUDA kernels themselves: the dispatcher then calls it directly instead of
+        # through custom_op's backend wrapper, which took 155 us of host time a call inside a
+        # torch.compile graph on the H100 machine (benchmarks/NOTES.md, "custom_op's backend wrapper")
+        for key in ("CPU", "CUDA"):
+            _KERNELS.impl(name, impl, key)
+        self._inline_when = inline_triton if callable(inline_triton) else None
+        if inline_triton:
+            self.op.register_torch_dispatch(FunctionalTensorMode, self._decompose)
         self._function = None
         if backward is not None:
             self.op.register_autograd(self._gradients, setup_context=self._setup_context)
             self._function = type(f"{name}_function", (torch.autograd.Function,), {
                 "forward": staticmethod(self._eager_forward), "backward": staticmethod(self._gradients)})
+
+    def _decompose(self, mode, op, types, args, kwargs):
+        """Under torch.compile's functionalization (AOTAutograd): on CUDA tensors with compiled
+        Triton, run ``impl`` itself, so that its kernels reach the graph (trainops.launch traces
+        them with ``wrap_triton``) and Inductor launches them; otherwise keep the op whole."""
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if (not tensors or triton_interpreting() or not triton_available()
+                or any(t.device.type != "cuda" for t in tensors)
+                or (self._inline_when is not None and not self._inline_when(self._by_name(*args, **kwargs)))):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return self._impl(*args, **kwargs)
 
     def _setup_context(self, ctx, inputs, output) -> None:
         self._save(ctx, self._by_name(*inputs), output)
@@ -91,15 +120,22 @@ class CustomOp:
 
 
 def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable | None = None,
-              save: Callable | None = None, mutates_args: tuple[str, ...] = ()) -> CustomOp:
+              save: Callable | None = None, mutates_args: tuple[str, ...] = (),
+              inline_triton: bool | Callable = False) -> CustomOp:
     """Declare ``torch.ops.trainops.<name>`` (see the module docstring).
 
     impl(*args): the op (annotated arguments: the schema). fake(*args): outputs of the right
     shapes, dtypes and devices, computing nothing. save(ctx, inputs, output): what backward
     needs. backward(ctx, *grad_outputs) -> {argument name: gradient}. mutates_args: names of the
-    arguments the op writes into.
+    arguments the op writes into. inline_triton: under torch.compile on CUDA, trace ``impl`` into
+    the graph (its Triton kernels launched by Inductor, no custom-op call at run time), as
+    ``torch.library.triton_op`` does; ``impl`` must then be traceable (no host synchronisation,
+    no data-dependent Python), launch through trainops.launch.launcher, and never pass one output
+    tensor for two pointer arguments; a callable ``inline_triton(arguments)`` (the call's
+    arguments by name) decides per call. Calls with a CPU tensor among their arguments (a dropout
+    seed) stay whole.
     """
-    return CustomOp(name, impl, fake, backward, save, mutates_args)
+    return CustomOp(name, impl, fake, backward, save, mutates_args, inline_triton)
 
 
 __all__ = ["CustomOp", "custom_op"]

@@ -428,9 +428,8 @@ if triton_available():
 
     from ._common import column_sum
 
-    # The kernels write torch's constants as literals (tests check them against the ones above): a
-    # constexpr global on the left of a tensor product stays a constexpr under the interpreter.
-    _K_INF = tl.constexpr(float("inf"))  # compared with tensors on the left only
+    # The kernels write torch's constants as literals (tests check them against the ones above); no
+    # float constexpr globals: Inductor re-emits a kernel's globals by repr, and repr(inf) is no name.
 
     @triton.jit
     def _exp(x, PRECISE: tl.constexpr):
@@ -495,7 +494,7 @@ if triton_available():
                 df = s * (1.0 + x * (1.0 - s))
             # where s rounds to 0 or 1 the formula's value is that, unless alpha x overflowed (0 * inf)
             df = tl.where(s == 0.0, 0.0, tl.where(s == 1.0, 1.0, df))
-        f = tl.where(x == -_K_INF, 0.0, f)
+        f = tl.where(x == float("-inf"), 0.0, f)
         return f, df
 
     @triton.jit
@@ -587,10 +586,11 @@ if triton_available():
         rows_per_program,                         # rows a program walks, BLOCK_R at a time
         ACT: tl.constexpr, MODE: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr,
         PRECISE: tl.constexpr, DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
+        BLOCK_C: tl.constexpr, PACKED: tl.constexpr,
     ):
         """The gradients of ``rows_per_program`` rows x BLOCK_C columns; BIAS: their column sums too,
-        written as the program's own row of PART (no other program touches it)."""
+        written as the program's own row of PART (no other program touches it). PACKED: d up is the
+        second half of DA's tensor (DB None; db_base points there)."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
@@ -613,8 +613,9 @@ if triton_available():
                     tl.store(DA + da_base + _offsets(r, c, O1, O2, da_s0, da_s1, da_s2, da_sc),
                              (dy * b * df).to(DA.dtype.element_ty), mask=mask)
                 if NEED_B:
-                    tl.store(DB + db_base + _offsets(r, c, O1, O2, db_s0, db_s1, db_s2, db_sc),
-                             (dy * f).to(DB.dtype.element_ty), mask=mask)
+                    DB_OUT = DA if PACKED else DB
+                    tl.store(DB_OUT + db_base + _offsets(r, c, O1, O2, db_s0, db_s1, db_s2, db_sc),
+                             (dy * f).to(DB_OUT.dtype.element_ty), mask=mask)
             else:
                 if MODE == 1:
                     a += tl.load(B + b_base + _offsets(r, c, O1, O2, b_s0, b_s1, b_s2, b_sc), mask=mask,
@@ -763,7 +764,7 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
 
             def run(tensors, y):
                 a = tensors[0]
-                launch_fwd(a, tensors[1] if mode == GATED else a, y)
+                launch_fwd(a, tensors[1] if mode == GATED else None, y)
         else:
             meta.update(GATED=mode == GATED, NEED_A=need_a, NEED_B=need_b)
             launch_bwd = launcher(_act_bwd_flat, grid, trailing=(numel,), **meta)
@@ -772,9 +773,9 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
                 dy, a = tensors[0], tensors[1]
                 if mode == GATED:
                     da, db = outputs
-                    launch_bwd(dy, a, tensors[2], da if need_a else dy, db if need_b else dy)
+                    launch_bwd(dy, a, tensors[2], da if need_a else None, db if need_b else None)
                 else:
-                    launch_bwd(dy, a, a, outputs, outputs)
+                    launch_bwd(dy, a, None, outputs, None)
         params = (("plan", "flat"), ("BLOCK", block), ("num_warps", meta["num_warps"]), ("int64", meta["INT64"]))
         return Launch(run, KernelChoice(f"{_base(problem.op)}_{'bwd' if backward else 'fwd'}_flat", "triton", params),
                       acc)
@@ -814,7 +815,7 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
             groups = triton.cdiv(rows, rows_per_program)
         parts = groups * len(layout.host_bases)
         grid = (groups * col_blocks,)
-        meta.update(NEED_A=need_a, NEED_B=need_b)
+        meta.update(NEED_A=need_a, NEED_B=need_b, PACKED=problem.packed)
         launches = [launcher(_act_bwd_strided, grid, trailing=(*operand_args(bases), index * groups, rows, cols, o1,
                                                                o2, col_blocks, rows_per_program), **meta)
                     for index, bases in enumerate(layout.host_bases)]
@@ -831,11 +832,13 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
             else:
                 da, db = outputs
                 b = a if tensors[2] is None else tensors[2]
-                if problem.packed:
-                    db = da
-            part = torch.empty((parts, cols), dtype=acc, device=dy.device) if with_partials else dy
+                if problem.packed:  # d up: the second half of da's tensor, through DA (PACKED)
+                    db = None
+            part = torch.empty((parts, cols), dtype=acc, device=dy.device) if with_partials else None
+            # absent pointers None; packed: da's tensor once, for both halves
+            da_arg = da if need_a or problem.packed else None
             for launch in launches:
-                launch(dy, a, b, da if need_a else dy, db if mode == GATED and need_b else dy, part)
+                launch(dy, a, b, da_arg, db if mode == GATED and need_b else None, part)
             if with_partials:
                 sum_columns(part, db)
         kernel = "bwd_strided"
@@ -1005,13 +1008,16 @@ def _unary_grad(backward_op, with_approximate: bool):
     return grad
 
 
-gelu_backward_op = custom_op("gelu_backward", _gelu_backward_impl, _unary_backward_fake)
-quick_gelu_backward_op = custom_op("quick_gelu_backward", _quick_gelu_backward_impl, _unary_backward_fake)
-silu_backward_op = custom_op("silu_backward", _silu_backward_impl, _unary_backward_fake)
-gelu_op = custom_op("gelu", _gelu_impl, _gelu_fake, backward=_unary_grad(gelu_backward_op, True), save=_save_input)
+gelu_backward_op = custom_op("gelu_backward", _gelu_backward_impl, _unary_backward_fake, inline_triton=True)
+quick_gelu_backward_op = custom_op("quick_gelu_backward", _quick_gelu_backward_impl, _unary_backward_fake,
+                                   inline_triton=True)
+silu_backward_op = custom_op("silu_backward", _silu_backward_impl, _unary_backward_fake, inline_triton=True)
+gelu_op = custom_op("gelu", _gelu_impl, _gelu_fake, backward=_unary_grad(gelu_backward_op, True), save=_save_input,
+                    inline_triton=True)
 quick_gelu_op = custom_op("quick_gelu", _quick_gelu_impl, _quick_gelu_fake,
-                          backward=_unary_grad(quick_gelu_backward_op, False), save=_save_input)
-silu_op = custom_op("silu", _silu_impl, _silu_fake, backward=_unary_grad(silu_backward_op, False), save=_save_input)
+                          backward=_unary_grad(quick_gelu_backward_op, False), save=_save_input, inline_triton=True)
+silu_op = custom_op("silu", _silu_impl, _silu_fake, backward=_unary_grad(silu_backward_op, False), save=_save_input,
+                    inline_triton=True)
 
 
 # -- bias_gelu ---------------------------------------------------------------------------------------
@@ -1050,8 +1056,10 @@ def _bias_gelu_grad(ctx, dy) -> dict:
     return {"input": dx if needs[0] else None, "bias": dbias if needs[1] else None}
 
 
-bias_gelu_backward_op = custom_op("bias_gelu_backward", _bias_gelu_backward_impl, _bias_gelu_backward_fake)
-bias_gelu_op = custom_op("bias_gelu", _bias_gelu_impl, _bias_gelu_fake, backward=_bias_gelu_grad, save=_save_bias)
+bias_gelu_backward_op = custom_op("bias_gelu_backward", _bias_gelu_backward_impl, _bias_gelu_backward_fake,
+                                  inline_triton=True)
+bias_gelu_op = custom_op("bias_gelu", _bias_gelu_impl, _bias_gelu_fake, backward=_bias_gelu_grad, save=_save_bias,
+                         inline_triton=True)
 
 
 # -- gated: swiglu, geglu ------------------------------------------------------------------------------
@@ -1110,9 +1118,13 @@ def _gated_grad(backward_op, with_approximate: bool):
     return grad
 
 
-swiglu_backward_op = custom_op("swiglu_backward", _swiglu_backward_impl, _gated_backward_fake)
-geglu_backward_op = custom_op("geglu_backward", _geglu_backward_impl, _gated_backward_fake)
+
+
+swiglu_backward_op = custom_op("swiglu_backward", _swiglu_backward_impl, _gated_backward_fake,
+                               inline_triton=True)
+geglu_backward_op = custom_op("geglu_backward", _geglu_backward_impl, _gated_backward_fake,
+                              inline_triton=True)
 swiglu_op = custom_op("swiglu", _swiglu_impl, _gated_fake("swiglu"), backward=_gated_grad(swiglu_backward_op, False),
-                      save=_save_gated)
+                      save=_save_gated, inline_triton=True)
 geglu_op = custom_op("geglu", _geglu_impl, _gated_fake("geglu"), backward=_gated_grad(geglu_backward_op, True),
-                     save=_save_gated)
+                     save=_save_gated, inline_triton=True)

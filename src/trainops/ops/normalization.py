@@ -646,8 +646,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
             if n == 0:
                 _write_empty(problem, outputs)
                 return
-            pointers = (x, x if residual is None else residual, y, y if residual is None else h,
-                        y if weight is None else weight, y if bias is None else bias, stats)
+            # absent inputs and outputs: None (the kernel never touches them; no tensor twice)
+            pointers = (x, residual, y, None if residual is None else h, weight, bias, stats)
             for launch in launches:
                 launch(*pointers)
 
@@ -683,10 +683,9 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
                 return
             # one (parts, n) workspace a gradient, holding its partial sums (no views of a shared one:
             # each view is one more host call)
-            dw_part = make_workspace((parts, n), dtype=acc, device=dx.device) if dw_wanted else dx
-            db_part = make_workspace((parts, n), dtype=acc, device=dx.device) if has_bias else dx
-            pointers = (dy, h, dx if weight is None else weight, stats, dy if grad_h is None else grad_h, dx,
-                        dw_part, db_part)
+            dw_part = make_workspace((parts, n), dtype=acc, device=dx.device) if dw_wanted else None
+            db_part = make_workspace((parts, n), dtype=acc, device=dx.device) if has_bias else None
+            pointers = (dy, h, weight, stats, grad_h, dx, dw_part, db_part)  # absent ones None, as forward
             for launch in launches:
                 launch(*pointers)
             if dw_wanted:
@@ -863,9 +862,11 @@ def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weigh
 
 
 # The backward ops have no autograd of their own (double backward through a norm is not supported).
-rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _rms_norm_backward_fake)
-layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake)
+rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _rms_norm_backward_fake,
+                                 inline_triton=True)
+layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake,
+                                   inline_triton=True)
 rms_norm_op = custom_op("rms_norm", _rms_norm_impl, _rms_norm_fake, backward=_forward_grad(rms_norm_backward_op),
-                        save=_save_forward)
+                        save=_save_forward, inline_triton=True)
 layer_norm_op = custom_op("layer_norm", _layer_norm_impl, _layer_norm_fake,
-                          backward=_forward_grad(layer_norm_backward_op), save=_save_forward)
+                          backward=_forward_grad(layer_norm_backward_op), save=_save_forward, inline_triton=True)

@@ -764,6 +764,13 @@ def _backward_grad(ctx, ggq, ggk) -> dict:
     return {"dq_out": gq if ctx.needs_grad.dq_out else None, "dk_out": gk if ctx.needs_grad.dk_out else None}
 
 
+
+def _reads_no_host_values(call) -> bool:
+    """Inlined under torch.compile unless check_position_ids, which reads the ids on the host."""
+    return not call.check_position_ids
+
+
 rotary_backward_op = custom_op("rotary_embedding_backward", _rotary_backward_impl, _rotary_backward_fake,
-                               backward=_backward_grad, save=_save_backward)
-rotary_op = custom_op("rotary_embedding", _rotary_impl, _rotary_fake, backward=_grad, save=_save)
+                               backward=_backward_grad, save=_save_backward, inline_triton=True)
+rotary_op = custom_op("rotary_embedding", _rotary_impl, _rotary_fake, backward=_grad, save=_save,
+                      inline_triton=_reads_no_host_values)

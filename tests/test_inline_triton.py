@@ -1,0 +1,102 @@
+"""Under torch.compile on CUDA, the ops declared with ``inline_triton`` (norms, activations, rotary
+embedding) are traced into the graph: Inductor's generated code launches trainops's Triton kernels
+itself, with no custom-op call at run time, and gives the eager results (within bf16 rounding:
+Inductor sums the gradient contributions of a tensor used twice in another order). Calls that
+read the host (checked position ids) stay custom-op calls; so does every op off the GPU."""
+
+import pytest
+import torch
+
+import trainops
+
+GRADS = ("x", "w", "gate", "up", "a", "q", "k")
+
+
+def _block(x, w, gate, up, a, q, k, cos, sin):
+    y, s = trainops.rms_norm(x, w, 1e-5, residual=x * 0.5)
+    z = trainops.layer_norm(x, (x.shape[-1],), w, None)
+    m = trainops.swiglu(gate, up) + trainops.swiglu(torch.cat([gate, up], -1))   # separate and packed
+    g = trainops.gelu(a, approximate="tanh")
+    qo, ko = trainops.rotary_embedding(q, k, cos, sin)
+    return (y.float().square().sum() + s.float().sum() + z.float().square().sum() + m.float().square().sum()
+            + g.float().square().sum() + qo.float().square().sum() + ko.float().square().sum())
+
+
+def _inputs(device):
+    torch.manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    t = dict(x=torch.randn(64, 256, **bf), w=torch.rand(256, device=device) + 0.5, gate=torch.randn(64, 512, **bf),
+             up=torch.randn(64, 512, **bf), a=torch.randn(64, 512, **bf), q=torch.randn(2, 4, 32, 64, **bf),
+             k=torch.randn(2, 2, 32, 64, **bf), cos=torch.randn(32, 64, device=device),
+             sin=torch.randn(32, 64, device=device))
+    for name in GRADS:
+        t[name].requires_grad_(True)
+    return t
+
+
+def _close(a, b, tol=4e-3):
+    """Relative-norm error within ``tol`` (a few bf16 roundings of the summed contributions), no NaN."""
+    a, b = a.double(), b.double()
+    return bool(torch.isfinite(a).all()) and (a - b).norm().item() <= tol * b.norm().item()
+
+
+@pytest.mark.gpu
+def test_compiled_graph_launches_the_trainops_kernels_with_eager_results():
+    from torch._inductor.utils import run_and_get_code
+
+    t = _inputs("cuda")
+    eager = _block(**t)
+    eager_grads = torch.autograd.grad(eager, [t[n] for n in GRADS])
+    compiled = torch.compile(_block, fullgraph=True)
+
+    def step():
+        loss = compiled(**t)
+        return loss, torch.autograd.grad(loss, [t[n] for n in GRADS])
+
+    (loss, grads), code = run_and_get_code(step)
+    source = "\n".join(code)
+    for kernel in ("_norm_fwd", "_norm_bwd", "_sum_columns", "_act_fwd", "_act_bwd", "_rotary_rows"):
+        assert kernel in source, f"{kernel} is not launched by the compiled code"
+    assert "torch.ops.trainops" not in source, "a trainops custom op is still called at run time"
+    assert _close(loss, eager), (loss, eager)
+    for name, a, b in zip(GRADS, grads, eager_grads):
+        assert _close(a, b), name
+
+
+@pytest.mark.gpu
+def test_calls_that_cannot_be_inlined_stay_custom_ops():
+    """check_position_ids reads the ids on the host: it stays a custom-op call under compile, with the
+    eager results, beside an inlined packed SwiGLU."""
+    from torch._inductor.utils import run_and_get_code
+
+    t = _inputs("cuda")
+    pos = torch.arange(32, device="cuda")
+    packed = torch.cat([t["gate"].detach(), t["up"].detach()], -1).requires_grad_(True)
+
+    def f(q, k, cos, sin, packed):
+        qo, ko = trainops.rotary_embedding(q, k, cos, sin, position_ids=pos, check_position_ids=True)
+        return qo.float().square().sum() + ko.float().sum() + trainops.swiglu(packed).float().square().sum()
+
+    args = [t[n] for n in ("q", "k", "cos", "sin")] + [packed]
+    eager = f(*args)
+    eager_grads = torch.autograd.grad(eager, [args[0], args[1], packed])
+
+    def step():
+        loss = torch.compile(f, fullgraph=True)(*args)
+        return loss, torch.autograd.grad(loss, [args[0], args[1], packed])
+
+    (loss, grads), code = run_and_get_code(step)
+    source = "\n".join(code)
+    assert "torch.ops.trainops.rotary_embedding.default" in source
+    assert "torch.ops.trainops.swiglu" not in source and "_act_bwd_strided" in source
+    assert _close(loss, eager)
+    for a, b in zip(grads, eager_grads):
+        assert _close(a, b)
+
+
+def test_ops_stay_whole_off_the_gpu():
+    """On the CPU (CI) the compiled graph calls the custom op, whose CPU or interpreter path runs."""
+    t = _inputs("cpu")
+    eager = _block(**t)
+    compiled = torch.compile(_block, fullgraph=True, backend="aot_eager")
+    assert _close(compiled(**t), eager)
