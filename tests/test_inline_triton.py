@@ -94,9 +94,40 @@ def test_calls_that_cannot_be_inlined_stay_custom_ops():
         assert _close(a, b)
 
 
+@pytest.mark.gpu
+def test_dynamic_shapes_keep_the_ops_whole():
+    """Plans are made for concrete shapes: with symbolic sizes the ops stay custom-op calls (and
+    work), instead of failing to trace."""
+    from torch._inductor.utils import run_and_get_code
+
+    t = _inputs("cuda")
+    eager = _block(**t)
+    compiled, code = run_and_get_code(torch.compile(_block, fullgraph=True, dynamic=True), **t)
+    assert "torch.ops.trainops.rms_norm.default" in "\n".join(code)
+    assert _close(compiled, eager)
+
+
+def _recorded_graphs(fn, *args, **kwargs):
+    """Run ``fn`` compiled through AOTAutograd (no Inductor); return the forward graphs' code."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record))(*args, **kwargs)
+    return out, "\n".join(graphs)
+
+
 def test_ops_stay_whole_off_the_gpu():
-    """On the CPU (CI) the compiled graph calls the custom op, whose CPU or interpreter path runs."""
+    """On the CPU (CI) the compiled graph calls the custom ops (their CPU or interpreter path runs):
+    no decomposition into the impl's own operations."""
     t = _inputs("cpu")
     eager = _block(**t)
-    compiled = torch.compile(_block, fullgraph=True, backend="aot_eager")
-    assert _close(compiled(**t), eager)
+    compiled, graph = _recorded_graphs(_block, **t)
+    for op in ("rms_norm", "layer_norm", "swiglu", "gelu", "rotary_embedding"):
+        assert f"torch.ops.trainops.{op}.default" in graph, op
+    assert "triton_kernel_wrapper" not in graph
+    assert _close(compiled, eager)

@@ -106,4 +106,5 @@ def test_direct_launch_with_trailing_keys_only_the_call_arguments():
     for launch in _check_trailing("cuda"):
         keys = list(launch.compiled)
         assert 1 <= len(keys) <= 2, keys  # aligned and unaligned x / b pointers
-        assert all(len(key[1]) == 3 for key in keys), keys  # the three tensors of the call, nothing bound
+        # the three tensors of the call; no integer keyed (all four scalars are bound)
+        assert all(len(key[1]) == 3 and key[3] == () for key in keys), keys

@@ -33,9 +33,14 @@ def test_dispatcher_call_gives_the_impl_results_and_gradients():
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_dispatcher_call_of_a_mutating_op_bumps_the_version():
-    logits = torch.randn(4, 10)
+def test_dispatcher_call_of_a_mutating_op_writes_in_place_and_bumps_the_version():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, dtype=torch.float64)
     target = torch.randint(0, 10, (4,))
+    want_loss = torch.nn.functional.cross_entropy(logits, target)
+    want_grad = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(target, 10)) / 4
     before = logits._version
-    torch.ops.trainops.cross_entropy_inplace(logits, target, None, -100, "mean", 0.0, 0.0, None, False)
+    loss, _, _ = torch.ops.trainops.cross_entropy_inplace(logits, target, None, -100, "mean", 0.0, 0.0, None, False)
     assert logits._version > before
+    assert torch.allclose(loss, want_loss, rtol=1e-12, atol=0)
+    assert torch.allclose(logits, want_grad, rtol=1e-10, atol=1e-14)   # the gradient, written over the logits

@@ -76,12 +76,21 @@ class CustomOp:
                 "forward": staticmethod(self._eager_forward), "backward": staticmethod(self._gradients)})
 
     def _decompose(self, mode, op, types, args, kwargs):
-        """Under torch.compile's functionalization (AOTAutograd): on CUDA tensors with compiled
-        Triton, run ``impl`` itself, so that its kernels reach the graph (trainops.launch traces
-        them with ``wrap_triton``) and Inductor launches them; otherwise keep the op whole."""
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        if (not tensors or triton_interpreting() or not triton_available()
-                or any(t.device.type != "cuda" for t in tensors)
+        """Under torch.compile's functionalization (AOTAutograd): on CUDA tensors of static sizes
+        with compiled Triton, run ``impl`` itself, so that its kernels reach the graph
+        (trainops.launch traces them with ``wrap_triton``) and Inductor launches them. The op stays
+        whole under torch.export (as triton_op's), with symbolic sizes (plans are made for concrete
+        shapes), off CUDA, under the interpreter, and where ``inline_triton(arguments)`` says no;
+        tensor subclasses other than fake and functional ones get NotImplemented (theirs to handle)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if any(not issubclass(t, FakeTensor) and t not in (Tensor, FunctionalTensor) for t in types):
+            return NotImplemented
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        if (custom_triton_ops_decomposition_disabled() or not tensors or triton_interpreting()
+                or not triton_available() or any(t.device.type != "cuda" or _symbolic(t) for t in tensors)
                 or (self._inline_when is not None and not self._inline_when(self._by_name(*args, **kwargs)))):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         with mode:
@@ -117,6 +126,11 @@ class CustomOp:
         for i in self._mutated:
             torch.autograd.graph.increment_version(args[i])
         return output
+
+
+def _symbolic(t: Tensor) -> bool:
+    """Whether a traced tensor has a symbolic size, stride or offset (torch.compile's dynamic shapes)."""
+    return any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable | None = None,

@@ -14,7 +14,8 @@ batches, with plain PyTorch, and prints both loss curves.
 Data: every ``*.py`` file of the running interpreter's standard library (nothing is downloaded),
 read in sorted path order up to the configuration's byte budget; the last 5% is held out. Batch
 ``s`` is drawn from a generator seeded by (seed, s), so a resumed run sees the same batches as an
-uninterrupted one.
+uninterrupted one; so are dropout's random numbers (the global generator reseeded from (seed, step)
+before each step).
 
 Checkpoints: ``--save`` writes one at the end of the trainops run, atomically (a crash mid-save
 leaves the previous file intact); ``--resume`` reads one with ``torch.load(weights_only=True)``, since
@@ -597,6 +598,10 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
         for step in range(start, cfg.steps):
             for group in opt.param_groups:
                 group["lr"] = learning_rate(cfg, step)
+            if cfg.dropout:
+                # dropout's random numbers depend on (seed, step) only, like the batches: a resumed run
+                # draws what an uninterrupted one would have
+                torch.manual_seed(cfg.seed * 1_000_003 + step)
             t0 = time.perf_counter()
             loss = train_step(model, forward, opt, scaler, batches.train_batch(step), amp_dtype, use_trainops,
                               device, cfg.max_grad_norm)
