@@ -1,10 +1,14 @@
 """trainops.library: every op's CPU and CUDA kernels are its impl, registered with the dispatcher
 directly (custom_op's backend wrapper cost 155 us a call inside compiled graphs); calls through
-``torch.ops.trainops`` keep autograd, mutation version counters and the impl's results."""
+``torch.ops.trainops`` keep autograd, mutation version counters and the impl's results, and every
+op passes torch.library.opcheck's schema (no output aliasing an input, mutations as declared) and
+fake-tensor checks on the arguments the public functions give it."""
 
+import pytest
 import torch
 
 import trainops
+from trainops import library
 
 
 def _trainops_ops():
@@ -44,3 +48,59 @@ def test_dispatcher_call_of_a_mutating_op_writes_in_place_and_bumps_the_version(
     assert logits._version > before
     assert torch.allclose(loss, want_loss, rtol=1e-12, atol=0)
     assert torch.allclose(logits, want_grad, rtol=1e-10, atol=1e-14)   # the gradient, written over the logits
+
+
+def _recorded_calls():
+    """Each custom op's first call (op, args, kwargs), from forward + backward passes of the public
+    functions on small CPU inputs."""
+    calls = {}
+    original = library.CustomOp.__call__
+
+    def record(self, *args, **kwargs):
+        calls.setdefault(self.name, (self.op, args, kwargs))
+        return original(self, *args, **kwargs)
+
+    torch.manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    def run(out):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        sum((o.float() * torch.randn_like(o.float())).sum() for o in outs if o.requires_grad).backward()
+
+    x, w, b = leaf(4, 16), leaf(16), leaf(16)
+    q, k, cos, sin = leaf(2, 4, 8, 16), leaf(2, 2, 8, 16), torch.randn(8, 16), torch.randn(8, 16)
+    library.CustomOp.__call__ = record
+    try:
+        run(trainops.softmax(x, 1))
+        run(trainops.log_softmax(x, 1))
+        run(trainops.rms_norm(x, w, 1e-6, residual=leaf(4, 16)))
+        run(trainops.layer_norm(x, (16,), w, b))
+        for name in ("gelu", "quick_gelu", "silu"):
+            run(getattr(trainops, name)(x))
+        run(trainops.bias_gelu(x, b))
+        run(trainops.swiglu(x, leaf(4, 16)))
+        run(trainops.geglu(x, leaf(4, 16)))
+        run(trainops.rotary_embedding(q, k, cos, sin))
+        run(trainops.dropout(x, 0.25))
+        run(trainops.attention_softmax(leaf(2, 2, 8, 8), scale=0.5, causal=True, dropout_p=0.25))
+        run(trainops.cross_entropy(leaf(4, 16), torch.randint(0, 16, (4,))))
+        run(trainops.cross_entropy(leaf(4, 16) * 1.0, torch.randint(0, 16, (4,)), inplace_backward=True))
+        run(trainops.embedding(torch.randint(0, 16, (5,)), leaf(16, 8)))
+        run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
+    finally:
+        library.CustomOp.__call__ = original
+    return calls
+
+
+_CALLS = {}
+
+
+@pytest.mark.parametrize("name", [n.split("::")[1] for n in _trainops_ops()])
+def test_every_op_passes_opcheck(name):
+    if not _CALLS:
+        _CALLS.update(_recorded_calls())
+    assert name in _CALLS, f"no public function reached trainops::{name}: add a call to _recorded_calls"
+    op, args, kwargs = _CALLS[name]
+    torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor"))
