@@ -192,13 +192,10 @@ def trainops_kernels() -> Kernels:
     import trainops
 
     def add_norm(norm, branch, residual):
-        if branch is None:
-            return norm(residual), residual
-        if branch.dtype != residual.dtype:
+        if branch is None or branch.dtype != residual.dtype:
             # autocast: a half branch into the float32 residual stream (the embedding's dtype); the fused
             # add takes one dtype, and casting the branch first would move more bytes than torch's add
-            s = residual + branch
-            return norm(s), s
+            return _torch_add_norm(norm, branch, residual)
         return norm(branch, residual)
 
     def attention_softmax(scores, scale, causal, p):

@@ -659,13 +659,11 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         rows_per_program = triton.cdiv(rows_per_program, config.block_m) * config.block_m
         programs = max(1, triton.cdiv(per_launch, rows_per_program))
         parts = programs * len(layout.host_bases)
-        grads = [d for d in (problem.weight_dtype if problem.weight_grad else None, problem.bias_dtype)
-                 if d is not None]
-        workspace = parts * n * len(grads) * acc.itemsize
+        dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
+        workspace = parts * n * (dw_wanted + has_bias) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
         stages = max(1, min(problem.heuristics.backward_stages, problem.heuristics.pipeline_bytes // step_bytes))
-        meta.update(DW=problem.weight_dtype is not None and problem.weight_grad, HAS_B=problem.bias_dtype is not None,
-                    HAS_DS=problem.has_residual, STAGES=stages)
+        meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages)
 
         launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
                                                                index * programs, per_launch, n, *sizes,
@@ -673,7 +671,6 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
                     for index, bases in enumerate(layout.host_bases)]
         sum_columns = column_sum(parts, n, problem.heuristics.reduce_block, 64)
         make_workspace = torch.zeros if config.looped else torch.empty
-        dw_wanted, has_bias = meta["DW"], meta["HAS_B"]
 
         def run(tensors, outputs):
             dy, h, weight, stats, grad_h = tensors
