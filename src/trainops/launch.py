@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from .library import PLAIN_TENSORS
 from .registry import triton_interpreting
 
 _I32 = (-(2**31), 2**31 - 1)  # Triton types an int i32 here, i64 past it, u64 from 2^63
@@ -56,12 +57,9 @@ def launcher(kernel, grid: tuple, trailing: tuple = (), **meta) -> Callable[...,
     return _DirectLaunch(kernel, grid, trailing, meta)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _traced(args) -> bool:
     """Whether a call's tensors are torch.compile's (functional or fake tensors), not real ones."""
-    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+    return any(isinstance(a, torch.Tensor) and type(a) not in PLAIN_TENSORS for a in args)
 
 
 class _DirectLaunch:

@@ -36,7 +36,7 @@ from torch.overrides import has_torch_function
 
 from .registry import triton_available, triton_interpreting
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)  # real tensors (not subclasses, fake or functional ones)
 _KERNELS = torch.library.Library("trainops", "IMPL")  # the ops' CPU and CUDA kernels (CustomOp.__init__)
 
 
@@ -116,7 +116,7 @@ class CustomOp:
     def __call__(self, *args, **kwargs):
         if (kwargs or len(args) < self._required or torch.compiler.is_compiling()
                 or torch._C._are_functorch_transforms_active() or has_torch_function(args)
-                or any(type(a) not in _PLAIN for a in args if isinstance(a, Tensor))):
+                or any(type(a) not in PLAIN_TENSORS for a in args if isinstance(a, Tensor))):
             return self.op(*args, **kwargs)
         args += self._defaults[len(args):]
         if (self._function is not None and torch.is_grad_enabled()

@@ -4,12 +4,12 @@ The model is Llama-style: pre-norm blocks with RMSNorm, rotary position embeddin
 attention with an explicit softmax, a SwiGLU MLP, tied embeddings, dropout available
 (``--dropout``). It is written once over a set of ops (``Kernels``): the PyTorch run uses torch's
 (nn.RMSNorm, Hugging Face's rotate-half, a masked float32 softmax, silu(gate) * up, F.dropout),
-the trainops run trainops's (trainops.nn.RMSNorm with the residual add fused into it,
-rotary_embedding, attention_softmax, swiglu, dropout), and ``trainops.patch`` swaps its
-Embedding and CrossEntropyLoss. The trainops run trains with ``trainops.optim.AdamW`` (or LAMB),
-``trainops.amp.GradScaler`` under fp16 autocast, and ``trainops.grad.accumulate_`` across
-micro-batches. ``--compare`` trains the same model, from the same initial weights on the same
-batches, with plain PyTorch, and prints both loss curves.
+the trainops run trainops's (trainops.nn.RMSNorm with the residual add fused into it where the
+stream and the branch share a dtype, rotary_embedding, attention_softmax, swiglu, dropout), and
+``trainops.patch`` swaps its Embedding and CrossEntropyLoss. The trainops run trains with
+``trainops.optim.AdamW`` (or LAMB), ``trainops.amp.GradScaler`` under fp16 autocast, and
+``trainops.grad.accumulate_`` across micro-batches. ``--compare`` trains the same model, from
+the same initial weights on the same batches, with plain PyTorch, and prints both loss curves.
 
 Data: every ``*.py`` file of the running interpreter's standard library (nothing is downloaded),
 read in sorted path order up to the configuration's byte budget; the last 5% is held out. Batch
@@ -144,10 +144,11 @@ class Kernels:
     trainops's (``trainops_kernels()``). Both compute the same function on the same parameters.
 
     rms_norm: the norm module class. add_norm(norm, branch, residual) -> (norm(s), s) with
-    s = residual + branch (branch None: s = residual; dtypes promoted as torch's add). rotary(q, k, cos, sin) -> (q, k) rotated
-    (rotate-half). attention_softmax(scores, scale, causal, p) -> dropout(softmax(scores * scale,
-    causally masked), p) in scores' dtype (``causal``: the (t, t) boolean mask, True = keep).
-    swiglu(x) -> silu(x[..., :n]) * x[..., n:]. dropout(x, p) -> F.dropout(x, p)."""
+    s = residual + branch (branch None: s = residual; dtypes promoted as torch's add).
+    rotary(q, k, cos, sin) -> (q, k) rotated (rotate-half). attention_softmax(scores, scale, causal,
+    p) -> dropout(softmax(scores * scale, causally masked), p) in scores' dtype (``causal``: the
+    (t, t) boolean mask, True = keep). swiglu(x) -> silu(x[..., :n]) * x[..., n:]. dropout(x, p)
+    -> F.dropout(x, p)."""
 
     name: str
     rms_norm: type

@@ -1118,12 +1118,8 @@ def _gated_grad(backward_op, with_approximate: bool):
     return grad
 
 
-
-
-swiglu_backward_op = custom_op("swiglu_backward", _swiglu_backward_impl, _gated_backward_fake,
-                               inline_triton=True)
-geglu_backward_op = custom_op("geglu_backward", _geglu_backward_impl, _gated_backward_fake,
-                              inline_triton=True)
+swiglu_backward_op = custom_op("swiglu_backward", _swiglu_backward_impl, _gated_backward_fake, inline_triton=True)
+geglu_backward_op = custom_op("geglu_backward", _geglu_backward_impl, _gated_backward_fake, inline_triton=True)
 swiglu_op = custom_op("swiglu", _swiglu_impl, _gated_fake("swiglu"), backward=_gated_grad(swiglu_backward_op, False),
                       save=_save_gated, inline_triton=True)
 geglu_op = custom_op("geglu", _geglu_impl, _gated_fake("geglu"), backward=_gated_grad(geglu_backward_op, True),
