@@ -461,3 +461,68 @@ def test_norm_modules_are_not_swapped_yet():
     model = torch.nn.Sequential(torch.nn.RMSNorm(6), torch.nn.LayerNorm(6))
     report = trainops.patch(model)
     assert report.swapped == [] and type(model[0]) is torch.nn.RMSNorm and type(model[1]) is torch.nn.LayerNorm
+
+
+class TinyBlock(torch.nn.Module):
+    """A pre-norm block of torch's modules: RMSNorm, LayerNorm, GELU (tanh), SiLU, Dropout."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm1 = torch.nn.RMSNorm(width, eps=1e-6)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.gelu = torch.nn.GELU(approximate="tanh")
+        self.silu = torch.nn.SiLU()
+        self.drop = torch.nn.Dropout(0.25)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        h = self.up(self.norm1(x))
+        x = x + self.drop(self.down(self.gelu(h) * self.silu(h)))
+        return self.norm2(x)
+
+
+def test_block_ops_are_swapped_only_when_asked():
+    torch.manual_seed(3)
+    model = TinyBlock()
+    with torch.no_grad():  # weights away from their initial ones, so that a lost weight would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    reference = copy.deepcopy(model)
+    assert trainops.patch(model).swapped == [] and trainops.patch(model).skipped == []
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # built before the patch: still the same parameters
+    report = trainops.patch(model, block_ops=True)
+    kinds = {name: new for name, _, new in report.swapped}
+    assert kinds == {"norm1": "trainops.nn.RMSNorm", "norm2": "trainops.nn.LayerNorm", "gelu": "trainops.nn.GELU",
+                     "silu": "trainops.nn.SiLU", "drop": "trainops.nn.Dropout"} and report.skipped == []
+    assert model.norm1.weight_offset == 0.0 and model.drop.mask_mode == "regenerate"
+    assert model.gelu.approximate == "tanh" and model.drop.p == 0.25 and model.norm1.eps == 1e-6
+
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    model.double().eval()
+    reference.double().eval()   # dropout is the identity in eval: the two models compute the same function
+    with trainops.backend("cpu"):
+        out = model(x)
+        out.square().sum().backward()
+    want = reference(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    opt.step()   # the optimizer steps the swapped modules' parameters
+    assert not torch.equal(model.norm1.weight, reference.norm1.weight)
+
+    model.train()   # training mode: trainops's dropout drops a quarter of the elements
+    with trainops.backend("cpu"):
+        dropped = model.drop(torch.ones(4000, dtype=torch.float64))
+    assert 0.2 < (dropped == 0).double().mean().item() < 0.3 and set(dropped.unique().tolist()) == {0.0, 4 / 3}
+
+
+def test_block_ops_must_be_a_bool():
+    with pytest.raises(InvalidProblemError, match="argument 'block_ops' must be a bool, got 1"):
+        trainops.patch(TinyBlock(), block_ops=1)
+    model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Softmax(-1))
+    with pytest.raises(InvalidProblemError):
+        trainops.patch(model, block_ops="yes")
+    assert type(model[1]) is torch.nn.Softmax and type(model[0]) is torch.nn.GELU   # nothing half-applied

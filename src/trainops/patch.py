@@ -19,10 +19,17 @@ or not, sees the trainops class. ``state_dict()`` keys do not change, so checkpo
 way. The root module itself is swapped too when it is one of these classes. A swapped
 CrossEntropyLoss gets trainops's extra settings at their defaults (``z_loss=0.0``, ``loss_dtype=None``).
 
-torch.nn.RMSNorm and LayerNorm are not swapped yet: trainops.nn's are faster on the GPU but
-cost more host time a call (benchmarks/NOTES.md, "Normalization"), and swapped into the training
-demo they made its host-bound step slower on the H100 (44-45.5 ms against 32-34). Use
-trainops.nn.RMSNorm / LayerNorm directly where the GPU, not the host, bounds the step.
+With ``block_ops=True``, the transformer block's modules are swapped too:
+    torch.nn.RMSNorm -> trainops.nn.RMSNorm            torch.nn.LayerNorm -> trainops.nn.LayerNorm
+    torch.nn.GELU -> trainops.nn.GELU                  torch.nn.SiLU -> trainops.nn.SiLU
+    torch.nn.Dropout -> trainops.nn.Dropout
+(a swapped RMSNorm gets ``weight_offset=0.0``, a swapped Dropout ``mask_mode="regenerate"``). They
+are not swapped by default: their kernels move fewer bytes than torch's, but each call costs more
+host time than one of torch's ATen kernels, so a model whose step the host bounds (small hidden
+sizes, small batches) gets slower, as the training demo's 128-wide model did on the H100
+(benchmarks/NOTES.md, "Host overhead"). Swap them where the GPU bounds the step, or under
+torch.compile, where their kernels are launched from the compiled graph. With ``block_ops=False``
+these modules are neither swapped nor listed in the report.
 
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module
@@ -104,13 +111,18 @@ _SWAPS = {swap.torch_class: swap for swap in (
     _Swap(torch.nn.CrossEntropyLoss, trainops_nn.CrossEntropyLoss,
           added_attributes={"z_loss": 0.0, "loss_dtype": None}),
 )}
-_TRAINOPS_CLASSES = tuple(swap.trainops_class for swap in _SWAPS.values())
-_TORCH_CLASSES = tuple(_SWAPS)
+_BLOCK_SWAPS = {swap.torch_class: swap for swap in (
+    _Swap(torch.nn.RMSNorm, trainops_nn.RMSNorm, added_attributes={"weight_offset": 0.0}),
+    _Swap(torch.nn.LayerNorm, trainops_nn.LayerNorm),
+    _Swap(torch.nn.GELU, trainops_nn.GELU),
+    _Swap(torch.nn.SiLU, trainops_nn.SiLU),
+    _Swap(torch.nn.Dropout, trainops_nn.Dropout, added_attributes={"mask_mode": "regenerate"}),
+)}
 
 
 def _public_name(cls: type) -> str:
-    """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS``."""
-    return f"torch.nn.{cls.__name__}" if cls in _SWAPS else f"trainops.nn.{cls.__name__}"
+    """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``."""
+    return f"torch.nn.{cls.__name__}" if cls in _SWAPS or cls in _BLOCK_SWAPS else f"trainops.nn.{cls.__name__}"
 
 
 def _every_path(module: torch.nn.Module, name: str = "", on_path: frozenset[int] = frozenset()
@@ -149,19 +161,25 @@ def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
     return reasons
 
 
-def patch(model: torch.nn.Module) -> PatchReport:
+def patch(model: torch.nn.Module, *, block_ops: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
-    ``model`` (``model`` included) for trainops.nn's class; return the report.
+    ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
+    RMSNorm / LayerNorm / GELU / SiLU / Dropout (see the module docstring); return the report.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
     are left as they are and listed in ``report.skipped`` with the reason; modules that already
     are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
-    Raises InvalidProblemError when ``model`` is not a torch.nn.Module.
+    Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops`` not a bool.
     """
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(block_ops, bool):
+        raise argument_error(InvalidProblemError, "patch", "block_ops", f"must be a bool, got {block_ops!r}")
+    swaps = {**_SWAPS, **_BLOCK_SWAPS} if block_ops else _SWAPS
+    trainops_classes = tuple(swap.trainops_class for swap in swaps.values())
+    torch_classes = tuple(swaps)
 
     names_by_module: dict[int, list[str]] = {}
     modules: list[torch.nn.Module] = []
@@ -174,13 +192,13 @@ def patch(model: torch.nn.Module) -> PatchReport:
     report = PatchReport()
     to_swap: list[tuple[torch.nn.Module, _Swap]] = []
     for module in modules:
-        if isinstance(module, _TRAINOPS_CLASSES):
+        if isinstance(module, trainops_classes):
             continue
-        swap = _SWAPS.get(type(module))
+        swap = swaps.get(type(module))
         if swap is not None:
             reasons = _reasons_not_to_swap(module, swap)
-        elif isinstance(module, _TORCH_CLASSES):
-            base = next(cls for cls in _TORCH_CLASSES if isinstance(module, cls))
+        elif isinstance(module, torch_classes):
+            base = next(cls for cls in torch_classes if isinstance(module, cls))
             reasons = [f"a subclass of {_public_name(base)}: only exact torch classes are swapped "
                        "(a subclass may change what the module computes)"]
         else:

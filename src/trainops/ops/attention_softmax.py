@@ -447,9 +447,10 @@ if triton_available():
     @triton.jit
     def _from_bits(bits, ACC: tl.constexpr):
         """A scale passed as the int of its bits (``_bits``), in the math dtype."""
+        # tl.cast, not bits.to: Inductor's analysis of an inlined launch may pass the int as a constexpr
         if ACC == tl.float64:
-            return bits.to(tl.int64).to(tl.float64, bitcast=True)
-        return bits.to(tl.int32).to(tl.float32, bitcast=True)
+            return tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
+        return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
 
     @triton.jit
     def _keep_tile(seed, first, c, lane, threshold, LANES: tl.constexpr):
@@ -491,7 +492,7 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["seed", "scale_bits", "threshold", "keep_bits"])
     def _attention_softmax_fwd(
-        S, M, B, Y, O,                        # scores, mask, bias; outputs y (softmax) and out (dropout: else Y)
+        S, M, B, Y, O,                        # scores, mask, bias (None: absent); y (softmax), out (None without dropout)
         s_base, s_o0, s_o1, s_i, s_n,         # scores: base offset, outer0 / outer1 / inner / key-axis strides
         m_base, m_o0, m_o1, m_i, m_n,         # mask, likewise (broadcast strides: 0 on broadcast axes)
         b_base, b_o0, b_o1, b_i, b_n,         # bias, likewise
@@ -608,7 +609,7 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["seed", "scale_bits", "threshold", "keep_bits"])
     def _attention_softmax_bwd(
-        DO, Y, DS, DB,                                 # d out, saved y; outputs d scores, d bias (or its partials)
+        DO, Y, DS, DB,                                 # d out, saved y; outputs d scores, d bias (partials; or None)
         do_base, do_k0, do_k1, do_ki, do_b0, do_b1, do_bi, do_n,   # d out: base, kept-row strides, broadcast-row
         y_base, y_k0, y_k1, y_ki, y_b0, y_b1, y_bi, y_n,           # strides, key-axis stride; y likewise
         ds_base, ds_k0, ds_k1, ds_ki, ds_b0, ds_b1, ds_bi,         # d scores (contiguous: key stride 1)
@@ -630,7 +631,10 @@ if triton_available():
         do_k = do_base + _row_offset(kr, K1, KI, do_k0, do_k1, do_ki)
         y_k = y_base + _row_offset(kr, K1, KI, y_k0, y_k1, y_ki)
         ds_k = ds_base + _row_offset(kr, K1, KI, ds_k0, ds_k1, ds_ki)
-        db_row = DB + (part_base + split).to(tl.int64) * part_stride + db_base + kr.to(tl.int64) * NB
+        if BIAS_GRAD:
+            db_row = DB + (part_base + split).to(tl.int64) * part_stride + db_base + kr.to(tl.int64) * NB
+        else:  # DB is None: no bias gradient
+            db_row = kr
         lane = tl.arange(0, LANES)[None, None, :]
         cols = tl.arange(0, BLOCK_N // LANES)[None, :, None] * LANES + lane
         scale = _from_bits(scale_bits, ACC)
@@ -735,8 +739,7 @@ def _prepare_forward(problem: AttentionSoftmaxProblem) -> Launch:
     def run(tensors, outputs):
         scores, mask, bias, seed = tensors
         out, y = outputs
-        pointers = (scores, scores if mask is None else mask, scores if bias is None else bias,
-                    y if dropout else out, out)
+        pointers = (scores, mask, bias, y if dropout else out, out if dropout else None)
         seed = seed if dropout else 0
         for args in launches:
             launch(*pointers, *args, seed)
@@ -814,7 +817,7 @@ def _prepare_backward(problem: AttentionSoftmaxProblem) -> Launch:
         db = make_workspace((parts, bias_rows, nb), dtype=acc, device=ds.device) if workspace else dbias
         seed = seed if dropout else 0
         for args in launches:
-            launch(dout, y, ds, db if bias_grad else ds, *args, seed)
+            launch(dout, y, ds, db if bias_grad else None, *args, seed)
         if workspace:  # the partial rows summed over a fixed axis: deterministic
             dbias.view(bias_rows, nb).copy_(db.sum(0))
 
@@ -940,6 +943,13 @@ def _backward_fake(dout, y, seed, scale, causal_shift, dropout_p, bias_shape, bi
     return y.new_empty(y.shape), dbias
 
 
+def _no_dropout(arguments) -> bool:
+    return arguments.dropout_p == 0
+
+
 # The backward op has no autograd of its own (double backward is not supported).
-attention_softmax_backward_op = custom_op(BACKWARD_OP, _backward_impl, _backward_fake)
-attention_softmax_op = custom_op(OP, _attention_softmax_impl, _attention_softmax_fake, backward=_grad, save=_save)
+# Inlined under torch.compile on CUDA (library.custom_op's inline_triton) except with dropout, whose
+# seed is a host value.
+attention_softmax_backward_op = custom_op(BACKWARD_OP, _backward_impl, _backward_fake, inline_triton=_no_dropout)
+attention_softmax_op = custom_op(OP, _attention_softmax_impl, _attention_softmax_fake, backward=_grad, save=_save,
+                                 inline_triton=_no_dropout)
