@@ -88,6 +88,8 @@ def _recorded_calls():
         run(trainops.cross_entropy(leaf(4, 16), torch.randint(0, 16, (4,))))
         run(trainops.cross_entropy(leaf(4, 16) * 1.0, torch.randint(0, 16, (4,)), inplace_backward=True))
         run(trainops.embedding(torch.randint(0, 16, (5,)), leaf(16, 8)))
+        run(trainops.linear_cross_entropy(leaf(2, 3, 16), leaf(10, 16), torch.randint(0, 10, (2, 3)), leaf(10)))
+        run(trainops.linear_cross_entropy(leaf(5, 16), leaf(10, 16), torch.randint(0, 10, (5,)), reduction="none"))
         run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
     finally:
         library.CustomOp.__call__ = original

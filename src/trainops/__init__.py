@@ -5,6 +5,7 @@
     e = trainops.embedding(tokens, weight)          # deterministic, fast weight gradient
     y, h = trainops.rms_norm(x, w, residual=h)      # pre-norm block: add, then normalize (also layer_norm)
     loss = trainops.cross_entropy(logits, labels)   # loss and gradient in one pass
+    loss = trainops.linear_cross_entropy(h, head.weight, labels)   # LM head + loss, no whole logits
     p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
     opt = trainops.optim.AdamW(model.parameters())  # multi-tensor fused step (SGD, Adam, AdamW, LAMB)
     scaler = trainops.amp.GradScaler("cuda")        # torch's GradScaler on trainops kernels
@@ -20,6 +21,7 @@ from .functional import (cross_entropy, embedding, gather, gather_backward, laye
 from .functional import bias_gelu, geglu, gelu, quick_gelu, silu, swiglu
 from .functional import bias_dropout_add, dropout
 from .functional import attention_softmax
+from .functional import linear_cross_entropy
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
@@ -32,5 +34,5 @@ __all__ = [
     "layer_norm", "library", "log_softmax", "rms_norm", "rotary_embedding", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward", "bias_gelu", "geglu", "gelu", "quick_gelu", "silu", "swiglu",
     "bias_dropout_add", "dropout",
-    "attention_softmax",
+    "attention_softmax", "linear_cross_entropy",
 ]

@@ -16,6 +16,7 @@ from .ops import attention_softmax as attention_ops
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
+from .ops import linear_cross_entropy as linear_cross_entropy_ops
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
@@ -183,6 +184,42 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     loss, lse = cross_entropy_ops.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
                                                 float(z_loss), loss_dtype, check_target, inplace_backward)
     return (loss, lse) if return_lse else loss
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                         class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
+                         check_target: bool = True) -> Tensor:
+    """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
+    logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
+    place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
+    chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes) and, for a half weight, a float32
+    weight-gradient accumulator until the backward.
+
+    hidden: (..., H) float32 / float16 / bfloat16 / float64 (under autocast, cast to its dtype as
+    ``F.linear`` is). weight: (V, H), bias: (V,), any float dtype (cast once to hidden's; their
+    gradients in their own dtype). target: hidden's leading shape, int64 / int32 class indices.
+    class_weight (V,), ignore_index, reduction ("mean" | "sum" | "none", then hidden's leading
+    shape), label_smoothing and z_loss as ``trainops.cross_entropy`` (and torch's). softcap: c for
+    logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
+    with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
+    Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
+    device. loss_dtype: the loss's dtype (default: hidden's; float32 under autocast, as torch's
+    cross_entropy there). The loss is computed in float32 (float64 for float64) whatever it is.
+
+    With reduction "mean" or "sum" the gradients are computed in the forward pass and the backward
+    scales them by the upstream gradient (three matmuls in all; a second backward through the same
+    loss raises UnsupportedError); "none" recomputes the chunks in its backward (four matmuls).
+    Only the gradients of the tensors that require grad are computed (a frozen head costs no dW).
+    Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: in eager
+    training the kernel flags a bad index without a host sync). Deterministic (fixed chunk order,
+    no atomics). Errors name the argument (InvalidProblemError, UnsupportedError).
+    """
+    return linear_cross_entropy_ops.linear_cross_entropy(
+        hidden, weight, target, bias, class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, num_items_in_batch=num_items_in_batch,
+        loss_dtype=loss_dtype, check_target=check_target)
 
 
 def _check_norm_tensors(op: str, x, params: dict) -> None:

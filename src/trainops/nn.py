@@ -173,3 +173,36 @@ class Dropout(torch.nn.Dropout):
 
     def forward(self, input: Tensor) -> Tensor:
         return F.dropout(input, self.p, self.training, self.inplace, mask_mode=self.mask_mode)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """``trainops.functional.linear_cross_entropy`` as a loss module (no parameters of its own: the
+    LM head's weight is an argument, so FSDP or ZeRO-3 can gather it).
+
+        loss_fn = trainops.nn.LinearCrossEntropyLoss(ignore_index=-100)
+        loss = loss_fn(hidden, model.lm_head.weight, labels)
+
+    Constructor: class_weight (a buffer, as CrossEntropyLoss's weight), ignore_index, reduction,
+    label_smoothing, z_loss, softcap, loss_dtype. forward(hidden, weight, target, bias=None, *,
+    num_items_in_batch=None)."""
+
+    def __init__(self, class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
+                 loss_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        from .ops.linear_cross_entropy import check_settings
+        check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.loss_dtype = z_loss, softcap, loss_dtype
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                num_items_in_batch: int | Tensor | None = None) -> Tensor:
+        return F.linear_cross_entropy(hidden, weight, target, bias, class_weight=self.class_weight,
+                                      ignore_index=self.ignore_index, reduction=self.reduction,
+                                      label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                                      num_items_in_batch=num_items_in_batch, loss_dtype=self.loss_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")

@@ -1,0 +1,158 @@
+"""Fused linear cross-entropy (issue 19): time and memory of an LM head's loss, forward + backward.
+
+    python benchmarks/bench_linear_cross_entropy.py [--tokens 8192 32768] [--out results.json]
+
+Side by side in one process, bf16 hidden (N x H), weight (V x H) in bf16 (and float32 master
+weights for trainops), class-index targets with some ignored: torch eager (F.linear +
+F.cross_entropy), torch.compile of the same, Liger's fused linear cross-entropy (when installed),
+trainops.linear_cross_entropy at several chunk sizes, and the three matmuls alone (logits, dX, dW
+in bf16 with float32 accumulation: the time floor). Time: triton.testing.do_bench median of a
+forward + backward with the gradients set to None before each run. Memory: the peak allocated
+during one forward + backward, minus what is allocated after it (inputs and gradients: the
+steady state of a training step), in MiB. Loss and gradients of each are compared with torch
+eager's (relative-norm error), so a fast wrong variant shows.
+
+Not a trainops.bench case: that runner times but does not measure memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+
+import torch
+import torch.nn.functional as F
+
+import trainops
+from trainops.ops.linear_cross_entropy import LinearCrossEntropyHeuristics
+
+H, V = 4096, 128256
+
+
+def inputs(n: int, weight_dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=gen) / math.sqrt(H)).to(weight_dtype).requires_grad_()
+    t = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    t[::11] = -100
+    return x, w, t
+
+
+def torch_loss(x, w, t):
+    return F.cross_entropy(F.linear(x, w).float(), t)
+
+
+def liger_loss():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    fn = LigerFusedLinearCrossEntropyLoss()
+    return lambda x, w, t: fn(w, x, t)
+
+
+def measure(loss_fn, x, w, t, reps=10):
+    from triton.testing import do_bench
+
+    def step():
+        x.grad = w.grad = None
+        loss_fn(x, w, t).backward()
+
+    step()   # warm-up (compiles)
+    torch.cuda.synchronize()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()) / 2**20
+    loss = loss_fn(x, w, t)
+    grads = torch.autograd.grad(loss, (x, w))
+    ms = do_bench(step, warmup=3, rep=reps * 60, return_mode="median")
+    return ms, extra, loss.detach().float(), [g.detach().float() for g in grads]
+
+
+def matmuls(x, w, reps=10):
+    """The three matmuls of a linear + cross-entropy forward and backward, alone (bf16 in and out)."""
+    from triton.testing import do_bench
+
+    g = torch.randn(x.shape[0], V, device="cuda", dtype=torch.bfloat16)
+    wb = w.detach().to(torch.bfloat16)
+    xd = x.detach()
+    return do_bench(lambda: (torch.mm(xd, wb.t()), torch.mm(g, wb), torch.mm(g.t(), xd)), warmup=3,
+                    rep=reps * 60, return_mode="median")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                        help="trainops chunk sizes (tokens) to run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=[])
+    import triton
+    results["triton"] = triton.__version__
+    for n in args.tokens:
+        x, w, t = inputs(n)
+        floor = matmuls(x, w)
+        print(f"== {n} tokens, H {H}, V {V}: three matmuls alone {floor:.2f} ms", flush=True)
+        runs = {"torch eager": torch_loss, "torch.compile": torch.compile(torch_loss)}
+        liger = liger_loss()
+        if liger is not None:
+            runs["liger"] = liger
+        for rows in args.chunks:
+            if rows > n:
+                continue
+            config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2)
+
+            def ours(x, w, t, config=config):
+                with trainops.heuristics(config):
+                    return trainops.linear_cross_entropy(x, w, t)
+
+            runs[f"trainops chunk {rows}"] = ours
+        reference = None
+        for name, fn in runs.items():
+            try:
+                ms, extra, loss, grads = measure(fn, x, w, t)
+            except Exception as error:   # a peer that fails is reported, not fatal
+                print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                continue
+            if reference is None:
+                reference = (loss, grads)
+            errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
+            row = dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
+                       err_loss=errors[0], err_dx=errors[1], err_dw=errors[2])
+            results["rows"].append(row)
+            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
+                  f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
+        # float32 master weights (autocast-style training): the chunks accumulate dW into its float32 gradient
+        x, w32, t = inputs(n, torch.float32)
+        for rows in args.chunks:
+            if rows > n:
+                continue
+            config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2)
+
+            def ours32(x, w, t, config=config):
+                with trainops.heuristics(config):
+                    return trainops.linear_cross_entropy(x, w, t)
+
+            ms, extra, loss, grads = measure(ours32, x, w32, t)
+            name = f"trainops fp32 weight chunk {rows}"
+            results["rows"].append(dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor))
+            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB", flush=True)
+        del x, w, w32, t
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

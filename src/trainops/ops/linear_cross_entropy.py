@@ -1,0 +1,425 @@
+"""Fused linear cross-entropy: the loss of an LM head without its N x V logits held whole.
+
+    loss = cross_entropy(softcap(hidden @ weight^T + bias), target)      # reductions as cross_entropy
+
+hidden (N, H) (leading axes flattened), weight (V, H), bias (V,), target (N,) class indices with
+ignore_index rows counting for nothing; class weights, label smoothing and z-loss as
+``trainops.cross_entropy``; softcap(z) = c * tanh(z / c) (Gemma 2), none when c is None.
+
+The rows go through in chunks of ``rows`` tokens (LinearCrossEntropyHeuristics: the chunk's
+logits stay under ``chunk_bytes``). For each chunk:
+    logits = hidden_c @ W^T (+ b)                  one matmul, the chunk's logits (the only V-wide buffer)
+    loss, dlogits written over the logits          trainops's fused cross-entropy kernel, reduction "sum"
+    dhidden_c = dlogits @ W                        written into its rows of dhidden
+    dW += dlogits^T @ hidden_c                     a float32 accumulator, chunks in order (deterministic)
+    db += column sums of dlogits                   float32
+so the gradients are computed in the forward pass (three matmuls in all, as an unfused linear +
+cross-entropy's forward and backward) and the backward only scales them by the upstream gradient
+and the reduction's divisor (one pass over dW, dhidden, db). Reduction "none" cannot do that (its
+upstream gradient is per row and dW mixes the rows): its forward computes the losses alone and its
+backward runs the chunks again, scaling each row's dlogits by its upstream gradient (four matmuls).
+
+Reduction "mean" divides by the summed class weights of the non-ignored rows, as torch (the z-loss
+term by their count, as trainops.cross_entropy); ``num_items_in_batch`` replaces that divisor by
+its value (Hugging Face's loss under gradient accumulation: the sum over this micro-batch divided
+by the tokens of the whole batch). The divisors stay on the device: with class weights and z-loss
+the chunks' class weights are scaled by count / weight sum, so that one division by the count gives
+both terms their own divisor. No host synchronisation, but for the target check outside eager
+training (as trainops.cross_entropy: no gradient, or under torch.compile).
+
+Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast the
+autocast dtype, as torch.nn.functional.linear); weight and bias any float dtype (cast once to the
+matmuls' dtype; their gradients come back in their own dtype). Accumulation in float32 (float64
+for float64): the matmuls accumulate in float32, dW and db across chunks in a float32 buffer (for
+a float32 weight, the gradient itself; else a buffer of twice a half weight's size until the
+backward). Deterministic: fixed chunk order, no atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
+from ..library import custom_op
+from ..plan import heuristics_for
+from .cross_entropy import (REDUCTIONS, cross_entropy_inplace_op, cross_entropy_op, note_target_flag,
+                            raise_flagged_targets)
+
+OP = "linear_cross_entropy"
+
+
+@dataclass(frozen=True, eq=False)
+class LinearCrossEntropyHeuristics:
+    """chunk_bytes: the most bytes one chunk's logits may take (rows = chunk_bytes // (V * element
+    size), a multiple of ``row_multiple``, at least that). The default, 512 MiB, is 2048 rows of a
+    bf16 128256-class vocabulary: see benchmarks/NOTES.md, "Fused linear cross-entropy", for the
+    sweep of time against memory that chose it."""
+
+    chunk_bytes: int = 512 * 2**20
+    row_multiple: int = 64
+
+    def rows(self, n: int, classes: int, itemsize: int) -> int:
+        rows = max(self.row_multiple, self.chunk_bytes // max(1, classes * itemsize) // self.row_multiple
+                   * self.row_multiple)
+        return max(1, min(n, rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunked computation (the custom ops' impl, CPU and CUDA alike)
+# ----------------------------------------------------------------------------------------------
+
+def _accumulate_weight_grad(acc: Tensor, dlogits: Tensor, x: Tensor) -> None:
+    """acc += dlogits^T @ x, with the float32 accumulator read and written by the matmul itself on
+    CUDA (torch.addmm's out_dtype); on the CPU in the accumulator's dtype."""
+    if acc.dtype != dlogits.dtype and acc.device.type == "cuda":
+        torch.addmm(acc, dlogits.t(), x, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))
+
+
+def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[float]):
+    """(logits, tanh of the capped logits or None) of one chunk, in the matmuls' dtype."""
+    logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+    if softcap is None:
+        return logits, None
+    t = torch.tanh(logits / softcap)
+    torch.mul(t, softcap, out=logits)
+    return logits, t
+
+
+def _class_weight_and_divisor(target: Tensor, class_weight: Optional[Tensor], ignore_index: int, reduction: str,
+                              num_items: Optional[Tensor], classes: int, acc: torch.dtype):
+    """(class weights for the chunks' "sum", the loss's divisor, on the device; 1 for "sum").
+
+    "mean": the cross-entropy terms are divided by the summed class weights of the kept rows and the
+    z-loss term by their count (trainops.cross_entropy's "mean"); scaling the class weights by
+    count / weight sum lets one division by the count do both. num_items_in_batch: divide the sum by it."""
+    one = torch.ones((), dtype=acc, device=target.device)
+    if reduction != "mean":
+        return class_weight, one
+    if num_items is not None:
+        return class_weight, num_items.to(acc)
+    # rows with an out-of-range index (left unchecked) count for nothing, as in trainops.cross_entropy
+    kept = (target != ignore_index) & (target >= 0) & (target < classes)
+    count = kept.sum().to(acc)
+    if class_weight is not None:
+        weight_sum = torch.where(kept, class_weight.to(acc)[torch.where(kept, target, 0)], 0).sum()
+        ratio = torch.where(weight_sum != 0, count / weight_sum, 0)
+        class_weight = class_weight.to(acc) * ratio   # kept in the accumulator dtype: no second rounding
+    return class_weight, count   # an all-ignored batch: the loss is 0 / 0 = NaN (torch's), the gradients zero
+
+
+def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+            ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
+            needs: int, rows: int, row_grad: Optional[Tensor]):
+    """The chunk loop, ``rows`` tokens a chunk. Returns (row losses (reduction "none" without
+    gradients) or their sum, float32 (float64); dhidden, dW accumulator, db accumulator (each None
+    unless ``needs`` has its bit: NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS); flags [bad target, k]).
+    Gradients are of the summed loss (times row_grad per row when given), stored times 2^k (k =
+    flags[1], cross_entropy's float16 headroom, the same for every chunk of a call)."""
+    n, h = x.shape
+    classes = weight.shape[0]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    b = None if bias is None else bias if bias.dtype == x.dtype else bias.to(x.dtype)
+    compute_grad = needs != 0
+    per_row = reduction == "none" and not compute_grad
+    losses = torch.empty(n, dtype=acc, device=x.device) if per_row else torch.zeros((), dtype=acc, device=x.device)
+    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+    dx = torch.empty_like(x) if needs & NEEDS_HIDDEN else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT else None
+    db = torch.zeros(classes, dtype=acc, device=x.device) if bias is not None and needs & NEEDS_BIAS else None
+    for start in range(0, n, max(1, rows)):
+        stop = min(n, start + rows)
+        xc, tc = x[start:stop], target[start:stop]
+        logits, t = _chunk_logits(xc, w, b, softcap)
+        if not compute_grad:
+            loss, _, _, chunk_flags = cross_entropy_op(logits, tc, class_weight, ignore_index,
+                                                       "none" if per_row else "sum", label_smoothing, z_loss, acc,
+                                                       False, False, False)
+            if per_row:
+                losses[start:stop] = loss
+            else:
+                losses += loss
+            torch.maximum(flags, chunk_flags, out=flags)
+            continue
+        loss, _, chunk_flags = cross_entropy_inplace_op(logits, tc, class_weight, ignore_index, "sum",
+                                                        label_smoothing, z_loss, acc, False)
+        losses += loss
+        torch.maximum(flags, chunk_flags, out=flags)
+        dlogits = logits  # the kernel wrote the gradient over the logits
+        if t is not None:  # d softcap(z) / dz = 1 - tanh^2
+            dlogits.mul_(t.square_().neg_().add_(1))
+        if row_grad is not None:
+            dlogits.mul_(row_grad[start:stop, None].to(dlogits.dtype))
+        if dx is not None:
+            torch.mm(dlogits, w, out=dx[start:stop])
+        if dw is not None:
+            _accumulate_weight_grad(dw, dlogits, xc)
+        if db is not None:
+            db += dlogits.sum(0, dtype=acc)
+    return losses, dx, dw, db, flags
+
+
+NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
+
+
+def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
+    """Tokens a chunk, from the LinearCrossEntropyHeuristics in force (read at run time, not traced)."""
+    return heuristics_for(LinearCrossEntropyHeuristics).rows(hidden.shape[0], weight.shape[0], hidden.element_size())
+
+
+def _scale_factor(dloss: Tensor, divisor: Tensor, flags: Tensor) -> Tensor:
+    """dloss / divisor * 2^-k on the device (0 where the divisor is 0: no row counted)."""
+    dloss = dloss.to(divisor.dtype)
+    return torch.where(divisor != 0, torch.ldexp(dloss / divisor, -flags[1].to(divisor.dtype)), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.linear_cross_entropy (reductions "mean" / "sum": gradients in the
+# forward) and linear_cross_entropy_none_backward (reduction "none": the chunks again)
+# ----------------------------------------------------------------------------------------------
+
+def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+          num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+          softcap: Optional[float], needs: int, rows: int,
+          check_target: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss in float32 / float64, dhidden, dW accumulator, db accumulator, divisor, flags); a
+    gradient not in ``needs`` (all of them for reduction "none") is an empty tensor. rows: tokens a
+    chunk, 0 for LinearCrossEntropyHeuristics'. check_target: check the indices before any work
+    (one host sync on the GPU)."""
+    if check_target:
+        _check_targets_now(target, weight.shape[0], ignore_index)
+    rows = rows or _heuristic_rows(hidden, weight)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    with torch.autocast(hidden.device.type, enabled=False):
+        chunk_weight, divisor = _class_weight_and_divisor(target, class_weight, ignore_index, reduction, num_items,
+                                                          weight.shape[0], acc)
+        losses, dx, dw, db, flags = _chunks(hidden, weight, target, bias, chunk_weight, ignore_index, reduction,
+                                            label_smoothing, z_loss, softcap, needs, rows, None)
+    loss = losses if reduction == "none" else losses / divisor
+    return (loss, dx if dx is not None else hidden.new_empty(0), dw if dw is not None else losses.new_empty(0),
+            db if db is not None else losses.new_empty(0), divisor, flags)
+
+
+def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
+          softcap, needs, rows, check_target):
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
+    dx = hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0)
+    dw = hidden.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0, dtype=acc)
+    db = hidden.new_empty(weight.shape[0] if bias is not None and needs & NEEDS_BIAS else 0, dtype=acc)
+    return loss, dx, dw, db, hidden.new_empty((), dtype=acc), hidden.new_empty(2, dtype=torch.int32)
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.reduction = inputs.reduction
+    ctx.weight_dtype = inputs.weight.dtype
+    ctx.bias_dtype = None if inputs.bias is None else inputs.bias.dtype
+    ctx.consumed = False
+    if inputs.reduction == "none":  # the backward runs the chunks again
+        ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.target, inputs.bias, inputs.class_weight)
+        # the forward's chunk size: the backward may run on another thread, outside its heuristics block
+        ctx.arguments = (inputs.ignore_index, inputs.label_smoothing, inputs.z_loss, inputs.softcap,
+                         inputs.rows or _heuristic_rows(inputs.hidden, inputs.weight))
+    else:
+        ctx.needs = inputs.needs
+        ctx.save_for_backward(*output[1:])
+
+
+def _grad(ctx, dloss: Tensor, *unused) -> dict:
+    if dloss is None:
+        return {}
+    if torch.is_grad_enabled():
+        raise UnsupportedError(f"trainops.{OP}: double backward is not supported")
+    if ctx.reduction == "none":
+        hidden, weight, target, bias, class_weight = ctx.saved_tensors
+        need = ctx.needs_grad
+        needs = NEEDS_HIDDEN * need.hidden + NEEDS_WEIGHT * need.weight + NEEDS_BIAS * (bias is not None and need.bias)
+        dx, dw, db = none_backward_op(dloss, hidden, weight, target, bias, class_weight, *ctx.arguments, needs)
+        return {name: g for name, g, bit in (("hidden", dx, NEEDS_HIDDEN), ("weight", dw, NEEDS_WEIGHT),
+                                             ("bias", db, NEEDS_BIAS)) if needs & bit}
+    if ctx.consumed:
+        raise UnsupportedError(f"trainops.{OP}: a second backward through the same loss (retain_graph=True) is "
+                               "not supported: the first one scaled the gradients the forward computed, in place")
+    dx, dw, db, divisor, flags = ctx.saved_tensors
+    # out of place (and any number of backwards) while tracing and in float64 (gradcheck's dtype)
+    out_of_place = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor or divisor.dtype == torch.float64
+    ctx.consumed = not out_of_place
+    factor = _scale_factor(dloss, divisor, flags)
+    grads = {}
+    for name, g, bit, dtype in (("hidden", dx, NEEDS_HIDDEN, dx.dtype), ("weight", dw, NEEDS_WEIGHT, ctx.weight_dtype),
+                                ("bias", db, NEEDS_BIAS, ctx.bias_dtype)):
+        if ctx.needs & bit:
+            scaled = g.to(factor.dtype) * factor   # in float32 (float64), rounded once to the gradient's dtype
+            if out_of_place or g.dtype != dtype:
+                grads[name] = scaled.to(dtype)
+            else:   # the forward's buffer, handed over
+                grads[name] = g.copy_(scaled)
+    return grads
+
+
+def _none_backward_impl(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                        class_weight: Optional[Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
+                        softcap: Optional[float], rows: int, needs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduction "none"'s backward: (dhidden, dweight, dbias), each row's dlogits times its
+    upstream gradient; a gradient not in ``needs`` is an empty tensor."""
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    with torch.autocast(hidden.device.type, enabled=False):
+        _, dx, dw, db, flags = _chunks(hidden, weight, target, bias, class_weight, ignore_index, "none",
+                                       label_smoothing, z_loss, softcap, needs, rows, dloss)
+    unscale = torch.ldexp(torch.ones((), dtype=acc, device=hidden.device), -flags[1].to(acc))
+    return tuple(hidden.new_empty(0) if g is None else (g.to(acc) * unscale).to(dtype)
+                 for g, dtype in ((dx, hidden.dtype), (dw, weight.dtype), (db, None if bias is None else bias.dtype)))
+
+
+def _none_backward_fake(dloss, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, z_loss,
+                        softcap, rows, needs):
+    return (hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0),
+            weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0),
+            hidden.new_empty(0) if bias is None or not needs & NEEDS_BIAS else bias.new_empty(bias.shape))
+
+
+none_backward_op = custom_op(f"{OP}_none_backward", _none_backward_impl, _none_backward_fake)
+linear_cross_entropy_op = custom_op(OP, _impl, _fake, backward=_grad, save=_save)
+
+
+# ----------------------------------------------------------------------------------------------
+# The call: argument checks, autocast, the target check (deferred in eager training)
+# ----------------------------------------------------------------------------------------------
+
+def _error(cls, name: str, message: str):
+    return argument_error(cls, OP, name, message)
+
+
+def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype) -> None:
+    """The loss's settings (what trainops.nn.LinearCrossEntropyLoss's constructor takes); errors name the argument."""
+    if class_weight is not None and (not isinstance(class_weight, Tensor) or class_weight.dim() != 1
+                                     or not class_weight.is_floating_point()):
+        shape = tuple(class_weight.shape) if isinstance(class_weight, Tensor) else type(class_weight).__name__
+        raise _error(InvalidProblemError, "class_weight", f"must be a 1-D float tensor (one weight per class), got "
+                     f"{shape}")
+    if reduction not in REDUCTIONS:
+        raise _error(InvalidProblemError, "reduction", f"is {reduction!r}; expected one of {REDUCTIONS}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise _error(InvalidProblemError, "ignore_index", f"must be an int, got {ignore_index!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise _error(InvalidProblemError, "label_smoothing", f"must be a number in [0, 1], got {label_smoothing!r}")
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not 0.0 <= z_loss < math.inf:
+        raise _error(InvalidProblemError, "z_loss", f"must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0.0 < softcap < math.inf):
+        raise _error(InvalidProblemError, "softcap", f"must be None or a finite number > 0, got {softcap!r}")
+    if loss_dtype is not None and loss_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise _error(InvalidProblemError, "loss_dtype", f"must be None or a float dtype, got {loss_dtype!r}")
+
+
+def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
+           softcap, loss_dtype):
+    """Every argument, before any work; errors name the argument."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise _error(InvalidProblemError, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
+    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise _error(UnsupportedError, "hidden", f"has dtype {hidden.dtype}; supported: float32, float16, bfloat16, "
+                     "float64")
+    if hidden.dim() < 1:
+        raise _error(InvalidProblemError, "hidden", "must have at least one axis (..., H)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise _error(InvalidProblemError, "weight", f"has shape {tuple(weight.shape)}; expected (V, "
+                     f"{hidden.shape[-1]}): classes x hidden's last axis")
+    if weight.shape[0] == 0:
+        raise _error(InvalidProblemError, "weight", "has no rows: at least one class is needed")
+    if not weight.is_floating_point():
+        raise _error(InvalidProblemError, "weight", f"must be a float tensor, got {weight.dtype}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise _error(InvalidProblemError, "target", f"has shape {tuple(target.shape)}; expected hidden's leading "
+                     f"axes {tuple(hidden.shape[:-1])} (class indices)")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise _error(InvalidProblemError, "target", f"has dtype {target.dtype}; class indices are int64 or int32")
+    classes = weight.shape[0]
+    for name, t in (("bias", bias), ("class_weight", class_weight)):
+        if t is not None and (not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != classes
+                              or not t.is_floating_point()):
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise _error(InvalidProblemError, name, f"must be a float tensor of shape ({classes},), got {shape}")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias), ("class_weight", class_weight)):
+        if t is not None and t.device != hidden.device:
+            raise _error(InvalidProblemError, name, f"is on {t.device} but hidden is on {hidden.device}")
+    if num_items is not None:
+        if reduction != "mean":
+            raise _error(InvalidProblemError, "num_items_in_batch", "divides the summed loss (reduction 'mean'); it "
+                         f"cannot be used with reduction={reduction!r}")
+        if isinstance(num_items, bool) or not isinstance(num_items, (int, Tensor)) or (
+                isinstance(num_items, Tensor) and (num_items.numel() != 1 or num_items.is_floating_point()
+                                                   or num_items.is_complex() or num_items.dtype == torch.bool)):
+            raise _error(InvalidProblemError, "num_items_in_batch", "must be an int or a one-element integer tensor, "
+                         f"got {num_items!r}")
+        if isinstance(num_items, int) and num_items <= 0:
+            raise _error(InvalidProblemError, "num_items_in_batch", f"must be > 0, got {num_items}")
+
+
+def _check_targets_now(target: Tensor, classes: int, ignore_index: int) -> None:
+    """IndexOutOfRangeError unless every index is in [0, classes) or ignore_index (one host sync on the GPU)."""
+    if target.numel() == 0:
+        return
+    valid = torch.where(target == ignore_index, 0, target)
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
+    if lo < 0 or hi >= classes:
+        raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds class {lo if lo < 0 else hi}, out of "
+                                   f"range [0, {classes - 1}] and not ignore_index ({ignore_index})")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                         class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
+                         check_target: bool = True) -> Tensor:
+    """See trainops.functional.linear_cross_entropy."""
+    _check(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, reduction, label_smoothing,
+           z_loss, softcap, loss_dtype)
+    autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
+    if autocast:  # the matmuls in autocast's dtype, as torch.nn.functional.linear under autocast
+        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+    out_dtype = loss_dtype or (torch.float32 if autocast else hidden.dtype)
+    shape = hidden.shape[:-1]
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    num_items = None
+    if num_items_in_batch is not None:
+        num_items = (num_items_in_batch if isinstance(num_items_in_batch, Tensor)
+                     else torch.tensor(num_items_in_batch)).reshape(()).to(x.device, non_blocking=True)
+    grad_mode = torch.is_grad_enabled()
+    needs = sum(bit for p, bit in ((hidden, NEEDS_HIDDEN), (weight, NEEDS_WEIGHT), (bias, NEEDS_BIAS))
+                if grad_mode and p is not None and p.requires_grad)
+    compute_grad = needs != 0
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        raise_flagged_targets()
+    deferred = check_target and compute_grad and not compiling
+    loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
+                                              float(label_smoothing), float(z_loss),
+                                              None if softcap is None else float(softcap),
+                                              0 if reduction == "none" else needs, 0, check_target and not deferred)
+    if deferred:
+        if flags.device.type == "cpu":
+            if flags[0]:
+                raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds a class index out of range "
+                                           f"[0, {weight.shape[0] - 1}] that is not ignore_index ({ignore_index})")
+        else:
+            note_target_flag(flags)
+    if reduction == "none":
+        loss = loss.reshape(shape)
+    return loss.to(out_dtype)
+
+
+__all__ = ["LinearCrossEntropyHeuristics", "check_settings", "linear_cross_entropy", "linear_cross_entropy_op"]

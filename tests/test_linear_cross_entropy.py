@@ -1,0 +1,344 @@
+"""trainops.linear_cross_entropy: float64 references over every option and reduction, chunked
+(several chunks, a short last one), dtypes, gradients only where asked, num_items_in_batch and
+gradient accumulation, autocast, edge cases (ignored rows, all ignored, empty), errors, target
+checks, torch.compile, the module, and GPU runs at LM-head sizes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainops
+from trainops.errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
+from trainops.ops.linear_cross_entropy import LinearCrossEntropyHeuristics
+
+from numerics import assert_close
+
+
+def small_chunks(rows):
+    """Chunks of ``rows`` tokens whatever the vocabulary (several chunks on test sizes)."""
+    return trainops.heuristics(LinearCrossEntropyHeuristics(chunk_bytes=1, row_multiple=rows))
+
+
+def reference(h, w, t, b=None, *, class_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+              z_loss=0.0, softcap=None, num_items=None):
+    """float64: torch's linear + cross_entropy, the z-loss term (z lse^2 over kept rows, divided by their
+    count for "mean") and softcap written out."""
+    logits = F.linear(h.double(), w.double(), None if b is None else b.double())
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits2, t1 = logits.reshape(-1, logits.shape[-1]), t.reshape(-1)
+    cw = None if class_weight is None else class_weight.double()
+    kept = (t1 != ignore_index).double()
+    z_rows = z_loss * torch.logsumexp(logits2, -1) ** 2 * kept
+    if num_items is not None:
+        ce = F.cross_entropy(logits2, t1, cw, ignore_index=ignore_index, reduction="sum",
+                             label_smoothing=label_smoothing)
+        return (ce + z_rows.sum()) / num_items
+    ce = F.cross_entropy(logits2, t1, cw, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)
+    if reduction == "none":
+        return (ce + z_rows).reshape(t.shape)
+    return ce + (z_rows.sum() / kept.sum() if reduction == "mean" else z_rows.sum())
+
+
+def inputs(n, h, v, dtype, device, *, bias=True, seed=0, ignored=(3,)):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, h, generator=gen) * 2).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / math.sqrt(h) * 3).to(device, dtype).requires_grad_()
+    b = (torch.randn(v, generator=gen) * 0.5).to(device, dtype).requires_grad_() if bias else None
+    t = torch.randint(0, v, (n,), generator=gen)
+    for i in ignored:
+        if i < n:
+            t[i] = -100
+    return x, w, b, t.to(device)
+
+
+def grads_of(loss, tensors, reduction):
+    upstream = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).reshape(loss.shape)
+    return torch.autograd.grad(loss, tensors, upstream if reduction == "none" else torch.full_like(loss, 0.75))
+
+
+OPTIONS = [
+    dict(),
+    dict(label_smoothing=0.1),
+    dict(z_loss=1e-3),
+    dict(softcap=4.0),
+    dict(class_weight=True),
+    dict(class_weight=True, z_loss=1e-2, label_smoothing=0.2),
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+def test_float64_matches_the_reference_over_chunks(backend, device, reduction, options):
+    x, w, b, t = inputs(37, 16, 29, torch.float64, device)
+    options = dict(options)
+    if options.pop("class_weight", False):
+        options["class_weight"] = torch.rand(29, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+                                             ).to(device) + 0.5
+    with small_chunks(8):   # 5 chunks, the last of 5 rows
+        loss = trainops.linear_cross_entropy(x, w, t, b, reduction=reduction, **options)
+        got = grads_of(loss, (x, w, b), reduction)
+    want_loss = reference(x, w, t, b, reduction=reduction, **options)
+    want = grads_of(want_loss, (x, w, b), reduction)
+    assert loss.dtype == torch.float64 and loss.shape == want_loss.shape
+    assert_close(loss, want_loss, torch.float64, "loss")
+    for name, a, e in zip("xwb", got, want):
+        assert_close(a, e, torch.float64, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_half_and_float32_against_float64(backend, device, dtype, reduction):
+    x, w, b, t = inputs(40, 32, 70, dtype, device, seed=2)
+    with small_chunks(16):
+        loss = trainops.linear_cross_entropy(x, w, t, b, reduction=reduction, z_loss=1e-4, loss_dtype=torch.float32)
+        got = grads_of(loss, (x, w, b), reduction)
+    want_loss = reference(x, w, t, b, reduction=reduction, z_loss=1e-4)
+    want = grads_of(want_loss, (x, w, b), reduction)
+    assert loss.dtype == torch.float32
+    assert_close(loss, want_loss, dtype if dtype != torch.float32 else torch.float32, "loss")
+    for name, a, e, ref_input in zip("xwb", got, want, (x, w, b)):
+        assert a.dtype == ref_input.dtype, name   # gradients in their tensors' own dtype
+        assert_close(a, e, dtype, f"d{name}")
+
+
+def test_the_loss_dtype_defaults_to_hidden_and_the_weight_may_differ(backend, device):
+    x, w, _, t = inputs(12, 8, 10, torch.bfloat16, device, bias=False)
+    assert trainops.linear_cross_entropy(x, w, t).dtype == torch.bfloat16
+    w32 = w.detach().float().requires_grad_()   # a float32 master weight with bf16 activations
+    loss = trainops.linear_cross_entropy(x, w32, t)
+    dx, dw = torch.autograd.grad(loss, (x, w32))
+    assert dw.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    want = reference(x, w32.bfloat16(), t)
+    assert_close(loss.float(), want, torch.bfloat16, "loss")
+    assert_close(dw, _dw_reference(x, w32, t), torch.bfloat16, "dw")
+
+
+def _dw_reference(x, w, t):
+    w64 = w.detach().double().requires_grad_()
+    return torch.autograd.grad(reference(x.detach(), w64, t), w64)[0]
+
+
+def test_only_the_gradients_asked_for_are_computed(backend, device):
+    x, w, b, t = inputs(20, 16, 30, torch.float64, device)
+    w.requires_grad_(False)   # a frozen head (LoRA fine-tuning): no dW work
+    b.requires_grad_(False)
+    computed = []
+    from trainops.ops import linear_cross_entropy as module
+
+    original = module._accumulate_weight_grad
+
+    def spy(*args):
+        computed.append("dw")
+        return original(*args)
+
+    module._accumulate_weight_grad = spy
+    try:
+        with small_chunks(8):
+            for reduction in ("mean", "none"):
+                loss = trainops.linear_cross_entropy(x, w, t, b, reduction=reduction)
+                (dx,) = torch.autograd.grad(loss.sum(), x)
+                assert_close(dx, torch.autograd.grad(reference(x, w, t, b, reduction=reduction).sum(), x)[0],
+                             torch.float64, reduction)
+    finally:
+        module._accumulate_weight_grad = original
+    assert computed == []
+    x2 = x.detach()   # only the head trains
+    w.requires_grad_(True)
+    loss = trainops.linear_cross_entropy(x2, w, t, b)
+    (dw,) = torch.autograd.grad(loss, w)
+    assert_close(dw, torch.autograd.grad(reference(x2, w, t, b), w)[0], torch.float64, "dw")
+
+
+def test_num_items_in_batch_and_gradient_accumulation(backend, device):
+    """Two micro-batches, each divided by the whole batch's token count, sum to the full batch's mean."""
+    x, w, b, t = inputs(30, 16, 25, torch.float64, device, ignored=(2, 17, 18))
+    items = int((t != -100).sum())
+    full = trainops.linear_cross_entropy(x, w, t, b)
+    want = torch.autograd.grad(full, (x, w, b))
+    total = 0
+    got = [torch.zeros_like(p) for p in (x, w, b)]
+    for k, part in enumerate((slice(0, 13), slice(13, 30))):
+        count = torch.tensor(items, device=device) if k else items   # an int or a device tensor
+        loss = trainops.linear_cross_entropy(x[part], w, t[part], b, num_items_in_batch=count)
+        assert_close(loss, reference(x[part], w, t[part], b, num_items=items), torch.float64, "micro-batch loss")
+        total = total + loss
+        for g, d in zip(got, torch.autograd.grad(loss, (x, w, b))):
+            g += d
+    assert_close(total, full, torch.float64, "summed losses")
+    for a, e in zip(got, want):
+        assert_close(a, e, torch.float64, "accumulated gradient")
+
+
+def test_ignored_rows_all_ignored_and_empty(backend, device):
+    x, w, b, t = inputs(9, 8, 12, torch.float64, device, ignored=range(9))
+    loss = trainops.linear_cross_entropy(x, w, t, b)
+    assert loss.isnan()   # 0 / 0, as torch
+    for g in torch.autograd.grad(loss, (x, w, b)):
+        assert torch.equal(g, torch.zeros_like(g))
+    s = trainops.linear_cross_entropy(x, w, t, b, reduction="sum")
+    assert s.item() == 0.0
+    x0, t0 = x[:0].detach().requires_grad_(), t[:0]
+    assert trainops.linear_cross_entropy(x0, w, t0, b).isnan()
+    assert trainops.linear_cross_entropy(x0, w, t0, b, reduction="none").shape == (0,)
+    loss = trainops.linear_cross_entropy(x0, w, t0, b, reduction="sum")
+    dx, dw = torch.autograd.grad(loss, (x0, w))
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_leading_axes_and_non_contiguous_hidden(backend, device):
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(3, 16, 7, dtype=torch.float64, generator=gen).to(device)
+    x = base.transpose(1, 2).requires_grad_()   # (3, 7, 16), not contiguous; a leaf via the transpose's base
+    w = torch.randn(11, 16, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    t = torch.randint(0, 11, (3, 7), generator=gen).to(device)
+    for reduction in ("mean", "none"):
+        loss = trainops.linear_cross_entropy(x, w, t, reduction=reduction)
+        want = reference(x, w, t, reduction=reduction)
+        assert loss.shape == want.shape
+        assert_close(loss, want, torch.float64, reduction)
+        for a, e in zip(grads_of(loss, (x, w), reduction), grads_of(want, (x, w), reduction)):
+            assert_close(a, e, torch.float64, reduction)
+
+
+def test_deterministic_run_to_run(backend, device):
+    x, w, b, t = inputs(50, 32, 40, torch.float32, device, seed=9)
+    runs = []
+    for _ in range(2):
+        with small_chunks(16):
+            loss = trainops.linear_cross_entropy(x, w, t, b, label_smoothing=0.1)
+            runs.append((loss, *torch.autograd.grad(loss, (x, w, b))))
+    for a, e in zip(*runs):
+        assert torch.equal(a, e)
+
+
+def test_autocast_runs_the_matmuls_in_its_dtype_and_returns_a_float32_loss():
+    x, w, b, t = inputs(24, 16, 20, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = trainops.linear_cross_entropy(x, w, t, b)
+    assert loss.dtype == torch.float32
+    dx, dw, db = torch.autograd.grad(loss, (x, w, b))
+    assert dx.dtype == dw.dtype == db.dtype == torch.float32
+    want = reference(x.bfloat16(), w.bfloat16(), t, b.bfloat16())
+    assert_close(loss, want, torch.bfloat16, "loss")
+    assert_close(dw, torch.autograd.grad(reference(x.bfloat16().float(), w, t, b), w)[0], torch.bfloat16, "dw")
+
+
+def test_a_second_backward_raises_but_float64_allows_it(backend, device):
+    x, w, b, t = inputs(10, 8, 12, torch.float32, device)
+    loss = trainops.linear_cross_entropy(x, w, t, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(UnsupportedError, match="second backward"):
+        loss.backward()
+    x, w, b, t = inputs(6, 4, 5, torch.float64, device)
+    assert torch.autograd.gradcheck(lambda x, w, b: trainops.linear_cross_entropy(x, w, t, b, z_loss=0.01,
+                                                                                  softcap=2.0), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: trainops.linear_cross_entropy(x, w, t, reduction="none",
+                                                                               label_smoothing=0.1), (x, w))
+
+
+def test_bad_targets_raise(backend, device):
+    x, w, b, t = inputs(10, 8, 12, torch.float32, device)
+    t[4] = 12
+    with torch.no_grad(), pytest.raises(IndexOutOfRangeError, match="argument 'target' holds class 12"):
+        trainops.linear_cross_entropy(x, w, t, b)
+    with pytest.raises(IndexOutOfRangeError, match="argument 'target'"):   # eager training: the kernel's flag
+        trainops.linear_cross_entropy(x, w, t, b).backward()
+    loss = trainops.linear_cross_entropy(x, w, t, b, check_target=False)   # unchecked: the row is left out
+    t_kept = t.clone()
+    t_kept[4] = -100
+    assert_close(loss, reference(x, w, t_kept, b), torch.float32, "unchecked")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w[:, :4], t), InvalidProblemError, "argument 'weight'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t[:3]), InvalidProblemError, "argument 'target'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t.float()), InvalidProblemError, "argument 'target'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x.long(), w, t), UnsupportedError, "argument 'hidden'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, torch.zeros(3)), InvalidProblemError, "argument 'bias'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, class_weight=torch.ones(3)), InvalidProblemError,
+     "argument 'class_weight'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, reduction="avg"), InvalidProblemError,
+     "argument 'reduction'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, label_smoothing=1.5), InvalidProblemError,
+     "argument 'label_smoothing'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, z_loss=-1.0), InvalidProblemError, "argument 'z_loss'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, softcap=0.0), InvalidProblemError, "argument 'softcap'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, ignore_index=1.5), InvalidProblemError,
+     "argument 'ignore_index'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, reduction="sum", num_items_in_batch=4),
+     InvalidProblemError, "argument 'num_items_in_batch'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, num_items_in_batch=0), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, num_items_in_batch=torch.tensor(2.0)),
+     InvalidProblemError, "argument 'num_items_in_batch'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, loss_dtype=torch.int32), InvalidProblemError,
+     "argument 'loss_dtype'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w[:0], t), InvalidProblemError, "argument 'weight'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x.tolist(), w, t), InvalidProblemError, "argument 'hidden'"),
+])
+def test_errors_name_the_argument(call, error, match):
+    x, w, _, t = inputs(5, 8, 6, torch.float32, "cpu", bias=False)
+    with pytest.raises(error, match=match):
+        call(x, w, t)
+
+
+def test_torch_compile_fullgraph(backend, device):
+    x, w, b, t = inputs(20, 16, 18, torch.float32, device)
+    cw = torch.rand(18).to(device) + 0.5
+
+    def f(x, w, b, reduction):
+        return trainops.linear_cross_entropy(x, w, t, b, class_weight=cw, reduction=reduction, z_loss=1e-3).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for reduction in ("mean", "none"):
+        loss = compiled(x, w, b, reduction)
+        got = torch.autograd.grad(loss, (x, w, b))
+        want_loss = f(x, w, b, reduction)
+        want = torch.autograd.grad(want_loss, (x, w, b))
+        assert_close(loss, want_loss, torch.float32, reduction)
+        for a, e in zip(got, want):
+            assert_close(a, e, torch.float32, reduction)
+    torch._dynamo.reset()
+
+
+def test_the_module(backend, device):
+    cw = torch.rand(14).to(device) + 0.5
+    module = trainops.nn.LinearCrossEntropyLoss(cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0)
+    assert "class_weight" in module.state_dict()
+    x, w, b, t = inputs(11, 8, 14, torch.float64, device, ignored=())
+    t[2] = -1
+    loss = module(x, w, t, b)
+    want = reference(x, w, t, b, class_weight=cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0)
+    assert_close(loss, want, torch.float64, "module")
+    with pytest.raises(InvalidProblemError, match="argument 'reduction'"):
+        trainops.nn.LinearCrossEntropyLoss(reduction="avg")
+
+
+# ---- GPU: LM-head sizes ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_lm_head_against_float64(weight_dtype):
+    """bf16 hidden, a 32000-class head (bf16 weights, or float32 master weights whose float32
+    gradient the chunks accumulate into directly), several default-size chunks."""
+    torch.manual_seed(0)
+    n, h, v = 6144, 1024, 32000
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") / 32).to(weight_dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    t[::7] = -100
+    with trainops.heuristics(LinearCrossEntropyHeuristics(chunk_bytes=2048 * v * 2)):
+        loss = trainops.linear_cross_entropy(x, w, t, z_loss=1e-4, label_smoothing=0.1)
+        dx, dw = torch.autograd.grad(loss, (x, w))
+    assert dw.dtype == weight_dtype
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().bfloat16().double().requires_grad_()
+    want = reference(x64, w64, t, z_loss=1e-4, label_smoothing=0.1)
+    want_dx, want_dw = torch.autograd.grad(want, (x64, w64))
+    assert_close(loss.float(), want, torch.bfloat16, "loss")
+    assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
+    assert_close(dx, want_dx, torch.bfloat16, "dx")
+    assert_close(dw, want_dw, torch.bfloat16, "dw")
