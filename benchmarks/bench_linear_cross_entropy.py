@@ -10,7 +10,8 @@ in bf16 with float32 accumulation: the time floor). Time: triton.testing.do_benc
 forward + backward with the gradients set to None before each run. Memory: the peak allocated
 during one forward + backward, minus what is allocated after it (inputs and gradients: the
 steady state of a training step), in MiB. Loss and gradients of each are compared with torch
-eager's (relative-norm error), so a fast wrong variant shows.
+float32 reference's from the same bf16 inputs (relative-norm error), so a fast wrong variant
+shows.
 
 Not a trainops.bench case: that runner times but does not measure memory.
 """
@@ -117,15 +118,18 @@ def main():
                     return trainops.linear_cross_entropy(x, w, t)
 
             runs[f"trainops chunk {rows}"] = ours
-        reference = None
+        # float32 reference from the same bf16 values: each row's error says how close it is to exact
+        xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        ref_loss = F.cross_entropy(F.linear(xr, wr), t)
+        reference = (ref_loss.detach(), [g.detach() for g in torch.autograd.grad(ref_loss, (xr, wr))])
+        del xr, wr, ref_loss
+        torch.cuda.empty_cache()
         for name, fn in runs.items():
             try:
                 ms, extra, loss, grads = measure(fn, x, w, t)
             except Exception as error:   # a peer that fails is reported, not fatal
                 print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
                 continue
-            if reference is None:
-                reference = (loss, grads)
             errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
             row = dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
                        err_loss=errors[0], err_dx=errors[1], err_dw=errors[2])
@@ -144,9 +148,12 @@ def main():
                     return trainops.linear_cross_entropy(x, w, t)
 
             ms, extra, loss, grads = measure(ours32, x, w32, t)
+            errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
             name = f"trainops fp32 weight chunk {rows}"
-            results["rows"].append(dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor))
-            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB", flush=True)
+            results["rows"].append(dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
+                                        err_loss=errors[0], err_dx=errors[1], err_dw=errors[2]))
+            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
+                  f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
         del x, w, w32, t
         torch.cuda.empty_cache()
     if args.out:

@@ -205,12 +205,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
     with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
     Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
-    device. loss_dtype: the loss's dtype (default: hidden's; float32 under autocast, as torch's
-    cross_entropy there). The loss is computed in float32 (float64 for float64) whatever it is.
+    device. loss_dtype: the loss's dtype (default float32, float64 for float64 hidden: the loss is
+    computed in that precision, as Hugging Face's upcast logits give it).
 
     With reduction "mean" or "sum" the gradients are computed in the forward pass and the backward
-    scales them by the upstream gradient (three matmuls in all; a second backward through the same
-    loss raises UnsupportedError); "none" recomputes the chunks in its backward (four matmuls).
+    scales them in place by the upstream gradient, on the device (nothing to do when it is 1; three
+    matmuls in all; a second backward through the same loss raises UnsupportedError, except in
+    float64 and under torch.compile); "none" recomputes the chunks in its backward (four matmuls).
     Only the gradients of the tensors that require grad are computed (a frozen head costs no dW).
     Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: in eager
     training the kernel flags a bad index without a host sync). Deterministic (fixed chunk order,

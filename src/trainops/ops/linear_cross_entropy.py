@@ -10,14 +10,17 @@ The rows go through in chunks of ``rows`` tokens (LinearCrossEntropyHeuristics: 
 logits stay under ``chunk_bytes``). For each chunk:
     logits = hidden_c @ W^T (+ b)                  one matmul, the chunk's logits (the only V-wide buffer)
     loss, dlogits written over the logits          trainops's fused cross-entropy kernel, reduction "sum"
-    dhidden_c = dlogits @ W                        written into its rows of dhidden
-    dW += dlogits^T @ hidden_c                     a float32 accumulator, chunks in order (deterministic)
+    dhidden_c = dlogits @ W / divisor              float32 matmul output, rounded once into dhidden's rows
+    dW (+)= dlogits^T @ hidden_c                   a float32 accumulator the matmul reads and writes itself
     db += column sums of dlogits                   float32
-so the gradients are computed in the forward pass (three matmuls in all, as an unfused linear +
-cross-entropy's forward and backward) and the backward only scales them by the upstream gradient
-and the reduction's divisor (one pass over dW, dhidden, db). Reduction "none" cannot do that (its
-upstream gradient is per row and dW mixes the rows): its forward computes the losses alone and its
-backward runs the chunks again, scaling each row's dlogits by its upstream gradient (four matmuls).
+and after the last chunk dW and db are divided by the divisor and rounded once to their dtypes
+(the float32 buffer of a half weight freed). So the gradients of an upstream gradient of 1 are
+computed in the forward pass (three matmuls in all, as an unfused linear + cross-entropy's forward
+and backward); the backward scales them in place by the upstream gradient, with a kernel that
+reads it on the device and does nothing when it is exactly 1 (``loss.backward()``). Reduction
+"none" cannot do that (its upstream gradient is per row and dW mixes the rows): its forward
+computes the losses alone and its backward runs the chunks again, each row's dlogits times its
+upstream gradient (four matmuls).
 
 Reduction "mean" divides by the summed class weights of the non-ignored rows, as torch (the z-loss
 term by their count, as trainops.cross_entropy); ``num_items_in_batch`` replaces that divisor by
@@ -30,9 +33,10 @@ training (as trainops.cross_entropy: no gradient, or under torch.compile).
 Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast the
 autocast dtype, as torch.nn.functional.linear); weight and bias any float dtype (cast once to the
 matmuls' dtype; their gradients come back in their own dtype). Accumulation in float32 (float64
-for float64): the matmuls accumulate in float32, dW and db across chunks in a float32 buffer (for
-a float32 weight, the gradient itself; else a buffer of twice a half weight's size until the
-backward). Deterministic: fixed chunk order, no atomics.
+for float64): the matmuls accumulate in float32, dW and db across chunks in float32 (for a
+float32 weight, its gradient itself; for a half weight, a buffer of twice its size during the
+forward). The loss is float32 (float64 for float64) unless ``loss_dtype`` says otherwise.
+Deterministic: fixed chunk order, no atomics.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
 from ..library import custom_op
 from ..plan import heuristics_for
 from .cross_entropy import (REDUCTIONS, cross_entropy_inplace_op, cross_entropy_op, note_target_flag,
-                            raise_flagged_targets)
+                            raise_flagged_targets, scale_gradient_)
 
 OP = "linear_cross_entropy"
 
@@ -73,13 +77,19 @@ class LinearCrossEntropyHeuristics:
 # The chunked computation (the custom ops' impl, CPU and CUDA alike)
 # ----------------------------------------------------------------------------------------------
 
-def _accumulate_weight_grad(acc: Tensor, dlogits: Tensor, x: Tensor) -> None:
-    """acc += dlogits^T @ x, with the float32 accumulator read and written by the matmul itself on
-    CUDA (torch.addmm's out_dtype); on the CPU in the accumulator's dtype."""
-    if acc.dtype != dlogits.dtype and acc.device.type == "cuda":
-        torch.addmm(acc, dlogits.t(), x, out_dtype=acc.dtype, out=acc)
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b with ``out`` in the accumulator dtype and a, b maybe half: on CUDA the matmul
+    reads and writes ``out`` itself (torch.mm / addmm's out_dtype: no float32 copies of a or b);
+    on the CPU a and b are converted first."""
+    if out.dtype != a.dtype and out.device.type == "cuda":
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
     else:
-        acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[float]):
@@ -116,12 +126,14 @@ def _class_weight_and_divisor(target: Tensor, class_weight: Optional[Tensor], ig
 
 def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
             ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-            needs: int, rows: int, row_grad: Optional[Tensor]):
+            needs: int, rows: int, row_grad: Optional[Tensor], scale: Tensor):
     """The chunk loop, ``rows`` tokens a chunk. Returns (row losses (reduction "none" without
-    gradients) or their sum, float32 (float64); dhidden, dW accumulator, db accumulator (each None
-    unless ``needs`` has its bit: NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS); flags [bad target, k]).
-    Gradients are of the summed loss (times row_grad per row when given), stored times 2^k (k =
-    flags[1], cross_entropy's float16 headroom, the same for every chunk of a call)."""
+    gradients) or their sum, float32 (float64); dhidden, dweight, dbias in their tensors' dtypes
+    (each None unless ``needs`` has its bit: NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS); flags [bad
+    target, k]). The gradients are those of the summed loss (each row's times row_grad when given)
+    times ``scale`` (a device scalar: 1 / the divisor). The kernel stores dlogits times 2^k (k =
+    flags[1], cross_entropy's float16 headroom, the same for every chunk of a call), divided out
+    with ``scale`` when each gradient is rounded to its dtype (once)."""
     n, h = x.shape
     classes = weight.shape[0]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -132,8 +144,12 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
     losses = torch.empty(n, dtype=acc, device=x.device) if per_row else torch.zeros((), dtype=acc, device=x.device)
     flags = torch.zeros(2, dtype=torch.int32, device=x.device)
     dx = torch.empty_like(x) if needs & NEEDS_HIDDEN else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT else None
+    # dW accumulates in float32: a float32 weight's gradient itself, else a buffer converted at the end
+    dw = (torch.empty(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT and n else
+          torch.zeros(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT else None)
     db = torch.zeros(classes, dtype=acc, device=x.device) if bias is not None and needs & NEEDS_BIAS else None
+    dx_chunk = None
+    unit = None   # scale * 2^-k, once the first chunk's kernel has written k
     for start in range(0, n, max(1, rows)):
         stop = min(n, start + rows)
         xc, tc = x[start:stop], target[start:stop]
@@ -152,17 +168,31 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
                                                         label_smoothing, z_loss, acc, False)
         losses += loss
         torch.maximum(flags, chunk_flags, out=flags)
+        if unit is None:
+            unit = torch.ldexp(scale, -chunk_flags[1].to(acc))
         dlogits = logits  # the kernel wrote the gradient over the logits
         if t is not None:  # d softcap(z) / dz = 1 - tanh^2
             dlogits.mul_(t.square_().neg_().add_(1))
         if row_grad is not None:
             dlogits.mul_(row_grad[start:stop, None].to(dlogits.dtype))
-        if dx is not None:
-            torch.mm(dlogits, w, out=dx[start:stop])
+        if dx is not None:   # in the accumulator dtype, then scaled and rounded once into dx's rows
+            if dx_chunk is None or dx_chunk.shape[0] != stop - start:
+                dx_chunk = torch.empty(stop - start, h, dtype=acc, device=x.device)
+            _matmul_into(dx_chunk, dlogits, w, accumulate=False)
+            torch.mul(dx_chunk, unit, out=dx[start:stop])
         if dw is not None:
-            _accumulate_weight_grad(dw, dlogits, xc)
+            _matmul_into(dw, dlogits.t(), xc, accumulate=start > 0)
         if db is not None:
             db += dlogits.sum(0, dtype=acc)
+    if unit is None:
+        unit = scale
+    if dw is not None:
+        if weight.dtype == acc:
+            dw.mul_(unit)
+        else:   # scaled in float32 and rounded once; the float32 buffer is freed here
+            dw = torch.mul(dw, unit, out=torch.empty(weight.shape, dtype=weight.dtype, device=x.device))
+    if db is not None:
+        db = torch.mul(db, unit, out=torch.empty(classes, dtype=bias.dtype, device=x.device))
     return losses, dx, dw, db, flags
 
 
@@ -174,12 +204,6 @@ def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
     return heuristics_for(LinearCrossEntropyHeuristics).rows(hidden.shape[0], weight.shape[0], hidden.element_size())
 
 
-def _scale_factor(dloss: Tensor, divisor: Tensor, flags: Tensor) -> Tensor:
-    """dloss / divisor * 2^-k on the device (0 where the divisor is 0: no row counted)."""
-    dloss = dloss.to(divisor.dtype)
-    return torch.where(divisor != 0, torch.ldexp(dloss / divisor, -flags[1].to(divisor.dtype)), 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Custom ops: torch.ops.trainops.linear_cross_entropy (reductions "mean" / "sum": gradients in the
 # forward) and linear_cross_entropy_none_backward (reduction "none": the chunks again)
@@ -188,11 +212,11 @@ def _scale_factor(dloss: Tensor, divisor: Tensor, flags: Tensor) -> Tensor:
 def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
           num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
           softcap: Optional[float], needs: int, rows: int,
-          check_target: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss in float32 / float64, dhidden, dW accumulator, db accumulator, divisor, flags); a
-    gradient not in ``needs`` (all of them for reduction "none") is an empty tensor. rows: tokens a
-    chunk, 0 for LinearCrossEntropyHeuristics'. check_target: check the indices before any work
-    (one host sync on the GPU)."""
+          check_target: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss in float32 / float64, dhidden, dweight, dbias, flags): the gradients of the loss (for
+    an upstream gradient of 1) in their tensors' dtypes; one not in ``needs`` (all of them for
+    reduction "none") is an empty tensor. rows: tokens a chunk, 0 for LinearCrossEntropyHeuristics'.
+    check_target: check the indices before any work (one host sync on the GPU)."""
     if check_target:
         _check_targets_now(target, weight.shape[0], ignore_index)
     rows = rows or _heuristic_rows(hidden, weight)
@@ -200,11 +224,12 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     with torch.autocast(hidden.device.type, enabled=False):
         chunk_weight, divisor = _class_weight_and_divisor(target, class_weight, ignore_index, reduction, num_items,
                                                           weight.shape[0], acc)
+        scale = torch.where(divisor != 0, 1 / divisor, 0)   # no row counted: zero gradients
         losses, dx, dw, db, flags = _chunks(hidden, weight, target, bias, chunk_weight, ignore_index, reduction,
-                                            label_smoothing, z_loss, softcap, needs, rows, None)
+                                            label_smoothing, z_loss, softcap, needs, rows, None, scale)
     loss = losses if reduction == "none" else losses / divisor
-    return (loss, dx if dx is not None else hidden.new_empty(0), dw if dw is not None else losses.new_empty(0),
-            db if db is not None else losses.new_empty(0), divisor, flags)
+    return (loss, dx if dx is not None else hidden.new_empty(0), dw if dw is not None else weight.new_empty(0),
+            db if db is not None else hidden.new_empty(0), flags)
 
 
 def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
@@ -212,17 +237,18 @@ def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, r
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
     dx = hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0)
-    dw = hidden.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0, dtype=acc)
-    db = hidden.new_empty(weight.shape[0] if bias is not None and needs & NEEDS_BIAS else 0, dtype=acc)
-    return loss, dx, dw, db, hidden.new_empty((), dtype=acc), hidden.new_empty(2, dtype=torch.int32)
+    dw = weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0)
+    db = bias.new_empty(bias.shape) if bias is not None and needs & NEEDS_BIAS else hidden.new_empty(0)
+    return loss, dx, dw, db, hidden.new_empty(2, dtype=torch.int32)
+
+
+_ONE_UNIT = {}   # device -> int32 [0, 0]: flags meaning "stored times 2^0" for scale_gradient_
 
 
 def _save(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
     ctx.reduction = inputs.reduction
-    ctx.weight_dtype = inputs.weight.dtype
-    ctx.bias_dtype = None if inputs.bias is None else inputs.bias.dtype
     ctx.consumed = False
     if inputs.reduction == "none":  # the backward runs the chunks again
         ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.target, inputs.bias, inputs.class_weight)
@@ -231,7 +257,7 @@ def _save(ctx, inputs, output) -> None:
                          inputs.rows or _heuristic_rows(inputs.hidden, inputs.weight))
     else:
         ctx.needs = inputs.needs
-        ctx.save_for_backward(*output[1:])
+        ctx.save_for_backward(*output[1:4])
 
 
 def _grad(ctx, dloss: Tensor, *unused) -> dict:
@@ -249,20 +275,26 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
     if ctx.consumed:
         raise UnsupportedError(f"trainops.{OP}: a second backward through the same loss (retain_graph=True) is "
                                "not supported: the first one scaled the gradients the forward computed, in place")
-    dx, dw, db, divisor, flags = ctx.saved_tensors
-    # out of place (and any number of backwards) while tracing and in float64 (gradcheck's dtype)
-    out_of_place = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor or divisor.dtype == torch.float64
+    saved = ctx.saved_tensors
+    # In eager mode the forward's buffers are scaled in place by the upstream gradient (a kernel that
+    # reads it on the device and does nothing when it is exactly 1: no host sync) and handed over;
+    # out of place (any number of backwards) while tracing and in float64 (gradcheck's dtype).
+    out_of_place = (torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
+                    or dloss.dtype == torch.float64 or dloss.numel() != 1)
     ctx.consumed = not out_of_place
-    factor = _scale_factor(dloss, divisor, flags)
     grads = {}
-    for name, g, bit, dtype in (("hidden", dx, NEEDS_HIDDEN, dx.dtype), ("weight", dw, NEEDS_WEIGHT, ctx.weight_dtype),
-                                ("bias", db, NEEDS_BIAS, ctx.bias_dtype)):
-        if ctx.needs & bit:
-            scaled = g.to(factor.dtype) * factor   # in float32 (float64), rounded once to the gradient's dtype
-            if out_of_place or g.dtype != dtype:
-                grads[name] = scaled.to(dtype)
-            else:   # the forward's buffer, handed over
-                grads[name] = g.copy_(scaled)
+    for name, g, bit in zip(("hidden", "weight", "bias"), saved, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
+        if not ctx.needs & bit or g.numel() == 0 and name == "bias":
+            continue
+        if out_of_place:
+            grads[name] = (g.to(torch.float64 if g.dtype == torch.float64 else torch.float32) * dloss).to(g.dtype)
+        else:
+            if g.numel():
+                unit = _ONE_UNIT.get(g.device)
+                if unit is None:
+                    unit = _ONE_UNIT[g.device] = torch.zeros(2, dtype=torch.int32, device=g.device)
+                scale_gradient_(g, dloss.reshape(1), unit)
+            grads[name] = g
     return grads
 
 
@@ -273,11 +305,9 @@ def _none_backward_impl(dloss: Tensor, hidden: Tensor, weight: Tensor, target: T
     upstream gradient; a gradient not in ``needs`` is an empty tensor."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.autocast(hidden.device.type, enabled=False):
-        _, dx, dw, db, flags = _chunks(hidden, weight, target, bias, class_weight, ignore_index, "none",
-                                       label_smoothing, z_loss, softcap, needs, rows, dloss)
-    unscale = torch.ldexp(torch.ones((), dtype=acc, device=hidden.device), -flags[1].to(acc))
-    return tuple(hidden.new_empty(0) if g is None else (g.to(acc) * unscale).to(dtype)
-                 for g, dtype in ((dx, hidden.dtype), (dw, weight.dtype), (db, None if bias is None else bias.dtype)))
+        _, dx, dw, db, _ = _chunks(hidden, weight, target, bias, class_weight, ignore_index, "none", label_smoothing,
+                                   z_loss, softcap, needs, rows, dloss, torch.ones((), dtype=acc, device=hidden.device))
+    return tuple(hidden.new_empty(0) if g is None else g for g in (dx, dw, db))
 
 
 def _none_backward_fake(dloss, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, z_loss,
@@ -390,7 +420,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
     if autocast:  # the matmuls in autocast's dtype, as torch.nn.functional.linear under autocast
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
-    out_dtype = loss_dtype or (torch.float32 if autocast else hidden.dtype)
+    out_dtype = loss_dtype or (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     shape = hidden.shape[:-1]
     x = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
