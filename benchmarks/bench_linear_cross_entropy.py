@@ -108,6 +108,7 @@ def main():
         liger = liger_loss()
         if liger is not None:
             runs["liger"] = liger
+        runs["trainops (default chunk)"] = trainops.linear_cross_entropy
         for rows in args.chunks:
             if rows > n:
                 continue

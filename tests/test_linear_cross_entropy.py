@@ -18,7 +18,7 @@ from numerics import assert_close
 
 def small_chunks(rows):
     """Chunks of ``rows`` tokens whatever the vocabulary (several chunks on test sizes)."""
-    return trainops.heuristics(LinearCrossEntropyHeuristics(chunk_bytes=1, row_multiple=rows))
+    return trainops.heuristics(LinearCrossEntropyHeuristics(chunk_bytes=1, min_rows=rows))
 
 
 def reference(h, w, t, b=None, *, class_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -254,6 +254,44 @@ def test_bad_targets_raise(backend, device):
     assert_close(loss, reference(x, w, t_kept, b), torch.float32, "unchecked")
 
 
+def test_float16_none_with_a_large_upstream_gradient(backend, device):
+    """Reduction "none" in float16: each row's upstream gradient (here 20, a loss scale's size) is
+    applied with the kernel's 2^k headroom divided out first, so nothing overflows."""
+    x, w, b, t = inputs(40, 32, 70, torch.float16, device, seed=4)
+    with small_chunks(16):
+        loss = trainops.linear_cross_entropy(x, w, t, b, reduction="none")
+        got = torch.autograd.grad(loss.sum() * 20, (x, w, b))
+    want_loss = reference(x, w, t, b, reduction="none")
+    want = torch.autograd.grad(want_loss.sum() * 20, (x, w, b))
+    for name, a, e in zip("xwb", got, want):
+        assert_close(a, e, torch.float16, f"d{name}")
+
+
+def test_zero_total_class_weight_gives_nan_as_torch(backend, device):
+    x, w, b, t = inputs(9, 8, 12, torch.float64, device, ignored=())
+    cw = torch.ones(12, dtype=torch.float64, device=device)
+    cw[t] = 0.0   # every kept row's class weighs 0: torch's weighted mean is 0 / 0
+    loss = trainops.linear_cross_entropy(x, w, t, b, class_weight=cw, z_loss=1e-2)
+    assert loss.isnan() and F.cross_entropy(F.linear(x, w, b), t, cw).isnan()
+
+
+def test_class_weight_that_requires_grad_is_refused(backend, device):
+    x, w, b, t = inputs(9, 8, 12, torch.float64, device)
+    cw = torch.ones(12, dtype=torch.float64, device=device, requires_grad=True)
+    with pytest.raises(UnsupportedError, match="argument 'class_weight'"):
+        trainops.linear_cross_entropy(x, w, t, b, class_weight=cw)
+    with torch.no_grad():   # no gradient wanted: fine
+        trainops.linear_cross_entropy(x, w, t, b, class_weight=cw)
+
+
+def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
+    default = LinearCrossEntropyHeuristics()
+    assert default.rows(10**6, 128256, 2) == 4096   # 1 GiB of bf16 logits: 4186 rows fit
+    assert default.rows(10**6, 128256, 4) == 2048
+    assert default.rows(100, 128256, 2) == 100      # never more than the tokens
+    assert default.rows(10**6, 2**40, 2) == 64      # a vocabulary too wide for the budget: min_rows
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda x, w, t: trainops.linear_cross_entropy(x, w[:, :4], t), InvalidProblemError, "argument 'weight'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w, t[:3]), InvalidProblemError, "argument 'target'"),
@@ -280,6 +318,18 @@ def test_bad_targets_raise(backend, device):
      "argument 'loss_dtype'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w[:0], t), InvalidProblemError, "argument 'weight'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x.tolist(), w, t), InvalidProblemError, "argument 'hidden'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x[:, :0], w[:, :0], t), InvalidProblemError, "argument 'hidden'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w.long(), t), UnsupportedError, "argument 'weight'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, torch.zeros(6).to(torch.float8_e4m3fn)),
+     UnsupportedError, "argument 'bias'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, ignore_index=2**70), InvalidProblemError,
+     "argument 'ignore_index'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, num_items_in_batch=2**70), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, check_target="yes"), InvalidProblemError,
+     "argument 'check_target'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x.to("meta"), w.to("meta"), t.to("meta")), UnsupportedError,
+     "argument 'hidden'"),
 ])
 def test_errors_name_the_argument(call, error, match):
     x, w, _, t = inputs(5, 8, 6, torch.float32, "cpu", bias=False)
@@ -343,3 +393,25 @@ def test_gpu_lm_head_against_float64(weight_dtype):
     assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
     assert_close(dx, want_dx, torch.bfloat16, "dx")
     assert_close(dw, want_dw, torch.bfloat16, "dw")
+
+
+@pytest.mark.gpu
+def test_gpu_extra_memory_is_one_chunk_and_the_accumulator():
+    """bf16 head, 2048-token chunks: the peak over the step's steady state is one chunk's logits, the
+    float32 dW accumulator and a float32 dhidden chunk (plus the cross-entropy's small buffers)."""
+    torch.manual_seed(0)
+    n, h, v, rows = 8192, 1024, 32000, 2048
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") / 32).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    config = LinearCrossEntropyHeuristics(chunk_bytes=rows * v * 2)
+    with trainops.heuristics(config):
+        trainops.linear_cross_entropy(x, w, t).backward()   # warm-up: cuBLAS workspaces, plans
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainops.linear_cross_entropy(x, w, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    expected = rows * v * 2 + v * h * 4 + rows * h * 4
+    assert extra <= expected + 16 * 2**20, (extra / 2**20, expected / 2**20)

@@ -194,8 +194,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
     logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
-    chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes) and, for a half weight, a float32
-    weight-gradient accumulator until the backward.
+    chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes, 1 GiB by default), a float32
+    weight-gradient accumulator during the forward for a half weight, and a copy of the weight in
+    hidden's dtype when the two differ.
 
     hidden: (..., H) float32 / float16 / bfloat16 / float64 (under autocast, cast to its dtype as
     ``F.linear`` is). weight: (V, H), bias: (V,), any float dtype (cast once to hidden's; their
@@ -205,7 +206,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
     with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
     Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
-    device. loss_dtype: the loss's dtype (default float32, float64 for float64 hidden: the loss is
+    device (a tensor's value is not checked: 0 gives inf, as dividing by it would). loss_dtype: the loss's dtype (default float32, float64 for float64 hidden: the loss is
     computed in that precision, as Hugging Face's upcast logits give it).
 
     With reduction "mean" or "sum" the gradients are computed in the forward pass and the backward

@@ -1015,16 +1015,17 @@ def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dflags) -> dict:
     return {"logits": scale_fused_gradient(ctx, dloss, in_place=False)}
 
 
-# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done);
-# checked pairs are reused (an event costs ~10 us to create).
-_PENDING_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event"]] = []
+# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done,
+# the op that noted it); checked (flag, event) pairs are reused (an event costs ~10 us to create).
+_PENDING_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event", str]] = []
 _FREE_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event"]] = []
-_BAD_TARGET_MESSAGE = ("trainops.cross_entropy: argument 'target' holds a class index out of range [0, C) that is not "
+_BAD_TARGET_MESSAGE = ("trainops.{}: argument 'target' holds a class index out of range [0, C) that is not "
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
 
-def note_target_flag(flags: Tensor) -> None:
-    """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the GPU."""
+def note_target_flag(flags: Tensor, op: str = "cross_entropy") -> None:
+    """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the
+    GPU; ``op``: the public function the error will name."""
     if flags.device.type == "cuda":
         if _FREE_TARGET_FLAGS:
             host, done = _FREE_TARGET_FLAGS.pop()
@@ -1032,17 +1033,17 @@ def note_target_flag(flags: Tensor) -> None:
             host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
         host.copy_(flags[:1], non_blocking=True)
         done.record()
-        _PENDING_TARGET_FLAGS.append((host, done))
+        _PENDING_TARGET_FLAGS.append((host, done, op))
 
 
 def raise_flagged_targets() -> None:
     """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
     while _PENDING_TARGET_FLAGS and _PENDING_TARGET_FLAGS[0][1].query():
-        entry = _PENDING_TARGET_FLAGS.pop(0)
-        _FREE_TARGET_FLAGS.append(entry)
-        if entry[0][0]:
-            raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(" of a call on the GPU, reported once the GPU had "
-                                                                  "run it"))
+        host, done, op = _PENDING_TARGET_FLAGS.pop(0)
+        _FREE_TARGET_FLAGS.append((host, done))
+        if host[0]:
+            raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU "
+                                                                      "had run it"))
 
 
 def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
@@ -1073,7 +1074,7 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
     if not tracing and ctx.deferred_check:
         if flags.device.type == "cpu":
             if flags[0]:
-                raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(""))
+                raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format("cross_entropy", ""))
         else:
             raise_flagged_targets()
     if not tracing and grad.dtype != torch.float64:

@@ -8,7 +8,7 @@ ignore_index rows counting for nothing; class weights, label smoothing and z-los
 
 The rows go through in chunks of ``rows`` tokens (LinearCrossEntropyHeuristics: the chunk's
 logits stay under ``chunk_bytes``). For each chunk:
-    logits = hidden_c @ W^T (+ b)                  one matmul, the chunk's logits (the only V-wide buffer)
+    logits = hidden_c @ W^T (+ b)                  one matmul, the chunk's logits
     loss, dlogits written over the logits          trainops's fused cross-entropy kernel, reduction "sum"
     dhidden_c = dlogits @ W / divisor              float32 matmul output, rounded once into dhidden's rows
     dW (+)= dlogits^T @ hidden_c                   a float32 accumulator the matmul reads and writes itself
@@ -37,6 +37,15 @@ for float64): the matmuls accumulate in float32, dW and db across chunks in floa
 float32 weight, its gradient itself; for a half weight, a buffer of twice its size during the
 forward). The loss is float32 (float64 for float64) unless ``loss_dtype`` says otherwise.
 Deterministic: fixed chunk order, no atomics.
+
+Memory beyond the inputs and the gradients: one chunk's logits (with softcap, also their tanh),
+a float32 chunk of dhidden, the float32 dW accumulator of a half weight, and a copy of the weight
+(and bias) in hidden's dtype when theirs differs (a float32 master weight under bf16 autocast: the
+copy torch's autocast makes too). A hidden whose leading axes do not merge (a transposed batch) is
+copied once by the reshape to (N, H).
+
+A composite op: its kernels are torch's matmuls and the cross-entropy family's registered kernels
+(each chunk's cross-entropy call plans through that family), so it registers none of its own.
 """
 
 from __future__ import annotations
@@ -55,12 +64,13 @@ from .cross_entropy import (REDUCTIONS, cross_entropy_inplace_op, cross_entropy_
                             raise_flagged_targets, scale_gradient_)
 
 OP = "linear_cross_entropy"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True, eq=False)
 class LinearCrossEntropyHeuristics:
-    """chunk_bytes: the most bytes one chunk's logits may take (rows = chunk_bytes // (V * element
-    size), a multiple of ``row_multiple``, at least that). Each chunk after the first rereads and
+    """chunk_bytes: the most bytes one chunk's logits may take; a chunk's rows are the largest power
+    of two that fits (at least ``min_rows``). Each chunk after the first rereads and
     rewrites the float32 dW accumulator (8 bytes per weight element), so fewer, larger chunks are
     faster and hold more memory. The default, 1 GiB, is 4096 rows of a bf16 128256-class vocabulary:
     on the H100 (H = 4096, 32768 tokens) 162 ms against 167 for 2048 rows, 160 for 8192 and 148 for
@@ -68,11 +78,11 @@ class LinearCrossEntropyHeuristics:
     (benchmarks/NOTES.md, "Fused linear cross-entropy")."""
 
     chunk_bytes: int = 2**30
-    row_multiple: int = 64
+    min_rows: int = 64
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
-        rows = max(self.row_multiple, self.chunk_bytes // max(1, classes * itemsize) // self.row_multiple
-                   * self.row_multiple)
+        fit = self.chunk_bytes // max(1, classes * itemsize)
+        rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
         return max(1, min(n, rows))
 
 
@@ -100,7 +110,7 @@ def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[f
     logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
     if softcap is None:
         return logits, None
-    t = torch.tanh(logits / softcap)
+    t = torch.div(logits, softcap).tanh_()   # kept for the gradient: one more chunk-sized buffer
     torch.mul(t, softcap, out=logits)
     return logits, t
 
@@ -122,7 +132,9 @@ def _class_weight_and_divisor(target: Tensor, class_weight: Optional[Tensor], ig
     count = kept.sum().to(acc)
     if class_weight is not None:
         weight_sum = torch.where(kept, class_weight.to(acc)[torch.where(kept, target, 0)], 0).sum()
-        ratio = torch.where(weight_sum != 0, count / weight_sum, 0)
+        # no kept row: zero weights (the loss 0 / 0 = NaN below); kept rows of zero total weight: the
+        # cross-entropy terms are 0 / 0, NaN as torch's
+        ratio = torch.where(count != 0, count / weight_sum, 0)
         class_weight = class_weight.to(acc) * ratio   # kept in the accumulator dtype: no second rounding
     return class_weight, count   # an all-ignored batch: the loss is 0 / 0 = NaN (torch's), the gradients zero
 
@@ -166,6 +178,7 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
             else:
                 losses += loss
             torch.maximum(flags, chunk_flags, out=flags)
+            del logits, t
             continue
         loss, _, chunk_flags = cross_entropy_inplace_op(logits, tc, class_weight, ignore_index, "sum",
                                                         label_smoothing, z_loss, acc, False)
@@ -173,11 +186,13 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         torch.maximum(flags, chunk_flags, out=flags)
         if unit is None:
             unit = torch.ldexp(scale, -chunk_flags[1].to(acc))
+            if row_grad is not None:   # 2^-k goes with each row's upstream gradient instead (below)
+                row_unit, unit = unit, scale
         dlogits = logits  # the kernel wrote the gradient over the logits
         if t is not None:  # d softcap(z) / dz = 1 - tanh^2
             dlogits.mul_(t.square_().neg_().add_(1))
-        if row_grad is not None:
-            dlogits.mul_(row_grad[start:stop, None].to(dlogits.dtype))
+        if row_grad is not None:   # times each row's upstream gradient and 2^-k, multiplied in float32 first
+            dlogits.mul_((row_grad[start:stop].to(acc) * row_unit).to(dlogits.dtype)[:, None])
         if dx is not None:   # in the accumulator dtype, then scaled and rounded once into dx's rows
             if dx_chunk is None or dx_chunk.shape[0] != stop - start:
                 dx_chunk = torch.empty(stop - start, h, dtype=acc, device=x.device)
@@ -187,6 +202,7 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
             _matmul_into(dw, dlogits.t(), xc, accumulate=start > 0)
         if db is not None:
             db += dlogits.sum(0, dtype=acc)
+        del logits, dlogits, t   # before the next chunk's logits: one chunk's buffers alive at a time
     if unit is None:
         unit = scale
     if dw is not None:
@@ -279,6 +295,8 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
         raise UnsupportedError(f"trainops.{OP}: a second backward through the same loss (retain_graph=True) is "
                                "not supported: the first one scaled the gradients the forward computed, in place")
     saved = ctx.saved_tensors
+    if not torch.compiler.is_compiling():
+        raise_flagged_targets()
     # In eager mode the forward's buffers are scaled in place by the upstream gradient (a kernel that
     # reads it on the device and does nothing when it is exactly 1: no host sync) and handed over;
     # out of place (any number of backwards) while tracing and in float64 (gradcheck's dtype).
@@ -341,8 +359,8 @@ def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_los
                      f"{shape}")
     if reduction not in REDUCTIONS:
         raise _error(InvalidProblemError, "reduction", f"is {reduction!r}; expected one of {REDUCTIONS}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise _error(InvalidProblemError, "ignore_index", f"must be an int, got {ignore_index!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
+        raise _error(InvalidProblemError, "ignore_index", f"must be an int in the int64 range, got {ignore_index!r}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise _error(InvalidProblemError, "label_smoothing", f"must be a number in [0, 1], got {label_smoothing!r}")
@@ -356,24 +374,30 @@ def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_los
 
 
 def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
-           softcap, loss_dtype):
+           softcap, loss_dtype, check_target):
     """Every argument, before any work; errors name the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise _error(InvalidProblemError, name, f"must be a torch.Tensor, got {type(t).__name__}")
     check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
-    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise _error(UnsupportedError, "hidden", f"has dtype {hidden.dtype}; supported: float32, float16, bfloat16, "
-                     "float64")
-    if hidden.dim() < 1:
-        raise _error(InvalidProblemError, "hidden", "must have at least one axis (..., H)")
+    if not isinstance(check_target, bool):
+        raise _error(InvalidProblemError, "check_target", f"must be a bool, got {check_target!r}")
+    if hidden.device.type not in ("cpu", "cuda"):
+        raise _error(UnsupportedError, "hidden", f"is on {hidden.device}; supported: CPU and CUDA tensors")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias), ("class_weight", class_weight)):
+        if isinstance(t, Tensor) and t.dtype not in _FLOATS:
+            raise _error(UnsupportedError, name, f"has dtype {t.dtype}; supported: float32, float16, bfloat16, "
+                         "float64")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise _error(InvalidProblemError, "hidden", f"has shape {tuple(hidden.shape)}; it must be (..., H) with H >= 1")
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise _error(UnsupportedError, "class_weight", "requires grad, but the loss is not differentiable with "
+                     "respect to the class weights (as torch's cross_entropy)")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise _error(InvalidProblemError, "weight", f"has shape {tuple(weight.shape)}; expected (V, "
                      f"{hidden.shape[-1]}): classes x hidden's last axis")
     if weight.shape[0] == 0:
         raise _error(InvalidProblemError, "weight", "has no rows: at least one class is needed")
-    if not weight.is_floating_point():
-        raise _error(InvalidProblemError, "weight", f"must be a float tensor, got {weight.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise _error(InvalidProblemError, "target", f"has shape {tuple(target.shape)}; expected hidden's leading "
                      f"axes {tuple(hidden.shape[:-1])} (class indices)")
@@ -397,8 +421,8 @@ def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, 
                                                    or num_items.is_complex() or num_items.dtype == torch.bool)):
             raise _error(InvalidProblemError, "num_items_in_batch", "must be an int or a one-element integer tensor, "
                          f"got {num_items!r}")
-        if isinstance(num_items, int) and num_items <= 0:
-            raise _error(InvalidProblemError, "num_items_in_batch", f"must be > 0, got {num_items}")
+        if isinstance(num_items, int) and not 0 < num_items < 2**63:
+            raise _error(InvalidProblemError, "num_items_in_batch", f"must be in [1, 2**63), got {num_items}")
 
 
 def _check_targets_now(target: Tensor, classes: int, ignore_index: int) -> None:
@@ -419,7 +443,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          check_target: bool = True) -> Tensor:
     """See trainops.functional.linear_cross_entropy."""
     _check(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, reduction, label_smoothing,
-           z_loss, softcap, loss_dtype)
+           z_loss, softcap, loss_dtype, check_target)
     autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
     if autocast:  # the matmuls in autocast's dtype, as torch.nn.functional.linear under autocast
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
@@ -449,7 +473,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                 raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds a class index out of range "
                                            f"[0, {weight.shape[0] - 1}] that is not ignore_index ({ignore_index})")
         else:
-            note_target_flag(flags)
+            note_target_flag(flags, OP)
     if reduction == "none":
         loss = loss.reshape(shape)
     return loss.to(out_dtype)
