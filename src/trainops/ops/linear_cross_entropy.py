@@ -74,8 +74,7 @@ class LinearCrossEntropyHeuristics:
     rewrites the float32 dW accumulator (8 bytes per weight element), so fewer, larger chunks are
     faster and hold more memory. The default, 1 GiB, is 4096 rows of a bf16 128256-class vocabulary:
     on the H100 (H = 4096, 32768 tokens) 162 ms against 167 for 2048 rows, 160 for 8192 and 148 for
-    the three matmuls alone, 3.0 GiB of extra memory against 2.5 and 5.0
-    (benchmarks/NOTES.md, "Fused linear cross-entropy")."""
+    the three matmuls alone (benchmarks/NOTES.md, "Fused linear cross-entropy")."""
 
     chunk_bytes: int = 2**30
     min_rows: int = 64
