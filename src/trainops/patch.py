@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import hf as trainops_hf
 from . import nn as trainops_nn
 from .errors import InvalidProblemError, argument_error
 
@@ -121,8 +122,13 @@ _BLOCK_SWAPS = {swap.torch_class: swap for swap in (
 
 
 def _public_name(cls: type) -> str:
-    """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``."""
-    return f"torch.nn.{cls.__name__}" if cls in _SWAPS or cls in _BLOCK_SWAPS else f"trainops.nn.{cls.__name__}"
+    """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``,
+    ``transformers.LlamaRMSNorm`` / ``trainops.hf.TrainopsLlamaRMSNorm`` for Hugging Face's."""
+    if cls in _SWAPS or cls in _BLOCK_SWAPS:
+        return f"torch.nn.{cls.__name__}"
+    if trainops_hf.is_transformers_class(cls):
+        return f"transformers.{cls.__name__}"
+    return f"trainops.{cls.__module__.removeprefix('trainops.')}.{cls.__name__}"
 
 
 def _every_path(module: torch.nn.Module, name: str = "", on_path: frozenset[int] = frozenset()
@@ -161,10 +167,12 @@ def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
     return reasons
 
 
-def patch(model: torch.nn.Module, *, block_ops: bool = False) -> PatchReport:
+def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
-    RMSNorm / LayerNorm / GELU / SiLU / Dropout (see the module docstring); return the report.
+    RMSNorm / LayerNorm / GELU / SiLU / Dropout (see the module docstring); with ``hf`` (the
+    default) the Hugging Face transformers modules trainops.hf lists (norms, gated MLPs, tanh GELUs
+    and the causal-LM loss path of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
@@ -175,8 +183,9 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False) -> PatchReport:
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(block_ops, bool):
-        raise argument_error(InvalidProblemError, "patch", "block_ops", f"must be a bool, got {block_ops!r}")
+    for name, value in (("block_ops", block_ops), ("hf", hf)):
+        if not isinstance(value, bool):
+            raise argument_error(InvalidProblemError, "patch", name, f"must be a bool, got {value!r}")
     swaps = {**_SWAPS, **_BLOCK_SWAPS} if block_ops else _SWAPS
     trainops_classes = tuple(swap.trainops_class for swap in swaps.values())
     torch_classes = tuple(swaps)
@@ -192,10 +201,14 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False) -> PatchReport:
     report = PatchReport()
     to_swap: list[tuple[torch.nn.Module, _Swap]] = []
     for module in modules:
-        if isinstance(module, trainops_classes):
+        if isinstance(module, trainops_classes) or trainops_hf.is_swapped(module):
             continue
         swap = swaps.get(type(module))
-        if swap is not None:
+        found = trainops_hf.swap_for(module) if hf and swap is None else None
+        if found is not None:
+            swap = _Swap(type(module), found[0])
+            reasons = found[1] + _reasons_not_to_swap(module, swap)
+        elif swap is not None:
             reasons = _reasons_not_to_swap(module, swap)
         elif isinstance(module, torch_classes):
             base = next(cls for cls in torch_classes if isinstance(module, cls))
