@@ -66,13 +66,18 @@ def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
     assert swapped["model.norm"].endswith("RMSNorm") and swapped["model.layers.1.input_layernorm"].endswith("RMSNorm")
     if arch == "qwen3":   # its per-head q / k norms too
         assert swapped["model.layers.0.self_attn.q_norm"].endswith("Qwen3RMSNorm")
+    assert swapped["model.layers.1.self_attn"].endswith("Attention")   # the rotary embedding
     if arch.startswith("gemma"):   # its scaled embedding
         assert swapped["model.embed_tokens"].endswith("TextScaledWordEmbedding")
     assert report.skipped == []
     ids, labels = batch()
     model.train()
     reference.train()
-    out, grads = loss_and_grads(model, ids, labels)
+    with trainops.track_kernels() as used:
+        out, grads = loss_and_grads(model, ids, labels)
+    ran = {op for op, *_ in used}
+    assert {"rms_norm", "rotary_embedding", "rotary_embedding_backward", "cross_entropy"} <= ran, ran
+    assert ("swiglu" if arch in ("llama", "mistral", "qwen2", "qwen3") else "geglu") in ran, ran
     want, want_grads = loss_and_grads(reference, ids, labels)
     assert out.logits is None   # the loss came from the hidden states: no logits made
     assert_close(out.loss, want.loss, torch.float32, "loss")

@@ -21,12 +21,22 @@ as patch.py does for torch's modules):
                Gemma 2's ``final_logit_softcapping`` as softcap. Without labels, in eval mode, with
                ``logits_to_keep`` or ``return_dict=False``, the original forward runs.
 
-Not swapped: the rotary embedding (``apply_rotary_pos_emb`` is a module-level function called
-inside the attention's forward; replacing it would change every model of that architecture), the
-attention itself. torch.nn modules inside (Embedding, LayerNorm, Dropout, ...) are patch.py's.
+    rotary     LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention, GemmaAttention,
+               Gemma2Attention: their own forward, run with ``apply_rotary_pos_emb`` resolved to
+               trainops.rotary_embedding (a copy of the forward function with that one global
+               replaced: transformers's module and every other model are untouched). The rotated q
+               and k come out in q's dtype (transformers's come out in the promotion of q's and
+               cos's: float32 under autocast, which the attention then casts back to bf16). Not
+               swapped when the forward is wrapped by a decorator (it could not be copied alone).
+
+The attention computation itself stays transformers's. torch.nn modules inside (Embedding,
+LayerNorm, Dropout, ...) are patch.py's.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import torch
 from torch import Tensor
@@ -38,6 +48,8 @@ TANH_GELUS = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"})
 SCALED_EMBEDDINGS = frozenset({"GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding"})
 CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                         "GemmaForCausalLM", "Gemma2ForCausalLM"})
+ROTARY_ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
+                               "GemmaAttention", "Gemma2Attention"})
 _SILUS = frozenset({"SiLU", "SiLUActivation"})
 
 
@@ -80,6 +92,32 @@ def _scaled_embedding_forward(self, input_ids: Tensor) -> Tensor:
 
     embedded = F.embedding(input_ids, self.weight, self.padding_idx, check_index=getattr(self, "check_index", True))
     return embedded * self.embed_scale.to(self.weight.dtype)
+
+
+def _trainops_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
+    """transformers's ``apply_rotary_pos_emb(q, k, cos, sin)`` for (batch, heads, seq, head_dim) q and k
+    and (batch, seq, head_dim) cos and sin (``unsqueeze_dim=1``), by trainops.rotary_embedding."""
+    from . import functional as F
+
+    if unsqueeze_dim != 1:
+        raise NotImplementedError("trainops.hf: apply_rotary_pos_emb with unsqueeze_dim != 1 is not swapped")
+    return F.rotary_embedding(q, k, cos, sin)
+
+
+def _forward_with_trainops_rotary(cls: type):
+    """A copy of ``cls.forward`` whose global ``apply_rotary_pos_emb`` is trainops's; None when the
+    forward is decorated or its module has no such global."""
+    forward = cls.forward
+    namespace = vars(sys.modules[cls.__module__])
+    if hasattr(forward, "__wrapped__") or not isinstance(forward, types.FunctionType) \
+            or "apply_rotary_pos_emb" not in namespace or forward.__globals__ is not namespace:
+        return None
+    copied = types.FunctionType(forward.__code__, {**namespace, "apply_rotary_pos_emb": _trainops_apply_rotary_pos_emb},
+                                forward.__name__, forward.__defaults__, forward.__closure__)
+    copied.__kwdefaults__ = forward.__kwdefaults__
+    copied.__qualname__ = forward.__qualname__
+    copied.__doc__ = forward.__doc__
+    return copied
 
 
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
@@ -166,6 +204,12 @@ def swap_for(module: torch.nn.Module):
         forward = _gated_mlp_forward
     elif name in TANH_GELUS:
         forward = _tanh_gelu_forward
+    elif name in ROTARY_ATTENTIONS:
+        forward = _forward_with_trainops_rotary(cls)
+        if forward is None:
+            return trainops_class(cls, cls.forward), [
+                "its forward is wrapped by a decorator or calls no module-level apply_rotary_pos_emb: the rotary "
+                "embedding stays transformers's"]
     elif name in SCALED_EMBEDDINGS:
         if module.max_norm is not None or module.sparse or not isinstance(getattr(module, "embed_scale", None), Tensor):
             reasons.append("max_norm, sparse=True or a missing embed_scale buffer (trainops.embedding supports "
@@ -182,5 +226,5 @@ def swap_for(module: torch.nn.Module):
     return trainops_class(cls, forward), reasons
 
 
-__all__ = ["CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "SCALED_EMBEDDINGS", "TANH_GELUS",
-           "swap_for"]
+__all__ = ["CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
+           "SCALED_EMBEDDINGS", "TANH_GELUS", "swap_for"]
