@@ -65,7 +65,15 @@ def main():
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", default="eager,patch,liger",
+                        help="comma-separated: eager, patch, patch-unchecked, compile, patch-compile, liger (last)")
+    parser.add_argument("--chunk-mib", type=int, default=None,
+                        help="trainops.linear_cross_entropy's chunk_bytes in MiB (default: its heuristics')")
     args = parser.parse_args()
+    if args.chunk_mib is not None:
+        from trainops.ops.linear_cross_entropy import LinearCrossEntropyHeuristics
+        context = trainops.heuristics(LinearCrossEntropyHeuristics(chunk_bytes=args.chunk_mib * 2**20))
+        context.__enter__()
     gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.steps + 3):
@@ -75,15 +83,18 @@ def main():
                    layers=args.layers, rows=[])
     print(f"== LlamaForCausalLM, {args.layers} layers, hidden 2048, vocab 128256, batch 4 x 2048, bf16 autocast",
           flush=True)
-    variants = [("PyTorch eager", None), ("trainops.patch", "patch"),
-                ("trainops.patch, check_index=False", "patch-unchecked"), ("Liger", "liger")]
-    for name, kind in variants:
+    names = {"eager": "PyTorch eager", "patch": "trainops.patch", "patch-unchecked": "trainops.patch, check_index=False",
+             "compile": "torch.compile", "patch-compile": "trainops.patch + torch.compile", "liger": "Liger"}
+    for kind in args.variants.split(","):
+        name = names[kind]
         model = build(args.layers)
-        if kind is not None and kind.startswith("patch"):
+        if kind.startswith("patch"):
             report = trainops.patch(model)
             if kind == "patch-unchecked":
                 model.model.embed_tokens.check_index = False   # no host sync per step for the index check
             print(f"  ({len(report.swapped)} modules swapped, {len(report.skipped)} kept)", flush=True)
+        if kind.endswith("compile"):
+            model.compile()
         elif kind == "liger":
             try:
                 from liger_kernel.transformers import apply_liger_kernel_to_llama
