@@ -415,3 +415,24 @@ def test_gpu_extra_memory_is_one_chunk_and_the_accumulator():
     extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
     expected = rows * v * 2 + v * h * 4 + rows * h * 4
     assert extra <= expected + 16 * 2**20, (extra / 2**20, expected / 2**20)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_after_eager_calls():
+    """Eager training calls leave bad-target flags pending (read later without a sync); tracing a
+    compiled forward + backward afterwards must not touch them (they are real tensors)."""
+    x, w, b, t = inputs(64, 32, 50, torch.bfloat16, "cuda")
+    trainops.linear_cross_entropy(x, w, t, b).backward()   # eager: a flag is noted
+    x.grad = w.grad = b.grad = None
+
+    def f(x, w, b):
+        return trainops.linear_cross_entropy(x, w, t, b)
+
+    loss = torch.compile(f)(x, w, b)
+    got = torch.autograd.grad(loss, (x, w, b))
+    want_loss = f(x, w, b)
+    want = torch.autograd.grad(want_loss, (x, w, b))
+    assert torch.equal(loss, want_loss)
+    for a, e in zip(got, want):
+        assert_close(a, e, torch.bfloat16, "compiled gradient")
+    torch._dynamo.reset()

@@ -294,13 +294,14 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
         raise UnsupportedError(f"trainops.{OP}: a second backward through the same loss (retain_graph=True) is "
                                "not supported: the first one scaled the gradients the forward computed, in place")
     saved = ctx.saved_tensors
-    if not torch.compiler.is_compiling():
+    # fake / functional tensors: AOTAutograd tracing the backward (is_compiling() may be False there)
+    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
+    if not tracing:
         raise_flagged_targets()
     # In eager mode the forward's buffers are scaled in place by the upstream gradient (a kernel that
     # reads it on the device and does nothing when it is exactly 1: no host sync) and handed over;
     # out of place (any number of backwards) while tracing and in float64 (gradcheck's dtype).
-    out_of_place = (torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
-                    or dloss.dtype == torch.float64 or dloss.numel() != 1)
+    out_of_place = tracing or dloss.dtype == torch.float64 or dloss.numel() != 1
     ctx.consumed = not out_of_place
     grads = {}
     for name, g, bit in zip(("hidden", "weight", "bias"), saved, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
