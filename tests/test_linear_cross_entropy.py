@@ -286,8 +286,8 @@ def test_class_weight_that_requires_grad_is_refused(backend, device):
 
 def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
     default = LinearCrossEntropyHeuristics()
-    assert default.rows(10**6, 128256, 2) == 4096   # 1 GiB of bf16 logits: 4186 rows fit
-    assert default.rows(10**6, 128256, 4) == 2048
+    assert default.rows(10**6, 128256, 2) == 2048   # 512 MiB of bf16 logits: 2093 rows fit
+    assert default.rows(10**6, 128256, 4) == 1024
     assert default.rows(100, 128256, 2) == 100      # never more than the tokens
     assert default.rows(10**6, 2**40, 2) == 64      # a vocabulary too wide for the budget: min_rows
 

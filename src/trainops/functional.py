@@ -194,7 +194,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
     logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
-    chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes, 1 GiB by default), a float32
+    chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes, 512 MiB by default), a float32
     weight-gradient accumulator during the forward for a half weight, and a copy of the weight in
     hidden's dtype when the two differ.
 
