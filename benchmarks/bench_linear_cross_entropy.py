@@ -86,6 +86,31 @@ def matmuls(x, w, reps=10):
                     rep=reps * 60, return_mode="median")
 
 
+def chunked(rows: int):
+    """trainops.linear_cross_entropy with chunks of ``rows`` tokens."""
+    config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2)
+
+    def loss(x, w, t):
+        with trainops.heuristics(config):
+            return trainops.linear_cross_entropy(x, w, t)
+
+    return loss
+
+
+def record(results, name, fn, x, w, t, n, floor, reference):
+    """Time and measure one implementation, compare it with the float32 reference, print and keep the row."""
+    try:
+        ms, extra, loss, grads = measure(fn, x, w, t)
+    except Exception as error:   # a peer that fails is reported, not fatal
+        print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        return
+    errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
+    results["rows"].append(dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
+                                err_loss=errors[0], err_dx=errors[1], err_dw=errors[2]))
+    print(f"  {name:32s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
+          f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -109,16 +134,7 @@ def main():
         if liger is not None:
             runs["liger"] = liger
         runs["trainops (default chunk)"] = trainops.linear_cross_entropy
-        for rows in args.chunks:
-            if rows > n:
-                continue
-            config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2)
-
-            def ours(x, w, t, config=config):
-                with trainops.heuristics(config):
-                    return trainops.linear_cross_entropy(x, w, t)
-
-            runs[f"trainops chunk {rows}"] = ours
+        runs.update({f"trainops chunk {rows}": chunked(rows) for rows in args.chunks if rows <= n})
         # float32 reference from the same bf16 values: each row's error says how close it is to exact
         xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
         ref_loss = F.cross_entropy(F.linear(xr, wr), t)
@@ -126,35 +142,12 @@ def main():
         del xr, wr, ref_loss
         torch.cuda.empty_cache()
         for name, fn in runs.items():
-            try:
-                ms, extra, loss, grads = measure(fn, x, w, t)
-            except Exception as error:   # a peer that fails is reported, not fatal
-                print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
-                continue
-            errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
-            row = dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
-                       err_loss=errors[0], err_dx=errors[1], err_dw=errors[2])
-            results["rows"].append(row)
-            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
-                  f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
+            record(results, name, fn, x, w, t, n, floor, reference)
         # float32 master weights (autocast-style training): the chunks accumulate dW into its float32 gradient
         x, w32, t = inputs(n, torch.float32)
         for rows in args.chunks:
-            if rows > n:
-                continue
-            config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2)
-
-            def ours32(x, w, t, config=config):
-                with trainops.heuristics(config):
-                    return trainops.linear_cross_entropy(x, w, t)
-
-            ms, extra, loss, grads = measure(ours32, x, w32, t)
-            errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
-            name = f"trainops fp32 weight chunk {rows}"
-            results["rows"].append(dict(tokens=n, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor,
-                                        err_loss=errors[0], err_dx=errors[1], err_dw=errors[2]))
-            print(f"  {name:24s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
-                  f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
+            if rows <= n:
+                record(results, f"trainops fp32 weight chunk {rows}", chunked(rows), x, w32, t, n, floor, reference)
         del x, w, w32, t
         torch.cuda.empty_cache()
     if args.out:
