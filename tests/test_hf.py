@@ -61,7 +61,7 @@ def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
     report = trainops.patch(model)
     assert list(model.parameters()) == params_before   # the same Parameter objects: optimizers stay valid
     swapped = {name: new for name, _, new in report.swapped}
-    assert swapped[""].startswith("trainops.hf.Trainops") and swapped[""].endswith("ForCausalLM")
+    assert swapped[""].startswith("trainops.hf.") and swapped[""].endswith("ForCausalLM")
     assert swapped["model.layers.0.mlp"].endswith("MLP")
     assert swapped["model.norm"].endswith("RMSNorm") and swapped["model.layers.1.input_layernorm"].endswith("RMSNorm")
     if arch == "qwen3":   # its per-head q / k norms too
@@ -193,7 +193,7 @@ def test_gpt2_gelu_layernorm_and_dropout():
     reference = copy.deepcopy(model)
     report = trainops.patch(model, block_ops=True)
     kinds = {new for _, _, new in report.swapped}
-    assert {"trainops.hf.TrainopsNewGELUActivation", "trainops.nn.LayerNorm", "trainops.nn.Dropout"} <= kinds
+    assert {"trainops.hf.NewGELUActivation", "trainops.nn.LayerNorm", "trainops.nn.Dropout"} <= kinds
     model.eval()   # dropout off: the same function
     reference.eval()
     ids, labels = batch()
@@ -202,6 +202,91 @@ def test_gpt2_gelu_layernorm_and_dropout():
     assert_close(out.loss, want.loss, torch.float32, "loss")
     for name in grads:
         assert_close(grads[name], want_grads[name], torch.float32, name)
+
+
+def test_the_patched_model_keeps_its_name_pickles_and_saves(tmp_path):
+    """What reads the class name (Trainer's label shifting, save_pretrained's config.architectures)
+    sees transformers's; torch.save / pickle round-trip, also where the swapped class has not been
+    made yet (a fresh process)."""
+    import io
+    import pickle
+
+    from trainops import hf
+
+    model = tiny_model("llama")
+    trainops.patch(model)
+    assert type(model).__name__ == "LlamaForCausalLM" and model._get_name() == "LlamaForCausalLM"
+    assert type(model) is not transformers.LlamaForCausalLM
+    model.save_pretrained(tmp_path)
+    assert model.config.architectures == ["LlamaForCausalLM"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is transformers.LlamaForCausalLM and loaded.config.architectures == ["LlamaForCausalLM"]
+
+    ids, labels = batch()
+    model.train()
+    want = model(input_ids=ids, labels=labels).loss
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    data = pickle.dumps(model)
+    qualname = type(model).__qualname__
+    made = hf._SUBCLASSES.pop(transformers.LlamaForCausalLM)   # as in a process that has not patched yet
+    del vars(hf)[qualname]
+    try:
+        for restored in (pickle.loads(data), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)):
+            assert type(restored).__qualname__ == qualname and restored.training
+            assert torch.equal(restored(input_ids=ids, labels=labels).loss, want)
+            assert restored(input_ids=ids, labels=labels).logits is None   # still patched
+    finally:
+        hf._SUBCLASSES.setdefault(transformers.LlamaForCausalLM, made)
+
+
+def test_a_custom_loss_function_or_loss_type_runs_the_original_forward():
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+
+    def square_loss(logits, labels, vocab_size, **kwargs):
+        return logits.float().pow(2).mean()
+
+    ids, labels = batch()
+    for m in (model, reference):
+        m.train()
+        m.loss_function = square_loss
+    got, want = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert got.logits is not None
+    assert_close(got.loss, want.loss, torch.float32, "custom loss")
+
+
+def test_the_attention_sees_later_changes_of_its_module(monkeypatch):
+    """Only apply_rotary_pos_emb is replaced: the copied forward reads the module's other names live."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    model = tiny_model("llama")
+    trainops.patch(model)
+    calls = []
+    original = modeling.eager_attention_forward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+    model(input_ids=batch()[0])
+    assert len(calls) == 2   # both layers
+    assert modeling.apply_rotary_pos_emb is not None and "trainops" not in modeling.apply_rotary_pos_emb.__module__
+
+
+def test_a_users_subclass_is_reported_not_swapped():
+    class MyLM(transformers.LlamaForCausalLM):
+        pass
+
+    config_cls, _, extra = ARCHS["llama"]
+    torch.manual_seed(0)
+    model = MyLM(config_cls(**TINY, **extra))
+    report = trainops.patch(model)
+    assert [(name, cls) for name, cls, _ in report.skipped] == [("", "MyLM")]
+    assert "a subclass of transformers.LlamaForCausalLM" in report.skipped[0][2]
+    assert type(model) is MyLM and any(name == "model.norm" for name, *_ in report.swapped)
 
 
 @pytest.mark.gpu

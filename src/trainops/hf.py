@@ -3,7 +3,12 @@
 transformers is never imported here at import time (the core does not depend on it); a model is
 recognised by its classes' names and modules. Swapped, by changing the module's class to a
 subclass that overrides ``forward`` alone (parameters, buffers, hooks and state_dict keys kept,
-as patch.py does for torch's modules):
+as patch.py does for torch's modules). The subclass keeps the transformers class's ``__name__``,
+so what reads it sees the model it knows (``config.architectures`` written by save_pretrained,
+Trainer's causal-LM label shifting, PEFT); it is importable from this module by its
+``__qualname__`` (``Trainops__<transformers module path>__<class>``), so a patched model pickles
+(``torch.save(model)``) and loads where trainops and transformers are installed. Subclasses of
+these transformers classes (a user's own) are not swapped and are reported.
 
     RMSNorm    LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (x_normed * w, in the
                dtype torch's promotion of input and weight gives, as theirs) and GemmaRMSNorm,
@@ -13,21 +18,23 @@ as patch.py does for torch's modules):
     GELU       NewGELUActivation, GELUTanh (GPT-2's, Gemma's)      -> trainops.gelu(approximate="tanh")
     embedding  GemmaTextScaledWordEmbedding (and Gemma 2's): trainops.embedding times embed_scale
                (``check_index`` as trainops.nn.Embedding's: set the attribute after patching)
-    the loss   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-               GemmaForCausalLM, Gemma2ForCausalLM: in training mode with labels, the decoder's last
-               hidden states go to trainops.linear_cross_entropy with the LM head's weight (the
-               logits are never made: ``output.logits`` is None), labels shifted as transformers's
-               ForCausalLMLoss shifts them (or ``shift_labels``), ``num_items_in_batch`` passed on,
-               Gemma 2's ``final_logit_softcapping`` as softcap. Without labels, in eval mode, with
-               ``logits_to_keep`` or ``return_dict=False``, the original forward runs.
-
     rotary     LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention, GemmaAttention,
                Gemma2Attention: their own forward, run with ``apply_rotary_pos_emb`` resolved to
-               trainops.rotary_embedding (a copy of the forward function with that one global
-               replaced: transformers's module and every other model are untouched). The rotated q
-               and k come out in q's dtype (transformers's come out in the promotion of q's and
-               cos's: float32 under autocast, which the attention then casts back to bf16). Not
-               swapped when the forward is wrapped by a decorator (it could not be copied alone).
+               trainops.rotary_embedding (a copy of the forward function whose globals are that
+               one name over the module's own namespace, looked up at each call: transformers's
+               module and every other model are untouched, and later changes to the module are
+               seen). The rotated q and k come out in q's dtype (transformers's in the promotion
+               of q's and cos's: float32 under autocast, which the attention then casts back to
+               bf16). Decorators on the forward (transformers's deprecate_kwarg) are copied with it.
+    the loss   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+               GemmaForCausalLM, Gemma2ForCausalLM: in training mode with labels, the decoder's
+               last hidden states go to trainops.linear_cross_entropy with the LM head's weight
+               (the logits are never made: ``output.logits`` is None, so code that reads a
+               training step's logits, such as a token-accuracy metric, needs hf=False), labels
+               shifted as transformers's ForCausalLMLoss shifts them (or ``shift_labels``),
+               ``num_items_in_batch`` passed on, Gemma 2's ``final_logit_softcapping`` as softcap.
+               The original forward runs without labels, in eval mode, with ``logits_to_keep``,
+               ``return_dict=False``, a custom ``model.loss_function`` or another ``loss_type``.
 
 The attention computation itself stays transformers's. torch.nn modules inside (Embedding,
 LayerNorm, Dropout, ...) are patch.py's.
@@ -104,20 +111,55 @@ def _trainops_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
     return F.rotary_embedding(q, k, cos, sin)
 
 
-def _forward_with_trainops_rotary(cls: type):
-    """A copy of ``cls.forward`` whose global ``apply_rotary_pos_emb`` is trainops's; None when the
-    forward is decorated or its module has no such global."""
-    forward = cls.forward
-    namespace = vars(sys.modules[cls.__module__])
-    if hasattr(forward, "__wrapped__") or not isinstance(forward, types.FunctionType) \
-            or "apply_rotary_pos_emb" not in namespace or forward.__globals__ is not namespace:
-        return None
-    copied = types.FunctionType(forward.__code__, {**namespace, "apply_rotary_pos_emb": _trainops_apply_rotary_pos_emb},
-                                forward.__name__, forward.__defaults__, forward.__closure__)
-    copied.__kwdefaults__ = forward.__kwdefaults__
-    copied.__qualname__ = forward.__qualname__
-    copied.__doc__ = forward.__doc__
+class _OverlayGlobals(dict):
+    """A function's globals: the names it holds, then the module's namespace, read at each lookup
+    (not a snapshot: what is patched into the module later is seen)."""
+
+    def __init__(self, namespace: dict, overrides: dict):
+        super().__init__(overrides, __builtins__=namespace["__builtins__"])
+        self.namespace = namespace
+
+    def __missing__(self, name):
+        return self.namespace[name]
+
+
+def _with_globals(function, overlay):
+    """A copy of ``function`` whose innermost function (below functools.wraps-style decorators, whose
+    closures hold it) reads its globals through ``overlay(namespace)``; None when a decorator does
+    not hold the function it wraps in its closure."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is None:
+        copied = types.FunctionType(function.__code__, overlay(function.__globals__), function.__name__,
+                                    function.__defaults__, function.__closure__)
+    else:
+        copied_inner = _with_globals(inner, overlay)
+        cells = function.__closure__ or ()
+        if copied_inner is None or not any(c.cell_contents is inner for c in cells):
+            return None
+        cells = tuple(types.CellType(copied_inner) if c.cell_contents is inner else c for c in cells)
+        copied = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                    function.__defaults__, cells)
+        copied.__dict__.update(function.__dict__)   # functools.wraps's attributes
+        copied.__wrapped__ = copied_inner
+    copied.__kwdefaults__ = function.__kwdefaults__
+    copied.__qualname__ = function.__qualname__
+    copied.__doc__ = function.__doc__
     return copied
+
+
+def _forward_with_trainops_rotary(cls: type):
+    """A copy of ``cls.forward`` (decorators included) whose global ``apply_rotary_pos_emb`` is
+    trainops's; None when its module has no such global or a decorator cannot be copied."""
+    namespace = vars(sys.modules[cls.__module__])
+    if not isinstance(cls.forward, types.FunctionType) or "apply_rotary_pos_emb" not in namespace:
+        return None
+
+    def overlay(function_globals):
+        if function_globals is not namespace:   # a decorator's own module: left as it is
+            return function_globals
+        return _OverlayGlobals(namespace, {"apply_rotary_pos_emb": _trainops_apply_rotary_pos_emb})
+
+    return _with_globals(cls.forward, overlay)
 
 
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
@@ -127,7 +169,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                        inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     original = _original_forward(type(self))
     if (labels is None or not self.training or not isinstance(logits_to_keep, int) or logits_to_keep != 0
-            or kwargs.get("return_dict") is False):
+            or kwargs.get("return_dict") is False or hasattr(self, "_loss_function")
+            or getattr(self, "loss_type", None) not in (None, "ForCausalLM")):
         return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                         use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
@@ -169,62 +212,103 @@ def _activation_kind(act) -> str | None:
     return None
 
 
+_QUALNAME_PREFIX = "Trainops__"
+
+
 def trainops_class(cls: type, forward) -> type:
-    """The subclass of ``cls`` whose forward is ``forward`` (one per class)."""
+    """The subclass of ``cls`` whose forward is ``forward`` (one per class): ``cls``'s ``__name__``,
+    importable from this module by its ``__qualname__`` (see the module docstring)."""
     sub = _SUBCLASSES.get(cls)
     if sub is None:
-        sub = _SUBCLASSES[cls] = type(f"Trainops{cls.__name__}", (cls,), {
-            "forward": forward, "__module__": __name__, "__doc__": f"{cls.__name__} computed by trainops (trainops.hf)"})
+        qualname = _QUALNAME_PREFIX + cls.__module__.replace(".", "__") + "__" + cls.__name__
+        sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": forward, "__module__": __name__, "__qualname__": qualname,
+            "__doc__": f"transformers's {cls.__name__} computed by trainops (trainops.hf)"})
+        globals()[qualname] = sub
     return sub
+
+
+def __getattr__(name: str):
+    """A swapped class by its ``__qualname__``, made on first use (unpickling in a fresh process)."""
+    if name.startswith(_QUALNAME_PREFIX):
+        import importlib
+
+        *module_parts, class_name = name[len(_QUALNAME_PREFIX):].split("__")
+        cls = getattr(importlib.import_module(".".join(module_parts)), class_name, None)
+        found = swap_for_class(cls) if isinstance(cls, type) else None
+        if found is not None and found[0] is not None and found[0].__qualname__ == name:
+            return found[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_swapped(module: torch.nn.Module) -> bool:
     return type(module) in _SUBCLASSES.values()
 
 
+_KNOWN = (LLAMA_STYLE_NORMS | GEMMA_STYLE_NORMS | GATED_MLPS | TANH_GELUS | CAUSAL_LMS | ROTARY_ATTENTIONS
+          | SCALED_EMBEDDINGS)
+
+
 def swap_for(module: torch.nn.Module):
-    """(trainops class, reasons it cannot be swapped) for a transformers module trainops covers, else None."""
+    """(trainops class or None, reasons it cannot be swapped) for a transformers module trainops
+    covers or a subclass of one (not swapped: reported), else None."""
     cls = type(module)
-    name = cls.__name__
     if not is_transformers_class(cls):
+        base = next((b for b in cls.__mro__[1:] if is_transformers_class(b) and b.__name__ in _KNOWN), None)
+        if base is None or is_swapped(module):
+            return None
+        return None, [f"a subclass of transformers.{base.__name__}: only exact transformers classes are swapped "
+                      "(a subclass may change what the module computes)"]
+    found = swap_for_class(cls)
+    if found is None:
         return None
+    sub, reasons = found
+    return sub, reasons + (_instance_reasons(module, cls.__name__) if sub is not None else [])
+
+
+def _instance_reasons(module: torch.nn.Module, name: str) -> list[str]:
+    """What this module instance lacks for its class's swap."""
     reasons = []
     if name in LLAMA_STYLE_NORMS or name in GEMMA_STYLE_NORMS:
         eps = "variance_epsilon" if name in LLAMA_STYLE_NORMS else "eps"
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or not hasattr(module, eps):
             reasons.append(f"it has no 1-D weight and {eps} as {name} has in transformers")
-        forward = _llama_norm_forward if name in LLAMA_STYLE_NORMS else _gemma_norm_forward
     elif name in GATED_MLPS:
         if not all(isinstance(getattr(module, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
             reasons.append("its gate_proj / up_proj / down_proj are not torch.nn.Linear")
         if _activation_kind(getattr(module, "act_fn", None)) is None:
             reasons.append(f"its activation {type(getattr(module, 'act_fn', None)).__name__} is neither SiLU nor "
                            "tanh GELU")
-        forward = _gated_mlp_forward
-    elif name in TANH_GELUS:
-        forward = _tanh_gelu_forward
-    elif name in ROTARY_ATTENTIONS:
-        forward = _forward_with_trainops_rotary(cls)
-        if forward is None:
-            return trainops_class(cls, cls.forward), [
-                "its forward is wrapped by a decorator or calls no module-level apply_rotary_pos_emb: the rotary "
-                "embedding stays transformers's"]
     elif name in SCALED_EMBEDDINGS:
         if module.max_norm is not None or module.sparse or not isinstance(getattr(module, "embed_scale", None), Tensor):
             reasons.append("max_norm, sparse=True or a missing embed_scale buffer (trainops.embedding supports "
                            "neither of the first two)")
-        forward = _scaled_embedding_forward
     elif name in CAUSAL_LMS:
         if not isinstance(getattr(module, "lm_head", None), torch.nn.Linear):
             reasons.append("its lm_head is not a torch.nn.Linear")
         if not isinstance(getattr(module, getattr(module, "base_model_prefix", ""), None), torch.nn.Module):
             reasons.append("it has no decoder under its base_model_prefix")
-        forward = _causal_lm_forward
-    else:
+    return reasons
+
+
+def swap_for_class(cls: type):
+    """(trainops subclass, reasons no instance of ``cls`` can be swapped) for a transformers class
+    trainops covers, else None."""
+    name = cls.__name__
+    if not is_transformers_class(cls) or name not in _KNOWN:
         return None
-    return trainops_class(cls, forward), reasons
+    if name in ROTARY_ATTENTIONS:
+        forward = _forward_with_trainops_rotary(cls)
+        if forward is None:
+            return None, ["its forward calls no module-level apply_rotary_pos_emb, or is wrapped by a decorator "
+                          "that could not be copied: the rotary embedding stays transformers's"]
+    else:
+        forward = (_llama_norm_forward if name in LLAMA_STYLE_NORMS else _gemma_norm_forward if name in GEMMA_STYLE_NORMS
+                   else _gated_mlp_forward if name in GATED_MLPS else _tanh_gelu_forward if name in TANH_GELUS
+                   else _scaled_embedding_forward if name in SCALED_EMBEDDINGS else _causal_lm_forward)
+    return trainops_class(cls, forward), []
 
 
 __all__ = ["CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
-           "SCALED_EMBEDDINGS", "TANH_GELUS", "swap_for"]
+           "SCALED_EMBEDDINGS", "TANH_GELUS", "swap_for", "swap_for_class"]

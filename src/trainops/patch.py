@@ -171,8 +171,9 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
     RMSNorm / LayerNorm / GELU / SiLU / Dropout (see the module docstring); with ``hf`` (the
-    default) the Hugging Face transformers modules trainops.hf lists (norms, gated MLPs, tanh GELUs
-    and the causal-LM loss path of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
+    default) the Hugging Face transformers modules trainops.hf lists (the norms, gated MLPs,
+    attention rotary embedding, tanh GELUs, Gemma's scaled embedding and the causal-LM loss path of
+    Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
@@ -205,7 +206,9 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -
             continue
         swap = swaps.get(type(module))
         found = trainops_hf.swap_for(module) if hf and swap is None else None
-        if found is not None:
+        if found is not None and found[0] is None:   # a transformers module trainops cannot take (reasons given)
+            reasons = found[1]
+        elif found is not None:
             swap = _Swap(type(module), found[0])
             reasons = found[1] + _reasons_not_to_swap(module, swap)
         elif swap is not None:
