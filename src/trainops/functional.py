@@ -17,6 +17,7 @@ from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
 from .ops import linear_cross_entropy as linear_cross_entropy_ops
+from .ops._common import note_flag, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
@@ -76,19 +77,39 @@ def _check_index(op: str, index) -> None:
         raise argument_error(InvalidProblemError, op, "index", f"must be a torch.Tensor, got {type(index).__name__}")
 
 
+def _index_checked_on_device(op: str, name: str, index: Tensor, low: int, high: int) -> bool:
+    """Eager calls on CUDA: compare ``index`` with [low, high) on the device, without waiting for
+    it, and report a bad value at a later trainops call (ops/_common.py's deferred flags); True when
+    it did, so that the op runs unchecked (such indices read nothing: zeros, no gradient)."""
+    if index.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    raise_flagged()
+    if index.numel():
+        note_flag(((index < low) | (index >= high)).any(),
+                  f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
+                  "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
+                  "indices were zeros and they got no gradient)")
+    return True
+
+
 def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool = True) -> Tensor:
     """out = x.index_select(dim, index.flatten()) reshaped to x.shape[:dim] + index.shape + x.shape[dim+1:].
 
     ONNX Gather: ``index`` any rank, int32 or int64, negative values count from the end of ``dim``.
     x: float32/float16/bfloat16/float64, any strides. Differentiable in x (gradient:
     ``gather_backward``, deterministic). ``check_index=True`` raises ``IndexError`` (a trainops
-    ``IndexOutOfRangeError``) for an index outside [-x.shape[dim], x.shape[dim]) before anything is
-    written; on the GPU the check is one min/max reduction and one host synchronisation, so pass
-    ``check_index=False`` when the indices are known valid (unchecked out-of-range indices then
-    read nothing and give zeros).
+    ``IndexOutOfRangeError``) for an index outside [-x.shape[dim], x.shape[dim]): on the CPU and
+    under torch.compile before anything is written (on the GPU under torch.compile that costs one
+    min/max and one host synchronisation); in eager mode on the GPU the check runs on the device
+    without the host waiting for it, and the error is raised by a later trainops call once the GPU
+    has run it (meanwhile such indices read nothing: zeros). ``check_index=False``: no check
+    (out-of-range indices still read nothing and give zeros).
     """
     _check("gather", "x", x, dim)
     _check_index("gather", index)
+    if (check_index and isinstance(dim, int) and -x.dim() <= dim < x.dim()   # a bad dim: the op's error
+            and _index_checked_on_device("gather", "index", index, -x.shape[dim], x.shape[dim])):
+        check_index = False
     return gather_ops.gather_op(x, index, dim, True, check_index)
 
 
@@ -109,6 +130,9 @@ def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, determi
     except TypeError:
         raise argument_error(InvalidProblemError, "gather_backward", "input_shape",
                              f"must be a sequence of ints, got {input_shape!r}") from None
+    size = input_shape[dim] if isinstance(dim, int) and -len(input_shape) <= dim < len(input_shape) else None
+    if check_index and size is not None and _index_checked_on_device("gather_backward", "index", index, -size, size):
+        check_index = False
     return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check_index)
 
 
@@ -120,8 +144,8 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
     input: int32/int64 of any shape, values in [0, num_embeddings); weight: (num_embeddings, D).
     Gradient to weight through the deterministic sorted-index GatherGrad kernel: the padding_idx
     row receives none; ``scale_grad_by_freq`` divides each row's gradient by its count in input.
-    ``check_index`` as ``gather`` (IndexError names the range). ``max_norm`` and ``sparse=True``
-    are not supported (UnsupportedError).
+    ``check_index`` as ``gather`` (IndexError names the range; in eager mode on the GPU reported by
+    a later call). ``max_norm`` and ``sparse=True`` are not supported (UnsupportedError).
     """
     op = "embedding"
     _check_index(op, input)
@@ -139,6 +163,8 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
             raise argument_error(InvalidProblemError, op, "padding_idx",
                                  f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
         padding_idx %= rows
+    if check_index and _index_checked_on_device(op, "input", input, 0, rows):
+        check_index = False
     return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)
 
 

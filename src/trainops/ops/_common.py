@@ -1,7 +1,8 @@
 """Pieces shared by the op families (activations, dropout, normalization, attention softmax,
-rotary): dtype and stride checks of the descriptors, and two Triton helpers: the fixed-order
-column sum that turns per-program partial rows into a bias / weight gradient, and the row offset
-of a strided operand.
+rotary, cross-entropy, gather): dtype and stride checks of the descriptors, deferred error flags
+(a check made on the GPU, reported by a later call without a host sync), and two Triton helpers:
+the fixed-order column sum that turns per-program partial rows into a bias / weight gradient, and
+the row offset of a strided operand.
 
 Not an op family: nothing here registers an op or a kernel in the registry.
 """
@@ -12,13 +13,42 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import next_pow2
 from ..plan import check_tensor
 from ..registry import FLOATS, triton_available
 
 FLOAT_NAMES = "float32, float16, bfloat16, float64"
+
+# Deferred checks of eager CUDA calls: (flag copied to pinned memory without waiting, its copy's
+# event, the error message); checked (flag, event) pairs are reused (an event costs ~10 us to create).
+_PENDING_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event", str]] = []
+_FREE_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []
+
+
+def note_flag(flag: torch.Tensor, message: str) -> None:
+    """Remember a CUDA call's error flag (a one-element tensor, nonzero = the error) for a later
+    check that never waits for the GPU: ``raise_flagged`` raises IndexOutOfRangeError(message) once
+    the GPU has set it. Off CUDA, nothing (CPU callers check at once)."""
+    if flag.device.type != "cuda":
+        return
+    if _FREE_FLAGS:
+        host, done = _FREE_FLAGS.pop()
+    else:
+        host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+    host.copy_(flag.reshape(-1)[:1], non_blocking=True)
+    done.record()
+    _PENDING_FLAGS.append((host, done, message))
+
+
+def raise_flagged() -> None:
+    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
+    while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():
+        host, done, message = _PENDING_FLAGS.pop(0)
+        _FREE_FLAGS.append((host, done))
+        if host[0]:
+            raise IndexOutOfRangeError(message)
 
 
 def float_dtype(op: str, name: str, dtype, optional: bool = False) -> torch.dtype | None:

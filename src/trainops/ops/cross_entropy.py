@@ -47,6 +47,7 @@ from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, m
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
+from ._common import note_flag, raise_flagged
 from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -1015,35 +1016,18 @@ def _cross_entropy_grad(ctx, dloss: Tensor, dlse, dgrad, dflags) -> dict:
     return {"logits": scale_fused_gradient(ctx, dloss, in_place=False)}
 
 
-# Bad-target flags of eager CUDA calls, copied to pinned memory without waiting: (flag, copy done,
-# the op that noted it); checked (flag, event) pairs are reused (an event costs ~10 us to create).
-_PENDING_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event", str]] = []
-_FREE_TARGET_FLAGS: list[tuple[Tensor, "torch.cuda.Event"]] = []
 _BAD_TARGET_MESSAGE = ("trainops.{}: argument 'target' holds a class index out of range [0, C) that is not "
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
 
 def note_target_flag(flags: Tensor, op: str = "cross_entropy") -> None:
     """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the
-    GPU; ``op``: the public function the error will name."""
-    if flags.device.type == "cuda":
-        if _FREE_TARGET_FLAGS:
-            host, done = _FREE_TARGET_FLAGS.pop()
-        else:
-            host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-        host.copy_(flags[:1], non_blocking=True)
-        done.record()
-        _PENDING_TARGET_FLAGS.append((host, done, op))
+    GPU (ops/_common.py's deferred flags); ``op``: the public function the error will name."""
+    note_flag(flags[:1], _BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU had run it"))
 
 
-def raise_flagged_targets() -> None:
-    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
-    while _PENDING_TARGET_FLAGS and _PENDING_TARGET_FLAGS[0][1].query():
-        host, done, op = _PENDING_TARGET_FLAGS.pop(0)
-        _FREE_TARGET_FLAGS.append((host, done))
-        if host[0]:
-            raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU "
-                                                                      "had run it"))
+# every deferred check of the library (targets, indices) is reported by the first call that finds it set
+raise_flagged_targets = raise_flagged
 
 
 def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:

@@ -14,10 +14,12 @@ Dtypes: float32, float16, bfloat16, float64 values; int32 and int64 indices. Sum
 float32 (float64 for float64).
 
 Index checks (``check_index=True``, the default): the launcher reads the index's min and max
-before anything is written and raises ``IndexOutOfRangeError`` (an IndexError). On the GPU that
-costs one small reduction and one host synchronisation per call; pass ``check_index=False`` when
-indices are known to be valid. Unchecked out-of-range indices are still never dereferenced:
-gather writes zeros for them and the gradient drops them.
+before anything is written and raises ``IndexOutOfRangeError`` (an IndexError): on the CPU, and
+on the GPU under torch.compile (one small reduction and one host synchronisation per call). Eager
+calls on the GPU instead check on the device without waiting (functional.py's
+``_index_checked_on_device``: a later call raises) and run the launch unchecked. Unchecked
+out-of-range indices are never dereferenced: gather writes zeros for them and the gradient drops
+them.
 
 Triton kernels:
     _gather_rows              tiles of [BLOCK_N index positions, BLOCK_I inner elements].
