@@ -1,5 +1,6 @@
 """Gather, GatherGrad and embedding: every backend and kernel, against float64 references."""
 
+import os
 import math
 import random
 import zlib
@@ -405,3 +406,23 @@ def test_embedding_backward_real_sizes(tokens, dim, rows, dtype, stream):
     first = trainops.gather_backward(dy, index, 0, [rows, dim])
     again = trainops.gather_backward(dy, index, 0, [rows, dim])
     assert torch.equal(first.view(bits), again.view(bits))
+
+
+@pytest.mark.parametrize("n", [1, 700, 5000, 100_000])
+def test_out_of_range_flag_kernel(n):
+    """The device-side check behind eager GPU calls' index checks (run here under the interpreter on
+    the CPU, on the GPU there): 1 exactly when some index is outside [low, high), any position."""
+    from trainops.ops.gather import out_of_range_flag
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel needs a GPU or the interpreter")
+    gen = torch.Generator().manual_seed(n)
+    for dtype in (torch.int64, torch.int32):
+        index = torch.randint(-7, 50, (n,), generator=gen).to(device, dtype)
+        assert out_of_range_flag(index, -7, 50).tolist() == [0]
+        for position in sorted({0, n // 2, n - 1}):
+            for bad in (-8, 50):
+                corrupted = index.clone()
+                corrupted[position] = bad
+                assert out_of_range_flag(corrupted, -7, 50).tolist() == [1], (dtype, position, bad)

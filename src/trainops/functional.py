@@ -81,11 +81,11 @@ def _index_checked_on_device(op: str, name: str, index: Tensor, low: int, high: 
     """Eager calls on CUDA: compare ``index`` with [low, high) on the device, without waiting for
     it, and report a bad value at a later trainops call (ops/_common.py's deferred flags); True when
     it did, so that the op runs unchecked (such indices read nothing: zeros, no gradient)."""
-    if index.device.type != "cuda" or torch.compiler.is_compiling():
+    if index.device.type != "cuda" or torch.compiler.is_compiling() or not index.is_contiguous():
         return False
     raise_flagged()
     if index.numel():
-        note_flag(((index < low) | (index >= high)).any(),
+        note_flag(gather_ops.out_of_range_flag(index, low, high),
                   f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
                   "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
                   "indices were zeros and they got no gradient)")

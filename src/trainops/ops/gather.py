@@ -383,6 +383,18 @@ if triton_available():
         tl.store(dst, tile, mask=n_mask[:, None] & i_mask[None, :])
 
     @triton.jit
+    def _flag_out_of_range(index_ptr, flag_ptr, N, LOW, HIGH, PROGRAMS, BLOCK: tl.constexpr):
+        """flag[0] = 1 if some index[n] lies outside [LOW, HIGH); every program writes its own verdict
+        into flag[pid] (no memset, no atomics), flag[0] being program 0's over all programs'."""
+        pid = tl.program_id(0)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for start in range(pid * BLOCK, N, PROGRAMS * BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            rows = tl.load(index_ptr + n, mask=n < N, other=LOW).to(tl.int64)
+            bad = bad | ((rows < LOW) | (rows >= HIGH)).to(tl.int32)
+        tl.store(flag_ptr + pid, tl.max(bad, 0))
+
+    @triton.jit
     def _gather_grad_hot_chunks(dy_ptr, sorted_ptr, perm_ptr, starts_ptr, partial_ptr, S, N, I, CHUNKS,
                                 dy_sb, dy_sn, dy_si,
                                 ACC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_I: tl.constexpr):
@@ -644,6 +656,27 @@ def _prepare_gather_backward_atomic(problem: GatherBackwardProblem) -> Launch:
     params = (("BLOCK_N", block_n), ("BLOCK_I", block_i), ("num_warps", warps), ("grid", grid))
     return Launch(run, KernelChoice("gather_grad_atomic", "triton", params), acc,
                   workspace_bytes=b * s * i * acc.itemsize if separate_acc else 0, bitwise_reproducible=False)
+
+
+_FLAG_BLOCK = 1024
+_FLAG_LAUNCHERS: dict = {}
+
+
+def out_of_range_flag(index: Tensor, low: int, high: int) -> Tensor:
+    """A one-element int32 tensor on index's (CUDA) device: 1 if some value of ``index`` lies outside
+    [low, high), else 0, computed on the device (no host sync): one launch of a few programs, each
+    writing its verdict, then their maximum (a second tiny reduction only when there are several)."""
+    n = index.numel()
+    programs = max(1, min(-(-n // _FLAG_BLOCK), 32))
+    launch = _FLAG_LAUNCHERS.get(programs)
+    if launch is None:
+        from ..launch import launcher
+
+        launch = _FLAG_LAUNCHERS[programs] = launcher(_flag_out_of_range, (programs,), BLOCK=_FLAG_BLOCK,
+                                                      num_warps=4)
+    flags = torch.empty(programs, dtype=torch.int32, device=index.device)
+    launch(index.reshape(-1), flags, n, low, high, programs)
+    return flags if programs == 1 else flags.amax(0, keepdim=True)
 
 
 if triton_available():
