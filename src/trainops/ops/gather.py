@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..layout import merge_dims, next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
@@ -560,14 +561,17 @@ def _prepare_gather_triton(problem: GatherProblem) -> Launch:
     block_n, block_i, warps = _tile_shape(problem.heuristics, n, i)
     n_blocks = -(-n // block_n)
     grid = (b * n_blocks, -(-i // block_i))
+    # the JIT's per-call binding was 27 us of an eager 64-row embedding's 38.6 on the H100 host
+    # (benchmarks/NOTES.md, "Index checks without a host sync"); the plan's scalars are bound once
+    launch = launcher(_gather_rows, grid, trailing=(s, n, i, n_blocks, x_sb, x_ss, x_si),
+                      NEGATIVE=problem.negative_indices, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
 
     def run(tensors, out):
         x, index = tensors
         index = _flat_index(problem, index)
         if out.numel() == 0:
             return
-        _gather_rows[grid](x, index, out, s, n, i, n_blocks, x_sb, x_ss, x_si,
-                           NEGATIVE=problem.negative_indices, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
+        launch(x, index, out)
 
     params = (("BLOCK_N", block_n), ("BLOCK_I", block_i), ("num_warps", warps), ("grid", grid))
     return Launch(run, KernelChoice("gather_rows", "triton", params), problem.dtype)
@@ -670,8 +674,6 @@ def out_of_range_flag(index: Tensor, low: int, high: int) -> Tensor:
     programs = max(1, min(-(-n // _FLAG_BLOCK), 32))
     launch = _FLAG_LAUNCHERS.get(programs)
     if launch is None:
-        from ..launch import launcher
-
         launch = _FLAG_LAUNCHERS[programs] = launcher(_flag_out_of_range, (programs,), BLOCK=_FLAG_BLOCK,
                                                       num_warps=4)
     flags = torch.empty(programs, dtype=torch.int32, device=index.device)
