@@ -561,8 +561,8 @@ def _prepare_gather_triton(problem: GatherProblem) -> Launch:
     block_n, block_i, warps = _tile_shape(problem.heuristics, n, i)
     n_blocks = -(-n // block_n)
     grid = (b * n_blocks, -(-i // block_i))
-    # the JIT's per-call binding was 27 us of an eager 64-row embedding's 38.6 on the H100 host
-    # (benchmarks/NOTES.md, "Index checks without a host sync"); the plan's scalars are bound once
+    # launched as every other family's plan (the plan's scalars bound once); it did not change an
+    # eager 64-row embedding's host time (38.6 -> 38.0 us on the H100 host, benchmarks/NOTES.md)
     launch = launcher(_gather_rows, grid, trailing=(s, n, i, n_blocks, x_sb, x_ss, x_si),
                       NEGATIVE=problem.negative_indices, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
 
