@@ -278,8 +278,9 @@ GatherDescriptor = register_op("gather", _describe_gather)
 GatherBackwardDescriptor = register_op("gather_backward", _describe_gather_backward)
 
 
-def check_index_range(op: str, index: torch.Tensor, size: int, negative_indices: bool) -> None:
-    """Raise IndexOutOfRangeError unless every index lies in [-size, size) (negatives allowed) or [0, size).
+def check_index_range(op: str, index: torch.Tensor, size: int, negative_indices: bool, name: str = "index") -> None:
+    """Raise IndexOutOfRangeError (naming ``op`` and its argument ``name``) unless every index lies in
+    [-size, size) (negatives allowed) or [0, size).
 
     One min/max reduction; on the GPU its two scalars come back with one synchronisation.
     """
@@ -290,7 +291,7 @@ def check_index_range(op: str, index: torch.Tensor, size: int, negative_indices:
     if lo < low or hi >= high:
         bad = lo if lo < low else hi
         raise IndexOutOfRangeError(
-            f"trainops.{op}: argument 'index' holds {bad}, out of range [{low}, {high - 1}] for an axis of "
+            f"trainops.{op}: argument '{name}' holds {bad}, out of range [{low}, {high - 1}] for an axis of "
             f"size {size} (index min {lo}, max {hi}); nothing was written")
 
 
@@ -785,7 +786,9 @@ def _gather_backward_grad(ctx, g: Tensor) -> dict:
 
 def _embedding_impl(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
                     scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
-    return _run_gather(weight, index, 0, False, check_index)
+    if check_index:   # here rather than in the gather plan, so that the error names embedding's argument
+        check_index_range("embedding", index, weight.shape[0], False, name="input")
+    return _run_gather(weight, index, 0, False, False)
 
 
 def _embedding_fake(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
