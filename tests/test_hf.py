@@ -53,6 +53,15 @@ def loss_and_grads(model, ids, labels, **kwargs):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_step(got, want, what):
+    """float32: the loss and every parameter's gradient of ``got`` (loss_and_grads's) match ``want``'s."""
+    (out, grads), (expected, expected_grads) = got, want
+    assert_close(out.loss, expected.loss, torch.float32, f"{what} loss")
+    assert {name.removeprefix("_orig_mod.") for name in grads} == set(expected_grads)   # torch.compile's prefix
+    for name in grads:
+        assert_close(grads[name], expected_grads[name.removeprefix("_orig_mod.")], torch.float32, name)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
     model = tiny_model(arch)
@@ -115,11 +124,8 @@ def test_num_items_in_batch_and_shift_labels_go_to_the_loss():
     reference.train()
     ids, labels = batch()
     items = torch.tensor(40)
-    out, grads = loss_and_grads(model, ids, labels, num_items_in_batch=items)
-    want, want_grads = loss_and_grads(reference, ids, labels, num_items_in_batch=items)
-    assert_close(out.loss, want.loss, torch.float32, "num_items loss")
-    for name in grads:
-        assert_close(grads[name], want_grads[name], torch.float32, name)
+    assert_same_step(loss_and_grads(model, ids, labels, num_items_in_batch=items),
+                     loss_and_grads(reference, ids, labels, num_items_in_batch=items), "num_items")
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
     out = model(input_ids=ids, labels=labels, shift_labels=shift)
     want = reference(input_ids=ids, labels=labels, shift_labels=shift)
@@ -157,18 +163,12 @@ def test_gradient_checkpointing_and_torch_compile():
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
         m.train()
     ids, labels = batch()
-    out, grads = loss_and_grads(model, ids, labels)
-    want, want_grads = loss_and_grads(reference, ids, labels)
-    assert_close(out.loss, want.loss, torch.float32, "checkpointed loss")
-    for name in grads:
-        assert_close(grads[name], want_grads[name], torch.float32, name)
+    want = loss_and_grads(reference, ids, labels)
+    assert_same_step(loss_and_grads(model, ids, labels), want, "checkpointed")
 
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     compiled = torch.compile(model, backend="aot_eager")
-    out, grads = loss_and_grads(compiled, ids, labels)
-    assert_close(out.loss, want.loss, torch.float32, "compiled loss")
-    for name in grads:
-        assert_close(grads[name], want_grads[name.removeprefix("_orig_mod.")], torch.float32, name)
+    assert_same_step(loss_and_grads(compiled, ids, labels), want, "compiled")
     torch._dynamo.reset()
 
 
@@ -197,11 +197,7 @@ def test_gpt2_gelu_layernorm_and_dropout():
     model.eval()   # dropout off: the same function
     reference.eval()
     ids, labels = batch()
-    out, grads = loss_and_grads(model, ids, labels)
-    want, want_grads = loss_and_grads(reference, ids, labels)
-    assert_close(out.loss, want.loss, torch.float32, "loss")
-    for name in grads:
-        assert_close(grads[name], want_grads[name], torch.float32, name)
+    assert_same_step(loss_and_grads(model, ids, labels), loss_and_grads(reference, ids, labels), "gpt2")
 
 
 def test_the_patched_model_keeps_its_name_pickles_and_saves(tmp_path):
