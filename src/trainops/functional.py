@@ -232,8 +232,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
     with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
     Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
-    device (a tensor's value is not checked: 0 gives inf, as dividing by it would). loss_dtype: the loss's dtype (default float32, float64 for float64 hidden: the loss is
-    computed in that precision, as Hugging Face's upcast logits give it).
+    device (a tensor's value is not checked: 0 gives inf, as dividing by it would). loss_dtype: the
+    loss's dtype (default float32, float64 for float64 hidden: the loss is computed in that
+    precision, as Hugging Face's upcast logits give it).
 
     With reduction "mean" or "sum" the gradients are computed in the forward pass and the backward
     scales them in place by the upstream gradient, on the device (nothing to do when it is 1; three

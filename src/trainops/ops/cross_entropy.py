@@ -326,15 +326,20 @@ def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor, flags: torch.Tensor
 
 def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
     """Raise IndexOutOfRangeError unless every class index is in [0, C) or equals ignore_index (one sync)."""
-    if problem.probabilities or target.numel() == 0:
+    if not problem.probabilities:
+        check_class_indices("cross_entropy", target, problem.classes, problem.ignore_index)
+
+
+def check_class_indices(op: str, target: torch.Tensor, classes: int, ignore_index: int) -> None:
+    """IndexOutOfRangeError naming ``op`` unless every index of ``target`` is in [0, classes) or
+    ignore_index: one min/max, one host sync on the GPU."""
+    if target.numel() == 0:
         return
-    valid = torch.where(target == problem.ignore_index, 0, target)
+    valid = torch.where(target == ignore_index, 0, target)
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
-    if lo < 0 or hi >= problem.classes:
-        bad = lo if lo < 0 else hi
-        raise IndexOutOfRangeError(
-            f"trainops.cross_entropy: argument 'target' holds class {bad}, out of range [0, {problem.classes - 1}] "
-            f"and not ignore_index ({problem.ignore_index})")
+    if lo < 0 or hi >= classes:
+        raise IndexOutOfRangeError(f"trainops.{op}: argument 'target' holds class {lo if lo < 0 else hi}, out of "
+                                   f"range [0, {classes - 1}] and not ignore_index ({ignore_index})")
 
 
 def normalizers(problem: CrossEntropyProblem, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -1026,9 +1031,6 @@ def note_target_flag(flags: Tensor, op: str = "cross_entropy") -> None:
     note_flag(flags[:1], _BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU had run it"))
 
 
-# every deferred check of the library (targets, indices) is reported by the first call that finds it set
-raise_flagged_targets = raise_flagged
-
 
 def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
     """dloss/dlogits from the gradient the forward kernel wrote for an upstream gradient of 2^k,
@@ -1060,7 +1062,7 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
             if flags[0]:
                 raise IndexOutOfRangeError(_BAD_TARGET_MESSAGE.format("cross_entropy", ""))
         else:
-            raise_flagged_targets()
+            raise_flagged()
     if not tracing and grad.dtype != torch.float64:
         ctx.consumed = True  # the buffer is handed over
         if dloss.numel() == 1 and is_dense(grad):
@@ -1130,7 +1132,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        raise_flagged_targets()
+        raise_flagged()
     if inplace_backward and compute_grad:
         if logits.is_leaf:
             raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",

@@ -60,8 +60,9 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from ..plan import heuristics_for
-from .cross_entropy import (REDUCTIONS, cross_entropy_inplace_op, cross_entropy_op, note_target_flag,
-                            raise_flagged_targets, scale_gradient_)
+from ._common import raise_flagged
+from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inplace_op, cross_entropy_op,
+                            note_target_flag, scale_gradient_)
 
 OP = "linear_cross_entropy"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -238,7 +239,7 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     reduction "none") is an empty tensor. rows: tokens a chunk, 0 for LinearCrossEntropyHeuristics'.
     check_target: check the indices before any work (one host sync on the GPU)."""
     if check_target:
-        _check_targets_now(target, weight.shape[0], ignore_index)
+        check_class_indices(OP, target, weight.shape[0], ignore_index)
     rows = rows or _heuristic_rows(hidden, weight)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.autocast(hidden.device.type, enabled=False):
@@ -299,7 +300,7 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
     # fake / functional tensors: AOTAutograd tracing the backward (is_compiling() may be False there)
     tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
     if not tracing:
-        raise_flagged_targets()
+        raise_flagged()
     # In eager mode the forward's buffers are scaled in place by the upstream gradient (a kernel that
     # reads it on the device and does nothing when it is exactly 1: no host sync) and handed over;
     # out of place (any number of backwards) while tracing and in float64 (gradcheck's dtype).
@@ -427,17 +428,6 @@ def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, 
             raise _error(InvalidProblemError, "num_items_in_batch", f"must be in [1, 2**63), got {num_items}")
 
 
-def _check_targets_now(target: Tensor, classes: int, ignore_index: int) -> None:
-    """IndexOutOfRangeError unless every index is in [0, classes) or ignore_index (one host sync on the GPU)."""
-    if target.numel() == 0:
-        return
-    valid = torch.where(target == ignore_index, 0, target)
-    lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
-    if lo < 0 or hi >= classes:
-        raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds class {lo if lo < 0 else hi}, out of "
-                                   f"range [0, {classes - 1}] and not ignore_index ({ignore_index})")
-
-
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                          class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
@@ -463,7 +453,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     compute_grad = needs != 0
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        raise_flagged_targets()
+        raise_flagged()
     deferred = check_target and compute_grad and not compiling
     loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
                                               float(label_smoothing), float(z_loss),
