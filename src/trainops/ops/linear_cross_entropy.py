@@ -445,8 +445,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     t = target.reshape(-1)
     num_items = None
     if num_items_in_batch is not None:
-        num_items = (num_items_in_batch if isinstance(num_items_in_batch, Tensor)
-                     else torch.tensor(num_items_in_batch)).reshape(()).to(x.device, non_blocking=True)
+        # an int is filled on the device: a copy from pageable host memory would wait for the GPU's queue
+        num_items = (num_items_in_batch.reshape(()).to(x.device, non_blocking=True)
+                     if isinstance(num_items_in_batch, Tensor)
+                     else torch.full((), num_items_in_batch, dtype=torch.int64, device=x.device))
     grad_mode = torch.is_grad_enabled()
     needs = sum(bit for p, bit in ((hidden, NEEDS_HIDDEN), (weight, NEEDS_WEIGHT), (bias, NEEDS_BIAS))
                 if grad_mode and p is not None and p.requires_grad)
