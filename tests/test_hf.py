@@ -172,6 +172,42 @@ def test_gradient_checkpointing_and_torch_compile():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_patched_model_compiles_whole(arch):
+    """fullgraph=True: nothing trainops swaps breaks the graph (a graph break per attention layer
+    made torch.compile recompile it per layer and give up after 8 layers)."""
+    model = tiny_model(arch)
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    model.train()
+    reference.train()
+    ids, labels = batch()
+    want = loss_and_grads(reference, ids, labels)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert_same_step(loss_and_grads(compiled, ids, labels), want, "compiled whole")
+    torch._dynamo.reset()
+
+
+def test_patched_training_step_warns_of_nothing(monkeypatch):
+    """No deprecation from the patched forward: transformers 5.24 renamed past_key_values to cache
+    and warns (a FutureWarning, and its logger) whenever the old name is passed or read."""
+    import warnings
+
+    from transformers.utils import generic
+
+    logged = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda *args, **kwargs: logged.append(args))
+    model = tiny_model("llama")
+    trainops.patch(model)
+    model.train()
+    ids, labels = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert logged == []
+
+
 def test_hf_false_and_patching_twice():
     model = tiny_model("gemma")
     report = trainops.patch(model, hf=False)

@@ -42,6 +42,7 @@ LayerNorm, Dropout, ...) are patch.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -112,12 +113,22 @@ def _trainops_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
 
 
 class _OverlayGlobals(dict):
-    """A function's globals: the names it holds, then the module's namespace, read at each lookup
-    (not a snapshot: what is patched into the module later is seen)."""
+    """A function's globals: the overriding names, then the module's namespace, read at each lookup
+    (not a snapshot: what is patched into the module later is seen when the function runs).
+
+    The dict also holds a copy of the namespace taken when it was made: torch.compile looks names
+    up in a function's globals as a plain dict does (a name it does not find is a graph break), so
+    a compiled function reads the names as they were at its compilation."""
 
     def __init__(self, namespace: dict, overrides: dict):
-        super().__init__(overrides, __builtins__=namespace["__builtins__"])
-        self.namespace = namespace
+        super().__init__(namespace)
+        super().update(overrides)
+        self.namespace, self.overrides = namespace, overrides
+
+    def __getitem__(self, name):   # the interpreter's lookup: globals that are not exactly a dict go through it
+        if name in self.overrides:
+            return self.overrides[name]
+        return self.namespace[name]
 
     def __missing__(self, name):
         return self.namespace[name]
@@ -168,12 +179,14 @@ _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                        inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     original = _original_forward(type(self))
+    # past_key_values only when given: transformers 5.24 renamed it (to cache) and warns on every pass of the old name
+    cache = {} if past_key_values is None else {"past_key_values": past_key_values}
     if (labels is None or not self.training or not isinstance(logits_to_keep, int) or logits_to_keep != 0
             or kwargs.get("return_dict") is False or hasattr(self, "_loss_function")
             or getattr(self, "loss_type", None) not in (None, "ForCausalLM")):
         return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                        use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+                        inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                        logits_to_keep=logits_to_keep, **cache, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from .functional import linear_cross_entropy
@@ -181,7 +194,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
     outputs = getattr(self, self.base_model_prefix)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **cache, **kwargs)
     hidden = outputs.last_hidden_state
     ignore_index = loss_kwargs.get("ignore_index", -100)
     shift_labels = loss_kwargs.get("shift_labels")
@@ -190,8 +203,23 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device), self.lm_head.bias,
                                 ignore_index=ignore_index, num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
                                 softcap=getattr(self.config, "final_logit_softcapping", None))
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    cache_field = _CACHE_FIELD[0] or _find_cache_field()
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions, **{cache_field: getattr(outputs, cache_field)})
+
+
+# The name of transformers's output field holding the cache, found when a causal LM is swapped
+# (torch.compile cannot read a dataclass's fields): ``cache`` from 5.24 (whose old name,
+# past_key_values, logs a deprecation on every read), ``past_key_values`` before.
+_CACHE_FIELD = [None]
+
+
+def _find_cache_field() -> str:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    names = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    _CACHE_FIELD[0] = "cache" if "cache" in names else "past_key_values"
+    return _CACHE_FIELD[0]
 
 
 # ---- the swapped classes -------------------------------------------------------------------------
@@ -307,6 +335,8 @@ def swap_for_class(cls: type):
         forward = (_llama_norm_forward if name in LLAMA_STYLE_NORMS else _gemma_norm_forward if name in GEMMA_STYLE_NORMS
                    else _gated_mlp_forward if name in GATED_MLPS else _tanh_gelu_forward if name in TANH_GELUS
                    else _scaled_embedding_forward if name in SCALED_EMBEDDINGS else _causal_lm_forward)
+        if forward is _causal_lm_forward:
+            _find_cache_field()
     return trainops_class(cls, forward), []
 
 

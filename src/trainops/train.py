@@ -1,5 +1,8 @@
 """``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources.
 
+(``--model llama`` trains transformers's LlamaForCausalLM on BPE tokens of the same sources instead:
+``trainops.train_llama``; this module parses the command line for both.)
+
 The model is Llama-style: pre-norm blocks with RMSNorm, rotary position embeddings, causal
 attention with an explicit softmax, a SwiGLU MLP, tied embeddings, dropout available
 (``--dropout``). It is written once over a set of ops (``Kernels``): the PyTorch run uses torch's
@@ -89,6 +92,12 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 
 def stdlib_bytes(limit: int) -> torch.Tensor:
+    """The standard library's .py files, concatenated in sorted path order, at most ``limit`` bytes,
+    as an int64 tensor of byte values."""
+    return torch.frombuffer(bytearray(stdlib_source(limit)), dtype=torch.uint8).long()
+
+
+def stdlib_source(limit: int) -> bytes:
     """The standard library's .py files, concatenated in sorted path order, at most ``limit`` bytes."""
     root = sysconfig.get_paths()["stdlib"]
     paths = []
@@ -105,14 +114,16 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
             break
     if total < 1024:
         raise RuntimeError(f"trainops train: found only {total} bytes of Python sources under {root}")
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    return b"".join(chunks)
 
 
 class Batches:
     """Deterministic random windows: batch ``step`` depends only on (seed, step)."""
 
-    def __init__(self, data: torch.Tensor, cfg: Config, device: torch.device):
-        split = int(len(data) * 0.95)
+    def __init__(self, data: torch.Tensor, cfg, device: torch.device, split: int | None = None):
+        """``data``: token ids; the first ``split`` (default 95%) train, the rest is held out.
+        ``cfg``: any configuration with ``context``, ``batch``, ``accumulate`` and ``seed``."""
+        split = int(len(data) * 0.95) if split is None else split
         self.train, self.val = data[:split], data[split:]
         self.cfg, self.device = cfg, device
 
@@ -773,18 +784,25 @@ def main(argv=None) -> int:
     """``python -m trainops train``: check every argument and the --resume checkpoint, then train;
     returns 0. A user error ends in ``parser.error`` (exit status 2, one line naming the argument)
     before any data is read or any step runs."""
-    default_steps = ", ".join(f"{name} {entries['steps']}" for name, entries in CONFIGS.items())
+    from .train_llama import LLAMA_CONFIGS, RUNS
+
+    default_steps = "; ".join(f"{model}: " + ", ".join(f"{name} {entries['steps']}" for name, entries in configs.items())
+                              for model, configs in (("gpt", CONFIGS), ("llama", LLAMA_CONFIGS)))
     parser = argparse.ArgumentParser(prog="python -m trainops train", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", type=_training_device, help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--config", default="small", choices=sorted(CONFIGS),
-                        help="model size and data budget (default: small)")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "llama"],
+                        help="gpt (default): the byte-level GPT written over trainops's ops; llama: transformers's "
+                             "LlamaForCausalLM on BPE tokens, patched by trainops.patch (needs the hf extra)")
+    parser.add_argument("--config", default="small", choices=sorted(set(CONFIGS) | set(LLAMA_CONFIGS)),
+                        help=f"model size and data budget (default: small); gpt: {', '.join(CONFIGS)}; "
+                             f"llama: {', '.join(LLAMA_CONFIGS)}")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help=f"optimizer steps, at least 1 (default: the config's: {default_steps})")
     parser.add_argument("--lr", type=_positive_float, default=None,
                         help="peak learning rate, above 0 (default: the config's; LAMB uses 10x)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb"])
     parser.add_argument("--amp", default=None, choices=["none", "fp16", "bf16"],
-                        help="autocast dtype (default: fp16 on cuda, none on cpu)")
+                        help="autocast dtype (default on cuda: fp16 for gpt, bf16 for llama; none on cpu)")
     parser.add_argument("--compare", action="store_true",
                         help="also train with plain PyTorch, from step 0 even when resuming, and compare (adamw only)")
     parser.add_argument("--plot", default=None,
@@ -796,11 +814,24 @@ def main(argv=None) -> int:
                              "and --steps past its step")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="CPU threads, at least 1 (torch.set_num_threads)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (both runs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (gpt: both runs; llama: the trainops run, --compare's "
+                             "pytorch-compile being PyTorch's)")
     parser.add_argument("--dropout", type=_dropout_probability, default=0.0,
                         help="dropout probability in [0, 1) on attention probabilities and each block's branch "
                              "outputs (default: 0)")
+    parser.add_argument("--runs", default=None,
+                        help=f"--model llama: the runs to train, comma-separated, from {', '.join(RUNS)} "
+                             "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger)")
     args = parser.parse_args(argv)
+    if args.model == "llama":
+        from .train_llama import main_llama
+        return main_llama(parser, args)
+    if args.runs is not None:
+        parser.error("argument --runs: only with --model llama (the gpt model's --compare trains trainops and "
+                     "pytorch)")
+    if args.config not in CONFIGS:
+        parser.error(f"argument --config: --model gpt has {', '.join(CONFIGS)}; got {args.config!r}")
 
     device = args.device
     cfg = Config(**CONFIGS[args.config])

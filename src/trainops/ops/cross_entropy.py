@@ -396,7 +396,7 @@ def _cpu_math(problem: CrossEntropyProblem, logits, target, weight):
         valid = torch.ones(x.shape[0], dtype=torch.bool)
         ce = (wq * (lse[:, None] - x)).sum(1)
         scale = wq.sum(1)
-        direct = wq
+        direct = wq  # the gradient's term not proportional to p, for an upstream gradient of 1 (times the normaliser)
     else:
         t = target.reshape(-1).long()
         valid = (t != problem.ignore_index) & (t >= 0) & (t < c)
@@ -407,13 +407,19 @@ def _cpu_math(problem: CrossEntropyProblem, logits, target, weight):
         if eps:  # (0 * a -inf logit would be NaN)
             ce = ce + eps / c * (lse * w.sum() - x @ w)
             scale = scale + eps / c * w.sum()
-        direct = eps / c * w.expand_as(x).clone()
-        direct.scatter_add_(1, ts[:, None], ((1 - eps) * wt)[:, None])
+        direct = None  # the one-hot and smoothing terms, subtracted below without an N x C tensor of them
     row_loss = torch.where(valid, ce / norm[0] + z * lse * lse / norm[1], 0)
     grad = None
     if problem.compute_grad:
         a = scale / norm[0] + 2 * z * lse / norm[1]
-        grad = torch.where(valid[:, None], p * a[:, None] - direct / norm[0], 0)
+        grad = p.mul_(a[:, None])
+        if direct is not None:
+            grad.sub_(direct / norm[0])
+        else:
+            grad.scatter_add_(1, ts[:, None], (-(1 - eps) * wt / norm[0])[:, None])
+            if eps:
+                grad.sub_(eps / c * w / norm[0])
+        grad.masked_fill_(~valid[:, None], 0)
     return row_loss, lse, grad, norm
 
 

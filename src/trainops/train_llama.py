@@ -1,0 +1,461 @@
+"""``python -m trainops train --model llama``: a Hugging Face LlamaForCausalLM trained on BPE tokens
+of the Python standard library's sources, with trainops and beside what users run today.
+
+The model is transformers's ``LlamaForCausalLM`` (RMSNorm, SwiGLU MLP, rotary position embedding,
+grouped-query attention through torch's SDPA, tied embedding and LM head), built from a
+configuration (``LLAMA_CONFIGS``) with random initial weights: nothing is downloaded. The text is
+every ``*.py`` file of the running interpreter's standard library (``train.stdlib_source``, the
+configuration's byte budget), split 95 / 5 into training and held-out text; a byte-level BPE
+tokenizer (the ``tokenizers`` library, GPT-2's pre-tokenising rule, the 256 byte symbols as its
+alphabet) is trained on the training text alone, up to the configuration's vocabulary size (it
+stops earlier when no pair of symbols is left to merge; ids it never learned never occur). Batch
+``s`` is drawn from a generator seeded by (seed, s), so every run sees the same batches.
+
+Runs (``RUNS``), each from the same initial weights (same seed) on the same batches:
+
+- ``trainops``: ``trainops.patch(model)`` (norms, gated MLP, rotary embedding, embedding, and the
+  loss through ``trainops.linear_cross_entropy`` without materialising the logits), with
+  ``trainops.optim.AdamW`` (or LAMB; the global-norm clip inside the step) and
+  ``trainops.amp.GradScaler``; ``trainops-compile`` the same under ``torch.compile``.
+- ``pytorch``: the model as transformers builds it, ``torch.optim.AdamW`` (fused on CUDA),
+  ``clip_grad_norm_`` and ``torch.amp.GradScaler``; ``pytorch-compile`` the same under
+  ``torch.compile``.
+- ``liger``: the ``pytorch`` run after Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``
+  (CUDA only; it patches transformers's module for the whole process, so it runs last).
+
+Each run reports its loss curve, the held-out loss, tokens/s and the median step time (the first
+``UNTIMED_STEPS`` steps, which compile kernels, left out), and peak memory: on CUDA the most memory
+allocated during the training steps (weights, gradients and optimizer state included), on the CPU
+the process's peak resident size so far (which only grows from run to run).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .train import Batches, RunResult, _median, _progress, learning_rate, stdlib_source
+
+LLAMA_CONFIGS = {
+    # tiny: CI. small: the CPU default, about two minutes on 2 cores. 1b: Llama-3.2-1B's shape (issue 19).
+    "tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=192, vocab=1024, context=64, batch=8,
+                 steps=20, lr=3e-3, data_bytes=1 << 20),
+    "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=704, vocab=8192, context=256, batch=16,
+                  steps=100, lr=2e-3, data_bytes=4 << 20),
+    "1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, vocab=128256, context=2048, batch=4,
+               steps=60, lr=3e-4, data_bytes=32 << 20),
+}
+
+# What each run is, in the order --compare runs them (liger last: it patches transformers for the process).
+RUNS = {
+    "trainops": "trainops.patch",
+    "trainops-compile": "trainops.patch + torch.compile",
+    "pytorch": "PyTorch eager",
+    "pytorch-compile": "torch.compile",
+    "liger": "Liger",
+}
+UNTIMED_STEPS = 3  # the first steps compile kernels (and, under torch.compile, the graph): not timed
+
+
+@dataclass
+class LlamaRunConfig:
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    vocab: int
+    context: int
+    batch: int
+    steps: int
+    lr: float
+    data_bytes: int
+    seed: int = 0
+    warmup: int = 10
+    optimizer: str = "adamw"
+    amp: str = "none"          # none | fp16 | bf16
+    max_grad_norm: float = 1.0
+    accumulate: int = 1        # one micro-batch per step (Batches reads it)
+
+
+def missing_packages() -> list[str]:
+    """The packages ``--model llama`` needs that are not installed (the ``hf`` extra has them)."""
+    return [name for name in ("transformers", "tokenizers") if importlib.util.find_spec(name) is None]
+
+
+def liger_unavailable_reason(device: torch.device) -> str | None:
+    """Why the ``liger`` run cannot run here (None when it can)."""
+    if device.type != "cuda":
+        return "Liger-Kernel runs on CUDA only"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "Liger-Kernel is not installed (pip install liger-kernel)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: a BPE tokenizer learned from the standard library's sources
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Tokens:
+    ids: torch.Tensor          # int64, the training text's tokens then the held-out text's
+    split: int                 # ids[:split] train, ids[split:] held out
+    vocab_learned: int         # the tokenizer's vocabulary (at most the configuration's)
+    text_bytes: int            # all the text (training and held out), in bytes
+    train_text_bytes: int      # the text the vocabulary was learned from, in bytes
+    seconds: float             # learning the vocabulary and encoding the text
+    tokenizer: object          # the tokenizers.Tokenizer (decode(ids) gives the text back)
+
+    def describe(self, cfg: LlamaRunConfig) -> str:
+        import tokenizers
+        short = (f"; it stopped at {self.vocab_learned:,}, no pair being left to merge, so ids "
+                 f"{self.vocab_learned:,} to {cfg.vocab - 1:,} never occur" if self.vocab_learned < cfg.vocab else "")
+        return (f"byte-level BPE (tokenizers {tokenizers.__version__}) learned from the {self.train_text_bytes / 2**20:.1f} "
+                f"MiB of training text (learning and encoding took {self.seconds:.1f} s): vocabulary "
+                f"{self.vocab_learned:,} of the model's {cfg.vocab:,}{short}; {self.text_bytes / len(self.ids):.2f} "
+                f"bytes per token, {self.split:,} training and {len(self.ids) - self.split:,} held-out tokens")
+
+
+def _line_batches(text: str, lines_per_batch: int = 1000):
+    lines = text.splitlines(keepends=True)
+    return ["".join(lines[i:i + lines_per_batch]) for i in range(0, len(lines), lines_per_batch)]
+
+
+def stdlib_tokens(cfg: LlamaRunConfig) -> Tokens:
+    """The configuration's byte budget of standard-library source, split 95 / 5, tokenized by a
+    byte-level BPE learned from the first part (see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    started = time.perf_counter()
+    source = stdlib_source(cfg.data_bytes)
+    text = source.decode("utf-8", errors="replace")   # the budget may cut a character in two
+    cut = int(len(text) * 0.95)
+    train_text, held_out_text = text[:cut], text[cut:]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    train_batches = _line_batches(train_text)
+    tokenizer.train_from_iterator(train_batches, trainer=trainer)
+
+    def encode(batches):
+        return [i for encoding in tokenizer.encode_batch(batches) for i in encoding.ids]
+
+    train_ids, held_out_ids = encode(train_batches), encode(_line_batches(held_out_text))
+    ids = torch.tensor(train_ids + held_out_ids, dtype=torch.long)
+    return Tokens(ids, len(train_ids), tokenizer.get_vocab_size(), len(source), len(train_text.encode()),
+                  time.perf_counter() - started, tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------
+
+def build_model(cfg: LlamaRunConfig, device: torch.device):
+    """transformers's LlamaForCausalLM of the configuration's shape, random weights from ``cfg.seed``
+    (the same for every run), SDPA attention, tied embedding and LM head, float32 parameters."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, max_position_embeddings=cfg.context,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config)
+
+
+def _parameter_groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
+    """(model, forward, optimizer, scaler, patch report or None) of one of RUNS."""
+    import trainops
+
+    if run not in RUNS:
+        raise ValueError(f"trainops train: no run {run!r}; the runs are {', '.join(RUNS)}")
+    model = build_model(cfg, device)
+    report = None
+    uses_trainops = run.startswith("trainops")
+    if uses_trainops:
+        report = trainops.patch(model)
+        opt_cls = trainops.optim.LAMB if cfg.optimizer == "lamb" else trainops.optim.AdamW
+        lr = cfg.lr * (10 if cfg.optimizer == "lamb" else 1)
+        opt = opt_cls(_parameter_groups(model), lr=lr, betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
+        scaler = trainops.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    else:
+        if cfg.optimizer == "lamb":
+            raise ValueError("trainops train: the PyTorch runs have no LAMB (torch.optim has none)")
+        if run == "liger":
+            reason = liger_unavailable_reason(device)
+            if reason:
+                raise RuntimeError(f"trainops train: the liger run cannot run: {reason}")
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            apply_liger_kernel_to_llama(model=model)
+        opt = torch.optim.AdamW(_parameter_groups(model), lr=cfg.lr, betas=(0.9, 0.95),
+                                fused=device.type == "cuda")
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    forward = torch.compile(model) if run.endswith("-compile") else model
+    return model, forward, opt, scaler, report
+
+
+def _amp_dtype(cfg: LlamaRunConfig):
+    return {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
+
+
+def train_step(model, forward, opt, scaler, ids, amp_dtype, device, clip_norm):
+    """One step on one batch of token ids (the model shifts the labels): the loss (a 0-dim tensor).
+    ``clip_norm``: the global-norm clip done outside the optimizer (None when the optimizer does it)."""
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        loss = forward(input_ids=ids, labels=ids).loss
+    scaler.scale(loss).backward()
+    if clip_norm is not None:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model, batches, amp_dtype, device) -> float:
+    """Mean held-out loss, the uncompiled model in eval mode (logits computed, as without trainops)."""
+    model.eval()
+    losses = []
+    for x, _ in batches:
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            losses.append(float(model(input_ids=x, labels=x).loss))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Tokens, *,
+              quiet: bool = False) -> RunResult:
+    """Train ``cfg.steps`` steps of one of RUNS on ``tokens`` and evaluate it; the result's
+    ``name`` is the run's. Peak memory is measured over the training steps only."""
+    import trainops
+
+    model, forward, opt, scaler, report = build_run(cfg, device, run)
+    if report is not None and not quiet:
+        print(report)
+    amp_dtype = _amp_dtype(cfg)
+    clip_norm = None if run.startswith("trainops") else cfg.max_grad_norm
+    batches = Batches(tokens.ids, cfg, device, split=tokens.split)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, step_times = [], []
+    with trainops.track_kernels() as used:
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(cfg, step)
+            ((ids, _),) = batches.train_batch(step)
+            started = time.perf_counter()
+            loss = train_step(model, forward, opt, scaler, ids, amp_dtype, device, clip_norm)
+            losses.append(float(loss))   # one host read per step: the step is done when it returns
+            if step >= UNTIMED_STEPS:
+                step_times.append(1e3 * (time.perf_counter() - started))
+            if not quiet:
+                timed = sum(step_times)
+                _progress(run, step + 1, cfg.steps, losses[-1],
+                          1e3 * len(step_times) * ids.numel() / timed if timed else 0, final=step + 1 == cfg.steps)
+    peak = _peak_mb(device)
+    val = evaluate(model, batches.val_batches(), amp_dtype, device)
+    tokens_per_step = cfg.batch * cfg.context
+    timed = sum(step_times)
+    result = RunResult(run, losses, val, 1e3 * len(step_times) * tokens_per_step / timed if timed else math.nan,
+                       timed / len(step_times) if step_times else math.nan, peak, dict(used), step_times)
+    del model, forward, opt, scaler
+    gc.collect()
+    if run.endswith("-compile"):
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------------------------
+
+def reference_run(results: list[RunResult]) -> RunResult | None:
+    """The run the others are compared with: PyTorch eager when it ran, else the first non-trainops one."""
+    others = [r for r in results if not r.name.startswith("trainops")]
+    return next((r for r in others if r.name == "pytorch"), others[0] if others else None)
+
+
+def largest_relative_difference(losses: list, reference: list) -> float:
+    """max over steps of |loss - reference| / |reference|."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def mean_relative_difference(losses: list, reference: list) -> float:
+    """mean over steps of |loss - reference| / |reference|."""
+    return sum(abs(a - b) / abs(b) for a, b in zip(losses, reference)) / len(reference)
+
+
+def results_table(results: list[RunResult], device: torch.device) -> str:
+    """One line per run: tokens/s, median step, speed against the reference run, peak memory, final
+    and held-out loss, and the largest and the mean relative distance of its loss curve from the
+    reference's, step by step."""
+    reference = reference_run(results)
+    memory = "peak MiB" if device.type == "cuda" else "peak RSS so far"
+    lines = [f"{'run':32s} {'tokens/s':>10s} {'ms/step':>8s} {'speed':>6s} {memory:>15s} {'final':>7s} "
+             f"{'held-out':>8s} {'curve vs ' + (reference.name if reference else '-') + ': max, mean':>32s}"]
+    for r in results:
+        timed = bool(r.step_times_ms)
+        speed = (f"{reference.step_ms / r.step_ms:5.2f}x" if reference and timed and reference.step_times_ms
+                 else "     -")
+        curve = (f"{100 * largest_relative_difference(r.losses, reference.losses):24.2f}%, "
+                 f"{100 * mean_relative_difference(r.losses, reference.losses):5.2f}%"
+                 if reference and r is not reference else f"{'-':>32s}")
+        lines.append(f"{RUNS[r.name]:32s} {r.tokens_per_s if timed else math.nan:10,.0f} "
+                     f"{_median(r.step_times_ms):8.1f} {speed:>6s} {r.peak_memory_mb:15,.0f} "
+                     f"{sum(r.losses[-5:]) / len(r.losses[-5:]):7.4f} {r.val_loss:8.4f} {curve}")
+    if any(not r.step_times_ms for r in results):
+        lines.append(f"(runs of at most {UNTIMED_STEPS} steps are not timed)")
+    return "\n".join(lines)
+
+
+def curves_table(results: list[RunResult], every: int) -> str:
+    lines = [f"{'step':>6s} " + " ".join(f"{r.name:>16s}" for r in results)]
+    steps = len(results[0].losses)
+    for i in sorted(set(range(0, steps, every)) | {steps - 1}):
+        lines.append(f"{i + 1:6d} " + " ".join(f"{r.losses[i]:16.4f}" for r in results))
+    return "\n".join(lines)
+
+
+def plot_curves(results: list[RunResult], path: str, title: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(results):
+        ax.plot(range(1, len(r.losses) + 1), r.losses, label=RUNS[r.name], lw=2 if i == 0 else 1,
+                ls="-" if i == 0 else "--", alpha=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (``train.main`` parses the arguments and hands ``--model llama`` here)
+# ----------------------------------------------------------------------------------------------
+
+def _runs_to_train(parser, args, device: torch.device) -> tuple[list[str], list[str]]:
+    """(the runs to train, notes on --compare's runs left out), or parser.error naming the argument."""
+    if args.runs is not None:
+        if args.compare:
+            parser.error("argument --runs: names the runs itself; leave out --compare")
+        if args.compile:
+            parser.error("argument --compile: with --runs, name trainops-compile or pytorch-compile instead")
+        runs = [name.strip() for name in args.runs.split(",")]
+        unknown = [name for name in runs if name not in RUNS]
+        if unknown or not runs:
+            parser.error(f"argument --runs: {', '.join(map(repr, unknown)) or 'nothing'} is not a run; "
+                         f"choose from {', '.join(RUNS)} (comma-separated)")
+        if len(set(runs)) != len(runs):
+            parser.error(f"argument --runs: a run is named twice in {args.runs!r}")
+        if "liger" in runs:
+            reason = liger_unavailable_reason(device)
+            if reason:
+                parser.error(f"argument --runs: liger cannot run: {reason}")
+        runs.sort(key=list(RUNS).index)   # liger last: it patches transformers for the whole process
+        return runs, []
+    runs = ["trainops-compile" if args.compile else "trainops"]
+    notes = []
+    if args.compare:
+        runs += ["pytorch", "pytorch-compile"]
+        reason = liger_unavailable_reason(device)
+        if reason:
+            notes.append(f"liger not run: {reason}")
+        else:
+            runs.append("liger")
+    return runs, notes
+
+
+def main_llama(parser, args) -> int:
+    """``python -m trainops train --model llama``: check the arguments (parser.error, exit status 2,
+    one line naming the argument, before any work), learn the tokenizer, train every run, report."""
+    from . import train as gpt
+
+    missing = missing_packages()
+    if missing:
+        parser.error(f"argument --model: llama needs {' and '.join(missing)}, not installed here "
+                     "(pip install 'trainops[hf]')")
+    if args.config not in LLAMA_CONFIGS:
+        parser.error(f"argument --config: --model llama has {', '.join(LLAMA_CONFIGS)}; got {args.config!r}")
+    for option, given in (("--save", args.save is not None), ("--resume", args.resume is not None),
+                          ("--dropout", args.dropout != 0.0)):
+        if given:
+            parser.error(f"argument {option}: not available with --model llama (the gpt model's runs have it)")
+    device = args.device
+    runs, notes = _runs_to_train(parser, args, device)
+    base = LLAMA_CONFIGS[args.config]
+    cfg = LlamaRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
+                            "lr": base["lr"] if args.lr is None else args.lr},
+                         optimizer=args.optimizer, amp=args.amp or ("bf16" if device.type == "cuda" else "none"))
+    if cfg.optimizer == "lamb" and any(not run.startswith("trainops") for run in runs):
+        parser.error(f"argument {'--runs' if args.runs else '--compare'}: the PyTorch runs have no LAMB "
+                     "(torch.optim has none); compare with --optimizer adamw")
+    plot_path = None
+    if args.compare or args.runs is not None:
+        plot_path = gpt._plot_path(parser, argparse_namespace(args, compare=True))
+    elif args.plot is not None:
+        parser.error("argument --plot: only used with --compare or --runs (it plots the runs' loss curves)")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    tokens = stdlib_tokens(cfg)
+    params = sum(p.numel() for p in build_model(cfg, torch.device("meta")).parameters())
+    print(f"trainops train: {args.config} Llama (transformers LlamaForCausalLM: {cfg.n_layer} layers, width "
+          f"{cfg.d_model}, {cfg.n_head} query / {cfg.n_kv_head} key-value heads, vocabulary {cfg.vocab:,}, "
+          f"{params / 1e6:.2f} M parameters), {cfg.steps} steps of {cfg.batch}x{cfg.context} tokens, "
+          f"{cfg.optimizer}, amp {cfg.amp}, on {device}; runs: {', '.join(runs)}")
+    print(f"tokenizer: {tokens.describe(cfg)}")
+    for note in notes:
+        print(note)
+    results = []
+    for run in runs:
+        result = run_llama(cfg, device, run, tokens)
+        print(gpt.summary(result))
+        results.append(result)
+    if len(results) > 1:
+        print(curves_table(results, every=max(1, cfg.steps // 15)))
+        print(results_table(results, device))
+    if plot_path:
+        print(plot_curves(results, plot_path, f"{args.config} Llama on {device}, {cfg.batch}x{cfg.context} tokens"))
+    elif args.compare or args.runs is not None:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0
+
+
+def argparse_namespace(args, **changes):
+    import argparse
+    return argparse.Namespace(**{**vars(args), **changes})
