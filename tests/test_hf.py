@@ -308,6 +308,49 @@ def test_the_attention_sees_later_changes_of_its_module(monkeypatch):
     assert modeling.apply_rotary_pos_emb is not None and "trainops" not in modeling.apply_rotary_pos_emb.__module__
 
 
+def test_the_compiled_attention_sees_later_changes_of_its_module(monkeypatch):
+    """torch.compile guards the copied forward's globals: a name rebound in the module after the
+    first compilation is traced again (not the stale function)."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    model = tiny_model("llama")
+    trainops.patch(model)
+    model.eval()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ids = batch()[0]
+    want = compiled(input_ids=ids).logits
+    calls = []
+    original = modeling.eager_attention_forward
+
+    def doubled_output(*args, **kwargs):
+        calls.append(1)
+        out, weights = original(*args, **kwargs)
+        return out * 2, weights
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", doubled_output)
+    got = compiled(input_ids=ids).logits
+    assert calls and not torch.allclose(got, want)
+    torch._dynamo.reset()
+
+
+def test_attention_compiled_as_its_own_frame():
+    """A graph break inside the patched attention (SDPA asked for attention weights) makes Dynamo
+    compile the copied forward as a frame of its own, whose generated helpers Dynamo stores in, and
+    reads back from, that function's globals."""
+    config_cls, model_cls, extra = ARCHS["llama"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**TINY, "attn_implementation": "sdpa"}, **extra))
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    model.eval()
+    reference.eval()
+    ids = batch()[0]
+    want = reference(input_ids=ids, output_attentions=True)
+    got = torch.compile(model, backend="eager")(input_ids=ids, output_attentions=True)
+    assert_close(got.logits, want.logits, torch.float32, "logits")
+    torch._dynamo.reset()
+
+
 def test_a_users_subclass_is_reported_not_swapped():
     class MyLM(transformers.LlamaForCausalLM):
         pass

@@ -149,3 +149,24 @@ def test_gpu_runs_follow_pytorchs_curve_under_bf16_autocast(tokens):
         assert difference < 2e-2, (run, results[run].losses, results["pytorch"].losses)
     assert sum(results["trainops"].losses[-3:]) < sum(results["trainops"].losses[:3]) - 0.5
     assert all(r.peak_memory_mb > 0 for r in results.values())
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(capsys, no_work, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "an older GPU")
+    line = refused(capsys, LLAMA + ["--device", "cuda"], "--amp")
+    assert "bf16 (the default on cuda) is not supported by an older GPU" in line
+
+
+def test_a_liger_that_does_not_import_is_reported_before_any_run(monkeypatch):
+    import importlib.util
+    import sys
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "liger_kernel" else real_find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)   # importing it raises ImportError
+    reason = L.liger_unavailable_reason(torch.device("cuda"))
+    assert reason.startswith("Liger-Kernel does not import here (ModuleNotFoundError: import of liger_kernel")

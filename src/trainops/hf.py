@@ -23,7 +23,7 @@ these transformers classes (a user's own) are not swapped and are reported.
                trainops.rotary_embedding (a copy of the forward function whose globals are that
                one name over the module's own namespace, looked up at each call: transformers's
                module and every other model are untouched, and later changes to the module are
-               seen). The rotated q and k come out in q's dtype (transformers's in the promotion
+               seen, by torch.compile too: ``_OverlayGlobals``). The rotated q and k come out in q's dtype (transformers's in the promotion
                of q's and cos's: float32 under autocast, which the attention then casts back to
                bf16). Decorators on the forward (transformers's deprecate_kwarg) are copied with it.
     the loss   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
@@ -114,24 +114,33 @@ def _trainops_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
 
 class _OverlayGlobals(dict):
     """A function's globals: the overriding names, then the module's namespace, read at each lookup
-    (not a snapshot: what is patched into the module later is seen when the function runs).
+    (``self[name]``, which the interpreter uses for globals that are not exactly a dict): what is
+    patched into the module after the class was swapped is seen.
 
-    The dict also holds a copy of the namespace taken when it was made: torch.compile looks names
-    up in a function's globals as a plain dict does (a name it does not find is a graph break), so
-    a compiled function reads the names as they were at its compilation."""
+    The dict's own entries are a copy of the namespace (taken when the class was first swapped in
+    this process), which each lookup brings up to date for the name it reads: torch.compile checks
+    and guards names in the plain dict (a name missing there is a graph break), and must find what
+    the function read. Names the dict holds that the module does not (Dynamo's generated
+    ``__compiled_fn_*`` and ``__resume_at_*`` helpers, a name deleted from the module) come from the
+    dict itself."""
 
     def __init__(self, namespace: dict, overrides: dict):
         super().__init__(namespace)
         super().update(overrides)
         self.namespace, self.overrides = namespace, overrides
 
-    def __getitem__(self, name):   # the interpreter's lookup: globals that are not exactly a dict go through it
+    def __getitem__(self, name):
         if name in self.overrides:
             return self.overrides[name]
-        return self.namespace[name]
+        if name in self.namespace:
+            value = self.namespace[name]
+            if dict.get(self, name, _ABSENT) is not value:
+                dict.__setitem__(self, name, value)
+            return value
+        return dict.__getitem__(self, name)
 
-    def __missing__(self, name):
-        return self.namespace[name]
+
+_ABSENT = object()
 
 
 def _with_globals(function, overlay):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .train import Batches, RunResult, _median, _progress, learning_rate, stdlib_source
+from .train import Batches, RunResult, _cpu_peak_mb, _median, _progress, learning_rate, stdlib_source
 
 LLAMA_CONFIGS = {
     # tiny: CI. small: the CPU default, about two minutes on 2 cores. 1b: Llama-3.2-1B's shape (issue 19).
@@ -94,6 +94,10 @@ def liger_unavailable_reason(device: torch.device) -> str | None:
         return "Liger-Kernel runs on CUDA only"
     if importlib.util.find_spec("liger_kernel") is None:
         return "Liger-Kernel is not installed (pip install liger-kernel)"
+    try:   # imported here, not after the other runs have trained: a broken install is refused up front
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
+    except Exception as error:
+        return f"Liger-Kernel does not import here ({type(error).__name__}: {str(error)[:200]})"
     return None
 
 
@@ -134,6 +138,7 @@ def stdlib_tokens(cfg: LlamaRunConfig) -> Tokens:
     started = time.perf_counter()
     source = stdlib_source(cfg.data_bytes)
     text = source.decode("utf-8", errors="replace")   # the budget may cut a character in two
+    text_bytes = len(text.encode())
     cut = int(len(text) * 0.95)
     train_text, held_out_text = text[:cut], text[cut:]
     tokenizer = Tokenizer(models.BPE())
@@ -149,7 +154,7 @@ def stdlib_tokens(cfg: LlamaRunConfig) -> Tokens:
 
     train_ids, held_out_ids = encode(train_batches), encode(_line_batches(held_out_text))
     ids = torch.tensor(train_ids + held_out_ids, dtype=torch.long)
-    return Tokens(ids, len(train_ids), tokenizer.get_vocab_size(), len(source), len(train_text.encode()),
+    return Tokens(ids, len(train_ids), tokenizer.get_vocab_size(), text_bytes, len(train_text.encode()),
                   time.perf_counter() - started, tokenizer)
 
 
@@ -242,8 +247,7 @@ def evaluate(model, batches, amp_dtype, device) -> float:
 def _peak_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _cpu_peak_mb()
 
 
 def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Tokens, *,
@@ -313,8 +317,8 @@ def mean_relative_difference(losses: list, reference: list) -> float:
 
 
 def results_table(results: list[RunResult], device: torch.device) -> str:
-    """One line per run: tokens/s, median step, speed against the reference run, peak memory, final
-    and held-out loss, and the largest and the mean relative distance of its loss curve from the
+    """One line per run: tokens/s, median step, speed against the reference run (of the medians),
+    peak memory, final and held-out loss, and the largest and the mean relative distance of its loss curve from the
     reference's, step by step."""
     reference = reference_run(results)
     memory = "peak MiB" if device.type == "cuda" else "peak RSS so far"
@@ -322,8 +326,8 @@ def results_table(results: list[RunResult], device: torch.device) -> str:
              f"{'held-out':>8s} {'curve vs ' + (reference.name if reference else '-') + ': max, mean':>32s}"]
     for r in results:
         timed = bool(r.step_times_ms)
-        speed = (f"{reference.step_ms / r.step_ms:5.2f}x" if reference and timed and reference.step_times_ms
-                 else "     -")
+        speed = (f"{_median(reference.step_times_ms) / _median(r.step_times_ms):5.2f}x"
+                 if reference and timed and reference.step_times_ms else "     -")
         curve = (f"{100 * largest_relative_difference(r.losses, reference.losses):24.2f}%, "
                  f"{100 * mean_relative_difference(r.losses, reference.losses):5.2f}%"
                  if reference and r is not reference else f"{'-':>32s}")
@@ -417,6 +421,9 @@ def main_llama(parser, args) -> int:
             parser.error(f"argument {option}: not available with --model llama (the gpt model's runs have it)")
     device = args.device
     runs, notes = _runs_to_train(parser, args, device)
+    if device.type == "cuda" and (args.amp or "bf16") == "bf16" and not torch.cuda.is_bf16_supported():
+        parser.error(f"argument --amp: bf16{' (the default on cuda)' if args.amp is None else ''} is not supported "
+                     f"by {torch.cuda.get_device_name(device)}; use --amp fp16 or none")
     base = LLAMA_CONFIGS[args.config]
     cfg = LlamaRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
                             "lr": base["lr"] if args.lr is None else args.lr},
@@ -445,6 +452,9 @@ def main_llama(parser, args) -> int:
     for run in runs:
         result = run_llama(cfg, device, run, tokens)
         print(gpt.summary(result))
+        if run.endswith("-compile") and result.kernels:
+            print("  (under torch.compile: the ops Inductor inlines are counted once per compilation, the others "
+                  "per call)")
         results.append(result)
     if len(results) > 1:
         print(curves_table(results, every=max(1, cfg.steps // 15)))
