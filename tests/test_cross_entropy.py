@@ -259,8 +259,10 @@ def test_bad_arguments_name_the_argument(backend, device):
     t = torch.tensor([0, 1, 2, 3], device=device)
     cases = [
         (IndexError, r"'target' holds class 5, out of range \[0, 4\]",
-         lambda: trainops.cross_entropy(x, torch.tensor([0, 5, 1, 1], device=device))),
-        (trainops.IndexOutOfRangeError, "class -3", lambda: trainops.cross_entropy(x, t - 3)),
+         lambda: trainops.cross_entropy(x, torch.tensor([0, 5, 1, 1], device=device), check_target="immediate")),
+        (trainops.IndexOutOfRangeError, "class -3", lambda: trainops.cross_entropy(x, t - 3, check_target="immediate")),
+        (trainops.InvalidProblemError, "'check_target' must be True, False or 'immediate', got 'yes'",
+         lambda: trainops.cross_entropy(x, t, check_target="yes")),
         (trainops.InvalidProblemError, "'target' has shape", lambda: trainops.cross_entropy(x, t[:3])),
         (trainops.InvalidProblemError, "'target' has dtype torch.int16",
          lambda: trainops.cross_entropy(x, t.to(torch.int16))),
@@ -287,6 +289,28 @@ def test_bad_arguments_name_the_argument(backend, device):
     unchecked = trainops.cross_entropy(x, torch.tensor([0, 5, 1, 1], device=device), check_target=False,
                                        reduction="none")
     assert unchecked[1] == 0 and torch.isfinite(unchecked).all()  # an unchecked bad class counts for nothing
+    # "immediate": training too is checked before the launch
+    with pytest.raises(IndexError, match="'target' holds class 5"):
+        trainops.cross_entropy(xg, torch.tensor([0, 5, -100, 1], device=device), check_target="immediate")
+
+
+def test_bad_target_without_grad_is_reported_now_on_the_cpu_later_on_the_gpu(backend, device):
+    """No gradient (an evaluation): on the CPU the call raises; on the GPU the kernel flags the row
+    (no host sync: the loss leaves it out) and the next checking call after the GPU ran it raises."""
+    x = torch.randn(4, 5, device=device)
+    bad = torch.tensor([0, 5, 1, 1], device=device)
+    match = "'target' holds (class 5|a class index out of range)"
+    if device != "cuda":
+        with pytest.raises(IndexError, match=match):
+            trainops.cross_entropy(x, bad)
+        return
+    loss = trainops.cross_entropy(x, bad, reduction="none")
+    assert loss[1] == 0
+    torch.cuda.synchronize()
+    good = torch.tensor([0, 1, 1, 1], device=device)
+    with pytest.raises(IndexError, match="found by the fused kernel of a call on the GPU"):
+        trainops.cross_entropy(x, good)
+    trainops.cross_entropy(x, good)   # reported once
 
 
 def test_plan_reports_the_row_plan():

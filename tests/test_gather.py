@@ -322,6 +322,26 @@ def test_out_of_range_index_raises(backend, device):
     assert torch.all(out == 7.0), "an out-of-range index must fail before anything is written"
 
 
+def test_immediate_index_check_raises_at_the_call(backend, device):
+    """check_index="immediate": before anything is written, on every device (one sync on the GPU)."""
+    x = torch.randn(4, 3, device=device)
+    bad = torch.tensor([0, 4], device=device)
+    with pytest.raises(trainops.IndexOutOfRangeError, match=r"argument 'index' holds 4, out of range \[-4, 3\]"):
+        trainops.gather(x, bad, 0, check_index="immediate")
+    with pytest.raises(trainops.IndexOutOfRangeError, match=r"trainops.embedding: argument 'input' holds 4"):
+        trainops.embedding(bad, x, check_index="immediate")
+    with pytest.raises(trainops.IndexOutOfRangeError, match="out of range"):
+        trainops.gather_backward(torch.randn(2, 3, device=device), bad, 0, [4, 3], check_index="immediate")
+    emb = trainops.nn.Embedding(4, 3, device=device)
+    emb.check_index = "immediate"
+    with pytest.raises(trainops.IndexOutOfRangeError, match="argument 'input' holds 4"):
+        emb(bad)
+    for call in (lambda: trainops.gather(x, bad, 0, check_index="later"),
+                 lambda: trainops.embedding(bad, x, check_index=1)):
+        with pytest.raises(trainops.InvalidProblemError, match="'check_index' must be True, False or 'immediate'"):
+            call()
+
+
 def test_unchecked_out_of_range_is_safe(backend, device, deterministic):
     x = torch.randn(4, 3, device=device)
     index = torch.tensor([1, 40, -9, 2], device=device)

@@ -245,9 +245,20 @@ def test_bad_targets_raise(backend, device):
     x, w, b, t = inputs(10, 8, 12, torch.float32, device)
     t[4] = 12
     with torch.no_grad(), pytest.raises(IndexOutOfRangeError, match="argument 'target' holds class 12"):
-        trainops.linear_cross_entropy(x, w, t, b)
+        trainops.linear_cross_entropy(x, w, t, b, check_target="immediate")
+    with pytest.raises(IndexOutOfRangeError, match="argument 'target' holds class 12"):   # before the launch
+        trainops.linear_cross_entropy(x, w, t, b, check_target="immediate")
     with pytest.raises(IndexOutOfRangeError, match="argument 'target'"):   # eager training: the kernel's flag
         trainops.linear_cross_entropy(x, w, t, b).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            trainops.linear_cross_entropy(x, w, t.clamp(max=11), b)
+    # no gradient (an evaluation): the CPU raises at the call; the GPU flags it, raised by a later call
+    with torch.no_grad(), pytest.raises(IndexOutOfRangeError, match="argument 'target'"):
+        trainops.linear_cross_entropy(x, w, t, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            trainops.linear_cross_entropy(x, w, t.clamp(max=11), b)
     loss = trainops.linear_cross_entropy(x, w, t, b, check_target=False)   # unchecked: the row is left out
     t_kept = t.clone()
     t_kept[4] = -100

@@ -17,7 +17,7 @@ from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
 from .ops import linear_cross_entropy as linear_cross_entropy_ops
-from .ops._common import note_flag, raise_flagged
+from .ops._common import check_mode, note_flag, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
@@ -92,7 +92,7 @@ def _index_checked_on_device(op: str, name: str, index: Tensor, low: int, high: 
     return True
 
 
-def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool = True) -> Tensor:
+def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool | str = True) -> Tensor:
     """out = x.index_select(dim, index.flatten()) reshaped to x.shape[:dim] + index.shape + x.shape[dim+1:].
 
     ONNX Gather: ``index`` any rank, int32 or int64, negative values count from the end of ``dim``.
@@ -102,19 +102,21 @@ def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool = True) 
     under torch.compile before anything is written (on the GPU under torch.compile that costs one
     min/max and one host synchronisation); in eager mode on the GPU the check runs on the device
     without the host waiting for it, and the error is raised by a later trainops call once the GPU
-    has run it (meanwhile such indices read nothing: zeros). ``check_index=False``: no check
-    (out-of-range indices still read nothing and give zeros).
+    has run it (meanwhile such indices read nothing: zeros). ``check_index="immediate"``: before
+    anything is written everywhere (on the GPU one min/max and one host synchronisation per call).
+    ``check_index=False``: no check (out-of-range indices still read nothing and give zeros).
     """
     _check("gather", "x", x, dim)
     _check_index("gather", index)
-    if (check_index and isinstance(dim, int) and -x.dim() <= dim < x.dim()   # a bad dim: the op's error
+    check, immediate = check_mode("gather", "check_index", check_index)
+    if (check and not immediate and isinstance(dim, int) and -x.dim() <= dim < x.dim()   # a bad dim: the op's error
             and _index_checked_on_device("gather", "index", index, -x.shape[dim], x.shape[dim])):
-        check_index = False
-    return gather_ops.gather_op(x, index, dim, True, check_index)
+        check = False
+    return gather_ops.gather_op(x, index, dim, True, check)
 
 
 def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, deterministic: bool = True,
-                    check_index: bool = True) -> Tensor:
+                    check_index: bool | str = True) -> Tensor:
     """GatherGrad: dx of ``input_shape``, zero, then dx[.., index[n], ..] += dy[.., n, ..] along ``dim``.
 
     dy: shape input_shape[:dim] + index.shape + input_shape[dim+1:], any float dtype, any strides;
@@ -131,14 +133,16 @@ def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, determi
         raise argument_error(InvalidProblemError, "gather_backward", "input_shape",
                              f"must be a sequence of ints, got {input_shape!r}") from None
     size = input_shape[dim] if isinstance(dim, int) and -len(input_shape) <= dim < len(input_shape) else None
-    if check_index and size is not None and _index_checked_on_device("gather_backward", "index", index, -size, size):
-        check_index = False
-    return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check_index)
+    check, immediate = check_mode("gather_backward", "check_index", check_index)
+    if (check and not immediate and size is not None
+            and _index_checked_on_device("gather_backward", "index", index, -size, size)):
+        check = False
+    return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check)
 
 
 def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
               norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False, *,
-              check_index: bool = True) -> Tensor:
+              check_index: bool | str = True) -> Tensor:
     """out = weight[input], as ``torch.nn.functional.embedding`` (same signature and semantics).
 
     input: int32/int64 of any shape, values in [0, num_embeddings); weight: (num_embeddings, D).
@@ -163,15 +167,16 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
             raise argument_error(InvalidProblemError, op, "padding_idx",
                                  f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
         padding_idx %= rows
-    if check_index and _index_checked_on_device(op, "input", input, 0, rows):
-        check_index = False
-    return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check_index)
+    check, immediate = check_mode(op, "check_index", check_index)
+    if check and not immediate and _index_checked_on_device(op, "input", input, 0, rows):
+        check = False
+    return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check)
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
                   ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
                   z_loss: float = 0.0, return_lse: bool = False, loss_dtype: torch.dtype | None = None,
-                  check_target: bool = True, inplace_backward: bool = False):
+                  check_target: bool | str = True, inplace_backward: bool = False):
     """Softmax cross-entropy, as ``torch.nn.functional.cross_entropy`` (same signature and results).
 
     input: (C,), (N, C) or (N, C, d1, ...) logits, float32/float16/bfloat16/float64, any strides.
@@ -190,11 +195,13 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     float64 logits and under torch.compile, where the scaling is out of place. float16 logits keep
     the stored gradient times a power of two (its entries, ~p / rows, would fall below float16's
     range before a GradScaler's scale lifts them) that the backward divides out.
-    ``check_target`` raises IndexError for a class index outside [0, C) that is not ignore_index:
-    before the launch (one min/max and one host sync on the GPU) when no gradient is computed or
-    under torch.compile. In eager training the kernel flags such rows instead (no sync): on the
-    CPU the backward raises; on the GPU the first trainops.cross_entropy call or backward after
-    the GPU has set the flag raises (usually the next step's). Unchecked, such rows are left out.
+    ``check_target`` raises IndexError for a class index outside [0, C) that is not ignore_index.
+    In eager mode on the GPU the kernel flags such rows (no host sync) and the first trainops call
+    that checks (cross_entropy, embedding, gather, their backwards) after the GPU has set the flag
+    raises, usually the next step's; on the CPU the backward raises in training, the call itself
+    otherwise; under torch.compile the check runs before the launch (one min/max and one host sync
+    on the GPU). ``check_target="immediate"``: before the launch everywhere (that sync on the GPU
+    every call). Unchecked, such rows are left out.
     ``inplace_backward=True`` writes the gradient over the logits (saving a logits-sized buffer):
     input must be a non-leaf tensor nothing else needs afterwards (e.g. the LM head's output); its
     values are gone after the call (autograd raises if another op saved them). Accumulates in
@@ -207,8 +214,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
         if not isinstance(t, Tensor):
             raise argument_error(InvalidProblemError, "cross_entropy", name,
                                  f"must be a torch.Tensor, got {type(t).__name__}")
+    check, immediate = check_mode("cross_entropy", "check_target", check_target)
     loss, lse = cross_entropy_ops.cross_entropy(input, target, weight, ignore_index, reduction, float(label_smoothing),
-                                                float(z_loss), loss_dtype, check_target, inplace_backward)
+                                                float(z_loss), loss_dtype, check, inplace_backward, immediate)
     return (loss, lse) if return_lse else loss
 
 
@@ -216,7 +224,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
-                         check_target: bool = True) -> Tensor:
+                         check_target: bool | str = True) -> Tensor:
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
     logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
@@ -241,8 +249,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     matmuls in all; a second backward through the same loss raises UnsupportedError, except in
     float64 and under torch.compile); "none" recomputes the chunks in its backward (four matmuls).
     Only the gradients of the tensors that require grad are computed (a frozen head costs no dW).
-    Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: in eager
-    training the kernel flags a bad index without a host sync). Deterministic (fixed chunk order,
+    Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: in eager mode
+    on the GPU the kernels flag a bad index without a host sync, "immediate" checks before the
+    launch). Deterministic (fixed chunk order,
     no atomics). Errors name the argument (InvalidProblemError, UnsupportedError).
     """
     return linear_cross_entropy_ops.linear_cross_entropy(

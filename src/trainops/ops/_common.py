@@ -42,6 +42,22 @@ def note_flag(flag: torch.Tensor, message: str) -> None:
     _PENDING_FLAGS.append((host, done, message))
 
 
+CHECK_MODES = "True, False or 'immediate'"
+
+
+def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
+    """(check, immediate) of a ``check_index`` / ``check_target`` argument: True (the default: in
+    eager mode on the GPU a check on the device that the host does not wait for, reported by a
+    later trainops call; elsewhere before the launch), "immediate" (before the launch everywhere:
+    on the GPU one reduction and one host synchronisation per call), False (none). Anything else:
+    InvalidProblemError naming ``name``."""
+    if isinstance(value, bool):
+        return value, False
+    if isinstance(value, str) and value == "immediate":
+        return True, True
+    raise argument_error(InvalidProblemError, op, name, f"must be {CHECK_MODES}, got {value!r}")
+
+
 def raise_flagged() -> None:
     """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
     while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():

@@ -1132,23 +1132,24 @@ class _InplaceCrossEntropy(torch.autograd.Function):
 
 def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
                   label_smoothing: float, z_loss: float, loss_dtype: torch.dtype | None, check_target: bool,
-                  inplace_backward: bool) -> tuple[Tensor, Tensor]:
+                  inplace_backward: bool, immediate_check: bool = False) -> tuple[Tensor, Tensor]:
     """(loss, lse) of trainops.cross_entropy (functional.py checks the arguments' types): the deferred
-    target check of eager training (see functional.cross_entropy), and the in-place variant."""
+    target check of eager mode (see functional.cross_entropy; none with ``immediate_check``), and
+    the in-place variant."""
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     compiling = torch.compiler.is_compiling()
     if not compiling:
         raise_flagged()
+    # Eager mode: the kernel flags bad targets, checked later without a host sync (by the backward on
+    # the CPU: there, without a gradient, the op checks first, which costs no sync).
+    deferred = (check_target and not immediate_check and not compiling
+                and (compute_grad or logits.device.type == "cuda"))
     if inplace_backward and compute_grad:
         if logits.is_leaf:
             raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
                                  "needs a non-leaf input (its gradient would alias the leaf's own values)")
-        deferred = check_target and not compiling
         return _InplaceCrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                           loss_dtype, check_target and not deferred, deferred)
-    # Training in eager mode: the kernel flags bad targets, checked later without a host sync.
-    # Otherwise the op checks before launching (one sync).
-    deferred = check_target and compute_grad and not compiling
     loss, lse, _, flags = cross_entropy_op(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                            loss_dtype, compute_grad, check_target and not deferred, deferred)
     if deferred:

@@ -27,8 +27,8 @@ term by their count, as trainops.cross_entropy); ``num_items_in_batch`` replaces
 its value (Hugging Face's loss under gradient accumulation: the sum over this micro-batch divided
 by the tokens of the whole batch). The divisors stay on the device: with class weights and z-loss
 the chunks' class weights are scaled by count / weight sum, so that one division by the count gives
-both terms their own divisor. No host synchronisation, but for the target check outside eager
-training (as trainops.cross_entropy: no gradient, or under torch.compile).
+both terms their own divisor. No host synchronisation, but for the target check under
+torch.compile or with check_target="immediate" (as trainops.cross_entropy).
 
 Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast the
 autocast dtype, as torch.nn.functional.linear); weight and bias any float dtype (cast once to the
@@ -60,7 +60,7 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from ..plan import heuristics_for
-from ._common import raise_flagged
+from ._common import check_mode, raise_flagged
 from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inplace_op, cross_entropy_op,
                             note_target_flag, scale_gradient_)
 
@@ -377,14 +377,12 @@ def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_los
 
 
 def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
-           softcap, loss_dtype, check_target):
+           softcap, loss_dtype):
     """Every argument, before any work; errors name the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise _error(InvalidProblemError, name, f"must be a torch.Tensor, got {type(t).__name__}")
     check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
-    if not isinstance(check_target, bool):
-        raise _error(InvalidProblemError, "check_target", f"must be a bool, got {check_target!r}")
     if hidden.device.type not in ("cpu", "cuda"):
         raise _error(UnsupportedError, "hidden", f"is on {hidden.device}; supported: CPU and CUDA tensors")
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias), ("class_weight", class_weight)):
@@ -432,10 +430,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
-                         check_target: bool = True) -> Tensor:
+                         check_target: bool | str = True) -> Tensor:
     """See trainops.functional.linear_cross_entropy."""
+    check, immediate = check_mode(OP, "check_target", check_target)
     _check(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, reduction, label_smoothing,
-           z_loss, softcap, loss_dtype, check_target)
+           z_loss, softcap, loss_dtype)
     autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
     if autocast:  # the matmuls in autocast's dtype, as torch.nn.functional.linear under autocast
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
@@ -456,11 +455,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     compiling = torch.compiler.is_compiling()
     if not compiling:
         raise_flagged()
-    deferred = check_target and compute_grad and not compiling
+    # eager mode: the kernels flag bad targets, checked later without a host sync (on the CPU here, or
+    # by the backward); immediate, or under torch.compile: checked before any work (one sync on the GPU)
+    deferred = check and not immediate and not compiling
     loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
                                               float(label_smoothing), float(z_loss),
                                               None if softcap is None else float(softcap),
-                                              0 if reduction == "none" else needs, 0, check_target and not deferred)
+                                              0 if reduction == "none" else needs, 0, check and not deferred)
     if deferred:
         if flags.device.type == "cpu":
             if flags[0]:
