@@ -224,3 +224,66 @@ def test_softmax_configs_column_tiles():
     configs = list(cases.softmax_configs(problem, layout))
     assert configs[0] == S._choose_config(problem, layout) and configs[0].block_i > 1
     assert [(c.block_i, c.num_warps) for c in configs[1:]] == [(b, w) for b in (16, 32, 64, 128) for w in (4, 8, 16, 32)]
+
+
+# ---- python -m trainops bench --sweep ------------------------------------------------------------
+
+def test_sweep_problems_are_repeatable_and_within_bounds():
+    from trainops.bench import sweep
+
+    for family in sweep.FAMILIES:
+        drawn = sweep.problems(family, 60, seed=3, max_elements=1 << 20)
+        assert drawn == sweep.problems(family, 60, seed=3, max_elements=1 << 20)   # a run repeats
+        assert drawn != sweep.problems(family, 60, seed=4, max_elements=1 << 20)
+        keys = [(p["shape"], p["dim"], p["dtype"]) for p in drawn]
+        assert len(drawn) == 60 and len(set(keys)) == 60
+        for p in drawn:
+            numel = 1
+            for s in p["shape"]:
+                numel *= s
+            assert numel <= 1 << 20 and p["row_length"] * p["rows"] == numel
+            assert p["row_length"] in sweep.ROW_LENGTHS and p["shape"][p["dim"]] == p["row_length"]
+            assert p["dtype"] in (torch.bfloat16, torch.float16, torch.float32)
+            if family == "cross_entropy":
+                assert p["row_length"] >= 2 and p["dim"] == -1
+            if family in ("rms_norm", "swiglu"):
+                assert p["row_length"] <= 65536 and p["dim"] == -1
+        if family.startswith("softmax"):
+            assert any(p["dim"] == 1 and len(p["shape"]) == 3 for p in drawn)   # middle axes drawn too
+        assert len({p["row_length"] % 2 for p in drawn}) == 2   # odd and even lengths
+
+
+def test_sweep_command_on_the_cpu_writes_rows_summary_and_chart(tmp_path, capsys):
+    from trainops.__main__ import main
+    from trainops.bench import sweep
+
+    out = str(tmp_path / "sweep.json")
+    assert main(["bench", "--sweep", "--sweep-shapes", "2", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "geomean" in printed and f"wrote {out}" in printed
+    with open(out) as f:
+        saved = json.load(f)
+    assert saved["problems_run"] == {family: 2 for family in sweep.FAMILIES}
+    assert set(saved["summary"]) == set(sweep.FAMILIES)
+    for row in saved["rows"]:   # every implementation checked against float64 before it was timed
+        assert row["error"] is not None and row["error"] < sweep.TOLERANCE[getattr(torch, row["dtype"])]
+        assert row["family"] == row["op"] and row["impl"] in ("trainops", "torch")
+    rows = sweep.load_rows(out)
+    assert json.loads(json.dumps(sweep.summarise(rows))) == saved["summary"]
+    assert os.path.getsize(out[:-5] + ".png") > 1000
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sweep", "--sweep-shapes", "0"], "argument --sweep-shapes: must be at least 1"),
+    (["--sweep", "--sweep-seconds", "-1"], "argument --sweep-seconds: must be above 0"),
+    (["--sweep", "--ops", "softmax,layer_norm"], "argument --ops: layer_norm not among the sweep's families"),
+    (["--sweep-shapes", "5"], "only with --sweep"),
+    (["--sweep", "--quick"], "argument --sweep: times torch.compile on every shape"),
+])
+def test_sweep_arguments_are_refused(argv, says, capsys):
+    from trainops.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench"] + argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err

@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
     bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json)")
     bench.add_argument("--no-peers", action="store_true", help="skip torch.compile and peer libraries")
+    bench.add_argument("--sweep", action="store_true",
+                       help="time trainops against the better of torch eager and torch.compile on shapes drawn from "
+                            "what users run (trainops.bench.sweep); --ops picks families")
+    bench.add_argument("--sweep-shapes", type=int, default=200, help="with --sweep: problems per family (default 200)")
+    bench.add_argument("--sweep-seconds", type=float, default=None,
+                       help="with --sweep: start no new problem after this many seconds")
     args = parser.parse_args(argv)
 
     if args.command == "kernels":
@@ -43,6 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         from . import env
         print(env.format_report(env.collect()))
         return 0
+    if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None):
+        bench.error("argument --sweep-shapes/--sweep-seconds: only with --sweep")
+    if args.sweep:
+        from .bench import sweep
+        if args.quick or args.no_peers:
+            bench.error("argument --sweep: times torch.compile on every shape; leave out --quick and --no-peers")
+        if args.sweep_shapes < 1:
+            bench.error(f"argument --sweep-shapes: must be at least 1, got {args.sweep_shapes}")
+        if args.sweep_seconds is not None and not args.sweep_seconds > 0:
+            bench.error(f"argument --sweep-seconds: must be above 0, got {args.sweep_seconds}")
+        families = sweep.FAMILIES if args.ops == "all" else tuple(args.ops.split(","))
+        unknown = sorted(set(families) - set(sweep.FAMILIES))
+        if unknown:
+            bench.error(f"argument --ops: {', '.join(unknown)} not among the sweep's families "
+                        f"({', '.join(sweep.FAMILIES)}), or 'all'")
+        return sweep.main(args.sweep_shapes, args.sweep_seconds, families, args.out)
     if args.ops != "all":
         from .registry import ops as registered_ops
         unknown = sorted(set(args.ops.split(",")) - set(registered_ops()))
