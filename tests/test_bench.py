@@ -263,7 +263,7 @@ def test_sweep_command_on_the_cpu_writes_rows_summary_and_chart(tmp_path, capsys
     assert "geomean" in printed and f"wrote {out}" in printed
     with open(out) as f:
         saved = json.load(f)
-    assert saved["problems_run"] == {family: 2 for family in sweep.FAMILIES}
+    assert saved["problems_run"] == saved["problems_drawn"] == {family: 2 for family in sweep.FAMILIES}
     assert set(saved["summary"]) == set(sweep.FAMILIES)
     for row in saved["rows"]:   # every implementation checked against float64 before it was timed
         assert row["error"] is not None and row["error"] < sweep.TOLERANCE[getattr(torch, row["dtype"])]
@@ -278,6 +278,7 @@ def test_sweep_command_on_the_cpu_writes_rows_summary_and_chart(tmp_path, capsys
     (["--sweep", "--sweep-seconds", "-1"], "argument --sweep-seconds: must be above 0"),
     (["--sweep", "--ops", "softmax,layer_norm"], "argument --ops: layer_norm not among the sweep's families"),
     (["--sweep-shapes", "5"], "only with --sweep"),
+    (["--sweep", "--ops", "softmax,softmax"], "argument --ops: a family is named twice"),
     (["--sweep", "--quick"], "argument --sweep: times torch.compile on every shape"),
 ])
 def test_sweep_arguments_are_refused(argv, says, capsys):
@@ -287,3 +288,11 @@ def test_sweep_arguments_are_refused(argv, says, capsys):
         main(["bench"] + argv)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_relative_error_of_tuples_is_the_largest_pair():
+    from trainops.bench import _relative_error
+
+    ref = (torch.ones(3, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    assert _relative_error((torch.ones(3), torch.ones(2)), ref) == 0.0
+    assert _relative_error((torch.ones(3), torch.tensor([1.0, 1.5])), ref) > 0.3   # a gradient off is caught

@@ -609,3 +609,55 @@ def test_inplace_backward_needs_a_non_leaf(backend, device):
         trainops.cross_entropy(x, torch.tensor([0, 1, 2], device=device), inplace_backward=True)
     with torch.no_grad():  # nothing to write: the flag is moot
         trainops.cross_entropy(x, torch.tensor([0, 1, 2], device=device), inplace_backward=True)
+
+
+def test_loss_modules_take_the_check_mode(backend, device):
+    x = torch.randn(4, 5, device=device, requires_grad=True)
+    bad = torch.tensor([0, 5, 1, 1], device=device)
+    loss_fn = trainops.nn.CrossEntropyLoss()
+    assert loss_fn.check_target is True
+    loss_fn.check_target = "immediate"
+    with pytest.raises(IndexError, match="'target' holds class 5"):   # at the call, training or not
+        loss_fn(x, bad)
+    loss_fn.check_target = False
+    assert torch.isfinite(loss_fn(x, bad))
+    loss_fn.check_target = "sometimes"
+    with pytest.raises(trainops.InvalidProblemError, match="'check_target' must be True, False or 'immediate'"):
+        loss_fn(x, bad)
+    head = trainops.nn.LinearCrossEntropyLoss()
+    head.check_target = "immediate"
+    h, w = torch.randn(4, 3, device=device, requires_grad=True), torch.randn(5, 3, device=device)
+    with pytest.raises(IndexError, match="argument 'target' holds class 5"):
+        head(h, w, bad)
+
+
+def test_check_pending_without_anything_pending_does_nothing():
+    trainops.check_pending()
+
+
+@pytest.mark.gpu
+def test_gpu_evaluation_errors_are_raised_by_check_pending_or_printed_at_exit():
+    import subprocess
+    import sys
+
+    x = torch.randn(4, 50, device="cuda")
+    bad = torch.tensor([0, 50, 1, 1], device="cuda")
+    with torch.no_grad():
+        loss = trainops.cross_entropy(x, bad)   # no host sync: the bad row is flagged on the GPU
+    with pytest.raises(IndexError, match="found by the fused kernel of a call on the GPU"):
+        trainops.check_pending()
+    assert torch.isfinite(loss)
+    trainops.check_pending()   # reported once
+    # a later call in another mode still raises what is pending
+    with torch.no_grad():
+        trainops.cross_entropy(x, bad)
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match="found by the fused kernel"):
+        trainops.gather(x, torch.tensor([0], device="cuda"), 0, check_index="immediate")
+    script = ("import torch, trainops\n"
+              "x = torch.randn(4, 50, device='cuda')\n"
+              "with torch.no_grad():\n"
+              "    print(float(trainops.cross_entropy(x, torch.tensor([0, 50, 1, 1], device='cuda'))))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "trainops: at exit, an error found on the GPU that no later call raised" in done.stderr

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep_seconds is not None and not args.sweep_seconds > 0:
             bench.error(f"argument --sweep-seconds: must be above 0, got {args.sweep_seconds}")
         families = sweep.FAMILIES if args.ops == "all" else tuple(args.ops.split(","))
+        if len(set(families)) != len(families):
+            bench.error(f"argument --ops: a family is named twice in {args.ops!r}")
         unknown = sorted(set(families) - set(sweep.FAMILIES))
         if unknown:
             bench.error(f"argument --ops: {', '.join(unknown)} not among the sweep's families "

@@ -72,6 +72,12 @@ def log_softmax_backward(dy: Tensor, y: Tensor, dim: int, input_dtype: torch.dty
     return softmax_ops.log_softmax_backward_op(dy, y, dim, input_dtype)
 
 
+def _raise_pending() -> None:
+    """An earlier call's error that the GPU has flagged by now (eager mode; never waits)."""
+    if not torch.compiler.is_compiling():
+        raise_flagged()
+
+
 def _check_index(op: str, index) -> None:
     if not isinstance(index, Tensor):
         raise argument_error(InvalidProblemError, op, "index", f"must be a torch.Tensor, got {type(index).__name__}")
@@ -83,7 +89,6 @@ def _index_checked_on_device(op: str, name: str, index: Tensor, low: int, high: 
     it did, so that the op runs unchecked (such indices read nothing: zeros, no gradient)."""
     if index.device.type != "cuda" or torch.compiler.is_compiling() or not index.is_contiguous():
         return False
-    raise_flagged()
     if index.numel():
         note_flag(gather_ops.out_of_range_flag(index, low, high),
                   f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
@@ -109,6 +114,7 @@ def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool | str = 
     _check("gather", "x", x, dim)
     _check_index("gather", index)
     check, immediate = check_mode("gather", "check_index", check_index)
+    _raise_pending()
     if (check and not immediate and isinstance(dim, int) and -x.dim() <= dim < x.dim()   # a bad dim: the op's error
             and _index_checked_on_device("gather", "index", index, -x.shape[dim], x.shape[dim])):
         check = False
@@ -134,6 +140,7 @@ def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, determi
                              f"must be a sequence of ints, got {input_shape!r}") from None
     size = input_shape[dim] if isinstance(dim, int) and -len(input_shape) <= dim < len(input_shape) else None
     check, immediate = check_mode("gather_backward", "check_index", check_index)
+    _raise_pending()
     if (check and not immediate and size is not None
             and _index_checked_on_device("gather_backward", "index", index, -size, size)):
         check = False
@@ -168,6 +175,7 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
                                  f"is {padding_idx!r}; must be within [{-rows}, {rows - 1}]")
         padding_idx %= rows
     check, immediate = check_mode(op, "check_index", check_index)
+    _raise_pending()
     if check and not immediate and _index_checked_on_device(op, "input", input, 0, rows):
         check = False
     return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check)
@@ -196,12 +204,14 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     the stored gradient times a power of two (its entries, ~p / rows, would fall below float16's
     range before a GradScaler's scale lifts them) that the backward divides out.
     ``check_target`` raises IndexError for a class index outside [0, C) that is not ignore_index.
-    In eager mode on the GPU the kernel flags such rows (no host sync) and the first trainops call
-    that checks (cross_entropy, embedding, gather, their backwards) after the GPU has set the flag
-    raises, usually the next step's; on the CPU the backward raises in training, the call itself
-    otherwise; under torch.compile the check runs before the launch (one min/max and one host sync
-    on the GPU). ``check_target="immediate"``: before the launch everywhere (that sync on the GPU
-    every call). Unchecked, such rows are left out.
+    In eager mode on the GPU the kernel flags such rows (no host sync; the loss leaves them out)
+    and the first eager call of cross_entropy, linear_cross_entropy, embedding, gather or
+    gather_backward, or cross_entropy's backward, after the GPU has set the flag raises (usually
+    the next step's); ``trainops.check_pending()`` waits for the GPU and raises it (the end of an
+    evaluation), and one never raised is printed at exit. On the CPU the backward raises in
+    training, the call itself otherwise; under torch.compile the check runs before the launch (one
+    min/max and one host sync on the GPU). ``check_target="immediate"``: before the launch
+    everywhere (that sync on the GPU every call). Unchecked, such rows are left out.
     ``inplace_backward=True`` writes the gradient over the logits (saving a logits-sized buffer):
     input must be a non-leaf tensor nothing else needs afterwards (e.g. the LM head's output); its
     values are gone after the call (autograd raises if another op saved them). Accumulates in

@@ -57,7 +57,8 @@ class Embedding(torch.nn.Embedding):
 
     Same constructor, parameters, state dict and ``from_pretrained``; the weight gradient comes
     from the deterministic sorted-index kernel. ``max_norm`` and ``sparse=True`` raise
-    UnsupportedError. ``check_index`` (attribute, default True) as in ``trainops.gather``.
+    UnsupportedError. ``check_index`` (attribute, default True: True, False or "immediate") as in
+    ``trainops.gather``.
     """
 
     check_index: bool = True
@@ -78,7 +79,11 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     """``torch.nn.CrossEntropyLoss`` computed by ``trainops.functional.cross_entropy`` (fused gradient).
 
     Same constructor, buffers and results; extra keyword-only ``z_loss`` and ``loss_dtype``.
+    ``check_target`` (attribute, default True: True, False or "immediate") as in
+    ``trainops.cross_entropy``.
     """
+
+    check_target: bool | str = True
 
     def __init__(self, *args, z_loss: float = 0.0, loss_dtype: torch.dtype | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -86,7 +91,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
-                               label_smoothing=self.label_smoothing, z_loss=self.z_loss, loss_dtype=self.loss_dtype)
+                               label_smoothing=self.label_smoothing, z_loss=self.z_loss, loss_dtype=self.loss_dtype,
+                               check_target=self.check_target)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -184,7 +190,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     Constructor: class_weight (a buffer, as CrossEntropyLoss's weight), ignore_index, reduction,
     label_smoothing, z_loss, softcap, loss_dtype. forward(hidden, weight, target, bias=None, *,
-    num_items_in_batch=None)."""
+    num_items_in_batch=None). ``check_target`` (attribute, default True: True, False or
+    "immediate") as in ``trainops.linear_cross_entropy``."""
+
+    check_target: bool | str = True
 
     def __init__(self, class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
@@ -201,7 +210,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return F.linear_cross_entropy(hidden, weight, target, bias, class_weight=self.class_weight,
                                       ignore_index=self.ignore_index, reduction=self.reduction,
                                       label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                                      num_items_in_batch=num_items_in_batch, loss_dtype=self.loss_dtype)
+                                      num_items_in_batch=num_items_in_batch, loss_dtype=self.loss_dtype,
+                                      check_target=self.check_target)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

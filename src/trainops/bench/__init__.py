@@ -180,7 +180,14 @@ def launch_overhead_us(device, calls: int = 2000) -> dict[str, float]:
 
 
 def _relative_error(out, reference) -> float | None:
-    if reference is None or not isinstance(out, torch.Tensor):
+    """||out - reference|| / ||reference||; for tuples of outputs (an output and its gradients) the
+    largest over the pairs."""
+    if reference is None:
+        return None
+    if isinstance(out, (tuple, list)) and isinstance(reference, (tuple, list)) and len(out) == len(reference):
+        errors = [_relative_error(o, r) for o, r in zip(out, reference)]
+        return None if None in errors else max(errors)
+    if not isinstance(out, torch.Tensor):
         return None
     diff = (out.detach().double() - reference).norm().item()
     return diff / max(reference.norm().item(), 1e-300)

@@ -13,9 +13,10 @@ of the problems reduce a middle axis ((outer, length, inner), dim=1). Duplicates
 Each problem: trainops, torch eager and torch.compile of the same eager code (one compiled
 function per family, compiled as a user would: automatic dynamic shapes; Dynamo's recompile
 limits are raised for the sweep, so no shape silently falls back to eager), every output first
-compared with a float64 reference (trainops outside the dtype's tolerance stops the run), then
-timed (``triton.testing.do_bench`` median, shorter warm-up and repetition than the main bench:
-``SWEEP_TIMING``). Rows carry ms, GB/s of the fewest bytes, % of the copy ceiling and the fields
+compared with a float64 reference (the output and, for the training calls, every gradient; trainops
+outside the dtype's tolerance stops the run), then timed once (``triton.testing.do_bench``
+median, shorter warm-up and repetition than the main bench: ``SWEEP_TIMING``; a few-microsecond
+call is noisy). The weights are in the input's dtype for every implementation. Rows carry ms, GB/s of the fewest bytes, % of the copy ceiling and the fields
 ``family``, ``row_length``, ``rows``, ``dtype``, ``dim``; ``summarise`` adds per family the
 geometric mean of best-of-torch ms / trainops ms, the worst shape, how many shapes trainops is
 slower on, and the median % of the copy ceiling of odd and of even row lengths (shapes of at least
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 
 import torch
@@ -100,7 +102,7 @@ def _torch_cross_entropy(x, t):
 
 
 def _torch_rms_norm(x, w):
-    return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
 
 
 def _torch_swiglu(gate, up):
@@ -109,13 +111,13 @@ def _torch_swiglu(gate, up):
 
 def _backward_step(fn, inputs, leaves, dy):
     """A call that runs ``fn(*inputs)`` and its backward (of ``dy``, or of the scalar loss) and
-    returns the first leaf's gradient."""
+    returns (the output, every leaf's gradient): all of them are checked."""
     def run():
         for t in leaves:
             t.grad = None
         out = fn(*inputs)
         out.backward() if dy is None else out.backward(dy)
-        return leaves[0].grad
+        return (out.detach(), *(t.grad for t in leaves))
     return run
 
 
@@ -156,12 +158,13 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
 
             def reference():
                 xd = x.detach().double().requires_grad_()
-                F.cross_entropy(xd, t).backward()
-                return xd.grad
+                loss = F.cross_entropy(xd, t)
+                loss.backward()
+                return loss.detach(), xd.grad
             return impls, reference
         if family == "rms_norm":
             x = _randn(shape, dtype, device, 30, 2.0).requires_grad_()
-            w = (_randn(shape[-1:], torch.float32, device, 32, 0.1) + 1.0).requires_grad_()
+            w = (_randn(shape[-1:], torch.float32, device, 32, 0.1) + 1.0).to(dtype).requires_grad_()
             dy = _randn(shape, dtype, device, 34)
             impls = {"trainops": lambda: _backward_step(lambda x, w: trainops.rms_norm(x, w, 1e-6), (x, w), [x, w], dy),
                      "torch": lambda: _backward_step(_torch_rms_norm, (x, w), [x, w], dy)}
@@ -169,10 +172,10 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
                 impls["torch.compile"] = lambda: _backward_step(_compiled(family, _torch_rms_norm), (x, w), [x, w], dy)
 
             def reference():
-                xd = x.detach().double().requires_grad_()
-                (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * w.detach().double()).backward(
-                    dy.double())
-                return xd.grad
+                xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+                y = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * wd
+                y.backward(dy.double())
+                return y.detach(), xd.grad, wd.grad
             return impls, reference
         gate = _randn(shape, dtype, device, 40, 2.0).requires_grad_()
         up = _randn(shape, dtype, device, 41).requires_grad_()
@@ -184,15 +187,17 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
                                                             dy)
 
         def reference():
-            g = gate.detach().double().requires_grad_()
-            (F.silu(g) * up.detach().double()).backward(dy.double())
-            return g.grad
+            g, u = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+            y = F.silu(g) * u
+            y.backward(dy.double())
+            return y.detach(), g.grad, u.grad
         return impls, reference
 
     label = "x".join(map(str, shape)) + (f" dim={dim}" if dim != -1 else "") + f" {_dt(dtype)}"
     fields = {"family": family, "row_length": problem["row_length"], "rows": problem["rows"], "dtype": _dt(dtype),
               "dim": dim}
-    return Case(family, label, numel * dtype.itemsize * tensors, build, fields, SWEEP_TIMING, TOLERANCE[dtype])
+    nbytes = numel * dtype.itemsize * tensors + (8 * problem["rows"] if family == "cross_entropy" else 0)  # targets
+    return Case(family, label, nbytes, build, fields, SWEEP_TIMING, TOLERANCE[dtype])
 
 
 def summarise(rows) -> dict:
@@ -223,8 +228,8 @@ def summarise(rows) -> dict:
     for s in out.values():
         s["geomean_speedup"] = round(math.exp(s.pop("log_ratio_sum") / s["problems"]), 3)
         for key in ("odd_pct", "even_pct"):
-            values = sorted(s.pop(key))
-            s[f"median_pct_of_copy_{key[:-4]}_rows"] = values[len(values) // 2] if values else None
+            values = s.pop(key)
+            s[f"median_pct_of_copy_{key[:-4]}_rows"] = round(statistics.median(values), 1) if values else None
     return out
 
 
@@ -305,6 +310,9 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
         setattr(torch._dynamo.config, name, 4096)
     started, rows, ran, skipped = time.perf_counter(), [], {}, {}
     drawn = {family: problems(family, shapes, seed, max_elements) for family in families}
+    for family, found in drawn.items():
+        if len(found) < shapes:
+            log(f"{family}: {len(found)} distinct problems within the bounds, fewer than the {shapes} asked")
     try:
         # round robin over the families: a time limit leaves every family the same share
         for i in range(shapes):
@@ -323,7 +331,8 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
             setattr(torch._dynamo.config, name, value)
         _COMPILED.clear()
     meta = {"environment": env, "copy_ceiling_gbps": None if ceiling is None else round(ceiling, 1),
-            "shapes_asked": shapes, "problems_run": ran, "problems_not_started": skipped, "seed": seed,
+            "shapes_asked": shapes, "problems_drawn": {family: len(found) for family, found in drawn.items()},
+            "problems_run": ran, "problems_not_started": skipped, "seed": seed,
             "seconds": round(time.perf_counter() - started, 1)}
     return rows, summarise(rows), meta
 

@@ -67,6 +67,39 @@ def raise_flagged() -> None:
             raise IndexOutOfRangeError(message)
 
 
+def check_pending() -> None:
+    """Wait for the GPU work behind every remembered flag, then raise IndexOutOfRangeError for the
+    first one set (``trainops.check_pending``: the end of an evaluation, before trusting its loss).
+    One host synchronisation when something is pending; nothing otherwise."""
+    while _PENDING_FLAGS:
+        host, done, message = _PENDING_FLAGS.pop(0)
+        done.synchronize()
+        _FREE_FLAGS.append((host, done))
+        if host[0]:
+            raise IndexOutOfRangeError(message)
+
+
+def _report_pending_at_exit() -> None:
+    """At interpreter exit: an error a GPU check found but no later call raised is printed, not lost."""
+    import sys
+
+    try:
+        while True:
+            try:
+                check_pending()
+                return
+            except IndexOutOfRangeError as error:
+                print(f"trainops: at exit, an error found on the GPU that no later call raised: {error}",
+                      file=sys.stderr)
+    except Exception:   # the CUDA context may already be gone at exit
+        return
+
+
+import atexit  # noqa: E402
+
+atexit.register(_report_pending_at_exit)
+
+
 def float_dtype(op: str, name: str, dtype, optional: bool = False) -> torch.dtype | None:
     """``dtype`` when it is one of FLOATS (None passes with ``optional``), else UnsupportedError naming ``name``."""
     if dtype is None and optional:

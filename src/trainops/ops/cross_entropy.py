@@ -1142,7 +1142,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_
         raise_flagged()
     # Eager mode: the kernel flags bad targets, checked later without a host sync (by the backward on
     # the CPU: there, without a gradient, the op checks first, which costs no sync).
-    deferred = (check_target and not immediate_check and not compiling
+    deferred = (check_target and not immediate_check and not compiling and not target.is_floating_point()
                 and (compute_grad or logits.device.type == "cuda"))
     if inplace_backward and compute_grad:
         if logits.is_leaf:

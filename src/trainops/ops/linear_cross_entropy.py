@@ -455,8 +455,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     compiling = torch.compiler.is_compiling()
     if not compiling:
         raise_flagged()
-    # eager mode: the kernels flag bad targets, checked later without a host sync (on the CPU here, or
-    # by the backward); immediate, or under torch.compile: checked before any work (one sync on the GPU)
+    # eager mode: the kernels flag bad targets, raised right after the call on the CPU, by a later call
+    # on the GPU (no host sync); immediate, or under torch.compile: checked before any work
     deferred = check and not immediate and not compiling
     loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
                                               float(label_smoothing), float(z_loss),
