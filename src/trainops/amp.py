@@ -14,6 +14,8 @@ is the kernels, none of which synchronises with the host:
 - ``update`` runs the fused scale update (ORT MixedPrecisionScale's role): backoff on inf/NaN,
   growth after ``growth_interval`` clean steps.
 - ``step`` with a torch optimizer: as torch (check, then a host read of found_inf to skip).
+- DTensor gradients (FSDP2): the kernels run on the local shards, and the inf/NaN flag is summed
+  over the device mesh, so every rank skips, backs off and grows alike (trainops.dtensor).
   With a trainops.optim optimizer (and no earlier ``unscale_``): the optimizer's step does the
   finite check itself in one read-only pass over the gradients (with the global-norm clip when it
   has ``max_grad_norm``), then unscales inside its update kernel and skips on the device when
@@ -27,6 +29,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from .dtensor import MeshSums, local
 from .errors import UnsupportedError
 from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
@@ -60,7 +63,8 @@ class GradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for device, grads in self._grads_per_device(optimizer, allow_fp16).items():
                 found[device] = found_inf.to(device) if found_inf.device != device else found_inf
-                amp_ops.unscale_(grads, inv_scale.to(device), found[device], tables=self._tables)
+                amp_ops.unscale_([local(g) for g in grads], inv_scale.to(device), found[device], tables=self._tables)
+                _agree(grads, found[device])
         return found
 
     def _check_inf_per_device(self, optimizer):
@@ -69,7 +73,8 @@ class GradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for device, grads in self._grads_per_device(optimizer, True).items():
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                amp_ops.all_finite(grads, found[device], tables=self._tables)
+                amp_ops.all_finite([local(g) for g in grads], found[device], tables=self._tables)
+                _agree(grads, found[device])
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -108,6 +113,16 @@ class GradScaler(torch.amp.GradScaler):
         amp_ops.update_scale_(scale, growth_tracker, combined, self._growth_factor, self._backoff_factor,
                               self._growth_interval)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def _agree(grads, found: torch.Tensor) -> None:
+    """For DTensor gradients: ``found`` (this rank's flag) becomes 1 on every rank of their mesh if
+    it is nonzero on any (one all_reduce per mesh dimension); nothing for plain gradients."""
+    sums = MeshSums.of(grads, "trainops.amp.GradScaler")
+    if sums is not None:
+        flag = found.reshape(1).to(torch.float64)
+        sums.sum_rows_(flag, [sums.every_dim()])
+        found.copy_((flag[0] > 0).to(found.dtype))
 
 
 __all__ = ["GradScaler"]

@@ -99,6 +99,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .dtensor import is_dtensor
 from .errors import InvalidProblemError, UnsupportedError
 from .ops import amp as amp_ops
 from .optim import LAMB, AdamW, FusedOptimizer, FusedStep
@@ -337,6 +338,14 @@ def _finish_reduce(bucket: _Bucket, out_shard: torch.Tensor, world: int) -> None
     out_shard.div_(world)
 
 
+def _refuse_dtensors(where: str, params) -> None:
+    """UnsupportedError for DTensor parameters (FSDP2 already syncs and shards them)."""
+    if any(is_dtensor(p) for p in params):
+        raise UnsupportedError(f"{where}: argument 'params' holds DTensors (a model wrapped by FSDP2's fully_shard "
+                               "or tensor parallelism), whose gradients FSDP2 already reduces; step them with a "
+                               "trainops.optim optimizer directly")
+
+
 class GradientSync:
     """Average gradients over the ranks of ``process_group`` in buckets, overlapped with backward.
 
@@ -364,6 +373,7 @@ class GradientSync:
                 raise InvalidProblemError(f"{where}: argument 'params' holds parameter {self._positions[id(p)]} "
                                           f"again at position {i}; pass each parameter once")
             self._positions[id(p)] = i
+        _refuse_dtensors(where, given)
         self.params = [p for p in given if p.requires_grad]
         self._without_bucket = [p for p in given if not p.requires_grad]
         if not self.params:
@@ -504,6 +514,7 @@ class ShardedOptimizer(FusedStep, torch.optim.Optimizer):
         self.comm_dtype = comm_dtype
         self.bucket_mb = bucket_mb
         self.grad_norm: torch.Tensor | None = None
+        _refuse_dtensors(where, [p for g in self.param_groups for p in g["params"]])
         groups = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         if not any(groups):
             raise InvalidProblemError(f"{where}: no parameter in argument 'params' requires grad")

@@ -33,6 +33,8 @@ these transformers classes (a user's own) are not swapped and are reported.
                training step's logits, such as a token-accuracy metric, needs hf=False), labels
                shifted as transformers's ForCausalLMLoss shifts them (or ``shift_labels``),
                ``num_items_in_batch`` passed on, Gemma 2's ``final_logit_softcapping`` as softcap.
+               An LM head that FSDP2's ``fully_shard`` made a unit of its own computes the loss
+               as one of its FSDP forward methods (the weight gathered by FSDP, not read as a shard).
                The original forward runs without labels, in eval mode, with ``logits_to_keep``,
                ``return_dict=False``, a custom ``model.loss_function`` or another ``loss_type``.
 
@@ -48,6 +50,8 @@ import types
 
 import torch
 from torch import Tensor
+
+from .dtensor import fsdp_wrapped_class
 
 LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 GEMMA_STYLE_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm"})
@@ -198,8 +202,6 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                         logits_to_keep=logits_to_keep, **cache, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from .functional import linear_cross_entropy
-
     loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
     outputs = getattr(self, self.base_model_prefix)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -209,12 +211,36 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is None:   # tokens < n predict n, as transformers's ForCausalLMLoss
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device), self.lm_head.bias,
-                                ignore_index=ignore_index, num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
-                                softcap=getattr(self.config, "final_logit_softcapping", None))
+    loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
+                      num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+                      softcap=getattr(self.config, "final_logit_softcapping", None))
     cache_field = _CACHE_FIELD[0] or _find_cache_field()
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions, **{cache_field: getattr(outputs, cache_field)})
+
+
+def _linear_cross_entropy_of_head(head: torch.nn.Linear, hidden: Tensor, labels: Tensor, **options) -> Tensor:
+    from .functional import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, head.weight, labels, head.bias, **options)
+
+
+_HEAD_LOSS = "trainops_linear_cross_entropy"
+
+
+def _head_loss(head: torch.nn.Linear, hidden: Tensor, labels: Tensor, **options) -> Tensor:
+    """The fused loss of the LM head's weight and bias. When FSDP2's ``fully_shard`` made the head a
+    unit of its own, the loss runs as a forward method of the head (``register_fsdp_forward_method``):
+    FSDP gathers the weight for it and reduce-scatters its gradient, as for ``head(hidden)``;
+    outside it the weight would be this rank's shard."""
+    if fsdp_wrapped_class(type(head)) is None:
+        return _linear_cross_entropy_of_head(head, hidden, labels, **options)
+    if _HEAD_LOSS not in vars(head):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(head, _HEAD_LOSS, types.MethodType(_linear_cross_entropy_of_head, head))
+        register_fsdp_forward_method(head, _HEAD_LOSS)
+    return getattr(head, _HEAD_LOSS)(hidden, labels, **options)
 
 
 # The name of transformers's output field holding the cache, found when a causal LM is swapped
@@ -234,10 +260,12 @@ def _find_cache_field() -> str:
 # ---- the swapped classes -------------------------------------------------------------------------
 
 _SUBCLASSES: dict[type, type] = {}
+_SWAPPED: set[type] = set()   # _SUBCLASSES's values
 
 
 def _original_forward(swapped: type):
-    return swapped.__bases__[0].forward
+    """transformers's forward of a swapped class (or of fully_shard's wrapper around one)."""
+    return next(c for c in swapped.__mro__ if c in _SWAPPED).__bases__[0].forward
 
 
 def _activation_kind(act) -> str | None:
@@ -261,6 +289,7 @@ def trainops_class(cls: type, forward) -> type:
         sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
             "forward": forward, "__module__": __name__, "__qualname__": qualname,
             "__doc__": f"transformers's {cls.__name__} computed by trainops (trainops.hf)"})
+        _SWAPPED.add(sub)
         globals()[qualname] = sub
     return sub
 
@@ -278,21 +307,23 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def is_swapped(module: torch.nn.Module) -> bool:
-    return type(module) in _SUBCLASSES.values()
+def is_swapped(module: torch.nn.Module, cls: type | None = None) -> bool:
+    """Whether ``module``'s class (or ``cls``: the class fully_shard wrapped) is a swapped one."""
+    return (cls or type(module)) in _SWAPPED
 
 
 _KNOWN = (LLAMA_STYLE_NORMS | GEMMA_STYLE_NORMS | GATED_MLPS | TANH_GELUS | CAUSAL_LMS | ROTARY_ATTENTIONS
           | SCALED_EMBEDDINGS)
 
 
-def swap_for(module: torch.nn.Module):
+def swap_for(module: torch.nn.Module, cls: type | None = None):
     """(trainops class or None, reasons it cannot be swapped) for a transformers module trainops
-    covers or a subclass of one (not swapped: reported), else None."""
-    cls = type(module)
+    covers or a subclass of one (not swapped: reported), else None. ``cls``: the module's class
+    (default its type; the class fully_shard wrapped, for a module it wrapped)."""
+    cls = cls or type(module)
     if not is_transformers_class(cls):
         base = next((b for b in cls.__mro__[1:] if is_transformers_class(b) and b.__name__ in _KNOWN), None)
-        if base is None or is_swapped(module):
+        if base is None or is_swapped(module, cls):
             return None
         return None, [f"a subclass of transformers.{base.__name__}: only exact transformers classes are swapped "
                       "(a subclass may change what the module computes)"]

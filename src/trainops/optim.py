@@ -24,6 +24,15 @@ Options beyond torch:
 Under torch.amp.GradScaler or trainops.amp.GradScaler, the step unscales the gradients itself
 (``_step_supports_amp_scaling``) and skips when the scaler found inf/NaN, on the device.
 
+Sharded parameters (DTensors: FSDP2's ``fully_shard``, tensor parallelism; see trainops.dtensor):
+each rank steps its local shards in the same kernels, and keeps its state as DTensors of the
+parameters' layout, as torch.optim does (so ``torch.distributed.checkpoint`` saves and reshards
+it). What needs whole tensors is summed over the mesh: the ``max_grad_norm`` norm, LAMB's trust
+ratios (norms of whole parameters), and the inf/NaN flag (``skip_nonfinite``, a GradScaler's
+``found_inf``), so every rank skips or steps alike. These collectives are the only ones a step
+makes, and only with DTensor parameters; every rank must step the same parameters. One device
+mesh per optimizer.
+
 Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
 state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,
 sparse or complex gradients raise InvalidProblemError / UnsupportedError; parameters without a
@@ -37,6 +46,7 @@ from typing import Iterable
 
 import torch
 
+from .dtensor import MeshSums, is_dtensor, local
 from .errors import InvalidProblemError, UnsupportedError
 from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
@@ -75,6 +85,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         self.skip_nonfinite = bool(skip_nonfinite)
         self.grad_norm: torch.Tensor | None = None
         self._tables = TableCache()
+        self._mesh_tables: dict = {}
         self._buckets: dict = {}
         self._state_version = 0
 
@@ -152,14 +163,26 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         if cached is None or cached[0] != key:
             cached = self._buckets[index] = (key, self._build_buckets(index, group, params))
         buckets = {}
-        for where, (bucket_params, states) in cached[1].items():
+        for where, (bucket_params, locals_, states, mesh_sums) in cached[1].items():
             grads = [p.grad for p in bucket_params]
             for g in grads:
                 if g.is_sparse:
                     raise UnsupportedError(f"trainops.optim.{self._name}: a parameter of param group {index} has a "
                                            "sparse gradient; the fused optimizers take dense gradients only")
-            buckets[where] = {"params": bucket_params, "grads": grads, "states": states}
+            if mesh_sums is not None:
+                grads = [self._local_grad(p, g, index) for p, g in zip(bucket_params, grads)]
+            buckets[where] = {"params": locals_, "grads": grads, "states": states, "originals": bucket_params,
+                              "mesh_sums": mesh_sums}
         return buckets
+
+    def _local_grad(self, p, g, index: int) -> torch.Tensor:
+        """This rank's part of a DTensor parameter's gradient, which must be laid out as the parameter."""
+        if not is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
+            layout = f"{type(g).__name__} with placements {getattr(g, 'placements', None)}"
+            raise UnsupportedError(f"trainops.optim.{self._name}: a DTensor parameter of param group {index} (placements "
+                                   f"{p.placements}) has a gradient that is a {layout}; it must be a DTensor of the "
+                                   "parameter's mesh and placements")
+        return local(g)
 
     def _build_buckets(self, index: int, group, params) -> dict:
         buckets: dict = {}
@@ -178,7 +201,9 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             bucket_params, states = buckets.setdefault((p.device, p.dtype), ([], []))
             bucket_params.append(p)
             states.append(state)
-        return buckets
+        where = f"trainops.optim.{self._name} (param group {index})"
+        return {key: (bucket_params, [local(p) for p in bucket_params], states, MeshSums.of(bucket_params, where))
+                for key, (bucket_params, states) in buckets.items()}
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -207,6 +232,10 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         caller_found_inf = found_inf
         check = self.skip_nonfinite or self.max_grad_norm is not None or check_finite
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
+        sharded = [b["mesh_sums"] for _, buckets in gathered for b in buckets.values() if b["mesh_sums"] is not None]
+        if len({m.mesh for m in sharded}) > 1:
+            raise UnsupportedError(f"trainops.optim.{self._name}: the parameters are DTensors on {len({m.mesh for m in sharded})} "
+                                   "device meshes; one optimizer steps one mesh's parameters")
         # Every bucket is checked (kernel, layouts, hyper-parameters) before any is written: a step
         # that raises leaves parameters, state and step counters as they were.
         prepared = []
@@ -216,7 +245,11 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 table = self._tables.get((self._name, index, device, dtype))
                 prepared.append((device, self._prepare_bucket(group, bucket, table)))
         self.grad_norm = None
-        if check:
+        if sharded and (check or found_inf is not None):
+            found_inf, clip, self.grad_norm = self._mesh_stats(gathered, sharded[0].mesh, check, grad_scale, found_inf)
+            if caller_found_inf is not None and found_inf is not caller_found_inf:
+                caller_found_inf.copy_(found_inf)
+        elif check:
             grads = [g for _, buckets in gathered for b in buckets.values() for g in b["grads"]]
             if grads:
                 devices = {g.device for g in grads}
@@ -232,6 +265,50 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         for device, write in prepared:
             write(_on(grad_scale, device), _on(found_inf, device), _on(clip, device))
         return loss
+
+    def _mesh_stats(self, gathered, mesh, check: bool, grad_scale, found_inf):
+        """(found_inf, clip, norm) of a step over DTensor parameters, the same on every rank of the mesh.
+
+        Each rank reads its local gradients (grad_stats, once per set of shard dimensions), then one
+        all_reduce per mesh dimension sums the squared norms over the ranks holding the parts and
+        the inf/NaN flags over every rank; without ``check`` only the caller's flag is summed.
+        """
+        grads, dims = [], []
+        for _, buckets in gathered:
+            for bucket in buckets.values():
+                grads += bucket["grads"]
+                dims += bucket["mesh_sums"].dims if bucket["mesh_sums"] is not None else [()] * len(bucket["grads"])
+        devices = {g.device for g in grads}
+        if len(devices) != 1:
+            raise UnsupportedError(f"trainops.optim.{self._name}: max_grad_norm / skip_nonfinite / GradScaler checks "
+                                   f"need all parameters on one device; found {sorted(map(str, devices))}")
+        device = devices.pop()
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        if found_inf is not None:
+            flag.copy_(found_inf)
+        norms, classes = [], {}
+        if check:
+            for g, d in zip(grads, dims):
+                classes.setdefault(d, []).append(g)
+            for d, members in classes.items():
+                stats = amp_ops.grad_stats(members, grad_scale=_on(grad_scale, device), found_inf=flag,
+                                           tables=self._class_tables(d))
+                norms.append(stats.norm)
+        sums = MeshSums(mesh, [*classes, tuple(range(mesh.ndim))])
+        values = torch.stack([*(n.to(torch.float64).square() for n in norms), flag.to(torch.float64)])
+        sums.sum_rows_(values)
+        flag = (values[-1] > 0).to(torch.float32)
+        if not check:
+            return flag, None, None
+        norm = values[:-1].sum().sqrt()   # float64, rounded to float32 after the clip, as grad_stats's CPU path
+        clip = None if self.max_grad_norm is None else amp_ops.clip_coefficient(norm, self.max_grad_norm).to(torch.float32)
+        return flag, clip, norm.to(torch.float32)
+
+    def _class_tables(self, dims) -> TableCache:
+        """The pointer tables of one set of shard dimensions' gradients (kept apart: one cache per list)."""
+        if dims not in self._mesh_tables:
+            self._mesh_tables[dims] = TableCache()
+        return self._mesh_tables[dims]
 
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         """The bucket's step with every check made and nothing written (see ops/optimizers.py)."""
@@ -249,7 +326,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                         p.grad.detach_()
                     else:
                         p.grad.requires_grad_(False)
-                    grads.append(p.grad)
+                    grads.append(local(p.grad))
         with torch.no_grad():
             for device in {g.device for g in grads}:
                 grad_ops.zero_([g for g in grads if g.device == device], tables=self._tables)
@@ -257,7 +334,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     @staticmethod
     def _masters(group, bucket):
         if group.get("master_weights") and bucket["params"][0].dtype in _HALF:
-            return [s["master_param"] for s in bucket["states"]]
+            return [local(s["master_param"]) for s in bucket["states"]]
         return None
 
     # -- state_dict ----------------------------------------------------------------------------
@@ -290,6 +367,11 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                         f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id} has shape "
                         f"{tuple(value.shape)}; the parameter has shape {tuple(p.shape)}")
                 dtype = torch.float32 if key == "master_param" else self._state_dtype(group, p)
+                if is_dtensor(p) and not is_dtensor(value):
+                    raise UnsupportedError(
+                        f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id} is a plain "
+                        "tensor and the parameter a DTensor; load sharded state with torch.distributed.checkpoint "
+                        "(set_optimizer_state_dict reshards a full state dict)")
                 state[key] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
 
 
@@ -322,7 +404,7 @@ class SGD(FusedOptimizer):
         buffers, fresh, new_buffers = None, None, {}
         if group["momentum"] != 0:
             buffers, fresh = [], []
-            for p, state in zip(bucket["params"], bucket["states"]):
+            for p, state in zip(bucket["originals"], bucket["states"]):
                 buffer = state.get("momentum_buffer")
                 fresh.append(buffer is None)
                 if buffer is None:
@@ -332,7 +414,7 @@ class SGD(FusedOptimizer):
                     # once the step writes.
                     buffer = new_buffers[id(state)] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
                                                                        memory_format=torch.preserve_format)
-                buffers.append(buffer)
+                buffers.append(local(buffer))
         step = optimizer_ops.prepare_sgd_step(
             bucket["params"], bucket["grads"], buffers, fresh, lr=group["lr"], momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
@@ -377,8 +459,9 @@ class Adam(FusedOptimizer):
         states = bucket["states"]
         beta1, beta2 = group["betas"]
         return optimizer_ops.prepare_adam_step(
-            bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None, [s["step"] for s in states],
+            bucket["params"], bucket["grads"], [local(s["exp_avg"]) for s in states],
+            [local(s["exp_avg_sq"]) for s in states],
+            [local(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else None, [s["step"] for s in states],
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
             masters=self._masters(group, bucket), table=table)
@@ -423,11 +506,14 @@ class LAMB(FusedOptimizer):
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
+        mesh_sums = bucket["mesh_sums"]
         return optimizer_ops.prepare_lamb_step(
-            bucket["params"], bucket["grads"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], bias_correction=group["bias_correction"], maximize=group["maximize"],
-            masters=self._masters(group, bucket), table=table)
+            bucket["params"], bucket["grads"], [local(s["exp_avg"]) for s in states],
+            [local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states], lr=group["lr"], beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"], maximize=group["maximize"],
+            masters=self._masters(group, bucket), table=table,
+            reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
 
 
 __all__ = ["Adam", "AdamW", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]

@@ -40,6 +40,10 @@ class defines (its own ``forward``, or e.g. ``check_index`` or ``z_loss``: set t
 patching). Every module is checked before any is changed, and if changing one raises, those
 already changed are changed back: ``patch`` swaps all the modules it reports as swapped, or none.
 
+Models wrapped by FSDP2's ``fully_shard`` are patched the same, before or after it: a wrapped
+module (whose class ``fully_shard`` made a subclass of (FSDPModule, its class)) becomes the same
+wrapper around the trainops class, keeping its FSDP state and hooks (trainops.dtensor).
+
 Softmax computed inside other modules' forward (torch.nn.MultiheadAttention calls
 ``scaled_dot_product_attention``) is not a module and is not touched.
 """
@@ -53,6 +57,7 @@ import torch
 
 from . import hf as trainops_hf
 from . import nn as trainops_nn
+from .dtensor import fsdp_class, fsdp_wrapped_class
 from .errors import InvalidProblemError, argument_error
 
 
@@ -200,12 +205,14 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -
         names_by_module[id(module)].append(name)
 
     report = PatchReport()
-    to_swap: list[tuple[torch.nn.Module, _Swap]] = []
+    to_swap: list[tuple[torch.nn.Module, _Swap, type]] = []
     for module in modules:
-        if isinstance(module, trainops_classes) or trainops_hf.is_swapped(module):
+        wrapped = fsdp_wrapped_class(type(module))   # the class fully_shard wrapped, if it did
+        cls = wrapped or type(module)
+        if isinstance(module, trainops_classes) or trainops_hf.is_swapped(module, cls):
             continue
-        swap = swaps.get(type(module))
-        found = trainops_hf.swap_for(module) if hf and swap is None else None
+        swap = swaps.get(cls)
+        found = trainops_hf.swap_for(module, cls) if hf and swap is None else None
         if found is not None and found[0] is None:   # a transformers module trainops cannot take (reasons given)
             reasons = found[1]
         elif found is not None:
@@ -225,21 +232,21 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -
         if reasons:
             report.skipped.append((first_name, type(module).__name__, "; ".join(reasons)))
         else:
-            to_swap.append((module, swap))
+            to_swap.append((module, swap, swap.trainops_class if wrapped is None else fsdp_class(swap.trainops_class)))
             report.swapped.append((first_name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
 
-    swapped_so_far: list[tuple[torch.nn.Module, _Swap]] = []
+    swapped_so_far: list[tuple[torch.nn.Module, _Swap, type]] = []
     try:
-        for module, swap in to_swap:
-            module.__class__ = swap.trainops_class
-            swapped_so_far.append((module, swap))
+        for module, swap, new_class in to_swap:
+            swapped_so_far.append((module, swap, type(module)))
+            module.__class__ = new_class
             for attribute, default in swap.added_attributes.items():
                 setattr(module, attribute, default)
     except BaseException:
-        for module, swap in reversed(swapped_so_far):
+        for module, swap, old_class in reversed(swapped_so_far):
             for attribute in swap.added_attributes:
                 module.__dict__.pop(attribute, None)
-            module.__class__ = swap.torch_class
+            module.__class__ = old_class
         raise
     return report
 

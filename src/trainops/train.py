@@ -1,7 +1,8 @@
 """``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources.
 
 (``--model llama`` trains transformers's LlamaForCausalLM on BPE tokens of the same sources instead:
-``trainops.train_llama``; this module parses the command line for both.)
+``trainops.train_llama``; ``--fsdp`` under torchrun shards this GPT with FSDP2 over the ranks:
+``trainops.train_fsdp``; this module parses the command line for all three.)
 
 The model is Llama-style: pre-norm blocks with RMSNorm, rotary position embeddings, causal
 attention with an explicit softmax, a SwiGLU MLP, tied embeddings, dropout available
@@ -480,9 +481,10 @@ class RunResult:
     step_times_ms: list
 
 
-def build(cfg: Config, device: torch.device, use_trainops: bool):
+def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable | None = None):
     """Model, its (optionally compiled) forward, optimizer, scaler, autocast dtype, patch report.
-    Same initial weights for both variants (same seed)."""
+    Same initial weights for both variants (same seed). ``shard(model)``: FSDP2's wrapping
+    (train_fsdp), applied after the patch and before the optimizer sees the parameters."""
     import trainops
 
     torch.manual_seed(cfg.seed)
@@ -492,6 +494,8 @@ def build(cfg: Config, device: torch.device, use_trainops: bool):
         report = trainops.patch(model)
         model.loss.loss_dtype = torch.float32   # half logits in, float32 loss out (torch's autocast does the same)
         model.tokens.check_index = False  # bytes: valid by construction
+    if shard is not None:
+        shard(model)
     amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -504,7 +508,11 @@ def build(cfg: Config, device: torch.device, use_trainops: bool):
         if cfg.optimizer == "lamb":
             raise ValueError("trainops train: the PyTorch run has no LAMB (torch.optim has none)")
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-        scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        if shard is not None:   # what torch offers for sharded gradients: found_inf agreed over the ranks
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)
+        else:
+            scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     forward = torch.compile(model) if cfg.compile else model
     return model, forward, opt, scaler, amp_dtype, report
 
@@ -523,8 +531,10 @@ def learning_rate(cfg: Config, step: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_trainops, device, max_grad_norm):
-    """Forward/backward over the micro-batches (gradients summed), then one optimizer step."""
+def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_trainops, device, max_grad_norm,
+               sharded=False):
+    """Forward/backward over the micro-batches (gradients summed), then one optimizer step.
+    ``sharded``: an FSDP2 model, which sums the micro-batches' gradients into its sharded ones."""
     import trainops
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -535,7 +545,7 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
             loss = forward(x, y) / len(micro_batches)
         scaler.scale(loss).backward()
         total += loss.detach()
-        if use_trainops:
+        if use_trainops and not sharded:
             # Gradients of each micro-batch land in fresh buffers and are summed by one multi-tensor launch.
             if accumulated is None:
                 accumulated = [p.grad for p in params]
@@ -543,10 +553,10 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
                 trainops.grad.accumulate_(accumulated, [p.grad for p in params])
             for p in params:
                 p.grad = None
-    if use_trainops:
+    if use_trainops and not sharded:
         for p, g in zip(params, accumulated):
             p.grad = g
-    else:
+    elif not use_trainops:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     scaler.step(opt)
@@ -820,11 +830,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dropout", type=_dropout_probability, default=0.0,
                         help="dropout probability in [0, 1) on attention probabilities and each block's branch "
                              "outputs (default: 0)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: shard the gpt model with FSDP2 over the ranks (NCCL on cuda, one GPU "
+                             "a rank; gloo on cpu); --compare trains plain FSDP2 beside it")
     parser.add_argument("--runs", default=None,
                         help=f"--model llama: the runs to train, comma-separated, from {', '.join(RUNS)} "
                              "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger)")
     args = parser.parse_args(argv)
     if args.model == "llama":
+        if args.fsdp:
+            parser.error("argument --fsdp: only with --model gpt (the default)")
         from .train_llama import main_llama
         return main_llama(parser, args)
     if args.runs is not None:
@@ -842,6 +857,9 @@ def main(argv=None) -> int:
         parser.error("argument --compare: the PyTorch run has no LAMB (torch.optim has none); "
                      "compare with --optimizer adamw")
     plot_path = _plot_path(parser, args)
+    if args.fsdp:
+        from .train_fsdp import main_fsdp
+        return main_fsdp(parser, args, cfg, plot_path)
     if args.save is not None:
         reason = unwritable_reason(args.save)
         if reason:

@@ -30,7 +30,9 @@ implementations use, so a CPU run matches torch.optim bit for bit.
 
 LAMB costs two passes: moments and the per-tensor norms of p and u first (u cannot be applied
 before ||u|| is known), then p -= lr * r * u with u recomputed from the new moments. Bytes per
-float32 parameter: adam 28, lamb 40.
+float32 parameter: adam 28, lamb 40. On tensors that are parts of larger ones (DTensor shards,
+trainops.dtensor), ``reduce_squares(squares)`` receives the per-tensor sums of squares
+([n_tensors, 2]: p, u; float32, float64 for float64 parameters on the CPU path) between the passes and sums them in place over the parts.
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def prepare_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
 
 
 def prepare_lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-                      bias_correction, maximize, masters=None, table: TensorTable | None = None) -> PreparedStep:
-    """A LAMB step over a bucket, checked (see lamb_step)."""
+                      bias_correction, maximize, masters=None, table: TensorTable | None = None,
+                      reduce_squares: Callable[[torch.Tensor], None] | None = None) -> PreparedStep:
+    """A LAMB step over a bucket, checked (see lamb_step; ``reduce_squares``: the module docstring)."""
     names = ["params", "grads", "exp_avgs", "exp_avg_sqs", *(["masters"] if masters else [])]
     columns = [params, grads, exp_avgs, exp_avg_sqs, *([masters] if masters else [])]
     state_dtype = exp_avgs[0].dtype
@@ -166,7 +169,7 @@ def prepare_lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1,
                                  master=masters is not None, state_dtype=state_dtype)
     validate = lambda: _check_columns("lamb_step", names, columns, steps, state_dtype, masters)  # noqa: E731
     return _prepared("lamb_step", launch, columns, steps, steps, table, validate, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay)
+                     eps=eps, weight_decay=weight_decay, reduce_squares=reduce_squares)
 
 
 def sgd_step(params, grads, momentum_buffers, fresh, *, grad_scale=None, found_inf=None, clip=None,
@@ -319,12 +322,16 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     bias_correction = problem.option("bias_correction")
     maximize, master = problem.option("maximize"), problem.option("master")
 
-    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip):
+    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip,
+            reduce_squares=None):
         if _skipped(found_inf):
             return
         params, grads, exp_avgs, exp_avg_sqs = columns[:4]
         masters = columns[-1] if master else None
         lr, beta1, beta2, weight_decay = map(_value, (lr, beta1, beta2, weight_decay))
+        if reduce_squares is not None:
+            return _lamb_cpu_over_parts(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
+                                        weight_decay, grad_scale, clip, reduce_squares)
         for i, g in enumerate(_cpu_grads(grads, grad_scale, clip, maximize)):
             p = _cpu_param(params, masters, i)
             if g.dtype != p.value.dtype:
@@ -342,6 +349,36 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             p.value.sub_(update * (lr * ratio))
             m.write_back()
             v.write_back()
+            _finish_param(params, masters, i, p)
+
+    def _lamb_cpu_over_parts(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
+                             weight_decay, grad_scale, clip, reduce_squares):
+        """The same step on parts of tensors: every update first, then the norms from the per-tensor
+        sums of squares summed over the parts by ``reduce_squares``, then every parameter."""
+        wide = params and (masters or params)[0].dtype == torch.float64
+        pending, squares = [], torch.zeros(len(params), 2, dtype=torch.float64 if wide else torch.float32)
+        for i, g in enumerate(_cpu_grads(grads, grad_scale, clip, maximize)):
+            p = _cpu_param(params, masters, i)
+            if g.dtype != p.value.dtype:
+                g = g.to(p.value.dtype)
+            steps[i] += 1
+            step = steps[i].item()
+            bc1 = 1 - beta1 ** step if bias_correction else 1.0
+            bc2 = 1 - beta2 ** step if bias_correction else 1.0
+            m, v = _Working(exp_avgs[i], p.value.dtype), _Working(exp_avg_sqs[i], p.value.dtype)
+            m.value.lerp_(g, 1 - beta1)
+            v.value.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            m.write_back()
+            v.write_back()
+            update = _lamb_update_cpu(m.value, v.value, p.value, bc1, bc2, eps, weight_decay)
+            squares[i, 0], squares[i, 1] = torch.sum(p.value * p.value), torch.sum(update * update)
+            pending.append((p, update))
+        squares = squares.to(params[0].device) if params else squares
+        reduce_squares(squares)
+        norms = squares.sqrt()
+        ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
+        for i, (p, update) in enumerate(pending):
+            p.value.sub_(update * (lr * ratios[i].to(update.dtype)))
             _finish_param(params, masters, i, p)
 
     return MultiTensorLaunch(run, KernelChoice("lamb_step_cpu", "cpu"), problem.dtype)
@@ -597,8 +634,10 @@ if triton_available():
                                 MAXIMIZE, ALIGNED, True)
 
     @triton.jit
-    def _lamb_trust_ratios(partials, first_block, numels, ratios, STEP_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per tensor: ratio = ||p|| / ||u|| (1 if either is 0) from its blocks' partials, in order."""
+    def _lamb_trust_ratios(partials, first_block, numels, ratios, STEP_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                           SQUARES: tl.constexpr):
+        """One program per tensor: ratio = ||p|| / ||u|| (1 if either is 0) from its blocks' partials, in order;
+        with SQUARES, ratios[2 t] and ratios[2 t + 1] receive the sums of squares instead (parts of tensors)."""
         t = tl.program_id(0)
         first = tl.load(first_block + t)
         n_blocks = tl.cdiv(tl.load(numels + t), STEP_BLOCK).to(tl.int32)
@@ -608,9 +647,13 @@ if triton_available():
             i = start + tl.arange(0, BLOCK)
             squares_p += tl.load(partials + 2 * (first + i), mask=i < n_blocks, other=0.0)
             squares_u += tl.load(partials + 2 * (first + i) + 1, mask=i < n_blocks, other=0.0)
-        norm_p = tl.sqrt_rn(tl.sum(squares_p, axis=0))
-        norm_u = tl.sqrt_rn(tl.sum(squares_u, axis=0))
-        tl.store(ratios + t, tl.where((norm_p > 0) & (norm_u > 0), norm_p / norm_u, 1.0))
+        if SQUARES:
+            tl.store(ratios + 2 * t, tl.sum(squares_p, axis=0))
+            tl.store(ratios + 2 * t + 1, tl.sum(squares_u, axis=0))
+        else:
+            norm_p = tl.sqrt_rn(tl.sum(squares_p, axis=0))
+            norm_u = tl.sqrt_rn(tl.sum(squares_u, axis=0))
+            tl.store(ratios + t, tl.where((norm_p > 0) & (norm_u > 0), norm_p / norm_u, 1.0))
 
     @triton.jit
     def _lamb_apply_block(addresses, n_tensors, t, offsets, limit, lr, ratio, eps, weight_decay, bc1, bc2,
@@ -693,8 +736,10 @@ if triton_available():
     def _moment_step_launch(problem: MultiTensorProblem, kernel_name: str, launch) -> MultiTensorLaunch:
         """The launch of the Adam and LAMB steps. Its run builds what both kernels share: the tables
         (step counters advanced first), the hyper-parameter values with their *_POINTER flags, the
-        optional pointers with their HAS_* flags, and the dtype and row constexprs; then, when the
-        tables hold blocks, ``launch(tables, values, flags, pointers, has, eps, rows)`` launches."""
+        optional pointers with their HAS_* flags, and the dtype and row constexprs; then
+        ``launch(tables, values, flags, pointers, has, eps, rows, **extra)`` launches (``extra``: the
+        run's other keywords, LAMB's ``reduce_squares``), also on tables without blocks: a collective
+        in ``reduce_squares`` must run on every rank."""
         master = problem.option("master")
         dtypes = dict(P_DTYPE=TL_DTYPES[problem.dtype], S_DTYPE=TL_DTYPES[problem.option("state_dtype")])
 
@@ -703,16 +748,17 @@ if triton_available():
             values, flags = {}, {}
             for name, flag in (("lr", "LR_POINTER"), ("beta1", "BETA1_POINTER"), ("beta2", "BETA2_POINTER"),
                                ("weight_decay", "WD_POINTER")):
-                values[name], flags[flag] = _hyper(hyper[name])
+                values[name], flags[flag] = _hyper(hyper.pop(name))
             pointers, has = _flags(grad_scale, found_inf, clip, columns)
-            if tables.n_blocks:
-                rows = dict(dtypes, MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns))
-                launch(tables, values, flags, pointers, has, float(eps), rows)
+            rows = dict(dtypes, MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns))
+            launch(tables, values, flags, pointers, has, float(eps), rows, **hyper)
 
         return MultiTensorLaunch(run, _kernel_choice(kernel_name, problem), torch.float32)
 
     def _prepare_adam_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def launch(tables, values, flags, pointers, has, eps, rows):
+            if not tables.n_blocks:
+                return
             _adam_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, **values, eps=eps, **rows, **flags,
                 DECOUPLED=problem.option("decoupled"), AMSGRAD=problem.option("amsgrad"), **has,
@@ -721,10 +767,15 @@ if triton_available():
         return _moment_step_launch(problem, "adam_blocks", launch)
 
     def _prepare_lamb_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
-        def launch(tables, values, flags, pointers, has, eps, rows):
+        def launch(tables, values, flags, pointers, has, eps, rows, reduce_squares=None):
             device = tables.addresses.device
+            if not tables.n_blocks:
+                if reduce_squares is not None:  # this rank's parts are empty; the others' sums still need it
+                    reduce_squares(torch.zeros(tables.n_tensors, 2, dtype=torch.float32, device=device))
+                return
             partials = torch.empty(2 * tables.n_blocks, dtype=torch.float32, device=device)
-            ratios = torch.empty(tables.n_tensors, dtype=torch.float32, device=device)
+            ratios = torch.empty(tables.n_tensors * (1 if reduce_squares is None else 2), dtype=torch.float32,
+                                 device=device)
             lr, lr_pointer = values.pop("lr"), flags.pop("LR_POINTER")
             common = dict(**values, eps=eps, **rows, **flags, BIAS_CORRECTION=problem.option("bias_correction"),
                           HAS_FOUND_INF=has["HAS_FOUND_INF"], ALIGNED=tables.aligned, BLOCK=tables.block,
@@ -733,7 +784,13 @@ if triton_available():
                 *_table_args(tables), **pointers, partials=partials, HAS_SCALE=has["HAS_SCALE"],
                 HAS_CLIP=has["HAS_CLIP"], MAXIMIZE=problem.option("maximize"), **common)
             _lamb_trust_ratios[(tables.n_tensors,)](partials, tables.first_block, tables.numels, ratios,
-                                                    STEP_BLOCK=tables.block, BLOCK=256, num_warps=4)
+                                                    STEP_BLOCK=tables.block, BLOCK=256,
+                                                    SQUARES=reduce_squares is not None, num_warps=4)
+            if reduce_squares is not None:
+                squares = ratios.view(tables.n_tensors, 2)
+                reduce_squares(squares)
+                norms = squares.sqrt()  # correctly rounded, as the kernel's sqrt_rn and division
+                ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
             _lamb_apply_blocks[(tables.n_blocks,)](*_table_args(tables), pointers["found_inf_ptr"], ratios, lr=lr,
                                                    LR_POINTER=lr_pointer, **common)
 
