@@ -129,8 +129,9 @@ def main_fsdp(parser, args, cfg: gpt.Config, plot_path: str | None) -> int:
         data = gpt.stdlib_bytes(cfg.data_bytes)
         if rank == 0:
             params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+            ranks = f"{world} rank{'s' if world != 1 else ''}"
             print(f"trainops train --fsdp: {args.config} GPT ({cfg.n_layer} layers, width {cfg.d_model}, "
-                  f"{params / 1e6:.2f} M parameters) sharded over {world} rank{'s' if world != 1 else ''} ({mesh.device_type}, "
+                  f"{params / 1e6:.2f} M parameters) sharded over {ranks} ({mesh.device_type}, "
                   f"{dist.get_backend()}), {cfg.steps} steps of {cfg.batch}x{cfg.context} tokens "
                   f"({cfg.accumulate} micro-batches of {rows // world} sequences per rank), {cfg.optimizer}, "
                   f"amp {cfg.amp}")
