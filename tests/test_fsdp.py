@@ -233,6 +233,13 @@ def error_cases(rank, world, mesh, out, tmp):
             out[name] = "no error"
         except UnsupportedError as e:
             out[name] = str(e)
+    # an op given a sharded parameter outside its module's forward: refused, naming the argument
+    head = fully_shard(torch.nn.Linear(6, 5, bias=False).to(torch.float64), mesh=mesh)
+    try:
+        trainops.linear_cross_entropy(torch.randn(4, 6, dtype=torch.float64), head.weight, torch.tensor([0, 1, 2, 3]))
+        out["dtensor to an op"] = "no error"
+    except UnsupportedError as e:
+        out["dtensor to an op"] = str(e)
     # zero_grad(set_to_none=False) zeroes the local shards in place (the Triton kernel on them here)
     model = shard(make_model(torch.float32), mesh)
     opt = trainops.optim.AdamW(model.parameters())
@@ -504,6 +511,8 @@ def test_sharded_errors_name_the_problem(runs):
         for name in ("GradientSync", "ShardedOptimizer"):
             assert "holds DTensors" in out[name] and "trainops.optim" in out[name], out[name]
         assert out["zeroed in place"]
+        assert "trainops.linear_cross_entropy: argument 'weight' is a DTensor" in out["dtensor to an op"], \
+            out["dtensor to an op"]
 
 
 def test_dcp_checkpoint_of_2_ranks_continues_on_3(runs):

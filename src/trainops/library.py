@@ -34,6 +34,8 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.overrides import has_torch_function
 
+from .dtensor import is_dtensor
+from .errors import UnsupportedError
 from .registry import triton_available, triton_interpreting
 
 PLAIN_TENSORS = (Tensor, torch.nn.Parameter)  # real tensors (not subclasses, fake or functional ones)
@@ -113,10 +115,22 @@ class CustomOp:
                             f"arguments ({', '.join(self.arguments)})")
         return tuple(map(by_name.get, self.arguments))
 
+    def _refuse_dtensors(self, args, kwargs) -> None:
+        """UnsupportedError naming the first DTensor argument: the ops have no sharding rules, and a
+        sharded parameter read outside its module's forward is only this rank's shard."""
+        for name, value in (*zip(self.arguments, args), *kwargs.items()):
+            if is_dtensor(value):
+                raise UnsupportedError(
+                    f"trainops.{self.name}: argument '{name}' is a DTensor (a parameter sharded by FSDP2's "
+                    "fully_shard, or by tensor parallelism); trainops ops take plain tensors: call them inside "
+                    "the module's forward, where FSDP2 has gathered its parameters (or from a method registered "
+                    "with torch.distributed.fsdp.register_fsdp_forward_method)")
+
     def __call__(self, *args, **kwargs):
         if (kwargs or len(args) < self._required or torch.compiler.is_compiling()
                 or torch._C._are_functorch_transforms_active() or has_torch_function(args)
                 or any(type(a) not in PLAIN_TENSORS for a in args if isinstance(a, Tensor))):
+            self._refuse_dtensors(args, kwargs)
             return self.op(*args, **kwargs)
         args += self._defaults[len(args):]
         if (self._function is not None and torch.is_grad_enabled()
