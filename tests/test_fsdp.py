@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import trainops
 from trainops.errors import UnsupportedError
@@ -221,11 +221,15 @@ def error_cases(rank, world, mesh, out, tmp):
     state = opt.state_dict()
     state["state"] = {i: {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in s.items()}
                       for i, s in state["state"].items()}
+    for group in state["param_groups"]:
+        group["lr"] = 123.0
     try:
         opt.load_state_dict(state)
         out["plain state"] = "no error"
     except UnsupportedError as e:
         out["plain state"] = str(e)
+    out["plain state changed nothing"] = (opt.param_groups[0]["lr"] != 123.0 and all(
+        isinstance(v, DTensor) for s in opt.state.values() for k, v in s.items() if k != "step"))
     for name, make in (("GradientSync", lambda ps: trainops.distributed.GradientSync(ps)),
                        ("ShardedOptimizer", lambda ps: trainops.distributed.ShardedOptimizer(ps))):
         try:
@@ -240,6 +244,26 @@ def error_cases(rank, world, mesh, out, tmp):
         out["dtensor to an op"] = "no error"
     except UnsupportedError as e:
         out["dtensor to an op"] = str(e)
+    # trainops.grad on sharded gradients: their local parts (the Triton kernels here); pairs laid out alike
+    with trainops.backend("triton"):
+        a = distribute_tensor(torch.ones(5, 3), mesh, [Shard(0)])
+        b = distribute_tensor(torch.full((5, 3), 2.0), mesh, [Shard(0)])
+        trainops.grad.accumulate_([a], [b], scale=0.5)
+        out["accumulate dtensor"] = a.full_tensor().tolist() == torch.full((5, 3), 2.0).tolist()
+        trainops.grad.zero_([a])
+        out["zero dtensor"] = a.full_tensor().abs().sum().item() == 0.0
+        try:
+            trainops.grad.accumulate_([a], [torch.ones(5, 3)])
+            out["accumulate mixed"] = "no error"
+        except Exception as e:
+            out["accumulate mixed"] = str(e)
+    # a caller's clip coefficient is kept with a found_inf (what torch.amp.GradScaler passes)
+    model = shard(make_model(), mesh)
+    opt = trainops.optim.SGD(model.parameters(), lr=0.1)
+    before = full(model.parameters())
+    backward(model, 0, rank, world)
+    opt.step(clip=torch.zeros((), dtype=torch.float32), found_inf=torch.zeros((), dtype=torch.float32))
+    out["caller clip kept"] = rel(full(model.parameters()), before) == 0.0
     # zero_grad(set_to_none=False) zeroes the local shards in place (the Triton kernel on them here)
     model = shard(make_model(torch.float32), mesh)
     opt = trainops.optim.AdamW(model.parameters())
@@ -455,11 +479,20 @@ def runs(tmp_path_factory):
     """{world: {rank: results}} of the 2-rank run (which saves the checkpoint) then the 3-rank one."""
     tmp = str(tmp_path_factory.mktemp("fsdp"))
     found = {}
-    with mp.Manager() as manager:
-        for world in (2, 3):
-            results = manager.dict()
-            mp.spawn(worker, args=(world, free_port(), tmp, results), nprocs=world, join=True)
-            found[world] = dict(results)
+    # the ranks run on the CPU, the Triton kernels under the interpreter, on a GPU machine too
+    interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with mp.Manager() as manager:
+            for world in (2, 3):
+                results = manager.dict()
+                mp.spawn(worker, args=(world, free_port(), tmp, results), nprocs=world, join=True)
+                found[world] = dict(results)
+    finally:
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
     return found
 
 
@@ -508,9 +541,12 @@ def test_sharded_errors_name_the_problem(runs):
         assert "2 device meshes" in out["two meshes"], out["two meshes"]
         assert "Partial" in out["partial grad"] or "placements" in out["partial grad"], out["partial grad"]
         assert "torch.distributed.checkpoint" in out["plain state"], out["plain state"]
+        assert out["plain state changed nothing"]
         for name in ("GradientSync", "ShardedOptimizer"):
             assert "holds DTensors" in out[name] and "trainops.optim" in out[name], out[name]
         assert out["zeroed in place"]
+        assert out["accumulate dtensor"] and out["zero dtensor"] and out["caller clip kept"], out
+        assert "must be laid out as dst[0]" in out["accumulate mixed"], out["accumulate mixed"]
         assert "trainops.linear_cross_entropy: argument 'weight' is a DTensor" in out["dtensor to an op"], \
             out["dtensor to an op"]
 

@@ -14,12 +14,13 @@ is the kernels, none of which synchronises with the host:
 - ``update`` runs the fused scale update (ORT MixedPrecisionScale's role): backoff on inf/NaN,
   growth after ``growth_interval`` clean steps.
 - ``step`` with a torch optimizer: as torch (check, then a host read of found_inf to skip).
-- DTensor gradients (FSDP2): the kernels run on the local shards, and the inf/NaN flag is summed
-  over the device mesh, so every rank skips, backs off and grows alike (trainops.dtensor).
   With a trainops.optim optimizer (and no earlier ``unscale_``): the optimizer's step does the
   finite check itself in one read-only pass over the gradients (with the global-norm clip when it
   has ``max_grad_norm``), then unscales inside its update kernel and skips on the device when
   inf/NaN was found, so the gradients are read twice and never written, and nothing waits.
+
+DTensor gradients (FSDP2): the kernels run on the local shards, and the inf/NaN flag is summed
+over the device mesh, so every rank skips, backs off and grows alike (trainops.dtensor).
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class GradScaler(torch.amp.GradScaler):
         found = {}
         with torch.no_grad():
             for device, grads in self._grads_per_device(optimizer, allow_fp16).items():
+                sums = MeshSums.of(grads, "trainops.amp.GradScaler")   # raises before anything is written
                 found[device] = found_inf.to(device) if found_inf.device != device else found_inf
-                amp_ops.unscale_([local(g) for g in grads], inv_scale.to(device), found[device], tables=self._tables)
-                _agree(grads, found[device])
+                amp_ops.unscale_(_locals(grads, sums), inv_scale.to(device), found[device], tables=self._tables)
+                _agree(sums, found[device])
         return found
 
     def _check_inf_per_device(self, optimizer):
@@ -72,9 +74,10 @@ class GradScaler(torch.amp.GradScaler):
         found = {}
         with torch.no_grad():
             for device, grads in self._grads_per_device(optimizer, True).items():
+                sums = MeshSums.of(grads, "trainops.amp.GradScaler")
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                amp_ops.all_finite([local(g) for g in grads], found[device], tables=self._tables)
-                _agree(grads, found[device])
+                amp_ops.all_finite(_locals(grads, sums), found[device], tables=self._tables)
+                _agree(sums, found[device])
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -115,10 +118,13 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def _agree(grads, found: torch.Tensor) -> None:
-    """For DTensor gradients: ``found`` (this rank's flag) becomes 1 on every rank of their mesh if
-    it is nonzero on any (one all_reduce per mesh dimension); nothing for plain gradients."""
-    sums = MeshSums.of(grads, "trainops.amp.GradScaler")
+def _locals(grads, sums):
+    return grads if sums is None else [local(g) for g in grads]
+
+
+def _agree(sums, found: torch.Tensor) -> None:
+    """For DTensor gradients (``sums`` not None): ``found`` (this rank's flag) becomes 1 on every
+    rank of their mesh if it is nonzero on any (one all_reduce per mesh dimension)."""
     if sums is not None:
         flag = found.reshape(1).to(torch.float64)
         sums.sum_rows_(flag, [sums.every_dim()])

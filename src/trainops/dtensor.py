@@ -37,6 +37,11 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (one pass over their types: cheap for long lists)."""
+    return DTensor is not None and any(issubclass(cls, DTensor) for cls in set(map(type, tensors)))
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (the tensor itself when it is not a DTensor).
 
@@ -141,4 +146,4 @@ def fsdp_class(cls: type) -> type:
     return known[cls]
 
 
-__all__ = ["MeshSums", "fsdp_class", "fsdp_wrapped_class", "is_dtensor", "local", "shard_dims"]
+__all__ = ["MeshSums", "any_dtensor", "fsdp_class", "fsdp_wrapped_class", "is_dtensor", "local", "shard_dims"]

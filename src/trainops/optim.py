@@ -246,7 +246,9 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 prepared.append((device, self._prepare_bucket(group, bucket, table)))
         self.grad_norm = None
         if sharded and (check or found_inf is not None):
-            found_inf, clip, self.grad_norm = self._mesh_stats(gathered, sharded[0].mesh, check, grad_scale, found_inf)
+            found_inf, own_clip, self.grad_norm = self._mesh_stats(gathered, sharded[0].mesh, check, grad_scale,
+                                                                   found_inf)
+            clip = own_clip if own_clip is not None else clip
             if caller_found_inf is not None and found_inf is not caller_found_inf:
                 caller_found_inf.copy_(found_inf)
         elif check:
@@ -259,7 +261,8 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 device = grads[0].device
                 stats = amp_ops.grad_stats(grads, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
                                            max_norm=self.max_grad_norm, tables=self._tables)
-                found_inf, clip, self.grad_norm = stats.found_inf, stats.clip, stats.norm
+                found_inf, self.grad_norm = stats.found_inf, stats.norm
+                clip = stats.clip if stats.clip is not None else clip   # the caller's, without max_grad_norm
                 if caller_found_inf is not None and found_inf is not caller_found_inf:
                     caller_found_inf.copy_(found_inf)
         for device, write in prepared:
@@ -332,9 +335,17 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 grad_ops.zero_([g for g in grads if g.device == device], tables=self._tables)
 
     @staticmethod
+    def _column(bucket, name: str) -> list:
+        """State ``name`` of each parameter of the bucket: its local shard for DTensor parameters (no
+        call per tensor for plain ones: this runs every step)."""
+        if bucket["mesh_sums"] is None:
+            return [s[name] for s in bucket["states"]]
+        return [local(s[name]) for s in bucket["states"]]
+
+    @staticmethod
     def _masters(group, bucket):
         if group.get("master_weights") and bucket["params"][0].dtype in _HALF:
-            return [local(s["master_param"]) for s in bucket["states"]]
+            return FusedOptimizer._column(bucket, "master_param")
         return None
 
     # -- state_dict ----------------------------------------------------------------------------
@@ -342,11 +353,24 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each state tensor restored in our dtypes (float32 moments and master
         copies, float32 step counters on the parameter's device) straight from ``state_dict``:
-        torch's own load would first round moments to the parameter dtype."""
-        super().load_state_dict(state_dict)
-        self._state_version += 1
+        torch's own load would first round moments to the parameter dtype. Every state tensor is
+        checked against its parameter first: a state that does not fit raises and changes nothing."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in (state_dict["state"].get(saved_id) or {}).items():
+                if not isinstance(value, torch.Tensor) or key == "step":
+                    continue
+                where = f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id}"
+                if value.shape != p.shape:
+                    raise InvalidProblemError(f"{where} has shape {tuple(value.shape)}; the parameter has shape "
+                                              f"{tuple(p.shape)}")
+                if is_dtensor(p) and not is_dtensor(value):
+                    raise UnsupportedError(f"{where} is a plain tensor and the parameter a DTensor; load sharded "
+                                           "state with torch.distributed.checkpoint (set_optimizer_state_dict "
+                                           "reshards a full state dict)")
+        super().load_state_dict(state_dict)
+        self._state_version += 1
         groups = [g for g in self.param_groups for _ in g["params"]]
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -362,16 +386,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 if key == "step":
                     state[key] = value.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone()
                     continue
-                if value.shape != p.shape:
-                    raise InvalidProblemError(
-                        f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id} has shape "
-                        f"{tuple(value.shape)}; the parameter has shape {tuple(p.shape)}")
                 dtype = torch.float32 if key == "master_param" else self._state_dtype(group, p)
-                if is_dtensor(p) and not is_dtensor(value):
-                    raise UnsupportedError(
-                        f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id} is a plain "
-                        "tensor and the parameter a DTensor; load sharded state with torch.distributed.checkpoint "
-                        "(set_optimizer_state_dict reshards a full state dict)")
                 state[key] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
 
 
@@ -414,7 +429,7 @@ class SGD(FusedOptimizer):
                     # once the step writes.
                     buffer = new_buffers[id(state)] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
                                                                        memory_format=torch.preserve_format)
-                buffers.append(local(buffer))
+                buffers.append(buffer if bucket["mesh_sums"] is None else local(buffer))
         step = optimizer_ops.prepare_sgd_step(
             bucket["params"], bucket["grads"], buffers, fresh, lr=group["lr"], momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
@@ -459,9 +474,8 @@ class Adam(FusedOptimizer):
         states = bucket["states"]
         beta1, beta2 = group["betas"]
         return optimizer_ops.prepare_adam_step(
-            bucket["params"], bucket["grads"], [local(s["exp_avg"]) for s in states],
-            [local(s["exp_avg_sq"]) for s in states],
-            [local(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else None, [s["step"] for s in states],
+            bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
+            self._column(bucket, "max_exp_avg_sq") if group["amsgrad"] else None, [s["step"] for s in states],
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
             masters=self._masters(group, bucket), table=table)
@@ -508,8 +522,8 @@ class LAMB(FusedOptimizer):
         beta1, beta2 = group["betas"]
         mesh_sums = bucket["mesh_sums"]
         return optimizer_ops.prepare_lamb_step(
-            bucket["params"], bucket["grads"], [local(s["exp_avg"]) for s in states],
-            [local(s["exp_avg_sq"]) for s in states], [s["step"] for s in states], lr=group["lr"], beta1=beta1,
+            bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
+            [s["step"] for s in states], lr=group["lr"], beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], maximize=group["maximize"],
             masters=self._masters(group, bucket), table=table,

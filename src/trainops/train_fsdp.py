@@ -11,7 +11,8 @@ on the same batches. Every rank takes its contiguous share of each micro-batch; 
 micro-batches' gradients and averages them over ranks, so the step is the global batch's.
 
 Reported by rank 0: tokens/s of the whole job, ms per step (median), and every rank's peak memory
-(CUDA: ``max_memory_allocated``; CPU: the process's peak resident set), beside plain FSDP2's.
+(CUDA: ``max_memory_allocated``; CPU: the process's peak resident set, which only grows, so
+``--compare``'s second run reports at least the first's), beside plain FSDP2's.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
                                              float32 accumulation buffer fed bfloat16 gradients)
     zero         t[i] = 0
 
+DTensors (FSDP2's sharded gradients) are taken as their local parts; an accumulated pair must be
+laid out alike.
+
 One launch per (device, dtype) bucket; see ops/multi_tensor.py. Deterministic (no atomics).
 """
 
@@ -13,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..dtensor import any_dtensor, is_dtensor, local
 from ..errors import InvalidProblemError, argument_error
 from .multi_tensor import MultiTensorLaunch, TableCache, bucket_by, multi_tensor_describer, prepared_launches
 from ..plan import KernelChoice
@@ -26,6 +30,7 @@ for _op in ("accumulate", "zero"):
 
 
 def _dense_list(op: str, name: str, tensors) -> list:
+    """The tensors, checked; a DTensor (FSDP2's sharded gradient) as its local part (trainops.dtensor)."""
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -35,6 +40,19 @@ def _dense_list(op: str, name: str, tensors) -> list:
     return tensors
 
 
+def _locals(op: str, dst: list, src: list | None = None) -> tuple[list, list | None]:
+    """Local parts of DTensors; a pair must be laid out alike (same mesh and placements) or both plain."""
+    if not any_dtensor(dst) and (src is None or not any_dtensor(src)):
+        return dst, src
+    if src is not None:
+        for i, (d, s) in enumerate(zip(dst, src)):
+            if is_dtensor(d) != is_dtensor(s) or (is_dtensor(d) and (d.device_mesh, d.placements)
+                                                  != (s.device_mesh, s.placements)):
+                raise argument_error(InvalidProblemError, op, f"src[{i}]", f"must be laid out as dst[{i}] (both plain "
+                                     "tensors, or DTensors of one mesh and placements)")
+    return [local(t) for t in dst], None if src is None else [local(t) for t in src]
+
+
 def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,
                 tables: TableCache | None = None) -> None:
     """``dst[i] += scale * src[i]`` for every i, in place (shapes and strides of each pair must match).
@@ -42,6 +60,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
     dst, src = _dense_list("accumulate", "dst", dst), _dense_list("accumulate", "src", src)
     if len(dst) != len(src):
         raise argument_error(InvalidProblemError, "accumulate", "src", f"has {len(src)} tensors; 'dst' has {len(dst)}")
+    dst, src = _locals("accumulate", dst, src)
     buckets = [(device, dtype, dict(src_dtype=src_dtype), [[dst[i] for i in idx], [src[i] for i in idx]])
                for (device, dtype, src_dtype), idx in bucket_by(dst, [s.dtype for s in src]).items()]
     for launch, columns, prepared in prepared_launches("accumulate", ["dst", "src"], buckets, tables or _TABLES):
@@ -50,7 +69,7 @@ def accumulate_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
 
 def zero_(tensors: Sequence[torch.Tensor], *, tables: TableCache | None = None) -> None:
     """Set every element of every tensor to zero, in place (every bucket checked before any is written)."""
-    tensors = _dense_list("zero", "tensors", tensors)
+    tensors, _ = _locals("zero", _dense_list("zero", "tensors", tensors))
     buckets = [(device, dtype, {}, [[tensors[i] for i in idx]]) for (device, dtype), idx in bucket_by(tensors).items()]
     for launch, columns, prepared in prepared_launches("zero", ["tensors"], buckets, tables or _TABLES):
         launch.run(columns, prepared)
