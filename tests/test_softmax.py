@@ -257,6 +257,61 @@ def test_exchange_plan_special_values(exchange_tiles):
             assert_close(getattr(trainops, op)(x, -1), getattr(torch, op)(x.cpu(), -1), torch.float32, op)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("n", [65, 129, 301])
+@pytest.mark.parametrize("op", OPS)
+def test_exchange_plan_aligned_windows(exchange_tiles, op, dtype, n):
+    """Rows of a length off a multiple of 16 elements are read and written through windows from the
+    16-byte boundary below each row's start (first and last partial vectors apart); every row's
+    start sits at another offset from that boundary. Rows with an element of -inf, NaN and +inf in
+    the first or last partial vector, one row whose window needs one more chunk than its length."""
+    device = BACKEND_DEVICES["triton"]
+    gen = torch.Generator().manual_seed(n)
+    rows = 9
+    x = torch.randn(rows, n, generator=gen).to(dtype) * 3
+    x[1, 0] = float("-inf")                # first element of a row: in its window's first vector
+    x[2, -1] = float("nan")                # last element: in the window's last partial vector
+    x[3, :3] = float("-inf")
+    x[4, -2] = float("inf")
+    with trainops.backend("triton"):
+        x = x.to(device)
+        for op_name in (op,):
+            plan = trainops.plan(op_name, shape=x.shape, dim=-1, dtype=dtype, device=device, strides=x.stride())
+            vec = 16 // x.element_size()
+            assert plan.kernel["plan"] == "exchange" and plan.kernel["window"] == vec, plan.kernel
+            # the window of a row starting VEC - 1 past a boundary covers n + VEC - 1 positions
+            assert plan.kernel["splits"] == -(-(n + vec - 1) // 64), plan.kernel
+            assert x.data_ptr() % 16 == 0
+            assert_close(getattr(trainops, op_name)(x, -1), getattr(torch, op_name)(x.cpu().double(), -1).to(dtype),
+                         dtype, f"{op_name} windows")
+            # the same rows one element into the allocation: the pointer is off a 16-byte boundary, so
+            # the launch takes the plain chunks (the plan's windows need aligned pointers)
+            shifted = torch.empty(rows * n + 1, dtype=dtype, device=device)[1:].view(rows, n).copy_(x)
+            assert shifted.data_ptr() % 16 != 0
+            assert_close(getattr(trainops, op_name)(shifted, -1),
+                         getattr(torch, op_name)(x.cpu().double(), -1).to(dtype), dtype, f"{op_name} unaligned")
+
+
+def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
+    """Windows need x and y rows at the same offset from a 16-byte boundary, unit stride, one
+    element size, and are not used where the plain chunks are aligned already."""
+    device = BACKEND_DEVICES["triton"]
+    cases = [((5, 301), (301, 1), torch.bfloat16, None, 8),        # packed odd rows
+             ((5, 320), (320, 1), torch.bfloat16, None, 0),        # aligned already
+             ((5, 301), (306, 1), torch.bfloat16, None, 0),        # padded input rows, packed output rows
+             ((5, 301), (305, 1), torch.float32, None, 4),         # stride congruent to 301 modulo 4
+             ((5, 301), (301, 1), torch.bfloat16, torch.float32, 0)]   # output of another element size
+    with trainops.backend("triton"):
+        for shape, strides, dtype, out_dtype, window in cases:
+            plan = trainops.plan("softmax", shape=shape, dim=-1, dtype=dtype, device=device, strides=strides,
+                                 out_dtype=out_dtype)
+            assert plan.kernel["plan"] == "exchange" and plan.kernel["window"] == window, (shape, strides, plan.kernel)
+            base = torch.randn(shape[0] * strides[0], device=device).to(dtype)
+            x = base.as_strided(shape, strides)
+            assert_close(trainops.softmax(x, -1, dtype=out_dtype), torch.softmax(x.cpu().double(), -1).to(
+                out_dtype or dtype), out_dtype or dtype, str((shape, strides)))
+
+
 # ---- edge cases ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)

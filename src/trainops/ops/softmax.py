@@ -497,41 +497,105 @@ if triton_available():
         return tl.load(ptr + _row(o0, o1, i, base, s_o0, s_o1, s_i) + offsets, mask=row_mask, other=OTHER)
 
     @triton.jit
+    def _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N: tl.constexpr,
+                SPLITS: tl.constexpr, VEC: tl.constexpr):
+        """Chunk ``split`` of row r in its window: the row read from the VEC-element (16-byte) boundary
+        at or below its start, so that whole vectors are aligned. Returns the window's first element
+        offset (a multiple of VEC) and three masked parts: the chunk's body (positions j), whose
+        mask changes only at multiples of VEC (so the compiler keeps its accesses vectorised), and
+        the window's first and last partial vectors (positions v and t), masked element by element
+        and held by the first split and the split of the last whole vector."""
+        o0, o1, i = _coords(r, INNER, OUTER1)
+        start = _row(o0, o1, i, base, s_o0, s_o1, s_i)
+        head = (start % VEC).to(tl.int32)
+        end = head + N
+        end_vec = tl.multiple_of((end // VEC) * VEC, VEC)
+        valid = tl.where(r < ROWS, True, False)  # `where`: see _chunk
+        j = split * BLOCK_N + tl.arange(0, BLOCK_N)
+        body = (j >= VEC) & (j < end_vec) & valid
+        v = tl.arange(0, VEC)
+        first = (v >= head) & (v < end) & valid & tl.where(split == 0, True, False)
+        t = end_vec + v
+        last = (t >= VEC) & (t < end) & valid & tl.where(split == tl.minimum(end_vec // BLOCK_N, SPLITS - 1), True, False)
+        return tl.multiple_of(start - head, VEC), j, body, v, first, t, last
+
+    @triton.jit
     def _softmax_fwd_exchange(
         x_ptr, y_ptr, ws_ptr, count_ptr,
         x_base, x_so0, x_so1, x_si, x_sn,
         y_base, y_so0, y_so1, y_si, y_sn,
         N, INNER, OUTER1, ROWS,
         LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr, VEC: tl.constexpr = 0,
     ):
         """Rows cut into SPLITS chunks of BLOCK_N, one per program of a group; chunks trade (max, sum)
         through ws [2, ROWS, SPLITS] and count [ROWS] (exchange.py: counter). One read, one write.
         Softmax keeps e = exp(x - m_chunk) from its partial sum and writes e * exp(m_chunk - m) / s,
-        so that no exponential is left between the wait and the store (log-softmax: x - m - log s)."""
+        so that no exponential is left between the wait and the store (log-softmax: x - m - log s).
+
+        VEC > 0 (rows of unit stride whose x and y starts share their offset from a 16-byte boundary,
+        VEC elements being 16 bytes): chunks of the rows' aligned windows (``_window``), so that a
+        row length off a multiple of 16 elements, or a row start off a 16-byte boundary, keeps the
+        accesses vectorised (a mask against a length the compiler cannot divide makes them scalar:
+        benchmarks/NOTES.md, "Odd row lengths of softmax")."""
         split, group, groups = place_in_group(SPLITS)
-        n = split * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = n < N
         OUT_T: tl.constexpr = y_ptr.dtype.element_ty
-        if PHASE == 0:
-            x_next = _chunk(x_ptr, group, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
-                            float("-inf"), WIDE)
-        for r in range(group, ROWS, groups):
+        if VEC == 0:
+            n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = n < N
             if PHASE == 0:
-                x_raw = x_next
+                x_next = _chunk(x_ptr, group, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
+                                float("-inf"), WIDE)
+        else:
+            if PHASE == 0:
+                w0, j, body, v, first, t, last = _window(group, x_base, x_so0, x_so1, x_si, split, N, INNER, OUTER1,
+                                                         ROWS, BLOCK_N, SPLITS, VEC)
+                x_next = tl.load(x_ptr + w0 + j, mask=body, other=float("-inf"))
+                first_next = tl.load(x_ptr + w0 + v, mask=first, other=float("-inf"))
+                last_next = tl.load(x_ptr + w0 + t, mask=last, other=float("-inf"))
+        for r in range(group, ROWS, groups):
+            if VEC == 0:
+                if PHASE == 0:
+                    x_raw = x_next
+                else:
+                    x_raw = _chunk(x_ptr, r, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
+                                   float("-inf"), WIDE)
+                x = x_raw.to(OUT_T).to(ACC)
+                m_chunk = tl.max(x, axis=0)
             else:
-                x_raw = _chunk(x_ptr, r, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1, ROWS,
-                               float("-inf"), WIDE)
-            x = x_raw.to(OUT_T).to(ACC)
-            m_chunk = tl.max(x, axis=0)
-            e = tl.exp(x - tl.where(m_chunk == float("-inf"), 0.0, m_chunk))
+                w0, j, body, v, first, t, last = _window(r, x_base, x_so0, x_so1, x_si, split, N, INNER, OUTER1,
+                                                         ROWS, BLOCK_N, SPLITS, VEC)
+                if PHASE == 0:
+                    x_raw, first_raw, last_raw = x_next, first_next, last_next
+                else:
+                    x_raw = tl.load(x_ptr + w0 + j, mask=body, other=float("-inf"))
+                    first_raw = tl.load(x_ptr + w0 + v, mask=first, other=float("-inf"))
+                    last_raw = tl.load(x_ptr + w0 + t, mask=last, other=float("-inf"))
+                x = x_raw.to(OUT_T).to(ACC)
+                x_first = first_raw.to(OUT_T).to(ACC)
+                x_last = last_raw.to(OUT_T).to(ACC)
+                m_chunk = tl.maximum(tl.max(x, axis=0), tl.maximum(tl.max(x_first, axis=0), tl.max(x_last, axis=0)))
+            m_safe = tl.where(m_chunk == float("-inf"), 0.0, m_chunk)
+            e = tl.exp(x - m_safe)
+            s_chunk = tl.sum(e, axis=0)
+            if VEC != 0:
+                e_first = tl.exp(x_first - m_safe)
+                e_last = tl.exp(x_last - m_safe)
+                s_chunk += tl.sum(e_first, axis=0) + tl.sum(e_last, axis=0)
             if PHASE != 2:
                 tl.store(ws_ptr + r * SPLITS + split, m_chunk)
-                tl.store(ws_ptr + (ROWS + r) * SPLITS + split, tl.sum(e, axis=0))
+                tl.store(ws_ptr + (ROWS + r) * SPLITS + split, s_chunk)
                 arrive(count_ptr + r)
             if PHASE == 0:  # the next row's chunk loads while this one waits
-                x_next = _chunk(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1,
-                                ROWS, float("-inf"), WIDE)
+                if VEC == 0:
+                    x_next = _chunk(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1,
+                                    ROWS, float("-inf"), WIDE)
+                else:
+                    nw0, nj, nbody, nv, nfirst, nt, nlast = _window(r + groups, x_base, x_so0, x_so1, x_si, split, N,
+                                                                    INNER, OUTER1, ROWS, BLOCK_N, SPLITS, VEC)
+                    x_next = tl.load(x_ptr + nw0 + nj, mask=nbody, other=float("-inf"))
+                    first_next = tl.load(x_ptr + nw0 + nv, mask=nfirst, other=float("-inf"))
+                    last_next = tl.load(x_ptr + nw0 + nt, mask=nlast, other=float("-inf"))
             if PHASE != 1:
                 wait_for(count_ptr + r, SPLITS)
                 k = tl.arange(0, SPLITS_P2)
@@ -541,10 +605,24 @@ if triton_available():
                 if LOG:
                     y = x - (m_ref + tl.log(s))
                 else:  # a chunk of -inf only: exp(-inf - m) = 0
-                    y = e * (tl.exp(m_chunk - m_ref) / s)
-                o0, o1, i = _coords(r, INNER, OUTER1)
-                offsets = n.to(tl.int64) * y_sn if WIDE else n * y_sn
-                tl.store(y_ptr + _row(o0, o1, i, y_base, y_so0, y_so1, y_si) + offsets, y.to(OUT_T), mask=mask)
+                    scale = tl.exp(m_chunk - m_ref) / s
+                    y = e * scale
+                if VEC == 0:
+                    o0, o1, i = _coords(r, INNER, OUTER1)
+                    offsets = n.to(tl.int64) * y_sn if WIDE else n * y_sn
+                    tl.store(y_ptr + _row(o0, o1, i, y_base, y_so0, y_so1, y_si) + offsets, y.to(OUT_T), mask=mask)
+                else:
+                    if LOG:
+                        y_first = x_first - (m_ref + tl.log(s))
+                        y_last = x_last - (m_ref + tl.log(s))
+                    else:
+                        y_first = e_first * scale
+                        y_last = e_last * scale
+                    yw0, j, body, v, first, t, last = _window(r, y_base, y_so0, y_so1, y_si, split, N, INNER, OUTER1,
+                                                              ROWS, BLOCK_N, SPLITS, VEC)
+                    tl.store(y_ptr + yw0 + j, y.to(OUT_T), mask=body)
+                    tl.store(y_ptr + yw0 + v, y_first.to(OUT_T), mask=first)
+                    tl.store(y_ptr + yw0 + t, y_last.to(OUT_T), mask=last)
 
     @triton.jit
     def _softmax_bwd_exchange(
@@ -663,7 +741,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     else:
         block_i = 1
         tile = h.exchange_tile[itemsize]
-        splits = -(-n // tile)
+        splits = -(-(n + max(0, _window_vec(problem, layout) - 1)) // tile)  # a window starts up to VEC - 1 early
         if h.exchange_on() and splits <= h.sm_count(problem.device):
             return TritonConfig("exchange", 1, tile, h.exchange_warps[problem.op], splits, tile,
                                 h.exchange_per_sm[backward])
@@ -676,6 +754,25 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     splits = min(next_pow2(-(-h.split_programs_per_sm * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
     return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
+
+
+def _window_vec(problem: SoftmaxProblem, layout: ReductionLayout) -> int:
+    """VEC, the elements in 16 bytes, when the exchange forward reads its rows through aligned windows
+    (``_window``), else 0. Windows need rows of unit stride in x and y, one element size, and each
+    row of x starting as far past a 16-byte boundary as the same row of y (strides and bases
+    congruent modulo VEC; the pointers themselves are checked at each launch). They are used only
+    where the plain chunks would lose vectorised access: a row length or a row stride that is no
+    multiple of 16 elements (benchmarks/NOTES.md, "Odd row lengths of softmax")."""
+    if problem.backward or problem.dtype.itemsize != problem.out_dtype.itemsize or set(layout.stride_n) != {1}:
+        return 0
+    vec = 16 // problem.dtype.itemsize
+    # per operand: the element offsets its rows start at are combinations of these
+    offsets = [(layout.stride_outer0[k], layout.stride_outer1[k], layout.stride_inner[k],
+                *(bases[k] for bases in layout.host_bases)) for k in range(len(layout.stride_n))]
+    if layout.n % 16 == 0 and all(o % 16 == 0 for operand in offsets for o in operand):
+        return 0
+    x, y = offsets[0], offsets[-1]
+    return vec if all(a % vec == b % vec for a, b in zip(x, y)) else 0
 
 
 def _operand_args(layout: ReductionLayout, bases) -> list[int]:
@@ -701,6 +798,8 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
     rows, splits = layout.rows, config.splits
     meta = dict(meta, SPLITS=splits, SPLITS_P2=next_pow2(splits))
     del meta["BLOCK_I"]
+    vec = _window_vec(problem, layout)
+    window_meta = dict(meta, VEC=vec)
     grid = ExchangeGrid(fn, rows, splits, config.per_sm, problem.heuristics.sm_count(problem.device))
     ws_elems = rows * splits * (1 if problem.backward else 2)
     sizes = [layout.n, layout.inner, layout.outer1, rows]
@@ -709,13 +808,17 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
     def run(tensors, out):
         if problem.numel == 0:
             return
+        # windows start at 16-byte boundaries of the rows' offsets: the pointers must be 16-byte aligned too
+        aligned = vec and tensors[0].data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
         for args in host_args:
             ws = torch.empty(ws_elems, dtype=acc, device=out.device)
             count = torch.zeros(rows, dtype=torch.int32, device=out.device)
-            launch_exchange(fn, grid, (*tensors, out, ws, count, *args), meta, out.device)
+            launch_exchange(fn, grid, (*tensors, out, ws, count, *args), window_meta if aligned else meta,
+                            out.device)
 
     params = (("plan", "exchange"), ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
-              ("splits", splits), ("per_sm", config.per_sm), ("host_launches", len(layout.host_bases)))
+              ("splits", splits), ("per_sm", config.per_sm), ("host_launches", len(layout.host_bases)),
+              ("window", vec))
     return Launch(run, KernelChoice(fn.__name__.lstrip("_"), "triton", params), acc,
                   workspace_bytes=ws_elems * acc.itemsize + rows * 4)
 
