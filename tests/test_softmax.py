@@ -290,6 +290,14 @@ def test_exchange_plan_aligned_windows(exchange_tiles, op, dtype, n):
             assert shifted.data_ptr() % 16 != 0
             assert_close(getattr(trainops, op_name)(shifted, -1),
                          getattr(torch, op_name)(x.cpu().double(), -1).to(dtype), dtype, f"{op_name} unaligned")
+            # the backward through the same windows (dy, y and dx rows alike), and unaligned
+            bwd = trainops.plan(f"{op_name}_backward", shape=x.shape, dim=-1, dtype=dtype, device=device)
+            assert bwd.kernel["plan"] == "exchange" and bwd.kernel["window"] == vec, bwd.kernel
+            y = getattr(torch, op_name)(torch.randn(rows, n, generator=gen).double() * 3, -1).to(dtype).to(device)
+            dy = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+            check_backward(op_name, dy, y, -1)
+            check_backward(op_name, torch.empty(rows * n + 1, dtype=dtype, device=device)[1:].view(rows, n).copy_(dy),
+                           y, -1)
 
 
 def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
@@ -302,6 +310,10 @@ def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
              ((5, 301), (305, 1), torch.float32, None, 4),         # stride congruent to 301 modulo 4
              ((5, 301), (301, 1), torch.bfloat16, torch.float32, 0)]   # output of another element size
     with trainops.backend("triton"):
+        for strides, window in (((301, 1), 4), ((302, 1), 0)):   # dy's strides; y packed
+            bwd = trainops.plan("softmax_backward", shape=(5, 301), dim=-1, dtype=torch.float32, device=device,
+                                strides=(strides, (301, 1)))
+            assert bwd.kernel["plan"] == "exchange" and bwd.kernel["window"] == window, bwd.kernel
         for shape, strides, dtype, out_dtype, window in cases:
             plan = trainops.plan("softmax", shape=shape, dim=-1, dtype=dtype, device=device, strides=strides,
                                  out_dtype=out_dtype)

@@ -520,6 +520,26 @@ if triton_available():
         return tl.multiple_of(start - head, VEC), j, body, v, first, t, last
 
     @triton.jit
+    def _window_parts(ptr, r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, OTHER: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr):
+        """The three parts of chunk ``split`` of row r in its window (``_window``): body, first and last vector."""
+        w0, j, body, v, first, t, last = _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N,
+                                                 SPLITS, VEC)
+        return (tl.load(ptr + w0 + j, mask=body, other=OTHER), tl.load(ptr + w0 + v, mask=first, other=OTHER),
+                tl.load(ptr + w0 + t, mask=last, other=OTHER))
+
+    @triton.jit
+    def _store_window(ptr, r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, body_values, first_values,
+                      last_values, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr):
+        """Store the three parts of chunk ``split`` of row r in its window (``_window``)."""
+        w0, j, body, v, first, t, last = _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N,
+                                                 SPLITS, VEC)
+        out_t: tl.constexpr = ptr.dtype.element_ty
+        tl.store(ptr + w0 + j, body_values.to(out_t), mask=body)
+        tl.store(ptr + w0 + v, first_values.to(out_t), mask=first)
+        tl.store(ptr + w0 + t, last_values.to(out_t), mask=last)
+
+    @triton.jit
     def _softmax_fwd_exchange(
         x_ptr, y_ptr, ws_ptr, count_ptr,
         x_base, x_so0, x_so1, x_si, x_sn,
@@ -548,11 +568,8 @@ if triton_available():
                                 float("-inf"), WIDE)
         else:
             if PHASE == 0:
-                w0, j, body, v, first, t, last = _window(group, x_base, x_so0, x_so1, x_si, split, N, INNER, OUTER1,
-                                                         ROWS, BLOCK_N, SPLITS, VEC)
-                x_next = tl.load(x_ptr + w0 + j, mask=body, other=float("-inf"))
-                first_next = tl.load(x_ptr + w0 + v, mask=first, other=float("-inf"))
-                last_next = tl.load(x_ptr + w0 + t, mask=last, other=float("-inf"))
+                x_next, first_next, last_next = _window_parts(x_ptr, group, x_base, x_so0, x_so1, x_si, split, N,
+                                                              INNER, OUTER1, ROWS, float("-inf"), BLOCK_N, SPLITS, VEC)
         for r in range(group, ROWS, groups):
             if VEC == 0:
                 if PHASE == 0:
@@ -563,14 +580,11 @@ if triton_available():
                 x = x_raw.to(OUT_T).to(ACC)
                 m_chunk = tl.max(x, axis=0)
             else:
-                w0, j, body, v, first, t, last = _window(r, x_base, x_so0, x_so1, x_si, split, N, INNER, OUTER1,
-                                                         ROWS, BLOCK_N, SPLITS, VEC)
                 if PHASE == 0:
                     x_raw, first_raw, last_raw = x_next, first_next, last_next
                 else:
-                    x_raw = tl.load(x_ptr + w0 + j, mask=body, other=float("-inf"))
-                    first_raw = tl.load(x_ptr + w0 + v, mask=first, other=float("-inf"))
-                    last_raw = tl.load(x_ptr + w0 + t, mask=last, other=float("-inf"))
+                    x_raw, first_raw, last_raw = _window_parts(x_ptr, r, x_base, x_so0, x_so1, x_si, split, N, INNER,
+                                                               OUTER1, ROWS, float("-inf"), BLOCK_N, SPLITS, VEC)
                 x = x_raw.to(OUT_T).to(ACC)
                 x_first = first_raw.to(OUT_T).to(ACC)
                 x_last = last_raw.to(OUT_T).to(ACC)
@@ -591,11 +605,9 @@ if triton_available():
                     x_next = _chunk(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, x_sn, n, mask, INNER, OUTER1,
                                     ROWS, float("-inf"), WIDE)
                 else:
-                    nw0, nj, nbody, nv, nfirst, nt, nlast = _window(r + groups, x_base, x_so0, x_so1, x_si, split, N,
-                                                                    INNER, OUTER1, ROWS, BLOCK_N, SPLITS, VEC)
-                    x_next = tl.load(x_ptr + nw0 + nj, mask=nbody, other=float("-inf"))
-                    first_next = tl.load(x_ptr + nw0 + nv, mask=nfirst, other=float("-inf"))
-                    last_next = tl.load(x_ptr + nw0 + nt, mask=nlast, other=float("-inf"))
+                    x_next, first_next, last_next = _window_parts(x_ptr, r + groups, x_base, x_so0, x_so1, x_si, split,
+                                                                  N, INNER, OUTER1, ROWS, float("-inf"), BLOCK_N,
+                                                                  SPLITS, VEC)
             if PHASE != 1:
                 wait_for(count_ptr + r, SPLITS)
                 k = tl.arange(0, SPLITS_P2)
@@ -618,11 +630,8 @@ if triton_available():
                     else:
                         y_first = e_first * scale
                         y_last = e_last * scale
-                    yw0, j, body, v, first, t, last = _window(r, y_base, y_so0, y_so1, y_si, split, N, INNER, OUTER1,
-                                                              ROWS, BLOCK_N, SPLITS, VEC)
-                    tl.store(y_ptr + yw0 + j, y.to(OUT_T), mask=body)
-                    tl.store(y_ptr + yw0 + v, y_first.to(OUT_T), mask=first)
-                    tl.store(y_ptr + yw0 + t, y_last.to(OUT_T), mask=last)
+                    _store_window(y_ptr, r, y_base, y_so0, y_so1, y_si, split, N, INNER, OUTER1, ROWS, y, y_first, y_last,
+                                  BLOCK_N, SPLITS, VEC)
 
     @triton.jit
     def _softmax_bwd_exchange(
@@ -632,36 +641,66 @@ if triton_available():
         dx_base, dx_so0, dx_so1, dx_si, dx_sn,
         N, INNER, OUTER1, ROWS,
         LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr, VEC: tl.constexpr = 0,
     ):
-        """Backward of _softmax_fwd_exchange's rows: chunks trade sum(y * dy) (log: sum(dy)) through ws [ROWS, SPLITS]."""
+        """Backward of _softmax_fwd_exchange's rows: chunks trade sum(y * dy) (log: sum(dy)) through ws [ROWS, SPLITS].
+        VEC > 0: the rows' aligned windows, as the forward's (dy, y and dx rows at one offset from a 16-byte
+        boundary)."""
         split, group, groups = place_in_group(SPLITS)
         n = split * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = n < N
         if PHASE == 0:
-            dy_next = _chunk(dy_ptr, group, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1, ROWS,
-                             0.0, WIDE)
-            y_next = _chunk(y_ptr, group, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1, ROWS, 0.0, WIDE)
+            if VEC == 0:
+                dy_next = _chunk(dy_ptr, group, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1, ROWS,
+                                 0.0, WIDE)
+                y_next = _chunk(y_ptr, group, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1, ROWS, 0.0,
+                                WIDE)
+            else:
+                dy_next, dy_first_next, dy_last_next = _window_parts(dy_ptr, group, dy_base, dy_so0, dy_so1, dy_si,
+                                                                     split, N, INNER, OUTER1, ROWS, 0.0, BLOCK_N,
+                                                                     SPLITS, VEC)
+                y_next, y_first_next, y_last_next = _window_parts(y_ptr, group, y_base, y_so0, y_so1, y_si, split, N,
+                                                                  INNER, OUTER1, ROWS, 0.0, BLOCK_N, SPLITS, VEC)
         for r in range(group, ROWS, groups):
             if PHASE == 0:
                 dy_raw = dy_next
                 y_raw = y_next
-            else:
+                if VEC != 0:
+                    dy_first, dy_last, y_first, y_last = dy_first_next, dy_last_next, y_first_next, y_last_next
+            elif VEC == 0:
                 dy_raw = _chunk(dy_ptr, r, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1, ROWS,
                                 0.0, WIDE)
                 y_raw = _chunk(y_ptr, r, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1, ROWS, 0.0, WIDE)
+            else:
+                dy_raw, dy_first, dy_last = _window_parts(dy_ptr, r, dy_base, dy_so0, dy_so1, dy_si, split, N, INNER,
+                                                          OUTER1, ROWS, 0.0, BLOCK_N, SPLITS, VEC)
+                y_raw, y_first, y_last = _window_parts(y_ptr, r, y_base, y_so0, y_so1, y_si, split, N, INNER, OUTER1,
+                                                       ROWS, 0.0, BLOCK_N, SPLITS, VEC)
             if PHASE != 2:
                 if LOG:
                     part = tl.sum(dy_raw.to(ACC), axis=0)
+                    if VEC != 0:
+                        part += tl.sum(dy_first.to(ACC), axis=0) + tl.sum(dy_last.to(ACC), axis=0)
                 else:
                     part = tl.sum(y_raw.to(ACC) * dy_raw.to(ACC), axis=0)
+                    if VEC != 0:
+                        part += (tl.sum(y_first.to(ACC) * dy_first.to(ACC), axis=0)
+                                 + tl.sum(y_last.to(ACC) * dy_last.to(ACC), axis=0))
                 tl.store(ws_ptr + r * SPLITS + split, part)
                 arrive(count_ptr + r)
             if PHASE == 0:
-                dy_next = _chunk(dy_ptr, r + groups, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER, OUTER1,
-                                 ROWS, 0.0, WIDE)
-                y_next = _chunk(y_ptr, r + groups, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1,
-                                ROWS, 0.0, WIDE)
+                if VEC == 0:
+                    dy_next = _chunk(dy_ptr, r + groups, dy_base, dy_so0, dy_so1, dy_si, dy_sn, n, mask, INNER,
+                                     OUTER1, ROWS, 0.0, WIDE)
+                    y_next = _chunk(y_ptr, r + groups, y_base, y_so0, y_so1, y_si, y_sn, n, mask, INNER, OUTER1,
+                                    ROWS, 0.0, WIDE)
+                else:
+                    dy_next, dy_first_next, dy_last_next = _window_parts(
+                        dy_ptr, r + groups, dy_base, dy_so0, dy_so1, dy_si, split, N, INNER, OUTER1, ROWS, 0.0,
+                        BLOCK_N, SPLITS, VEC)
+                    y_next, y_first_next, y_last_next = _window_parts(
+                        y_ptr, r + groups, y_base, y_so0, y_so1, y_si, split, N, INNER, OUTER1, ROWS, 0.0, BLOCK_N,
+                        SPLITS, VEC)
             if PHASE != 1:
                 wait_for(count_ptr + r, SPLITS)
                 k = tl.arange(0, SPLITS_P2)
@@ -672,10 +711,20 @@ if triton_available():
                     dx = dy - tl.exp(y) * total
                 else:
                     dx = y * (dy - total)
-                o0, o1, i = _coords(r, INNER, OUTER1)
-                offsets = n.to(tl.int64) * dx_sn if WIDE else n * dx_sn
-                tl.store(dx_ptr + _row(o0, o1, i, dx_base, dx_so0, dx_so1, dx_si) + offsets,
-                         dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if VEC == 0:
+                    o0, o1, i = _coords(r, INNER, OUTER1)
+                    offsets = n.to(tl.int64) * dx_sn if WIDE else n * dx_sn
+                    tl.store(dx_ptr + _row(o0, o1, i, dx_base, dx_so0, dx_so1, dx_si) + offsets,
+                             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                else:
+                    if LOG:
+                        dx_first = dy_first.to(ACC) - tl.exp(y_first.to(ACC)) * total
+                        dx_last = dy_last.to(ACC) - tl.exp(y_last.to(ACC)) * total
+                    else:
+                        dx_first = y_first.to(ACC) * (dy_first.to(ACC) - total)
+                        dx_last = y_last.to(ACC) * (dy_last.to(ACC) - total)
+                    _store_window(dx_ptr, r, dx_base, dx_so0, dx_so1, dx_si, split, N, INNER, OUTER1, ROWS, dx,
+                                  dx_first, dx_last, BLOCK_N, SPLITS, VEC)
 
     # The kernel of a fused / chunked (looped or split) plan, by (backward, fused).
     _KERNELS = {(False, True): _softmax_fwd_fused, (True, True): _softmax_bwd_fused,
@@ -757,13 +806,14 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
 
 def _window_vec(problem: SoftmaxProblem, layout: ReductionLayout) -> int:
-    """VEC, the elements in 16 bytes, when the exchange forward reads its rows through aligned windows
-    (``_window``), else 0. Windows need rows of unit stride in x and y, one element size, and each
-    row of x starting as far past a 16-byte boundary as the same row of y (strides and bases
-    congruent modulo VEC; the pointers themselves are checked at each launch). They are used only
-    where the plain chunks would lose vectorised access: a row length or a row stride that is no
-    multiple of 16 elements (benchmarks/NOTES.md, "Odd row lengths of softmax")."""
-    if problem.backward or problem.dtype.itemsize != problem.out_dtype.itemsize or set(layout.stride_n) != {1}:
+    """VEC, the elements in 16 bytes, when the exchange plan reads and writes its rows through aligned
+    windows (``_window``), else 0. Windows need rows of unit stride in every operand (x and y; dy, y
+    and dx), one element size, and each row of every operand starting as far past a 16-byte boundary
+    as the same row of the output (strides and bases congruent modulo VEC; the pointers themselves
+    are checked at each launch). They are used only where the plain chunks would lose vectorised
+    access: a row length or a row stride that is no multiple of 16 elements (benchmarks/NOTES.md,
+    "Odd row lengths of softmax")."""
+    if problem.dtype.itemsize != problem.out_dtype.itemsize or set(layout.stride_n) != {1}:
         return 0
     vec = 16 // problem.dtype.itemsize
     # per operand: the element offsets its rows start at are combinations of these
@@ -771,8 +821,8 @@ def _window_vec(problem: SoftmaxProblem, layout: ReductionLayout) -> int:
                 *(bases[k] for bases in layout.host_bases)) for k in range(len(layout.stride_n))]
     if layout.n % 16 == 0 and all(o % 16 == 0 for operand in offsets for o in operand):
         return 0
-    x, y = offsets[0], offsets[-1]
-    return vec if all(a % vec == b % vec for a, b in zip(x, y)) else 0
+    out = offsets[-1]
+    return vec if all(a % vec == b % vec for operand in offsets[:-1] for a, b in zip(operand, out)) else 0
 
 
 def _operand_args(layout: ReductionLayout, bases) -> list[int]:
@@ -809,7 +859,7 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
         if problem.numel == 0:
             return
         # windows start at 16-byte boundaries of the rows' offsets: the pointers must be 16-byte aligned too
-        aligned = vec and tensors[0].data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+        aligned = vec and all(t.data_ptr() % 16 == 0 for t in (*tensors, out))
         for args in host_args:
             ws = torch.empty(ws_elems, dtype=acc, device=out.device)
             count = torch.zeros(rows, dtype=torch.int32, device=out.device)
