@@ -308,7 +308,8 @@ def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
              ((5, 320), (320, 1), torch.bfloat16, None, 0),        # aligned already
              ((5, 301), (306, 1), torch.bfloat16, None, 0),        # padded input rows, packed output rows
              ((5, 301), (305, 1), torch.float32, None, 4),         # stride congruent to 301 modulo 4
-             ((5, 301), (301, 1), torch.bfloat16, torch.float32, 0)]   # output of another element size
+             ((5, 301), (301, 1), torch.bfloat16, torch.float32, 0),   # output of another element size
+             ((3, 1021), (1021, 1), torch.bfloat16, None, 0)]      # 16 chunks = the SMs; a window would need 17
     with trainops.backend("triton"):
         for strides, window in (((301, 1), 4), ((302, 1), 0)):   # dy's strides; y packed
             bwd = trainops.plan("softmax_backward", shape=(5, 301), dim=-1, dtype=torch.float32, device=device,
@@ -318,6 +319,7 @@ def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
             plan = trainops.plan("softmax", shape=shape, dim=-1, dtype=dtype, device=device, strides=strides,
                                  out_dtype=out_dtype)
             assert plan.kernel["plan"] == "exchange" and plan.kernel["window"] == window, (shape, strides, plan.kernel)
+            assert plan.kernel["splits"] <= 16, plan.kernel   # the exchange kept, not the windows
             base = torch.randn(shape[0] * strides[0], device=device).to(dtype)
             x = base.as_strided(shape, strides)
             assert_close(trainops.softmax(x, -1, dtype=out_dtype), torch.softmax(x.cpu().double(), -1).to(

@@ -13,7 +13,10 @@ Dtypes: float32, float16, bfloat16, float64 inputs; ``out_dtype`` as torch's ``d
 is cast to it first). Accumulation in float32, or float64 when the computing dtype is float64.
 Numerics as torch: max-subtracted; an all -inf row gives NaN; NaN propagates along its row.
 Deterministic and bit-identical run to run: fixed reduction order, no atomics on values (the
-exchange plan's counters only order its programs).
+exchange plan's counters only order its programs). The exchange plan's aligned windows (rows off a
+multiple of 16 elements) group a row's sums by its offset from a 16-byte boundary, and run only
+on 16-byte aligned pointers: the same row values can round differently (a few ulp) at another
+position in the batch or another address, as between any two plans.
 
 Triton plans (chosen in ``_choose_config``):
     fused    the whole row (or a tile of rows / columns) in registers: one read, one write.
@@ -790,7 +793,10 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     else:
         block_i = 1
         tile = h.exchange_tile[itemsize]
-        splits = -(-(n + max(0, _window_vec(problem, layout) - 1)) // tile)  # a window starts up to VEC - 1 early
+        splits = -(-n // tile)
+        windowed = -(-(n + max(0, _window_vec(problem, layout) - 1)) // tile)   # a window starts up to VEC - 1 early
+        if windowed <= h.sm_count(problem.device):
+            splits = windowed   # else the windows are left out (_prepare_exchange), not the exchange
         if h.exchange_on() and splits <= h.sm_count(problem.device):
             return TritonConfig("exchange", 1, tile, h.exchange_warps[problem.op], splits, tile,
                                 h.exchange_per_sm[backward])
@@ -849,6 +855,8 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
     meta = dict(meta, SPLITS=splits, SPLITS_P2=next_pow2(splits))
     del meta["BLOCK_I"]
     vec = _window_vec(problem, layout)
+    if splits * config.block_n < layout.n + vec - 1:   # no room for a window's extra split (see _choose_config)
+        vec = 0
     window_meta = dict(meta, VEC=vec)
     grid = ExchangeGrid(fn, rows, splits, config.per_sm, problem.heuristics.sm_count(problem.device))
     ws_elems = rows * splits * (1 if problem.backward else 2)
