@@ -8,8 +8,6 @@ import copy
 import datetime
 import gc
 import os
-import socket
-import traceback
 import weakref
 
 import pytest
@@ -20,14 +18,10 @@ import torch.multiprocessing as mp
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
 
+from spawned import free_port, run_cases
+
 GLOBAL_BATCH = 12
 STEPS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(seed=0, width=9):
@@ -588,13 +582,7 @@ def worker(rank, world, port, results):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
-        for case in CASES:
-            try:
-                case(rank, world, out)
-            except Exception:
-                out[f"error in {case.__name__}"] = traceback.format_exc()
-                break
-            out[f"ran {case.__name__}"] = True
+        run_cases(CASES, out, rank, world, out)
     finally:
         results[rank] = out
         dist.destroy_process_group()

@@ -8,8 +8,6 @@ check what each rank reported. float64 on the CPU path, float32 where the Triton
 
 import datetime
 import os
-import socket
-import traceback
 
 import pytest
 import torch
@@ -22,14 +20,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import trainops
 from trainops.errors import UnsupportedError
 
+from spawned import free_port, run_cases
+
 GLOBAL_BATCH = 12   # divisible by 2 and 3 ranks
 STEPS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(dtype=torch.float64, seed=0):
@@ -462,13 +456,7 @@ def worker(rank, world, port, tmp, results):
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     try:
-        for case in SAVE_CASES if world == 2 else LOAD_CASES:
-            try:
-                case(rank, world, mesh, out, tmp)
-            except Exception:
-                out[f"error in {case.__name__}"] = traceback.format_exc()
-                break
-            out[f"ran {case.__name__}"] = True
+        run_cases(SAVE_CASES if world == 2 else LOAD_CASES, out, rank, world, mesh, out, tmp)
     finally:
         results[rank] = out
         dist.destroy_process_group()

@@ -333,23 +333,28 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             return _lamb_cpu_over_parts(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                                         weight_decay, grad_scale, clip, reduce_squares)
         for i, g in enumerate(_cpu_grads(grads, grad_scale, clip, maximize)):
-            p = _cpu_param(params, masters, i)
-            if g.dtype != p.value.dtype:
-                g = g.to(p.value.dtype)
-            steps[i] += 1
-            step = steps[i].item()
-            bc1 = 1 - beta1 ** step if bias_correction else 1.0
-            bc2 = 1 - beta2 ** step if bias_correction else 1.0
-            m, v = _Working(exp_avgs[i], p.value.dtype), _Working(exp_avg_sqs[i], p.value.dtype)
-            m.value.lerp_(g, 1 - beta1)
-            v.value.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            update = _lamb_update_cpu(m.value, v.value, p.value, bc1, bc2, eps, weight_decay)
+            p, m, v, update = moments(i, g, params, masters, exp_avgs, exp_avg_sqs, steps, beta1, beta2, eps,
+                                      weight_decay)
             p_norm, u_norm = torch.linalg.vector_norm(p.value), torch.linalg.vector_norm(update)
             ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
             p.value.sub_(update * (lr * ratio))
             m.write_back()
             v.write_back()
             _finish_param(params, masters, i, p)
+
+    def moments(i, g, params, masters, exp_avgs, exp_avg_sqs, steps, beta1, beta2, eps, weight_decay):
+        """Tensor i's step counter and moments advanced (in its working dtype), and its update u."""
+        p = _cpu_param(params, masters, i)
+        if g.dtype != p.value.dtype:
+            g = g.to(p.value.dtype)
+        steps[i] += 1
+        step = steps[i].item()
+        bc1 = 1 - beta1 ** step if bias_correction else 1.0
+        bc2 = 1 - beta2 ** step if bias_correction else 1.0
+        m, v = _Working(exp_avgs[i], p.value.dtype), _Working(exp_avg_sqs[i], p.value.dtype)
+        m.value.lerp_(g, 1 - beta1)
+        v.value.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        return p, m, v, _lamb_update_cpu(m.value, v.value, p.value, bc1, bc2, eps, weight_decay)
 
     def _lamb_cpu_over_parts(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
                              weight_decay, grad_scale, clip, reduce_squares):
@@ -358,19 +363,10 @@ def _prepare_lamb_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
         wide = params and (masters or params)[0].dtype == torch.float64
         pending, squares = [], torch.zeros(len(params), 2, dtype=torch.float64 if wide else torch.float32)
         for i, g in enumerate(_cpu_grads(grads, grad_scale, clip, maximize)):
-            p = _cpu_param(params, masters, i)
-            if g.dtype != p.value.dtype:
-                g = g.to(p.value.dtype)
-            steps[i] += 1
-            step = steps[i].item()
-            bc1 = 1 - beta1 ** step if bias_correction else 1.0
-            bc2 = 1 - beta2 ** step if bias_correction else 1.0
-            m, v = _Working(exp_avgs[i], p.value.dtype), _Working(exp_avg_sqs[i], p.value.dtype)
-            m.value.lerp_(g, 1 - beta1)
-            v.value.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            p, m, v, update = moments(i, g, params, masters, exp_avgs, exp_avg_sqs, steps, beta1, beta2, eps,
+                                      weight_decay)
             m.write_back()
             v.write_back()
-            update = _lamb_update_cpu(m.value, v.value, p.value, bc1, bc2, eps, weight_decay)
             squares[i, 0], squares[i, 1] = torch.sum(p.value * p.value), torch.sum(update * update)
             pending.append((p, update))
         squares = squares.to(params[0].device) if params else squares
