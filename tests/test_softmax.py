@@ -300,6 +300,35 @@ def test_exchange_plan_aligned_windows(exchange_tiles, op, dtype, n):
                            y, -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_rows_through_aligned_windows(op, dtype):
+    """The fused plan's one row a program (rows of more than 1/8 of a register tile) reads and writes
+    a row of a length off a multiple of 16 through its aligned window when that fits the same tile;
+    poisoned output (every element written), guard bands (nothing outside), -inf and NaN."""
+    device = BACKEND_DEVICES["triton"]
+    tiles = softmax_ops.SoftmaxHeuristics(register_tile={1: 64, 2: 64, 4: 64, 8: 64}, sms=16)
+    gen = torch.Generator().manual_seed(11)
+    with trainops.heuristics(tiles), trainops.backend("triton"):
+        for n, expected in ((37, 16 // torch.tensor([], dtype=dtype).element_size()), (64, 0)):
+            rows = 6
+            x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+            x[0, 0] = float("-inf")
+            x[1, -1] = float("nan")
+            x = x.to(device)
+            plan = trainops.plan(op, shape=x.shape, dim=-1, dtype=dtype, device=device)
+            assert plan.kernel["plan"] == "fused" and plan.kernel["BLOCK_I"] == 1, plan.kernel
+            assert plan.kernel["window"] == expected, plan.kernel
+            guard = torch.full((rows * n + 40,), 7.0, dtype=dtype, device=device)
+            out = guard[16:16 + rows * n].view(rows, n).fill_(float("nan"))
+            plan.run(x, out=out)
+            assert (guard[:16] == 7).all() and (guard[16 + rows * n:] == 7).all()
+            assert_close(out, getattr(torch, op)(x.cpu().double(), -1).to(dtype), dtype, f"{op} n={n}")
+        # a row whose window would need a tile twice as long keeps the plain one (61 + 7 > 64 for bf16)
+        plan = trainops.plan(op, shape=(3, 61), dim=-1, dtype=torch.bfloat16, device=device)
+        assert plan.kernel["window"] == 0, plan.kernel
+
+
 def test_exchange_plan_windows_only_where_they_fit(exchange_tiles):
     """Windows need x and y rows at the same offset from a 16-byte boundary, unit stride, one
     element size, and are not used where the plain chunks are aligned already."""

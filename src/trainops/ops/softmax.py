@@ -543,6 +543,38 @@ if triton_available():
         tl.store(ptr + w0 + t, last_values.to(out_t), mask=last)
 
     @triton.jit
+    def _softmax_fwd_row_window(
+        x_ptr, y_ptr,
+        x_base, x_so0, x_so1, x_si, x_sn,
+        y_base, y_so0, y_so1, y_si, y_sn,
+        N, INNER, OUTER1, I_BLOCKS,
+        LOG: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr, VEC: tl.constexpr,
+    ):
+        """The fused plan's one row a program (BLOCK_I == 1) through the row's aligned window
+        (``_window``, one chunk of BLOCK_N >= N + VEC - 1): one read, one write, as _softmax_fwd_fused."""
+        r = tl.program_id(0)
+        rows = tl.num_programs(0)
+        OUT_T: tl.constexpr = y_ptr.dtype.element_ty
+        x, x_first, x_last = _window_parts(x_ptr, r, x_base, x_so0, x_so1, x_si, 0, N, INNER, OUTER1, rows,
+                                           float("-inf"), BLOCK_N, 1, VEC)
+        x = x.to(OUT_T).to(ACC)
+        x_first = x_first.to(OUT_T).to(ACC)
+        x_last = x_last.to(OUT_T).to(ACC)
+        m = tl.maximum(tl.max(x, axis=0), tl.maximum(tl.max(x_first, axis=0), tl.max(x_last, axis=0)))
+        z, z_first, z_last = x - m, x_first - m, x_last - m
+        e, e_first, e_last = tl.exp(z), tl.exp(z_first), tl.exp(z_last)
+        s = tl.sum(e, axis=0) + tl.sum(e_first, axis=0) + tl.sum(e_last, axis=0)
+        if LOG:
+            log_s = tl.log(s)
+            _store_window(y_ptr, r, y_base, y_so0, y_so1, y_si, 0, N, INNER, OUTER1, rows, z - log_s, z_first - log_s,
+                          z_last - log_s, BLOCK_N, 1, VEC)
+        else:
+            inv_s = 1.0 / s
+            _store_window(y_ptr, r, y_base, y_so0, y_so1, y_si, 0, N, INNER, OUTER1, rows, e * inv_s, e_first * inv_s,
+                          e_last * inv_s, BLOCK_N, 1, VEC)
+
+    @triton.jit
     def _softmax_fwd_exchange(
         x_ptr, y_ptr, ws_ptr, count_ptr,
         x_base, x_so0, x_so1, x_si, x_sn,
@@ -907,6 +939,14 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     grid = (row_programs * config.splits,)
     calls = [launcher(fn, grid, trailing=_operand_args(layout, bases) + sizes, **meta, **phase)
              for bases in layout.host_bases for phase in phases]
+    # One row a program, forward: through aligned windows (_window) where the plain tile would lose vectorised
+    # access and the window (up to VEC - 1 more positions) fits the same tile; on 16-byte aligned pointers.
+    vec = _window_vec(problem, layout) if config.kind == "fused" and config.block_i == 1 and not problem.backward else 0
+    window_calls = None
+    if vec and next_pow2(layout.n + vec - 1) == config.block_n:
+        window_calls = [launcher(_softmax_fwd_row_window, grid, trailing=_operand_args(layout, bases) + sizes, **meta,
+                                 VEC=vec) for bases in layout.host_bases]
+        kernel = f"{kernel}+{_softmax_fwd_row_window.__name__}"
 
     def run(tensors, out):
         if problem.numel == 0:
@@ -914,12 +954,14 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
         pointers = (*tensors, out)
         if config.kind != "fused":
             pointers += (torch.empty(max(ws_elems, 1), dtype=acc, device=out.device),)
-        for launch in calls:
+        aligned = window_calls is not None and all(t.data_ptr() % 16 == 0 for t in pointers)
+        for launch in window_calls if aligned else calls:
             launch(*pointers)
 
     params = (("plan", config.kind), ("BLOCK_I", config.block_i), ("BLOCK_N", config.block_n),
               ("num_warps", config.num_warps), ("splits", config.splits), ("chunk", config.chunk),
-              ("programs", grid[0]), ("host_launches", len(layout.host_bases)))
+              ("programs", grid[0]), ("host_launches", len(layout.host_bases)),
+              ("window", vec if window_calls is not None else 0))
     return Launch(run, KernelChoice(kernel.lstrip("_"), "triton", params), acc,
                   workspace_bytes=ws_elems * acc.itemsize)
 
