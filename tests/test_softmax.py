@@ -324,6 +324,10 @@ def test_fused_rows_through_aligned_windows(op, dtype):
             plan.run(x, out=out)
             assert (guard[:16] == 7).all() and (guard[16 + rows * n:] == 7).all()
             assert_close(out, getattr(torch, op)(x.cpu().double(), -1).to(dtype), dtype, f"{op} n={n}")
+            # one element into its allocation: the plain kernel of the same plan
+            shifted = torch.empty(rows * n + 1, dtype=dtype, device=device)[1:].view(rows, n).copy_(x)
+            assert_close(getattr(trainops, op)(shifted, -1), getattr(torch, op)(x.cpu().double(), -1).to(dtype),
+                         dtype, f"{op} n={n} unaligned")
         # a row whose window would need a tile twice as long keeps the plain one (61 + 7 > 64 for bf16)
         plan = trainops.plan(op, shape=(3, 61), dim=-1, dtype=torch.bfloat16, device=device)
         assert plan.kernel["window"] == 0, plan.kernel

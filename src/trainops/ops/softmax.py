@@ -844,8 +844,10 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
 
 def _window_vec(problem: SoftmaxProblem, layout: ReductionLayout) -> int:
-    """VEC, the elements in 16 bytes, when the exchange plan reads and writes its rows through aligned
-    windows (``_window``), else 0. Windows need rows of unit stride in every operand (x and y; dy, y
+    """VEC, the elements in 16 bytes, when the exchange plan (forward and backward) or the fused plan's
+    one row a program (forward, rows of 2049 to 32768 elements or a single row) reads and writes its
+    rows through aligned windows (``_window``), else 0. ``plan.kernel["window"]`` reports it: a call
+    whose pointers are not 16-byte aligned runs the plain kernel of the same plan. Windows need rows of unit stride in every operand (x and y; dy, y
     and dx), one element size, and each row of every operand starting as far past a 16-byte boundary
     as the same row of the output (strides and bases congruent modulo VEC; the pointers themselves
     are checked at each launch). They are used only where the plain chunks would lose vectorised
@@ -946,7 +948,7 @@ def _prepare_triton(problem: SoftmaxProblem, config: TritonConfig | None = None)
     if vec and next_pow2(layout.n + vec - 1) == config.block_n:
         window_calls = [launcher(_softmax_fwd_row_window, grid, trailing=_operand_args(layout, bases) + sizes, **meta,
                                  VEC=vec) for bases in layout.host_bases]
-        kernel = f"{kernel}+{_softmax_fwd_row_window.__name__}"
+        kernel = f"{kernel}+{_softmax_fwd_row_window.__name__.lstrip('_')}"
 
     def run(tensors, out):
         if problem.numel == 0:
