@@ -27,6 +27,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)"))
 
 
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if ``python -m trainops train`` reads the training data or starts a run."""
+    from trainops import train
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command started work before refusing its arguments")
+    monkeypatch.setattr(train, "stdlib_bytes", work)
+    monkeypatch.setattr(train, "run", work)
+    return work
+
+
 @pytest.fixture(params=["triton", "cpu"])
 def backend(request):
     """Run the test under each backend pinned, on the device that backend runs on here."""

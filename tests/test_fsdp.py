@@ -605,12 +605,9 @@ def test_train_fsdp_under_torchrun_on_gloo(tmp_path):
     assert "step time trainops / pytorch: " in out and (tmp_path / "fsdp.png").exists()
 
 
-def test_train_fsdp_arguments_are_checked_first(capsys, monkeypatch):
+def test_train_fsdp_arguments_are_checked_first(capsys, monkeypatch, no_work):
     from trainops import train
 
-    def work(*args, **kwargs):
-        raise AssertionError("the command started work before refusing its arguments")
-    monkeypatch.setattr(train, "stdlib_bytes", work)
     monkeypatch.delenv("RANK", raising=False)
     cases = ((["--fsdp"], "argument --fsdp: run it under torchrun"),
              (["--fsdp", "--model", "llama"], "argument --fsdp: only with --model gpt"),

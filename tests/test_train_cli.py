@@ -35,15 +35,6 @@ def checkpoint(data, tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fail the test if the command reads the training data or starts a run."""
-    def work(*args, **kwargs):
-        raise AssertionError("the command started work before refusing its arguments")
-    monkeypatch.setattr(train, "stdlib_bytes", work)
-    monkeypatch.setattr(train, "run", work)
-
-
 def refused(capsys, argv, argument):
     """Run the command, expecting argparse's user error: exit status 2, nothing on stdout, and stderr
     the usage then one error line naming ``argument``. Returns that line."""

@@ -102,14 +102,11 @@ def test_cli_compare_trains_and_reports_every_run(tmp_path, capsys):
 # -- arguments --------------------------------------------------------------------------------------
 
 @pytest.fixture
-def no_work(monkeypatch):
-    """Fail the test if the command learns the tokenizer or trains before refusing its arguments."""
-    def work(*args, **kwargs):
-        raise AssertionError("the command started work before refusing its arguments")
-    monkeypatch.setattr(L, "stdlib_tokens", work)
-    monkeypatch.setattr(L, "run_llama", work)
-    monkeypatch.setattr(train, "stdlib_bytes", work)
-    monkeypatch.setattr(train, "run", work)
+def no_work(no_work, monkeypatch):
+    """conftest's no_work, and the command neither learns the tokenizer nor trains a llama run."""
+    monkeypatch.setattr(L, "stdlib_tokens", no_work)
+    monkeypatch.setattr(L, "run_llama", no_work)
+    return no_work
 
 
 @pytest.mark.parametrize("argv, argument, says", [

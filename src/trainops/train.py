@@ -566,12 +566,13 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
 
 
 @torch.no_grad()
-def evaluate(model, batches, amp_dtype, device) -> float:
+def evaluate(model, batches, amp_dtype, device, loss_of=lambda model, x, y: model(x, y)) -> float:
+    """Mean held-out loss of ``loss_of(model, x, y)`` over the batches, in eval mode under the run's autocast."""
     model.eval()
     losses = []
     for x, y in batches:
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            losses.append(float(model(x, y)))
+            losses.append(float(loss_of(model, x, y)))
     model.train()
     return sum(losses) / len(losses)
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .train import Batches, RunResult, _cpu_peak_mb, _median, _progress, learning_rate, stdlib_source
+from .train import evaluate as gpt_evaluate
 
 LLAMA_CONFIGS = {
     # tiny: CI. small: the CPU default, about two minutes on 2 cores. 1b: Llama-3.2-1B's shape (issue 19).
@@ -232,16 +233,10 @@ def train_step(model, forward, opt, scaler, ids, amp_dtype, device, clip_norm):
     return loss.detach()
 
 
-@torch.no_grad()
 def evaluate(model, batches, amp_dtype, device) -> float:
     """Mean held-out loss, the uncompiled model in eval mode (logits computed, as without trainops)."""
-    model.eval()
-    losses = []
-    for x, _ in batches:
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            losses.append(float(model(input_ids=x, labels=x).loss))
-    model.train()
-    return sum(losses) / len(losses)
+    return gpt_evaluate(model, batches, amp_dtype, device,
+                        loss_of=lambda model, x, y: model(input_ids=x, labels=x).loss)
 
 
 def _peak_mb(device: torch.device) -> float:
