@@ -233,9 +233,10 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         check = self.skip_nonfinite or self.max_grad_norm is not None or check_finite
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
         sharded = [b["mesh_sums"] for _, buckets in gathered for b in buckets.values() if b["mesh_sums"] is not None]
-        if len({m.mesh for m in sharded}) > 1:
-            raise UnsupportedError(f"trainops.optim.{self._name}: the parameters are DTensors on {len({m.mesh for m in sharded})} "
-                                   "device meshes; one optimizer steps one mesh's parameters")
+        meshes = {m.mesh for m in sharded}
+        if len(meshes) > 1:
+            raise UnsupportedError(f"trainops.optim.{self._name}: the parameters are DTensors on {len(meshes)} device "
+                                   "meshes; one optimizer steps one mesh's parameters")
         # Every bucket is checked (kernel, layouts, hyper-parameters) before any is written: a step
         # that raises leaves parameters, state and step counters as they were.
         prepared = []
@@ -254,11 +255,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         elif check:
             grads = [g for _, buckets in gathered for b in buckets.values() for g in b["grads"]]
             if grads:
-                devices = {g.device for g in grads}
-                if len(devices) > 1:
-                    raise UnsupportedError(f"trainops.optim.{self._name}: max_grad_norm / skip_nonfinite / GradScaler "
-                                           f"checks need all parameters on one device; found {sorted(map(str, devices))}")
-                device = grads[0].device
+                device = self._checks_device(grads)
                 stats = amp_ops.grad_stats(grads, grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
                                            max_norm=self.max_grad_norm, tables=self._tables)
                 found_inf, self.grad_norm = stats.found_inf, stats.norm
@@ -281,11 +278,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             for bucket in buckets.values():
                 grads += bucket["grads"]
                 dims += bucket["mesh_sums"].dims if bucket["mesh_sums"] is not None else [()] * len(bucket["grads"])
-        devices = {g.device for g in grads}
-        if len(devices) != 1:
-            raise UnsupportedError(f"trainops.optim.{self._name}: max_grad_norm / skip_nonfinite / GradScaler checks "
-                                   f"need all parameters on one device; found {sorted(map(str, devices))}")
-        device = devices.pop()
+        device = self._checks_device(grads)
         flag = torch.zeros((), dtype=torch.float32, device=device)
         if found_inf is not None:
             flag.copy_(found_inf)
@@ -306,6 +299,14 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         norm = values[:-1].sum().sqrt()   # float64, rounded to float32 after the clip, as grad_stats's CPU path
         clip = None if self.max_grad_norm is None else amp_ops.clip_coefficient(norm, self.max_grad_norm).to(torch.float32)
         return flag, clip, norm.to(torch.float32)
+
+    def _checks_device(self, grads) -> torch.device:
+        """The one device of the gradients the step checks (norm, inf/NaN); UnsupportedError otherwise."""
+        devices = {g.device for g in grads}
+        if len(devices) > 1:
+            raise UnsupportedError(f"trainops.optim.{self._name}: max_grad_norm / skip_nonfinite / GradScaler checks "
+                                   f"need all parameters on one device; found {sorted(map(str, devices))}")
+        return grads[0].device
 
     def _class_tables(self, dims) -> TableCache:
         """The pointer tables of one set of shard dimensions' gradients (kept apart: one cache per list)."""
