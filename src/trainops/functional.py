@@ -567,9 +567,10 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
 
     x: any shape and strides (read in place), float32/float16/bfloat16/float64; y contiguous, x's
     dtype; math in float32 (float64 for float64): a kept element is x * float32(1 / (1 - p))
-    rounded once. Deterministic. Under torch.compile the seed is drawn by ``torch.randint`` in the
-    graph (a ``generator`` cannot be traced: UnsupportedError); a captured CUDA graph replays its
-    seed. See ``trainops.ops.dropout``.
+    rounded once. Deterministic. On a CUDA device under torch.compile or while a CUDA graph is being
+    captured, the seed is drawn on the device by ``torch.randint`` (torch's CUDA generator, also
+    seeded by ``torch.manual_seed``): every replay of a captured graph draws a new mask (a
+    ``generator`` cannot be traced or captured: UnsupportedError). See ``trainops.ops.dropout``.
     ``inplace=True``: the result is written into ``input``, which is returned (as torch's
     ``dropout_``; the kernel writes a new buffer that is copied over, so it saves no memory; torch's
     in-place rules hold: a leaf that requires grad raises RuntimeError).
@@ -582,7 +583,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
     p = _dropout_args(op, x, p, generator, mask_mode, "input")
     if not training or p == 0:
         return x
-    y, _ = dropout_ops.dropout_op(x, None, None, dropout_ops.draw_seed(generator), p, 0, mask_mode == "bits")
+    y, _ = dropout_ops.dropout_op(x, None, None, dropout_ops.draw_seed(generator, x.device, op), p, 0,
+                                  mask_mode == "bits")
     return x.copy_(y) if inplace else y
 
 
@@ -608,7 +610,7 @@ def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float,
     if bias is not None and x.dim() == 0:
         raise argument_error(InvalidProblemError, op, "bias", "needs x of rank >= 1 (it runs along x's last axis)")
     _check_norm_tensors(op, x, {"bias": (bias, x.shape[-1:]), "residual": (residual, x.shape)})
-    seed = dropout_ops.draw_seed(generator) if training and p > 0 else None
+    seed = dropout_ops.draw_seed(generator, x.device, op) if training and p > 0 else None
     y, _ = dropout_ops.dropout_op(x, bias, residual, seed, p, 0, mask_mode == "bits")
     return y
 
@@ -647,7 +649,9 @@ def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None
     The mask is ops/dropout.py's Philox mask of each element's row-major index under a seed drawn
     from ``generator`` (a CPU torch.Generator) or torch's default CPU generator, a host op with no
     device synchronisation (``torch.manual_seed`` makes runs repeat; ``trainops.dropout`` of a tensor
-    of scores' shape with the same seed drops the same elements). The backward regenerates it.
+    of scores' shape with the same seed drops the same elements); on CUDA under torch.compile or a
+    CUDA graph capture, a seed drawn on the device, new at every replay (as ``trainops.dropout``).
+    The backward regenerates it.
 
     Dtypes: scores float32 / float16 / bfloat16 / float64; out in scores' dtype, contiguous. Any
     strides for scores (read in place). Backward: d scores = scale * y * (g - sum(g * y)), g = d out
@@ -694,6 +698,6 @@ def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None
                                  f"got shape {tuple(scores.shape)}")
         shift = scores.shape[-1] - scores.shape[-2] if causal == "lower_right" else 0
     _check_generator(op, generator)
-    seed = dropout_ops.draw_seed(generator) if dropout_p > 0 else None
+    seed = dropout_ops.draw_seed(generator, scores.device, op) if dropout_p > 0 else None
     out, _ = attention_ops.attention_softmax_op(scores, mask, bias, float(scale), shift, float(dropout_p), seed)
     return out

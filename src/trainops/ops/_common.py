@@ -9,6 +9,7 @@ Not an op family: nothing here registers an op or a kernel in the registry.
 
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
 import torch
@@ -27,11 +28,30 @@ _PENDING_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event", str]] = []
 _FREE_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device whose current stream is capturing a CUDA graph
+    (``torch.cuda.graph``, or the recording of torch.compile's ``mode="reduce-overhead"``). Such a
+    stream allows no host synchronisation, no event query and no copy from pageable memory."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def assert_on_device(ok: torch.Tensor) -> None:
+    """A device-side assert of the one-element ``ok`` (nonzero = fine), for checks inside a CUDA
+    graph capture: every replay checks, and a failure is CUDA's "device-side assert triggered"
+    (as torch's own index kernels report a bad index; the CUDA context is lost). Nothing waits."""
+    torch._assert_async(ok.reshape(-1)[:1].reshape(()))
+
+
 def note_flag(flag: torch.Tensor, message: str) -> None:
     """Remember a CUDA call's error flag (a one-element tensor, nonzero = the error) for a later
     check that never waits for the GPU: ``raise_flagged`` raises IndexOutOfRangeError(message) once
-    the GPU has set it. Off CUDA, nothing (CPU callers check at once)."""
+    the GPU has set it. Off CUDA, nothing (CPU callers check at once). While a CUDA graph is being
+    captured the flag becomes a device-side assert instead (``assert_on_device``), checked at every
+    replay: no host copy or event could be waited on for a replay."""
     if flag.device.type != "cuda":
+        return
+    if capturing(flag.device):
+        assert_on_device(flag.reshape(-1)[:1] == 0)
         return
     if _FREE_FLAGS:
         host, done = _FREE_FLAGS.pop()
@@ -59,7 +79,11 @@ def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
 
 
 def raise_flagged() -> None:
-    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never waits)."""
+    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never
+    waits). Nothing while a CUDA graph is being captured (no event may be queried then): the next
+    call after the capture reports them."""
+    if _PENDING_FLAGS and torch.cuda.is_current_stream_capturing():
+        return
     while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():
         host, done, message = _PENDING_FLAGS.pop(0)
         _FREE_FLAGS.append((host, done))
@@ -140,6 +164,17 @@ def checked_strides(op: str, names: Sequence[str], present: Sequence[bool], stri
     return strides
 
 
+def float_bits(value: float, acc: torch.dtype) -> int:
+    """``value`` in the math dtype ``acc`` (float32, rounded once, or float64) as the int of its bits.
+    Kernels take float constants this way (Triton types a Python float argument float32; a tensor of
+    constants kept by a plan would live in whatever memory pool was current when the plan was made,
+    a CUDA graph's included) and turn them back with ``from_bits``. Such arguments belong in the
+    kernel's ``do_not_specialize`` (their bits say nothing about alignment)."""
+    if acc == torch.float64:
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def raise_mismatch(op: str, name: str, t, shape, dtype, device) -> None:
     """Raise the named error for a tensor the descriptor does not cover (the checks of Plan.run)."""
     check_tensor(op, name, t, shape, dtype, device)
@@ -153,6 +188,14 @@ _SUM_TILE = 8192
 if triton_available():
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def from_bits(bits, ACC: tl.constexpr):
+        """A float constant passed as the int of its bits (``float_bits``), in the math dtype ACC."""
+        # tl.cast, not bits.to: Inductor's analysis of an inlined launch may pass the int as a constexpr
+        if ACC == tl.float64:
+            return tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
+        return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
 
     @triton.jit
     def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):

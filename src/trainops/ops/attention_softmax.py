@@ -27,8 +27,9 @@ Backward, with g = d out * keep * (1 / (1 - p)) (g = d out without dropout):
 
     dz = y * (g - sum(g * y))       d scores = dz * scale       d bias = dz summed over bias's broadcast axes
 
-Saved for the backward: y in scores' dtype and the seed (an int64 CPU tensor); the dropout mask
-is regenerated, never stored. Without dropout y is the output itself, which attention's ``P @ V``
+Saved for the backward: y in scores' dtype and the seed (an int64 CPU tensor, or a device tensor
+under torch.compile or a CUDA graph capture: ops.dropout.draw_seed); the dropout mask is
+regenerated, never stored. Without dropout y is the output itself, which attention's ``P @ V``
 saves anyway: no memory of its own. With dropout it is a second tensor of scores' size and a second
 write in the forward (as ONNX Runtime's BiasSoftmaxDropout); saving scores instead and recomputing
 y in the backward would spare that write at the same memory, at the cost of the mask and bias in
@@ -61,14 +62,13 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
-from ..launch import launcher
 from ..layout import ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_dtype
-from .dropout import SEED_BOUND, keep_mask, keep_threshold
+from ._common import contiguous_strides, float_bits, float_dtype
+from .dropout import SEED_BOUND, keep_mask, keep_threshold, seed_args, seed_launchers
 
 OP = "attention_softmax"
 BACKWARD_OP = "attention_softmax_backward"
@@ -346,15 +346,6 @@ ForwardDescriptor = register_op(OP, _describe_forward)
 BackwardDescriptor = register_op(BACKWARD_OP, _describe_backward)
 
 
-def _bits(value: float, acc: torch.dtype) -> int:
-    """``value`` in the math dtype (float32, rounded once, or float64) as the int of its bits: the
-    kernels take scales as exact integer arguments and bitcast them back (Triton passes Python
-    floats as float32)."""
-    if acc == torch.float64:
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return struct.unpack("<i", struct.pack("<f", value))[0]
-
-
 def _math_value(value: float, acc: torch.dtype) -> float:
     """``value`` as the kernels use it: rounded to float32 unless the math is float64."""
     return value if acc == torch.float64 else struct.unpack("<f", struct.pack("<f", value))[0]
@@ -441,16 +432,8 @@ if triton_available():
 
     # the shared row offset and the dropout family's mask decision (Philox-4x32 lane vs threshold),
     # each under its own name: Triton's interpreter looks a called jit function up by its __name__
-    from ._common import _row_offset
+    from ._common import _row_offset, from_bits
     from .dropout import _keep
-
-    @triton.jit
-    def _from_bits(bits, ACC: tl.constexpr):
-        """A scale passed as the int of its bits (``_bits``), in the math dtype."""
-        # tl.cast, not bits.to: Inductor's analysis of an inlined launch may pass the int as a constexpr
-        if ACC == tl.float64:
-            return tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
-        return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
 
     @triton.jit
     def _keep_tile(seed, first, c, lane, threshold, LANES: tl.constexpr):
@@ -498,12 +481,15 @@ if triton_available():
         b_base, b_o0, b_o1, b_i, b_n,         # bias, likewise
         out_base, rows, n, OUTER1, INNER,     # contiguous outputs: first row's offset; rows of this launch, k_len
         q_len, shift, scale_bits,             # rows per (batch, head); causal: k > q + shift masked; scale's bits
-        threshold, keep_bits, seed,           # dropout: keep when the draw > threshold; 1 / (1 - p)'s bits; key
+        threshold, keep_bits, SEED, seed,     # dropout: keep when the draw > threshold; 1 / (1 - p)'s bits; key
         HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LOOPED: tl.constexpr,
+        SEED_ON_DEVICE: tl.constexpr,
     ):
         """BLOCK_M rows a program, each a (groups, LANES) tile of BLOCK_N positions: y (and out)
-        written once; long rows (LOOPED) read twice."""
+        written once; long rows (LOOPED) read twice. The key is ``seed``, or SEED[0] (SEED_ON_DEVICE)."""
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         r_mask = r < rows
         s_row = s_base + _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i)
@@ -513,8 +499,8 @@ if triton_available():
         q = (first // n) % q_len
         lane = tl.arange(0, LANES)[None, None, :]
         cols = tl.arange(0, BLOCK_N // LANES)[None, :, None] * LANES + lane
-        scale = _from_bits(scale_bits, ACC)
-        keep_scale = _from_bits(keep_bits, ACC)
+        scale = from_bits(scale_bits, ACC)
+        keep_scale = from_bits(keep_bits, ACC)
         if not LOOPED:
             valid = r_mask[:, None, None] & (cols < n)
             z = _logits(S, M, B, s_row, m_row, b_row, cols, valid, q, s_n, m_n, b_n, shift, scale,
@@ -615,9 +601,10 @@ if triton_available():
         ds_base, ds_k0, ds_k1, ds_ki, ds_b0, ds_b1, ds_bi,         # d scores (contiguous: key stride 1)
         db_base, part_base, part_stride,               # d bias: kept row kr at db_base + kr * NB (+ part * part_stride)
         k_rows, K1, KI, b_rows, B1, BI, b_per_program, SPLITS,     # kept / broadcast rows and their layouts
-        n, NB, q_len, shift, scale_bits, threshold, keep_bits, seed,  # k_len, d bias row length (k_len or 1), ...
+        n, NB, q_len, shift, scale_bits, threshold, keep_bits, SEED, seed,  # k_len, d bias row length, ...
         DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr, ROWSUM: tl.constexpr, CAUSAL: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, LOOPED: tl.constexpr,
+        SEED_ON_DEVICE: tl.constexpr,
     ):
         """Rows are (kept row kr, broadcast row b): kr indexes the bias's own rows, b the rows the
         bias is broadcast over. A program owns BLOCK_M kept rows and, with a bias gradient,
@@ -637,8 +624,10 @@ if triton_available():
             db_row = kr
         lane = tl.arange(0, LANES)[None, None, :]
         cols = tl.arange(0, BLOCK_N // LANES)[None, :, None] * LANES + lane
-        scale = _from_bits(scale_bits, ACC)
-        keep_scale = _from_bits(keep_bits, ACC)
+        scale = from_bits(scale_bits, ACC)
+        keep_scale = from_bits(keep_bits, ACC)
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         acc = tl.zeros([BLOCK_M, BLOCK_N // LANES, LANES], ACC)
         acc_row = tl.zeros([BLOCK_M], ACC)
         if BIAS_GRAD:
@@ -705,7 +694,7 @@ def _scalar_args(problem: AttentionSoftmaxProblem) -> tuple[int, int, int]:
     """(scale's bits, dropout's keep threshold, 1 / (1 - p)'s bits): the kernels' exact scalars."""
     acc = problem.acc_dtype
     p = problem.dropout_p
-    return _bits(problem.scale, acc), keep_threshold(p), _bits(_keep_scale(p), acc)
+    return float_bits(problem.scale, acc), keep_threshold(p), float_bits(_keep_scale(p), acc)
 
 
 def _meta(problem: AttentionSoftmaxProblem, config: AttentionSoftmaxConfig, **flags) -> dict:
@@ -733,16 +722,16 @@ def _prepare_forward(problem: AttentionSoftmaxProblem) -> Launch:
     # every scalar argument but the seed is fixed by the plan: built once here, not per call
     launches = [(*_operand_args(layout, bases, 3), bases[3], layout.rows, n, layout.outer1, layout.inner,
                  problem.q_len, shift, *_scalar_args(problem)) for bases in layout.host_bases]
-    launch = launcher(_attention_softmax_fwd, (triton.cdiv(layout.rows, config.block_m),), **meta)
+    launch = seed_launchers(_attention_softmax_fwd, (triton.cdiv(layout.rows, config.block_m),), meta)
     dropout = problem.dropout
 
     def run(tensors, outputs):
         scores, mask, bias, seed = tensors
         out, y = outputs
         pointers = (scores, mask, bias, y if dropout else out, out if dropout else None)
-        seed = seed if dropout else 0
+        on_device, seed_ptr, seed = seed_args(seed if dropout else 0)
         for args in launches:
-            launch(*pointers, *args, seed)
+            launch[on_device](*pointers, *args, seed_ptr, seed)
 
     return Launch(run, KernelChoice("attention_softmax_fwd", "triton",
                                     _params(config, host_launches=len(layout.host_bases))), problem.acc_dtype)
@@ -807,7 +796,7 @@ def _prepare_backward(problem: AttentionSoftmaxProblem) -> Launch:
                  spread.rows, spread.outer1, spread.inner, per_program, splits, n, nb, problem.q_len, shift,
                  *_scalar_args(problem))
                 for k_bases in kept.host_bases for index, b_bases in enumerate(spread.host_bases)]
-    launch = launcher(_attention_softmax_bwd, (k_blocks * splits,), **meta)
+    launch = seed_launchers(_attention_softmax_bwd, (k_blocks * splits,), meta)
     dropout = problem.dropout
     make_workspace = torch.zeros if config.looped and not rowsum else torch.empty
 
@@ -815,9 +804,9 @@ def _prepare_backward(problem: AttentionSoftmaxProblem) -> Launch:
         dout, y, seed = tensors
         ds, dbias = outputs
         db = make_workspace((parts, bias_rows, nb), dtype=acc, device=ds.device) if workspace else dbias
-        seed = seed if dropout else 0
+        on_device, seed_ptr, seed = seed_args(seed if dropout else 0)
         for args in launches:
-            launch(dout, y, ds, db if bias_grad else None, *args, seed)
+            launch[on_device](dout, y, ds, db if bias_grad else None, *args, seed_ptr, seed)
         if workspace:  # the partial rows summed over a fixed axis: deterministic
             dbias.view(bias_rows, nb).copy_(db.sum(0))
 
@@ -861,12 +850,19 @@ def _check_operand(name: str, t: Tensor, scores: Tensor) -> tuple[int, ...]:
     return broadcast_strides(OP, name, t, scores.shape)
 
 
-def _seed_value(seed: Tensor | None, dropout_p: float) -> int | None:
+def _seed_value(seed: Tensor | None, dropout_p: float, device: torch.device) -> int | Tensor | None:
+    """The seed as the kernels take it: a host int (from a CPU seed), the one-element tensor itself
+    (a seed on scores' CUDA device, drawn under torch.compile or a CUDA graph capture), None
+    without dropout."""
     if dropout_p == 0:
         return None
-    if not isinstance(seed, Tensor) or seed.device.type != "cpu" or seed.numel() != 1 or seed.dtype != torch.int64:
-        raise argument_error(InvalidProblemError, OP, "seed", "must be a one-element int64 CPU tensor with dropout "
-                             f"(ops.dropout.draw_seed: a host value, reading it does not sync), got {seed!r}")
+    if not isinstance(seed, Tensor) or seed.numel() != 1 or seed.dtype != torch.int64 or not (
+            seed.device.type == "cpu" or (seed.device == device and device.type == "cuda")):
+        raise argument_error(InvalidProblemError, OP, "seed", "must be a one-element int64 tensor with dropout, on "
+                             "the CPU (ops.dropout.draw_seed: a host value, reading it does not sync) or on scores' "
+                             f"CUDA device, got {seed!r}")
+    if seed.device.type != "cpu":
+        return seed.reshape(())
     seed = int(seed)
     if not 0 <= seed < SEED_BOUND:
         raise argument_error(InvalidProblemError, OP, "seed", f"must be in [0, 2**63 - 1), got {seed}")
@@ -884,7 +880,7 @@ def _attention_softmax_impl(scores: Tensor, mask: Optional[Tensor], bias: Option
                                    None if bias is None else bias.dtype, bias_strides, scale, causal_shift, dropout_p,
                                    heuristics_for(AttentionSoftmaxHeuristics))
     plan = cached_plan(descriptor)
-    return plan.run_unchecked((scores, mask, bias, _seed_value(seed, dropout_p)))
+    return plan.run_unchecked((scores, mask, bias, _seed_value(seed, dropout_p, scores.device)))
 
 
 def _attention_softmax_fake(scores, mask, bias, scale, causal_shift, dropout_p, seed):
@@ -935,7 +931,7 @@ def _backward_impl(dout: Tensor, y: Tensor, seed: Optional[Tensor], scale: float
                                     None if bias_shape is None else tuple(bias_shape), bias_dtype, scale, causal_shift,
                                     dropout_p, heuristics_for(AttentionSoftmaxHeuristics))
     plan = cached_plan(descriptor)
-    return plan.run_unchecked((dout, y, _seed_value(seed, dropout_p)))
+    return plan.run_unchecked((dout, y, _seed_value(seed, dropout_p, dout.device)))
 
 
 def _backward_fake(dout, y, seed, scale, causal_shift, dropout_p, bias_shape, bias_dtype):

@@ -47,7 +47,7 @@ from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, m
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
-from ._common import note_flag, raise_flagged
+from ._common import assert_on_device, capturing, float_bits, note_flag, raise_flagged
 from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -332,10 +332,14 @@ def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
 
 def check_class_indices(op: str, target: torch.Tensor, classes: int, ignore_index: int) -> None:
     """IndexOutOfRangeError naming ``op`` unless every index of ``target`` is in [0, classes) or
-    ignore_index: one min/max, one host sync on the GPU."""
+    ignore_index: one min/max, one host sync on the GPU; while a CUDA graph is being captured, a
+    device-side assert instead (``assert_on_device``)."""
     if target.numel() == 0:
         return
     valid = torch.where(target == ignore_index, 0, target)
+    if capturing(target.device):
+        assert_on_device(((valid >= 0) & (valid < classes)).all())
+        return
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
     if lo < 0 or hi >= classes:
         raise IndexOutOfRangeError(f"trainops.{op}: argument 'target' holds class {lo if lo < 0 else hi}, out of "
@@ -476,6 +480,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from ._common import from_bits
     from .exchange import merge_max_sum, pack_flagged, place_in_group, poll_flagged
 
     _GRAD_HEADROOM_BITS = tl.constexpr(GRAD_HEADROOM_BITS)
@@ -670,9 +675,9 @@ if triton_available():
             count += tl.where(valid, 1.0, 0.0)
         return tl.sum(total, axis=0), tl.sum(count, axis=0)
 
-    @triton.jit
-    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr, consts_ptr, R,
-                 C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+    @triton.jit(do_not_specialize=["smoothing_bits", "z_bits", "norm_bits", "z_bound_bits"])
+    def _ce_rows(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr,
+                 smoothing_bits, z_bits, norm_bits, z_bound_bits, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                  PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, GRAD: tl.constexpr,
                  ACC: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr,
                  FIRST_PASS_EVICT: tl.constexpr, GRAD_STORE: tl.constexpr, MEAN_BY_TARGETS: tl.constexpr,
@@ -683,18 +688,20 @@ if triton_available():
 
         CHUNKS == 1: the row stays in registers (one read). Else pass 1 streams the row (online
         max / sum), pass 2 re-reads it newest chunk first and writes the gradient; few programs
-        per SM keep the rows in flight small enough for that re-read to hit L2.
+        per SM keep the rows in flight small enough for that re-read to hit L2. The float constants
+        (label smoothing, z-loss coefficient, the fixed divisor of both losses, the z-loss gradient
+        bound) come as their bits in ACC (float_bits).
         """
-        smoothing = tl.load(consts_ptr).to(ACC)  # in ACC: a float argument would arrive as float32
-        z_coef = tl.load(consts_ptr + 1).to(ACC)
+        smoothing = from_bits(smoothing_bits, ACC)
+        z_coef = from_bits(z_bits, ACC)
         if MEAN_BY_TARGETS:  # every program sums the targets' weights the same way: no extra launch
             ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, ACC, 1024)
         else:
-            ce_norm = tl.load(consts_ptr + 2).to(ACC)
-            z_norm = tl.load(consts_ptr + 3).to(ACC)
+            ce_norm = from_bits(norm_bits, ACC)
+            z_norm = ce_norm
         unit = tl.full([], 1.0, ACC)
         if SCALE_GRAD:
-            unit = _gradient_unit(ce_norm, z_norm, tl.load(consts_ptr + 4).to(ACC), w_ptr, C, flags_ptr, HAS_WEIGHT,
+            unit = _gradient_unit(ce_norm, z_norm, from_bits(z_bound_bits, ACC), w_ptr, C, flags_ptr, HAS_WEIGHT,
                                   ACC)
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
             _ce_row(r + tl.zeros([], tl.int64), x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, lse_ptr, flags_ptr,
@@ -712,9 +719,9 @@ if triton_available():
         row_mask = mask & tl.where(r < R, True, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=row_mask, other=float("-inf"))
 
-    @triton.jit
-    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr, consts_ptr,
-                          words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+    @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits"])
+    def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr,
+                          z_bits, norm_bits, z_bound_bits, words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
                           MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr,
@@ -723,8 +730,9 @@ if triton_available():
         BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
         [R, SPLITS] (exchange.py); with SPLITS == 1 a program holds whole rows and trades nothing.
         Program 0 of a group writes the row's loss and lse; every program writes its chunk's
-        gradient from registers: one read of the logits, one write. Losses as _ce_rows."""
-        z_coef = tl.load(consts_ptr + 1).to(tl.float32)
+        gradient from registers: one read of the logits, one write. Losses and constants as _ce_rows
+        (float32 bits)."""
+        z_coef = from_bits(z_bits, tl.float32)
         split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = c < C
@@ -733,12 +741,12 @@ if triton_available():
         if MEAN_BY_TARGETS and PHASE != 1:  # every program sums the same way, while its first chunk loads
             ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, tl.float32, 2048)
         else:
-            ce_norm = tl.load(consts_ptr + 2).to(tl.float32)
-            z_norm = tl.load(consts_ptr + 3).to(tl.float32)
+            ce_norm = from_bits(norm_bits, tl.float32)
+            z_norm = ce_norm
         unit = 1.0
         if SCALE_GRAD and PHASE != 1:
-            unit = _gradient_unit(ce_norm, z_norm, tl.load(consts_ptr + 4), w_ptr, C, flags_ptr, HAS_WEIGHT,
-                                  tl.float32)
+            unit = _gradient_unit(ce_norm, z_norm, from_bits(z_bound_bits, tl.float32), w_ptr, C, flags_ptr,
+                                  HAS_WEIGHT, tl.float32)
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
@@ -864,12 +872,13 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
         problem.shape, torch.empty(problem.shape, device="meta").stride())
     mean_by_targets = problem.reduction == "mean" and not problem.probabilities
     fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
-    consts = torch.tensor([problem.label_smoothing, problem.z_loss, fixed_norm, fixed_norm,
-                           z_gradient_bound(problem.z_loss, problem.classes)], dtype=acc, device=problem.device)
+    z_bound = z_gradient_bound(problem.z_loss, problem.classes)
     strides = (*x_strides, *t_strides, *g_strides)
     splits = _exchange_splits(problem)
     if splits:
+        consts = tuple(float_bits(v, torch.float32) for v in (problem.z_loss, fixed_norm, z_bound))
         return _prepare_exchange(problem, consts, strides, mean_by_targets, splits, s)
+    consts = tuple(float_bits(v, acc) for v in (problem.label_smoothing, problem.z_loss, fixed_norm, z_bound))
     block, chunks, warps, per_sm = _choose_block(problem)
     programs = problem.heuristics.sm_count(problem.device) * per_sm
     smooth = problem.label_smoothing > 0
@@ -882,7 +891,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     def run(tensors, out):
         operands = _kernel_operands(problem, tensors, out, acc)
         if operands is not None:
-            _ce_rows[(min(problem.rows, programs),)](*operands, consts, problem.rows, c, s, *strides,
+            _ce_rows[(min(problem.rows, programs),)](*operands, *consts, problem.rows, c, s, *strides,
                                                      problem.ignore_index, **meta)
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
@@ -891,7 +900,7 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
                   workspace_bytes=(problem.rows + 1) * acc.itemsize * (problem.reduction != "none"))
 
 
-def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, strides: tuple[int, ...],
+def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], strides: tuple[int, ...],
                       mean_by_targets: bool, splits: int, s: int) -> Launch:
     """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
     [rows, splits] zeroed per call, one launch (two under the interpreter); with one chunk a row
@@ -909,7 +918,7 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: torch.Tensor, stride
         if operands is not None:
             flags = operands[-1]
             words = torch.zeros(rows * splits, dtype=torch.int64, device=flags.device) if splits > 1 else flags
-            args = (*operands, consts, words, rows, c, s, *strides, problem.ignore_index)
+            args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", h.exchange_per_sm),

@@ -22,15 +22,14 @@ element o of a larger tensor, given offset o, draws the larger tensor's mask. Th
 bit. It is not torch's mask (torch draws with curand / mt19937); its statistics are torch's: each
 element kept with probability 1 - p (to 2**-24), independently.
 
-Seeds. The functions draw a fresh 63-bit seed from a CPU torch.Generator (``generator``, default
-torch's default CPU generator: ``torch.manual_seed(s)`` makes runs repeat) on every call that
-drops anything; offset is 0. Drawing is a host op (one 0-d CPU tensor): no GPU synchronisation.
-The op takes the seed as that 0-d int64 CPU tensor and reads it on the host when it launches: under
-torch.compile the draw is a graph node (``torch.randint`` of torch's default generator: inductor
-may replace it by its own generator, still seeded by ``torch.manual_seed``); a ``generator``
-object cannot be traced (UnsupportedError under torch.compile). A CUDA graph captured around a
-call replays that call's seed: every replay drops the same elements (capture one graph per step's
-seed, or do not capture dropout).
+Seeds. The functions draw a fresh 63-bit seed on every call that drops anything (offset 0), in
+eager mode from a CPU torch.Generator (``generator``, default torch's default CPU generator:
+``torch.manual_seed(s)`` makes runs repeat): a host op, one 0-d int64 CPU tensor the op reads on
+the host when it launches, no GPU synchronisation. On a CUDA device under torch.compile or while a
+CUDA graph is being captured, the seed is drawn on the device instead (``torch.randint`` of
+torch's CUDA generator, also seeded by ``torch.manual_seed``) and the kernels read it from device
+memory: a captured graph (``torch.cuda.graph``, ``mode="reduce-overhead"``) draws a new seed at
+every replay. A ``generator`` object cannot be traced or captured (UnsupportedError there).
 
 Saved for backward: by default only the seed (``mask_mode="regenerate"``: the backward runs Philox
 again, no mask memory). ``mask_mode="bits"``: the forward also writes the mask packed 1 bit an
@@ -80,7 +79,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import checked_strides, float_dtype, raise_mismatch
+from ._common import checked_strides, float_bits, float_dtype, raise_mismatch
 
 DROPOUT_OPS = ("dropout", "dropout_backward")
 MASK_MODES = ("regenerate", "bits")
@@ -164,10 +163,8 @@ def _scale(p: float, acc: torch.dtype) -> tuple[float, int]:
     """(scale, its bits as an int) in the math dtype: 1 / (1 - p) rounded once; 0 for p = 1 (every
     element dropped). The kernels take the bits (an exact integer argument, bitcast back)."""
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    if acc == torch.float64:
-        return scale, struct.unpack("<q", struct.pack("<d", scale))[0]
-    scale = _f32(scale)
-    return scale, struct.unpack("<i", struct.pack("<f", scale))[0]
+    scale = scale if acc == torch.float64 else _f32(scale)
+    return scale, float_bits(scale, acc)
 
 
 _CPU_CHUNK = 1 << 14  # Philox counters a step of the CPU path: its int64 temporaries stay in cache (16K beat
@@ -223,9 +220,23 @@ def unpack_bits(bits: Tensor, numel: int) -> Tensor:
     return ((bits[:, None] >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
-def draw_seed(generator: torch.Generator | None = None) -> Tensor:
-    """A fresh seed in [0, 2**63 - 1): a 0-d int64 CPU tensor drawn from ``generator`` (a CPU
-    torch.Generator; default torch's default CPU generator). Advances the generator; no GPU sync."""
+def draw_seed(generator: torch.Generator | None = None, device: torch.device | None = None,
+              op: str = "dropout") -> Tensor:
+    """A fresh seed in [0, 2**63 - 1): a 0-d int64 tensor. On the CPU, drawn from ``generator`` (a
+    CPU torch.Generator; default torch's default CPU generator): advances it, no GPU sync.
+
+    For a CUDA ``device`` under torch.compile or while a CUDA graph is being captured, drawn on that
+    device instead by ``torch.randint`` of torch's CUDA generator (``torch.manual_seed`` seeds it
+    too), which CUDA graphs support: every replay draws a new seed (a host seed would be baked into
+    the graph and drop the same elements at every replay). A ``generator`` cannot be captured:
+    UnsupportedError naming ``generator`` (``op``: the function the error names)."""
+    if device is not None and device.type == "cuda" and (torch.compiler.is_compiling()
+                                                         or torch.cuda.is_current_stream_capturing()):
+        if generator is not None:
+            raise argument_error(UnsupportedError, op, "generator", "cannot be used inside a CUDA graph capture (its "
+                                 "host seed would be replayed); leave it None: seeds then come from torch's CUDA "
+                                 "generator, drawn anew at every replay")
+        return torch.randint(0, SEED_BOUND, (), dtype=torch.int64, device=device)
     if generator is None:
         return torch.randint(0, SEED_BOUND, (), dtype=torch.int64)
     return torch.randint(0, SEED_BOUND, (), dtype=torch.int64, generator=generator)
@@ -487,7 +498,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ._common import column_sum
+    from ._common import column_sum, from_bits
 
     @triton.jit
     def _keep(seed, counter, lane, threshold):
@@ -497,12 +508,6 @@ if triton_available():
         v = r.to(tl.int32, bitcast=True)
         v = v ^ (v >> 31)  # tl.rand's int31: ~v for a negative v
         return v > threshold
-
-    @triton.jit
-    def _scale_of(scale_bits, ACC: tl.constexpr):
-        if ACC == tl.float64:
-            return scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        return scale_bits.to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _strided(i, D1, D2, D3, s0, s1, s2, s3, RANK: tl.constexpr):
@@ -528,12 +533,15 @@ if triton_available():
         D1, D2, D3,                           # merged axes' sizes (strided operands; axis 0's is implied)
         xs0, xs1, xs2, xs3,                   # x's strides of the merged axes
         rs0, rs1, rs2, rs3,                   # residual's
+        SEED,                                 # the seed in device memory (read when SEED_ON_DEVICE)
         seed, counter_base, threshold, scale_bits,  # Philox key; offset // 4; keep when v > threshold; scale's bits
         BLOCK: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, STORE_BITS: tl.constexpr,
         MASKED: tl.constexpr, STRIDED: tl.constexpr, RANK: tl.constexpr, INT64: tl.constexpr,
-        BIAS_WRAP_ONCE: tl.constexpr, ACC: tl.constexpr,
+        BIAS_WRAP_ONCE: tl.constexpr, ACC: tl.constexpr, SEED_ON_DEVICE: tl.constexpr,
     ):
         """BLOCK consecutive elements a program, as a (BLOCK / 8, 2, 4) tile: one Philox call per 4."""
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         pid = tl.program_id(0)
         base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
         rows = tl.arange(0, BLOCK // 8)
@@ -558,7 +566,7 @@ if triton_available():
         if MASKED:
             counter = counter_base.to(tl.int64) + ((base + a * 8 + h * 4) >> 2).to(tl.int64)
             keep = _keep(seed, counter, c, threshold)
-            v = v * tl.where(keep, _scale_of(scale_bits, ACC), 0.0)
+            v = v * tl.where(keep, from_bits(scale_bits, ACC), 0.0)
             if STORE_BITS:
                 bit = tl.where(keep & mask, 1 << (h * 4 + c), 0)
                 byte = tl.sum(tl.sum(bit, 2), 1)
@@ -576,11 +584,13 @@ if triton_available():
     def _dropout_bwd(
         DY, DX, BITS,                         # dy; dx (contiguous); the forward's mask bits
         n, D1, D2, D3, s0, s1, s2, s3,        # elements; dy's merged axes (as _dropout_fwd)
-        seed, counter_base, threshold, scale_bits,
+        SEED, seed, counter_base, threshold, scale_bits,
         BLOCK: tl.constexpr, LOAD_BITS: tl.constexpr, MASKED: tl.constexpr, STRIDED: tl.constexpr,
-        RANK: tl.constexpr, INT64: tl.constexpr, ACC: tl.constexpr,
+        RANK: tl.constexpr, INT64: tl.constexpr, ACC: tl.constexpr, SEED_ON_DEVICE: tl.constexpr,
     ):
         """dx = dy * m, BLOCK consecutive elements a program (the forward's tiles)."""
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         pid = tl.program_id(0)
         base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
         rows = tl.arange(0, BLOCK // 8)
@@ -602,7 +612,7 @@ if triton_available():
             else:
                 counter = counter_base.to(tl.int64) + ((base + a * 8 + h * 4) >> 2).to(tl.int64)
                 keep = _keep(seed, counter, c, threshold)
-            g = g * tl.where(keep, _scale_of(scale_bits, ACC), 0.0)
+            g = g * tl.where(keep, from_bits(scale_bits, ACC), 0.0)
         tl.store(DX + base + local, g.to(DX.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["seed", "counter_base", "threshold", "scale_bits"])
@@ -610,14 +620,17 @@ if triton_available():
         DY, DX, BITS, PART,                   # dy; dx (contiguous); mask bits; float partial rows (programs, n_last)
         rows_total, n_last, rows_per_program,
         D1, D2, D3, s0, s1, s2, s3,           # dy's merged axes (as _dropout_fwd)
-        seed, counter_base, threshold, scale_bits,
+        SEED, seed, counter_base, threshold, scale_bits,
         BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, LANES: tl.constexpr, LOAD_BITS: tl.constexpr,
         MASKED: tl.constexpr, STRIDED: tl.constexpr, RANK: tl.constexpr, INT64: tl.constexpr, ACC: tl.constexpr,
+        SEED_ON_DEVICE: tl.constexpr,
     ):
         """dx of a column block over ``rows_per_program`` rows, BLOCK_M rows a step, as a (BLOCK_M,
         BLOCK_G, LANES) tile; the columns' dx summed per (row slot, column) in registers and written as
         the program's partial row. LANES = 4 (n_last % 4 == 0): one Philox call per 4 elements; 1:
         each element runs its own block's call."""
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)[None, :, None]
@@ -648,7 +661,7 @@ if triton_available():
                     else:
                         counter = counter_base.to(tl.int64) + (i >> 2).to(tl.int64)
                         keep = _keep(seed, counter, i & 3, threshold)
-                v = v * tl.where(keep, _scale_of(scale_bits, ACC), 0.0)
+                v = v * tl.where(keep, from_bits(scale_bits, ACC), 0.0)
             tl.store(DX + i, v.to(DX.dtype.element_ty), mask=mask)
             acc += tl.where(mask, v, 0.0)
         cols = pid_n * (BLOCK_G * LANES) + tl.arange(0, BLOCK_G)[:, None] * LANES + tl.arange(0, LANES)[None, :]
@@ -688,6 +701,20 @@ def _operand_strides(problem: DropoutProblem) -> list[tuple[int, ...]]:
     return [st for st in problem.strides if st is not None]
 
 
+def seed_launchers(kernel, grid: tuple, meta: dict) -> dict:
+    """Launchers of a dropout kernel by where its seed is: {False: a host int argument, True: a
+    one-element int64 tensor on the device (``graph_safe_seed``)}."""
+    return {on_device: launcher(kernel, grid, **meta, SEED_ON_DEVICE=on_device) for on_device in (False, True)}
+
+
+def seed_args(seed: int | Tensor) -> tuple[bool, Tensor | None, int]:
+    """(seed on the device?, the SEED pointer, the seed argument) of a call whose seed is a host int
+    or a device tensor (the pointer is None for a host seed: the kernel does not read it)."""
+    if isinstance(seed, Tensor):
+        return True, seed, 0
+    return False, None, seed
+
+
 def _prepare_triton(problem: DropoutProblem) -> Launch:
     acc = problem.acc_dtype
     h = problem.heuristics
@@ -711,7 +738,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
                     STORE_BITS=problem.mask_bits and masked, MASKED=masked, STRIDED=layout.strided, RANK=layout.rank,
                     INT64=layout.int64, BIAS_WRAP_ONCE=problem.n_last >= block, ACC=acc_tl, num_warps=h.warps)
         args = (n, problem.n_last, *layout.sizes, *x_st, *r_st)  # fixed by the plan: built once here
-        launch = launcher(_dropout_fwd, (triton.cdiv(n, block),), **meta)
+        launch = seed_launchers(_dropout_fwd, (triton.cdiv(n, block),), meta)
 
         def run(tensors, outputs):
             x, bias, residual, random = tensors
@@ -719,9 +746,10 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
             if not n:
                 return
             p = random.p
-            launch(x, y if bias is None else bias, y if residual is None else residual, y,
-                   bits if bits.numel() else y, *args, random.seed, random.offset // 4, threshold_of(p),
-                   scale_of(p, acc)[1])
+            on_device, seed_ptr, seed = seed_args(random.seed)
+            launch[on_device](x, y if bias is None else bias, y if residual is None else residual, y,
+                              bits if bits.numel() else y, *args, seed_ptr, seed, random.offset // 4,
+                              threshold_of(p), scale_of(p, acc)[1])
 
         params = (("BLOCK", block), ("num_warps", h.warps), ("strided", layout.strided), ("axes", layout.rank))
         return Launch(run, KernelChoice("dropout_fwd", "triton", params), acc)
@@ -730,7 +758,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
         meta = dict(BLOCK=block, LOAD_BITS=problem.mask_bits, MASKED=masked, STRIDED=layout.strided,
                     RANK=layout.rank, INT64=layout.int64, ACC=acc_tl, num_warps=h.warps)
         args = (n, *layout.sizes, *layout.strides[0])
-        launch = launcher(_dropout_bwd, (triton.cdiv(n, block),), **meta)
+        launch = seed_launchers(_dropout_bwd, (triton.cdiv(n, block),), meta)
 
         def run(tensors, outputs):
             dy, bits, random = tensors
@@ -738,8 +766,9 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
             if not n:
                 return
             p = random.p
-            launch(dy, dx, dx if bits is None else bits, *args, random.seed, random.offset // 4, threshold_of(p),
-                   scale_of(p, acc)[1])
+            on_device, seed_ptr, seed = seed_args(random.seed)
+            launch[on_device](dy, dx, dx if bits is None else bits, *args, seed_ptr, seed, random.offset // 4,
+                              threshold_of(p), scale_of(p, acc)[1])
 
         params = (("BLOCK", block), ("num_warps", h.warps), ("strided", layout.strided), ("axes", layout.rank))
         return Launch(run, KernelChoice("dropout_bwd", "triton", params), acc)
@@ -759,7 +788,7 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
     meta = dict(BLOCK_M=block_m, BLOCK_G=block_n // lanes, LANES=lanes, LOAD_BITS=problem.mask_bits, MASKED=masked,
                 STRIDED=layout.strided, RANK=layout.rank, INT64=layout.int64, ACC=acc_tl, num_warps=h.rows_warps)
     args = (rows_total, n_last, rows_per_program, *layout.sizes, *layout.strides[0])
-    launch = launcher(_dropout_bwd_rows, (col_blocks, programs), **meta)
+    launch = seed_launchers(_dropout_bwd_rows, (col_blocks, programs), meta)
     sum_columns = column_sum(programs, n_last, h.reduce_block, 64)
 
     def run(tensors, outputs):
@@ -770,8 +799,9 @@ def _prepare_triton(problem: DropoutProblem) -> Launch:
             return
         p = random.p
         part = torch.empty((programs, n_last), dtype=acc, device=dx.device)
-        launch(dy, dx, dx if bits is None else bits, part, *args, random.seed, random.offset // 4, threshold_of(p),
-               scale_of(p, acc)[1])
+        on_device, seed_ptr, seed = seed_args(random.seed)
+        launch[on_device](dy, dx, dx if bits is None else bits, part, *args, seed_ptr, seed, random.offset // 4,
+                          threshold_of(p), scale_of(p, acc)[1])
         sum_columns(part, dbias)
 
     params = (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("lanes", lanes), ("programs", (col_blocks, programs)),
@@ -799,13 +829,17 @@ def _readable(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
-def _random(op: str, seed: Tensor | None, offset: int, p: float) -> DropoutRandom:
+def _random(op: str, seed: Tensor | None, offset: int, p: float, device: torch.device) -> DropoutRandom:
+    """The call's DropoutRandom: a CPU seed read on the host (no sync), a CUDA seed on ``device``
+    passed on as the tensor (the kernel reads it)."""
     if seed is None:
         return DropoutRandom(0, offset, p)
-    if seed.device.type != "cpu" or seed.dtype != torch.int64 or seed.numel() != 1:
-        raise argument_error(InvalidProblemError, op, "seed", f"must be a one-element int64 CPU tensor (a host value: "
-                             f"reading it must not sync), got {seed.dtype} on {seed.device}")
-    return DropoutRandom(int(seed), offset, p)
+    if seed.dtype != torch.int64 or seed.numel() != 1 or not (
+            seed.device.type == "cpu" or (seed.device == device and device.type == "cuda")):
+        raise argument_error(InvalidProblemError, op, "seed", f"must be a one-element int64 tensor on the CPU (a host "
+                             f"value: reading it must not sync) or on the input's CUDA device, got {seed.dtype} "
+                             f"of {seed.numel()} elements on {seed.device}")
+    return DropoutRandom(int(seed) if seed.device.type == "cpu" else seed.reshape(()), offset, p)
 
 
 def _dropout_impl(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], seed: Optional[Tensor], p: float,
@@ -825,7 +859,7 @@ def _dropout_impl(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                                    residual is not None, mask_bits and masked, masked,
                                    (x.stride(), None if residual is None else residual.stride()),
                                    heuristics_for(DropoutHeuristics))
-    return cached_plan(descriptor).run_unchecked((x, bias, residual, _random(op, seed, offset, p)))
+    return cached_plan(descriptor).run_unchecked((x, bias, residual, _random(op, seed, offset, p, x.device)))
 
 
 def _dropout_fake(x, bias, residual, seed, p, offset, mask_bits):
@@ -845,7 +879,7 @@ def _dropout_backward_impl(dy: Tensor, seed: Optional[Tensor], bits: Optional[Te
     if bits is not None and (bits.shape != ((dy.numel() + 7) // 8,) or bits.dtype != torch.uint8
                              or bits.device != dy.device or not bits.is_contiguous()):
         plan.problem.check((dy, bits, DropoutRandom(0, offset, p)), None)
-    return plan.run_unchecked((dy, bits, _random(op, seed, offset, p)))
+    return plan.run_unchecked((dy, bits, _random(op, seed, offset, p, dy.device)))
 
 
 def _dropout_backward_fake(dy, seed, bits, p, offset, bias_dtype):
@@ -895,4 +929,5 @@ dropout_op = custom_op("dropout", _dropout_impl, _dropout_fake, backward=_grad, 
 
 
 __all__ = ["DropoutHeuristics", "DropoutProblem", "DropoutRandom", "draw_seed", "keep_mask", "keep_threshold",
+           "seed_args", "seed_launchers",
            "pack_bits", "philox4x32", "unpack_bits", "dropout_op", "dropout_backward_op", "MASK_MODES"]

@@ -50,6 +50,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
+from ._common import assert_on_device, capturing
 
 MAX_RANK = 8
 
@@ -282,11 +283,15 @@ def check_index_range(op: str, index: torch.Tensor, size: int, negative_indices:
     """Raise IndexOutOfRangeError (naming ``op`` and its argument ``name``) unless every index lies in
     [-size, size) (negatives allowed) or [0, size).
 
-    One min/max reduction; on the GPU its two scalars come back with one synchronisation.
+    One min/max reduction; on the GPU its two scalars come back with one synchronisation. While a
+    CUDA graph is being captured, a device-side assert instead (``assert_on_device``).
     """
     if index.numel() == 0:
         return
     low, high = (-size if negative_indices else 0), size
+    if capturing(index.device):
+        assert_on_device(((index >= low) & (index < high)).all())
+        return
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(index)).tolist())
     if lo < low or hi >= high:
         bad = lo if lo < low else hi
@@ -595,8 +600,6 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
     workspace = b * chunks * 2 * i
     meta = dict(ACC=_acc_tl(problem.dtype), CHUNK=h.chunk)
     padding = -1 if problem.padding_idx is None else problem.padding_idx
-    boundaries = {}
-
     def run(tensors, out):
         dy, index = tensors
         index = _flat_index(problem, index)
@@ -605,9 +608,10 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
         if problem.negative_indices:
             index = torch.where(index < 0, index + s, index)
         keys, perm = torch.sort(index, stable=True)
-        if keys.dtype not in boundaries:  # the row ids 0..S, made once per plan and dtype
-            boundaries[keys.dtype] = torch.arange(s + 1, dtype=keys.dtype, device=out.device)
-        starts = torch.searchsorted(keys, boundaries[keys.dtype], out_int32=n < 2**31 - 1)
+        # the row ids 0..S, made per call: a tensor kept by the plan would stay in the memory pool
+        # current at its first call (a CUDA graph's, which must free everything it does not return)
+        boundaries = torch.arange(s + 1, dtype=keys.dtype, device=out.device)
+        starts = torch.searchsorted(keys, boundaries, out_int32=n < 2**31 - 1)
         partial = torch.empty(max(workspace, 1), dtype=acc, device=out.device)
         if n:
             _gather_grad_hot_chunks[hot_grid](dy, keys, perm, starts, partial, s, n, i, chunks, dy_sb, dy_sn, dy_si,

@@ -29,6 +29,7 @@ import torch
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..plan import cached_plan, heuristics_for
 from ..registry import normalize_device, op_spec
+from ._common import capturing
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -93,6 +94,22 @@ class BlockTables:
     block: int
 
 
+# What a captured CUDA graph reads at every replay: the host buffers of tables made while capturing
+# (the graph copies from them) and the device tables it launched with. They live as long as the
+# process (a few bytes per tensor of a captured step): a table dropped from its cache and freed
+# would otherwise hand its memory to other tensors under a graph that still reads it.
+_CAPTURED: list = []
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor copied to ``device`` without a host sync: from pageable memory (staged by the
+    driver), or while a CUDA graph is being captured, from pinned memory kept for the process's life."""
+    if capturing(device):
+        host = host.pin_memory()
+        _CAPTURED.append(host)
+    return host.to(device, non_blocking=True)
+
+
 class TensorTable:
     """The cached tables of one bucket. ``tables(columns, scalars, validate, user_columns)`` returns them.
 
@@ -124,6 +141,8 @@ class TensorTable:
         sizes = tuple(map(torch.Tensor.numel, lead))
         key = (addresses, strides, sizes)
         if key == self._key:
+            if capturing(lead[0].device):
+                _CAPTURED.append(self._tables)
             return self._tables
         if validate is not None:
             validate()
@@ -136,18 +155,18 @@ class TensorTable:
                 total += c
             owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32),
                                             torch.tensor(counts, dtype=torch.int64))
-            self._blocks = (owner.to(device, non_blocking=True),
-                            torch.tensor(first, dtype=torch.int32).to(device, non_blocking=True),
-                            torch.tensor(sizes, dtype=torch.int64).to(device, non_blocking=True), total)
+            self._blocks = (_to_device(owner, device), _to_device(torch.tensor(first, dtype=torch.int32), device),
+                            _to_device(torch.tensor(sizes, dtype=torch.int64), device), total)
             self._sizes_key = (device, sizes)
-        # Pageable host memory with non_blocking=True: staged by the driver, no stream sync.
-        address_table = torch.tensor(addresses, dtype=torch.int64).view(len(columns) + len(scalars), len(lead)).to(
-            device, non_blocking=True)
+        address_table = _to_device(torch.tensor(addresses, dtype=torch.int64).view(len(columns) + len(scalars),
+                                                                                    len(lead)), device)
         n_column_addresses = len(columns) * len(lead)
         owner, first, numels, total = self._blocks
         self._tables = BlockTables(address_table, owner, first, numels, len(lead), total,
                                    aligned=all(a % 16 == 0 for a in addresses[:n_column_addresses]), block=self.block)
         self._key = key
+        if capturing(device):
+            _CAPTURED.append(self._tables)
         return self._tables
 
 

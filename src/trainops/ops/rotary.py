@@ -68,7 +68,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_dtype
+from ._common import assert_on_device, capturing, contiguous_strides, float_dtype
 
 ROTARY_OPS = ("rotary_embedding", "rotary_embedding_backward")
 _MATH = "none (float32 math; float64 for float64)"
@@ -388,8 +388,12 @@ RotaryDescriptor, RotaryBackwardDescriptor = (register_op(op, _describer(op)) fo
 
 def check_position_range(op: str, position_ids: Tensor, positions: int) -> None:
     """Raise IndexOutOfRangeError unless every id lies in [0, positions): one min/max reduction, whose
-    two scalars come back with one synchronisation on the GPU."""
+    two scalars come back with one synchronisation on the GPU; while a CUDA graph is being captured,
+    a device-side assert instead (``assert_on_device``)."""
     if position_ids.numel() == 0:
+        return
+    if capturing(position_ids.device):
+        assert_on_device(((position_ids >= 0) & (position_ids < positions)).all())
         return
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(position_ids)).tolist())
     if lo < 0 or hi >= positions:

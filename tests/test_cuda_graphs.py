@@ -1,0 +1,317 @@
+"""CUDA graphs around trainops ops (GPU only): ``torch.cuda.graph`` capture of an eager forward +
+backward, and torch.compile's ``mode="reduce-overhead"`` (CUDA graph trees), for every op family.
+
+What a capture needs from an op: no host synchronisation, no event query and no copy from pageable
+memory while capturing; no tensor kept past the call (a plan-held tensor made during a capture or
+a graph-tree warm-up would sit in the graph's memory pool); and random numbers drawn on the device,
+so that every replay draws anew. Replays are compared with eager calls on the same values: exactly
+for ``torch.cuda.graph`` (the same kernels run), within float32 rounding under torch.compile
+(Inductor sums around our kernels in its own order).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import trainops
+
+B, T, H, D, C, V = 2, 64, 4, 32, 256, 1000
+
+
+def _values(seed: int) -> dict:
+    """Float32 inputs of every case on the GPU (leaves made by the caller), targets and indices."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cuda = dict(device="cuda")
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, **cuda)
+    return dict(x=randn(B * T, C), r=randn(B * T, C), w=randn(C), b=randn(C), gate_up=randn(B * T, 2 * C),
+                q=randn(B, H, T, D), k=randn(B, H // 2, T, D), cos=randn(T, D), sin=randn(T, D),
+                scores=randn(B, H, T, T) * 3, logits=randn(B * T, V) * 2, hidden=randn(B * T, C),
+                head=randn(V, C) * 0.05, table=randn(V, C),
+                targets=torch.randint(0, V, (B * T,), generator=g, **cuda),
+                ids=torch.randint(0, V, (B * T,), generator=g, **cuda))
+
+
+DIFFERENTIABLE = ("x", "r", "w", "b", "gate_up", "q", "k", "scores", "logits", "hidden", "head", "table")
+
+
+def _leaves(values: dict) -> dict:
+    return {k: v.clone().requires_grad_(k in DIFFERENTIABLE) for k, v in values.items()}
+
+
+def _sq(*ts):
+    return sum(t.square().sum() for t in ts)
+
+
+CASES = {
+    "rms_norm": lambda t: _sq(*trainops.rms_norm(t["x"], t["w"], 1e-5, residual=t["r"])),
+    "layer_norm": lambda t: _sq(trainops.layer_norm(t["x"], (C,), t["w"], t["b"])),
+    "swiglu": lambda t: _sq(trainops.swiglu(t["gate_up"])),
+    "gelu": lambda t: _sq(trainops.gelu(t["x"], approximate="tanh")),
+    "rotary_embedding": lambda t: _sq(*trainops.rotary_embedding(t["q"], t["k"], t["cos"], t["sin"])),
+    "attention_softmax": lambda t: (trainops.attention_softmax(t["scores"], scale=0.125, causal=True)
+                                    * t["scores"]).sum(),
+    "softmax": lambda t: (trainops.softmax(t["x"], -1) * t["r"]).sum(),
+    "log_softmax": lambda t: (trainops.log_softmax(t["x"], -1) * t["r"]).sum(),
+    "cross_entropy": lambda t: trainops.cross_entropy(t["logits"], t["targets"]),
+    "linear_cross_entropy": lambda t: trainops.linear_cross_entropy(t["hidden"], t["head"], t["targets"]),
+    "embedding": lambda t: _sq(trainops.embedding(t["ids"], t["table"])),
+    "gather": lambda t: _sq(trainops.gather(t["table"], t["ids"], 0)),
+}
+RANDOM_CASES = {
+    "dropout": lambda t: trainops.dropout(t["x"], 0.25),
+    "attention_softmax_dropout": lambda t: trainops.attention_softmax(t["scores"], scale=0.125, causal=True,
+                                                                      dropout_p=0.25),
+}
+
+
+def _grads(t: dict) -> dict:
+    return {k: v.grad.clone() for k, v in t.items() if v.grad is not None}
+
+
+def _eager(fn, values: dict):
+    t = _leaves(values)
+    loss = fn(t)
+    loss.backward()
+    return loss.detach(), _grads(t)
+
+
+def _capture(fn, static: dict):
+    """Warm up on a side stream (plans made, kernels compiled), then capture forward + backward."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for v in static.values():
+                v.grad = None
+            fn(static).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for v in static.values():
+        v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = fn(static)
+        loss.backward()
+    return graph, loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_captured_forward_backward_replays_the_eager_results(name):
+    fn = CASES[name]
+    static = _leaves(_values(0))
+    graph, loss = _capture(fn, static)
+    for seed in (1, 2):
+        values = _values(seed)
+        with torch.no_grad():
+            for k, v in values.items():
+                static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_loss, want_grads = _eager(fn, values)
+        assert torch.isfinite(loss).all()
+        assert torch.equal(loss, want_loss), (name, seed, loss.item(), want_loss.item())
+        got = _grads(static)
+        assert got.keys() == want_grads.keys()
+        for k in got:
+            assert torch.equal(got[k], want_grads[k]), (name, seed, k)
+
+
+def _relative(a, b) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reduce_overhead_compile_gives_the_eager_results(name):
+    fn = CASES[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, mode="reduce-overhead")
+    for seed in range(4):   # warm-up, recording, then replays of the recorded graph
+        values = _values(seed)
+        t = _leaves(values)
+        loss = compiled(t)
+        loss.backward()
+        torch.cuda.synchronize()
+        want_loss, want_grads = _eager(fn, values)
+        assert _relative(loss.detach(), want_loss) < 1e-5, (name, seed)
+        got = _grads(t)
+        assert got.keys() == want_grads.keys()
+        for k in got:
+            assert _relative(got[k], want_grads[k]) < 1e-5, (name, seed, k)
+    torch._dynamo.reset()
+
+
+def _dropout_mask(name: str, t: dict, y: torch.Tensor, p: float) -> torch.Tensor:
+    """The elements kept by a call (loss y.sum()). dropout: y = x * keep / (1 - p) and dx = keep /
+    (1 - p) with the same mask, about 1 - p of them kept; attention: y's nonzeros."""
+    if name != "dropout":
+        return y != 0
+    x, dx = t["x"], t["x"].grad
+    keep = dx != 0
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+    scale = float(torch.tensor(1 / (1 - p), dtype=torch.float32))
+    assert torch.equal(dx, torch.where(keep, scale, 0.0))
+    assert torch.equal(y, torch.where(keep, x * scale, 0.0))
+    return keep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(RANDOM_CASES))
+def test_captured_dropout_draws_a_new_mask_at_every_replay(name):
+    fn = RANDOM_CASES[name]
+    source = "x" if name == "dropout" else "scores"
+    p = 0.25
+    static = _leaves(_values(0))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            static[source].grad = None
+            fn(static).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    static[source].grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn(static)
+        y.sum().backward()
+    masks = []
+    for _ in range(3):   # the same inputs: only a new seed changes the mask
+        graph.replay()
+        torch.cuda.synchronize()
+        masks.append(_dropout_mask(name, static, y, p))
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(RANDOM_CASES))
+def test_reduce_overhead_dropout_draws_a_new_mask_every_call(name):
+    fn = RANDOM_CASES[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, mode="reduce-overhead")
+    masks = []
+    values = _values(0)
+    for _ in range(4):   # the same inputs every call (warm-up, recording, replays): only the seed changes
+        t = _leaves(values)
+        y = compiled(t)
+        y.sum().backward()
+        torch.cuda.synchronize()
+        masks.append(_dropout_mask(name, t, y, 0.25))
+    assert all(not torch.equal(a, b) for a, b in zip(masks, masks[1:]))
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_bad_index_in_a_replayed_graph_is_a_device_assert():
+    """While capturing, the deferred index check becomes a device-side assert (a host check cannot
+    run at replay); a replay with an out-of-range index fails as torch's own index kernels do.
+    In a subprocess: the assert ends the CUDA context."""
+    script = textwrap.dedent("""
+        import torch, trainops
+        table = torch.randn(10, 8, device="cuda", requires_grad=True)
+        ids = torch.randint(0, 10, (16,), device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            trainops.embedding(ids, table).sum().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        table.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            trainops.embedding(ids, table).sum().backward()
+        graph.replay()
+        torch.cuda.synchronize()
+        print("good replay ok", flush=True)
+        ids[3] = 10
+        graph.replay()
+        torch.cuda.synchronize()
+        print("bad replay passed", flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "good replay ok" in run.stdout, run.stderr[-3000:]
+    assert "bad replay passed" not in run.stdout
+    assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-3000:]
+
+
+class _Net(torch.nn.Module):
+    """A pre-norm block between an embedding and a loss, every op but the matmuls trainops's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = trainops.nn.Embedding(V, C)
+        self.norm = trainops.nn.RMSNorm(C)
+        self.up = torch.nn.Linear(C, 2 * C)
+        self.down = torch.nn.Linear(C, C)
+        self.head = torch.nn.Linear(C, V, bias=False)
+
+    def forward(self, ids, targets):
+        h = self.embed(ids)
+        h = h + self.down(trainops.dropout(trainops.swiglu(self.up(self.norm(h))), 0.0))
+        return trainops.cross_entropy(self.head(h), targets)
+
+
+@pytest.mark.gpu
+def test_a_captured_training_step_replays_the_eager_steps():
+    """Forward, backward and a trainops AdamW step (clipping by the global norm, a learning-rate
+    schedule through a device tensor) captured in one graph: its replays give the eager steps'
+    losses and parameters bit for bit. The optimizer's tensor tables made while capturing are
+    copied from pinned memory the graph keeps."""
+    import copy
+
+    torch.manual_seed(0)
+    eager_net = _Net().cuda()
+    graph_net = copy.deepcopy(eager_net)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randint(0, V, (B * T,), generator=g, device="cuda"),
+                torch.randint(0, V, (B * T,), generator=g, device="cuda")) for _ in range(7)]
+
+    def step(net, opt, ids, targets):
+        loss = net(ids, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    schedule = [1e-3 * (1 - i / 10) for i in range(len(batches))]
+    lr = torch.tensor(schedule[0], device="cuda")
+    opt = trainops.optim.AdamW(eager_net.parameters(), lr=lr, max_grad_norm=1.0)
+    eager_losses = []
+    for i, (ids, targets) in enumerate(batches):
+        lr.fill_(schedule[i])
+        opt.zero_grad(set_to_none=True)
+        eager_losses.append(step(eager_net, opt, ids, targets).detach().clone())
+
+    lr = torch.tensor(schedule[0], device="cuda")
+    opt = trainops.optim.AdamW(graph_net.parameters(), lr=lr, max_grad_norm=1.0)
+    static_ids, static_targets = batches[0][0].clone(), batches[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i, (ids, targets) in enumerate(batches[:3]):   # warm-up: plans, kernels, optimizer state; real steps
+            opt.zero_grad(set_to_none=True)
+            lr.fill_(schedule[i])
+            static_ids.copy_(ids)
+            static_targets.copy_(targets)
+            loss = step(graph_net, opt, static_ids, static_targets)
+            assert torch.equal(loss, eager_losses[i]), i
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(graph_net, opt, static_ids, static_targets)
+    for i, (ids, targets) in enumerate(batches[3:], start=3):
+        lr.fill_(schedule[i])
+        static_ids.copy_(ids)
+        static_targets.copy_(targets)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_loss, eager_losses[i]), (i, static_loss.item(), eager_losses[i].item())
+    for (name, p), q in zip(graph_net.named_parameters(), eager_net.parameters()):
+        assert torch.equal(p, q), name
