@@ -6,7 +6,8 @@ memory while capturing; no tensor kept past the call (a plan-held tensor made du
 a graph-tree warm-up would sit in the graph's memory pool); and random numbers drawn on the device,
 so that every replay draws anew. Replays are compared with eager calls on the same values: exactly
 for ``torch.cuda.graph`` (the same kernels run), within float32 rounding under torch.compile
-(Inductor sums around our kernels in its own order).
+(Inductor sums around our kernels in its own order). Also here: the index and target checks of a
+compiled graph, which run on the device as in eager mode (no host synchronisation).
 """
 
 import os
@@ -315,3 +316,36 @@ def test_a_captured_training_step_replays_the_eager_steps():
         assert torch.equal(static_loss, eager_losses[i]), (i, static_loss.item(), eager_losses[i].item())
     for (name, p), q in zip(graph_net.named_parameters(), eager_net.parameters()):
         assert torch.equal(p, q), name
+
+
+BAD_INPUT = {"cross_entropy": "targets", "linear_cross_entropy": "targets", "embedding": "ids", "gather": "ids"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(BAD_INPUT))
+def test_compiled_index_checks_never_wait_for_the_gpu_and_a_later_call_raises(name):
+    """Inside a torch.compile graph (default mode) the target / index checks run on the device, as
+    in eager mode: a steady call makes no host synchronisation (torch's sync debug mode would raise),
+    and a bad index is raised by the next call once the GPU has flagged it."""
+    fn = CASES[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    for seed in range(2):   # compile, warm up
+        compiled(_leaves(_values(seed))).backward()
+    torch.cuda.synchronize()
+    t = _leaves(_values(2))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = compiled(t)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert _relative(loss.detach(), _eager(fn, _values(2))[0]) < 1e-5
+    bad = _values(3)
+    bad[BAD_INPUT[name]][5] = V   # one past the last class / row
+    compiled(_leaves(bad))
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match="out of range"):
+        compiled(_leaves(_values(4)))
+    trainops.check_pending()   # nothing left pending
+    torch._dynamo.reset()

@@ -17,7 +17,7 @@ from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
 from .ops import linear_cross_entropy as linear_cross_entropy_ops
-from .ops._common import check_mode, note_flag, raise_flagged
+from .ops._common import check_mode, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
@@ -83,18 +83,11 @@ def _check_index(op: str, index) -> None:
         raise argument_error(InvalidProblemError, op, "index", f"must be a torch.Tensor, got {type(index).__name__}")
 
 
-def _index_checked_on_device(op: str, name: str, index: Tensor, low: int, high: int) -> bool:
-    """Eager calls on CUDA: compare ``index`` with [low, high) on the device, without waiting for
-    it, and report a bad value at a later trainops call (ops/_common.py's deferred flags); True when
-    it did, so that the op runs unchecked (such indices read nothing: zeros, no gradient)."""
-    if index.device.type != "cuda" or torch.compiler.is_compiling() or not index.is_contiguous():
-        return False
-    if index.numel():
-        note_flag(gather_ops.out_of_range_flag(index, low, high),
-                  f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
-                  "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
-                  "indices were zeros and they got no gradient)")
-    return True
+def _deferred_on_device(check: bool, immediate: bool, index: Tensor) -> bool:
+    """Whether a call's index check runs on the device without the host waiting (CUDA, the default
+    mode; the op flags bad indices and a later call raises: gather.defer_index_check), rather than
+    before the launch (immediate mode; on the CPU, where it costs no sync)."""
+    return check and not immediate and index.device.type == "cuda"
 
 
 def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool | str = True) -> Tensor:
@@ -103,11 +96,11 @@ def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool | str = 
     ONNX Gather: ``index`` any rank, int32 or int64, negative values count from the end of ``dim``.
     x: float32/float16/bfloat16/float64, any strides. Differentiable in x (gradient:
     ``gather_backward``, deterministic). ``check_index=True`` raises ``IndexError`` (a trainops
-    ``IndexOutOfRangeError``) for an index outside [-x.shape[dim], x.shape[dim]): on the CPU and
-    under torch.compile before anything is written (on the GPU under torch.compile that costs one
-    min/max and one host synchronisation); in eager mode on the GPU the check runs on the device
-    without the host waiting for it, and the error is raised by a later trainops call once the GPU
-    has run it (meanwhile such indices read nothing: zeros). ``check_index="immediate"``: before
+    ``IndexOutOfRangeError``) for an index outside [-x.shape[dim], x.shape[dim]): on the CPU before
+    anything is written; on the GPU (eager or inside a torch.compile graph) the check runs on the
+    device without the host waiting for it, and the error is raised by a later trainops call once
+    the GPU has run it (meanwhile such indices read nothing: zeros); inside a CUDA graph capture
+    it is a device-side assert at every replay. ``check_index="immediate"``: before
     anything is written everywhere (on the GPU one min/max and one host synchronisation per call).
     ``check_index=False``: no check (out-of-range indices still read nothing and give zeros).
     """
@@ -115,10 +108,7 @@ def gather(x: Tensor, index: Tensor, dim: int = 0, *, check_index: bool | str = 
     _check_index("gather", index)
     check, immediate = check_mode("gather", "check_index", check_index)
     _raise_pending()
-    if (check and not immediate and isinstance(dim, int) and -x.dim() <= dim < x.dim()   # a bad dim: the op's error
-            and _index_checked_on_device("gather", "index", index, -x.shape[dim], x.shape[dim])):
-        check = False
-    return gather_ops.gather_op(x, index, dim, True, check)
+    return gather_ops.gather_op(x, index, dim, True, check, _deferred_on_device(check, immediate, index))
 
 
 def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, deterministic: bool = True,
@@ -138,13 +128,10 @@ def gather_backward(dy: Tensor, index: Tensor, dim: int, input_shape, *, determi
     except TypeError:
         raise argument_error(InvalidProblemError, "gather_backward", "input_shape",
                              f"must be a sequence of ints, got {input_shape!r}") from None
-    size = input_shape[dim] if isinstance(dim, int) and -len(input_shape) <= dim < len(input_shape) else None
     check, immediate = check_mode("gather_backward", "check_index", check_index)
     _raise_pending()
-    if (check and not immediate and size is not None
-            and _index_checked_on_device("gather_backward", "index", index, -size, size)):
-        check = False
-    return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check)
+    return gather_ops.gather_backward_op(dy, index, dim, input_shape, deterministic, None, False, True, check,
+                                         _deferred_on_device(check, immediate, index))
 
 
 def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
@@ -176,9 +163,8 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
         padding_idx %= rows
     check, immediate = check_mode(op, "check_index", check_index)
     _raise_pending()
-    if check and not immediate and _index_checked_on_device(op, "input", input, 0, rows):
-        check = False
-    return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check)
+    return gather_ops.embedding_op(input, weight, padding_idx, bool(scale_grad_by_freq), check,
+                                   _deferred_on_device(check, immediate, input))
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average=None,
@@ -204,14 +190,15 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
     the stored gradient times a power of two (its entries, ~p / rows, would fall below float16's
     range before a GradScaler's scale lifts them) that the backward divides out.
     ``check_target`` raises IndexError for a class index outside [0, C) that is not ignore_index.
-    In eager mode on the GPU the kernel flags such rows (no host sync; the loss leaves them out)
-    and the first eager call of cross_entropy, linear_cross_entropy, embedding, gather or
-    gather_backward, or cross_entropy's backward, after the GPU has set the flag raises (usually
-    the next step's); ``trainops.check_pending()`` waits for the GPU and raises it (the end of an
-    evaluation), and one never raised is printed at exit. On the CPU the backward raises in
-    training, the call itself otherwise; under torch.compile the check runs before the launch (one
-    min/max and one host sync on the GPU). ``check_target="immediate"``: before the launch
-    everywhere (that sync on the GPU every call). Unchecked, such rows are left out.
+    On the GPU (eager, or inside a torch.compile graph) the kernel flags such rows (no host sync;
+    the loss leaves them out) and the first call of cross_entropy, linear_cross_entropy,
+    embedding, gather or gather_backward, or cross_entropy's eager backward, after the GPU has set
+    the flag raises (usually the next step's); ``trainops.check_pending()`` waits for the GPU and
+    raises it (the end of an evaluation), and one never raised is printed at exit; inside a CUDA
+    graph capture the flag is a device-side assert at every replay. On the CPU the backward raises
+    in eager training, the call itself otherwise (before the launch). ``check_target="immediate"``:
+    before the launch everywhere (one min/max and one host sync on the GPU every call). Unchecked,
+    such rows are left out.
     ``inplace_backward=True`` writes the gradient over the logits (saving a logits-sized buffer):
     input must be a non-leaf tensor nothing else needs afterwards (e.g. the LM head's output); its
     values are gone after the call (autograd raises if another op saved them). Accumulates in
@@ -259,9 +246,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     matmuls in all; a second backward through the same loss raises UnsupportedError, except in
     float64 and under torch.compile); "none" recomputes the chunks in its backward (four matmuls).
     Only the gradients of the tensors that require grad are computed (a frozen head costs no dW).
-    Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: in eager mode
-    on the GPU the kernels flag a bad index without a host sync, "immediate" checks before the
-    launch). Deterministic (fixed chunk order,
+    Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: on the GPU
+    the kernels flag a bad index without a host sync, "immediate" checks before the launch). Deterministic (fixed chunk order,
     no atomics). Errors name the argument (InvalidProblemError, UnsupportedError).
     """
     return linear_cross_entropy_ops.linear_cross_entropy(

@@ -1006,7 +1006,19 @@ def _cross_entropy_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor]
                         deferred_check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     descriptor, tensors = _descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                          loss_dtype, compute_grad, check_target, False)
-    return cached_plan(descriptor).run_unchecked(tensors)
+    return _run_deferred(cached_plan(descriptor), tensors, deferred_check and logits.device.type == "cuda")
+
+
+def _run_deferred(plan, tensors, on_device: bool, op: str = "cross_entropy"):
+    """The plan's outputs; ``on_device``: the deferred target check of a CUDA call, made by the op
+    itself (eager mode or inside a compiled graph): an earlier flagged error raised first, then
+    this call's flag (the outputs' last) remembered without waiting for the GPU."""
+    if on_device:
+        raise_flagged()
+    outputs = plan.run_unchecked(tensors)
+    if on_device:
+        note_target_flag(outputs[-1], op)
+    return outputs
 
 
 def _cross_entropy_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
@@ -1099,15 +1111,17 @@ def scale_fused_gradient(ctx, dloss: Tensor, in_place: bool) -> Tensor:
 
 def _cross_entropy_inplace_impl(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
                                 reduction: str, label_smoothing: float, z_loss: float,
-                                loss_dtype: Optional[torch.dtype], check_target: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                loss_dtype: Optional[torch.dtype], check_target: bool,
+                                deferred_check: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     descriptor, tensors = _descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                          loss_dtype, True, check_target, True)
-    loss, lse, _, flags = cached_plan(descriptor).run_unchecked(tensors)
+    loss, lse, _, flags = _run_deferred(cached_plan(descriptor), tensors,
+                                        deferred_check and logits.device.type == "cuda")
     return loss, lse, flags
 
 
 def _cross_entropy_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                loss_dtype, check_target):
+                                loss_dtype, check_target, deferred_check=False):
     loss, lse, _, flags = _fake_outputs(_descriptor_of(logits, target, weight, ignore_index, reduction, label_smoothing,
                                                        z_loss, loss_dtype, True, check_target, True)[0])
     return loss, lse, flags
@@ -1127,9 +1141,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, loss_dtype,
                 check_target, deferred_check):
         loss, lse, flags = cross_entropy_inplace_op(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                                    z_loss, loss_dtype, check_target)
-        if deferred_check:
-            note_target_flag(flags)
+                                                    z_loss, loss_dtype, check_target, deferred_check)
         _keep_for_backward(ctx, reduction, logits.dim(), deferred_check, True, logits, flags)
         ctx.mark_non_differentiable(lse)
         return loss, lse
@@ -1149,18 +1161,17 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_
     compiling = torch.compiler.is_compiling()
     if not compiling:
         raise_flagged()
-    # Eager mode: the kernel flags bad targets, checked later without a host sync (by the backward on
-    # the CPU: there, without a gradient, the op checks first, which costs no sync).
-    deferred = (check_target and not immediate_check and not compiling and not target.is_floating_point()
-                and (compute_grad or logits.device.type == "cuda"))
+    # On the GPU (eager or compiled) the kernel flags bad targets and the op remembers the flag for a
+    # later call, without a host sync; on the CPU the eager backward checks it (without a gradient,
+    # or compiled, the op checks first, which costs no sync there).
+    deferred = (check_target and not immediate_check and not target.is_floating_point()
+                and (logits.device.type == "cuda" or (compute_grad and not compiling)))
     if inplace_backward and compute_grad:
         if logits.is_leaf:
             raise argument_error(InvalidProblemError, "cross_entropy", "inplace_backward",
                                  "needs a non-leaf input (its gradient would alias the leaf's own values)")
         return _InplaceCrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                           loss_dtype, check_target and not deferred, deferred)
-    loss, lse, _, flags = cross_entropy_op(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                           loss_dtype, compute_grad, check_target and not deferred, deferred)
-    if deferred:
-        note_target_flag(flags)
+    loss, lse, _, _ = cross_entropy_op(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                       loss_dtype, compute_grad, check_target and not deferred, deferred)
     return loss, lse

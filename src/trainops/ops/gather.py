@@ -50,7 +50,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
-from ._common import assert_on_device, capturing
+from ._common import assert_on_device, capturing, note_flag, raise_flagged
 
 MAX_RANK = 8
 
@@ -704,14 +704,39 @@ def _same_device(op: str, x_name: str, x: Tensor, index: Tensor) -> None:
         raise argument_error(InvalidProblemError, op, "index", f"is on {index.device} but {x_name} is on {x.device}")
 
 
-def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, check_index: bool) -> Tensor:
+def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) -> None:
+    """The deferred check of a CUDA call's indices, run by the op itself (eager mode or inside a
+    compiled graph): an earlier call's flagged error is raised first, then ``index`` is compared
+    with [low, high) on the device without waiting for it (ops/_common.py's deferred flags; while a
+    CUDA graph is being captured, a device-side assert). The op then runs unchecked: such indices
+    read nothing (zeros) and get no gradient."""
+    raise_flagged()
+    if index.numel():
+        note_flag(out_of_range_flag(index, low, high),
+                  f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
+                  "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
+                  "indices were zeros and they got no gradient)")
+
+
+def _deferred(deferred_check: bool, index: Tensor) -> bool:
+    """Whether a call checks its indices on the device (CUDA only; elsewhere before the launch)."""
+    return deferred_check and index.device.type == "cuda"
+
+
+def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, check_index: bool,
+                deferred_check: bool = False) -> Tensor:
     _same_device("gather", "x", x, index)
     if x.dim() and three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
         x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
+    deferred = _deferred(deferred_check, index)
     descriptor = GatherDescriptor(x.shape, dim, index.shape, x.dtype, index.dtype, x.device, x_strides=x.stride(),
-                                  negative_indices=negative_indices, check_index=check_index,
+                                  negative_indices=negative_indices, check_index=check_index and not deferred,
                                   heuristics=heuristics_for(GatherHeuristics))
-    return cached_plan(descriptor).run_unchecked((x, index))
+    plan = cached_plan(descriptor)
+    if deferred and check_index:
+        size = x.shape[dim]
+        defer_index_check("gather", "index", index, -size if negative_indices else 0, size)
+    return plan.run_unchecked((x, index))
 
 
 def _gather_shape(x_shape: Sequence[int], index: Tensor, dim: int) -> list[int]:
@@ -720,12 +745,12 @@ def _gather_shape(x_shape: Sequence[int], index: Tensor, dim: int) -> list[int]:
 
 
 def _gather_impl(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
-                 check_index: bool = True) -> Tensor:
-    return _run_gather(x, index, dim, negative_indices, check_index)
+                 check_index: bool = True, deferred_check: bool = False) -> Tensor:
+    return _run_gather(x, index, dim, negative_indices, check_index, deferred_check)
 
 
 def _gather_fake(x: Tensor, index: Tensor, dim: int, negative_indices: bool = True,
-                 check_index: bool = True) -> Tensor:
+                 check_index: bool = True, deferred_check: bool = False) -> Tensor:
     return x.new_empty(_gather_shape(x.shape, index, dim))
 
 
@@ -743,23 +768,29 @@ def _gather_grad(ctx, dy: Tensor) -> dict:
 def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
                           deterministic: bool = True, padding_idx: Optional[int] = None,
                           scale_grad_by_freq: bool = False, negative_indices: bool = True,
-                          check_index: bool = True) -> Tensor:
+                          check_index: bool = True, deferred_check: bool = False) -> Tensor:
     _same_device("gather_backward", "dy", dy, index)
     input_shape, rank = tuple(input_shape), len(input_shape)
     if rank and -rank <= dim < rank and three_axis_strides(
             dy.shape, dy.stride(), dim % rank, dim % rank + index.dim()) is None:
         dy = dy.contiguous()  # rare layouts whose batch / index / inner dims do not merge: one copy of dy
+    deferred = _deferred(deferred_check, index)
     descriptor = GatherBackwardDescriptor(
         input_shape, dim, index.shape, dy.dtype, index.dtype, dy.device, dy_shape=dy.shape, dy_strides=dy.stride(),
         deterministic=deterministic, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
-        negative_indices=negative_indices, check_index=check_index, heuristics=heuristics_for(GatherHeuristics))
-    return cached_plan(descriptor).run_unchecked((dy, index))
+        negative_indices=negative_indices, check_index=check_index and not deferred,
+        heuristics=heuristics_for(GatherHeuristics))
+    plan = cached_plan(descriptor)
+    if deferred and check_index:
+        size = input_shape[dim]
+        defer_index_check("gather_backward", "index", index, -size if negative_indices else 0, size)
+    return plan.run_unchecked((dy, index))
 
 
 def _gather_backward_fake(dy: Tensor, index: Tensor, dim: int, input_shape: Sequence[int],
                           deterministic: bool = True, padding_idx: Optional[int] = None,
                           scale_grad_by_freq: bool = False, negative_indices: bool = True,
-                          check_index: bool = True) -> Tensor:
+                          check_index: bool = True, deferred_check: bool = False) -> Tensor:
     return dy.new_empty(input_shape)
 
 
@@ -789,14 +820,20 @@ def _gather_backward_grad(ctx, g: Tensor) -> dict:
 
 
 def _embedding_impl(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
-                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+                    scale_grad_by_freq: bool = False, check_index: bool = True,
+                    deferred_check: bool = False) -> Tensor:
+    _same_device("embedding", "weight", weight, index)
     if check_index:   # here rather than in the gather plan, so that the error names embedding's argument
-        check_index_range("embedding", index, weight.shape[0], False, name="input")
+        if _deferred(deferred_check, index):
+            defer_index_check("embedding", "input", index, 0, weight.shape[0])
+        else:
+            check_index_range("embedding", index, weight.shape[0], False, name="input")
     return _run_gather(weight, index, 0, False, False)
 
 
 def _embedding_fake(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
-                    scale_grad_by_freq: bool = False, check_index: bool = True) -> Tensor:
+                    scale_grad_by_freq: bool = False, check_index: bool = True,
+                    deferred_check: bool = False) -> Tensor:
     return weight.new_empty([*index.shape, *weight.shape[1:]])
 
 

@@ -233,13 +233,29 @@ def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
 def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
           num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
           softcap: Optional[float], needs: int, rows: int,
-          check_target: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+          check_target: bool, deferred_check: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss in float32 / float64, dhidden, dweight, dbias, flags): the gradients of the loss (for
     an upstream gradient of 1) in their tensors' dtypes; one not in ``needs`` (all of them for
     reduction "none") is an empty tensor. rows: tokens a chunk, 0 for LinearCrossEntropyHeuristics'.
-    check_target: check the indices before any work (one host sync on the GPU)."""
+    check_target: check the indices before any work (one host sync on the GPU). deferred_check (a
+    CUDA call): an earlier flagged error raised first, then the kernels' flag remembered for a
+    later call (cross_entropy.note_target_flag), without waiting for the GPU."""
     if check_target:
         check_class_indices(OP, target, weight.shape[0], ignore_index)
+    deferred = deferred_check and hidden.device.type == "cuda"
+    if deferred:
+        raise_flagged()
+    outputs = _compute(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap, needs, rows)
+    if deferred:
+        note_target_flag(outputs[-1], OP)
+    return outputs
+
+
+def _compute(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+             num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+             softcap: Optional[float], needs: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """_impl's work after the checks."""
     rows = rows or _heuristic_rows(hidden, weight)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.autocast(hidden.device.type, enabled=False):
@@ -254,7 +270,7 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
 
 
 def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
-          softcap, needs, rows, check_target):
+          softcap, needs, rows, check_target, deferred_check=False):
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
     dx = hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0)
@@ -451,24 +467,22 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     grad_mode = torch.is_grad_enabled()
     needs = sum(bit for p, bit in ((hidden, NEEDS_HIDDEN), (weight, NEEDS_WEIGHT), (bias, NEEDS_BIAS))
                 if grad_mode and p is not None and p.requires_grad)
-    compute_grad = needs != 0
     compiling = torch.compiler.is_compiling()
     if not compiling:
         raise_flagged()
-    # eager mode: the kernels flag bad targets, raised right after the call on the CPU, by a later call
-    # on the GPU (no host sync); immediate, or under torch.compile: checked before any work
-    deferred = check and not immediate and not compiling
+    # the kernels flag bad targets: on the GPU (eager or compiled) the op remembers the flag for a later
+    # call (no host sync); in eager mode on the CPU it is read right after the call; immediate, or
+    # compiled on the CPU: checked before any work
+    on_device = hidden.device.type == "cuda"
+    deferred = check and not immediate and (on_device or not compiling)
     loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
                                               float(label_smoothing), float(z_loss),
                                               None if softcap is None else float(softcap),
-                                              0 if reduction == "none" else needs, 0, check and not deferred)
-    if deferred:
-        if flags.device.type == "cpu":
-            if flags[0]:
-                raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds a class index out of range "
-                                           f"[0, {weight.shape[0] - 1}] that is not ignore_index ({ignore_index})")
-        else:
-            note_target_flag(flags, OP)
+                                              0 if reduction == "none" else needs, 0, check and not deferred,
+                                              deferred and on_device)
+    if deferred and not on_device and flags[0]:
+        raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds a class index out of range "
+                                   f"[0, {weight.shape[0] - 1}] that is not ignore_index ({ignore_index})")
     if reduction == "none":
         loss = loss.reshape(shape)
     return loss.to(out_dtype)
