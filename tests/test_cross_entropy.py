@@ -521,6 +521,25 @@ def test_float16_gradient_exponent_bounds_the_z_loss_term():
         assert ce_ops.gradient_exponent(zero, zero, w_max, 0.0).item() == 0
 
 
+def test_constants_beyond_float32_reach_the_kernels_as_inf(backend, device):
+    """The kernels take float constants as their bits (float_bits): a z-loss whose gradient bound
+    2 z (65504 + log C) passes float32's range is inf there, as a float32 tensor of it would be,
+    not a packing error; the loss and gradient match the float64 reference."""
+    from trainops.ops._common import float_bits
+
+    for v in (1e36, -1e39, 3.4028235e38, 3.40282357e38, 1e-50, float("inf"), float("-inf")):
+        assert float_bits(v, torch.float32) == torch.tensor(v, dtype=torch.float32).view(torch.int32).item(), v
+        assert float_bits(v, torch.float64) == torch.tensor(v, dtype=torch.float64).view(torch.int64).item(), v
+    x = torch.randn(6, 9, generator=torch.Generator().manual_seed(3))
+    target = torch.tensor([0, 3, 8, -100, 2, 5])
+    ref_loss, _, ref_grad = reference(x, target, z_loss=1e34)
+    logits = x.clone().to(device).requires_grad_()
+    loss = trainops.cross_entropy(logits, target.to(device), z_loss=1e34)
+    loss.backward()
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    assert_close(logits.grad, ref_grad, torch.float32, "grad")
+
+
 @pytest.mark.parametrize("plan", ["fused", "exchange", "two-pass"])
 def test_float16_mean_gradient_survives_loss_scaling(backend, device, plan):
     """float16 "mean": the gradient for an upstream gradient of 1 (~p / rows) lies below float16's

@@ -132,8 +132,11 @@ def _relative(a, b) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reduce_overhead_compile_gives_the_eager_results(name):
+    from torch._dynamo.utils import counters
+
     fn = CASES[name]
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(fn, mode="reduce-overhead")
     for seed in range(4):   # warm-up, recording, then replays of the recorded graph
         values = _values(seed)
@@ -147,6 +150,7 @@ def test_reduce_overhead_compile_gives_the_eager_results(name):
         assert got.keys() == want_grads.keys()
         for k in got:
             assert _relative(got[k], want_grads[k]) < 1e-5, (name, seed, k)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])   # graphs were recorded
     torch._dynamo.reset()
 
 
@@ -194,8 +198,11 @@ def test_captured_dropout_draws_a_new_mask_at_every_replay(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(RANDOM_CASES))
 def test_reduce_overhead_dropout_draws_a_new_mask_every_call(name):
+    from torch._dynamo.utils import counters
+
     fn = RANDOM_CASES[name]
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(fn, mode="reduce-overhead")
     masks = []
     values = _values(0)
@@ -206,31 +213,41 @@ def test_reduce_overhead_dropout_draws_a_new_mask_every_call(name):
         torch.cuda.synchronize()
         masks.append(_dropout_mask(name, t, y, 0.25))
     assert all(not torch.equal(a, b) for a, b in zip(masks, masks[1:]))
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])   # graphs were recorded
     torch._dynamo.reset()
 
 
+CAPTURED_CHECKS = {   # a call whose index check runs inside the captured graph: deferred or immediate mode
+    "embedding": "trainops.embedding(ids, table).sum()",
+    "cross_entropy_immediate": "trainops.cross_entropy(table, ids, check_target='immediate')",
+    "gather_immediate": "trainops.gather(table, ids, 0, check_index='immediate').sum()",
+}
+
+
 @pytest.mark.gpu
-def test_a_bad_index_in_a_replayed_graph_is_a_device_assert():
-    """While capturing, the deferred index check becomes a device-side assert (a host check cannot
-    run at replay); a replay with an out-of-range index fails as torch's own index kernels do.
-    In a subprocess: the assert ends the CUDA context."""
-    script = textwrap.dedent("""
+@pytest.mark.parametrize("name", sorted(CAPTURED_CHECKS))
+def test_a_bad_index_in_a_replayed_graph_is_a_device_assert(name):
+    """While capturing, index checks become device-side asserts (neither the deferred flag nor the
+    immediate host check can run at a replay); a replay with an out-of-range index fails as torch's
+    own index kernels do. In a subprocess: the assert ends the CUDA context."""
+    call = CAPTURED_CHECKS[name]
+    script = textwrap.dedent(f"""
         import torch, trainops
-        table = torch.randn(10, 8, device="cuda", requires_grad=True)
+        table = torch.randn(16, 10, device="cuda", requires_grad=True)
         ids = torch.randint(0, 10, (16,), device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            trainops.embedding(ids, table).sum().backward()
+            ({call}).backward()
         torch.cuda.current_stream().wait_stream(side)
         table.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            trainops.embedding(ids, table).sum().backward()
+            ({call}).backward()
         graph.replay()
         torch.cuda.synchronize()
         print("good replay ok", flush=True)
-        ids[3] = 10
+        ids[3] = 16
         graph.replay()
         torch.cuda.synchronize()
         print("bad replay passed", flush=True)
@@ -349,3 +366,82 @@ def test_compiled_index_checks_never_wait_for_the_gpu_and_a_later_call_raises(na
         compiled(_leaves(_values(4)))
     trainops.check_pending()   # nothing left pending
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_capture_never_hands_its_unreplayed_tables_to_the_next():
+    """The optimizer tables a capture makes are filled at its replays only: a second capture (here
+    after the first graph was deleted unreplayed) builds its own, and its replays match eager steps."""
+    import copy
+
+    torch.manual_seed(0)
+    eager_net = _Net().cuda()
+    graph_net = copy.deepcopy(eager_net)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = [(torch.randint(0, V, (B * T,), generator=g, device="cuda"),
+                torch.randint(0, V, (B * T,), generator=g, device="cuda")) for _ in range(5)]
+    eager_opt = trainops.optim.AdamW(eager_net.parameters(), lr=1e-3)
+    graph_opt = trainops.optim.AdamW(graph_net.parameters(), lr=1e-3)
+
+    def step(net, opt, ids, targets):
+        for p in net.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        net(ids, targets).backward()
+        opt.step()
+
+    for ids, targets in batches:
+        step(eager_net, eager_opt, ids, targets)
+    static_ids, static_targets = batches[0][0].clone(), batches[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for ids, targets in batches[:2]:
+            static_ids.copy_(ids)
+            static_targets.copy_(targets)
+            step(graph_net, graph_opt, static_ids, static_targets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph_opt.zero_grad(set_to_none=True)
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        step(graph_net, graph_opt, static_ids, static_targets)
+    del first   # never replayed: its tables hold no addresses
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second):
+        step(graph_net, graph_opt, static_ids, static_targets)
+    for ids, targets in batches[2:]:
+        static_ids.copy_(ids)
+        static_targets.copy_(targets)
+        second.replay()
+    torch.cuda.synchronize()
+    for (name, p), q in zip(graph_net.named_parameters(), eager_net.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["dropout", "attention_softmax"])
+def test_a_seed_on_the_device_gives_the_host_seeds_mask(op):
+    """The kernels read a device seed (SEED_ON_DEVICE) as they take a host one: same outputs and
+    gradients, forward and backward (dropout with bias and residual and its bias gradient; attention
+    softmax with a bias gradient)."""
+    from trainops.ops import attention_softmax as attention_ops
+    from trainops.ops import dropout as dropout_ops
+
+    torch.manual_seed(0)
+    seed = 1234567890123
+    results = []
+    for device_seed in (False, True):
+        s = torch.tensor(seed, dtype=torch.int64, device="cuda" if device_seed else "cpu")
+        x = torch.randn(64, 96, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1), requires_grad=True)
+        b = torch.randn(96, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2), requires_grad=True)
+        if op == "dropout":
+            r = torch.randn(64, 96, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+            y, _ = dropout_ops.dropout_op(x, b, r, s, 0.3, 0, False)
+        else:
+            y, _ = attention_ops.attention_softmax_op(x.view(2, 2, 16, 96), None, b, 0.5, None, 0.3, s)
+        (y * torch.arange(y.numel(), device="cuda").view(y.shape).sin()).sum().backward()
+        results.append((y.detach(), x.grad, b.grad))
+    for host, device in zip(*results):
+        assert torch.equal(host, device)
+    dropped = results[0][1] == 0 if op == "dropout" else results[0][0] == 0   # dx = 0 / out = 0 where dropped
+    assert dropped.any()

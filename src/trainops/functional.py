@@ -237,7 +237,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
     with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
     Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
-    device (a tensor's value is not checked: 0 gives inf, as dividing by it would). loss_dtype: the
+    device (a tensor's value is not checked: 0 gives inf, as dividing by it would); inside a CUDA
+    graph capture a tensor on the GPU (a CPU tensor raises UnsupportedError; an int is captured as
+    a constant). loss_dtype: the
     loss's dtype (default float32, float64 for float64 hidden: the loss is computed in that
     precision, as Hugging Face's upcast logits give it).
 
@@ -503,7 +505,7 @@ def geglu(gate: Tensor, up: Tensor | None = None, approximate: str = "tanh") -> 
 
 
 def _check_generator(op: str, generator) -> None:
-    """None, or a CPU torch.Generator outside torch.compile (seeds are drawn on the host)."""
+    """None, or a CPU torch.Generator outside torch.compile (eager seeds are drawn on the host)."""
     if generator is None:
         return
     if not isinstance(generator, torch.Generator):

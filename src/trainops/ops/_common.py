@@ -9,6 +9,7 @@ Not an op family: nothing here registers an op or a kernel in the registry.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Sequence
 
@@ -31,7 +32,8 @@ _FREE_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []
 def capturing(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device whose current stream is capturing a CUDA graph
     (``torch.cuda.graph``, or the recording of torch.compile's ``mode="reduce-overhead"``). Such a
-    stream allows no host synchronisation, no event query and no copy from pageable memory."""
+    stream allows no host synchronisation, no event query and no copy from pageable memory. A few
+    microseconds of host time on CUDA (a driver query): asked once per call, passed down."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -42,15 +44,16 @@ def assert_on_device(ok: torch.Tensor) -> None:
     torch._assert_async(ok.reshape(-1)[:1].reshape(()))
 
 
-def note_flag(flag: torch.Tensor, message: str) -> None:
+def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) -> None:
     """Remember a CUDA call's error flag (a one-element tensor, nonzero = the error) for a later
     check that never waits for the GPU: ``raise_flagged`` raises IndexOutOfRangeError(message) once
     the GPU has set it. Off CUDA, nothing (CPU callers check at once). While a CUDA graph is being
     captured the flag becomes a device-side assert instead (``assert_on_device``), checked at every
-    replay: no host copy or event could be waited on for a replay."""
+    replay: no host copy or event could be waited on for a replay. ``in_capture``: the caller's
+    ``capturing(flag.device)``, if it asked already."""
     if flag.device.type != "cuda":
         return
-    if capturing(flag.device):
+    if in_capture if in_capture is not None else capturing(flag.device):
         assert_on_device(flag.reshape(-1)[:1] == 0)
         return
     if _FREE_FLAGS:
@@ -78,11 +81,14 @@ def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
     raise argument_error(InvalidProblemError, op, name, f"must be {CHECK_MODES}, got {value!r}")
 
 
-def raise_flagged() -> None:
+def raise_flagged(in_capture: bool | None = None) -> None:
     """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never
     waits). Nothing while a CUDA graph is being captured (no event may be queried then): the next
-    call after the capture reports them."""
-    if _PENDING_FLAGS and torch.cuda.is_current_stream_capturing():
+    call after the capture reports them. ``in_capture``: the caller's ``capturing`` of its device,
+    if it asked already (else asked here when something is pending)."""
+    if not _PENDING_FLAGS:
+        return
+    if in_capture if in_capture is not None else torch.cuda.is_current_stream_capturing():
         return
     while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():
         host, done, message = _PENDING_FLAGS.pop(0)
@@ -172,7 +178,11 @@ def float_bits(value: float, acc: torch.dtype) -> int:
     kernel's ``do_not_specialize`` (their bits say nothing about alignment)."""
     if acc == torch.float64:
         return struct.unpack("<q", struct.pack("<d", value))[0]
-    return struct.unpack("<i", struct.pack("<f", value))[0]
+    try:
+        packed = struct.pack("<f", value)
+    except OverflowError:   # beyond float32's range: inf, as a float32 tensor of it holds
+        packed = struct.pack("<f", math.copysign(math.inf, value))
+    return struct.unpack("<i", packed)[0]
 
 
 def raise_mismatch(op: str, name: str, t, shape, dtype, device) -> None:

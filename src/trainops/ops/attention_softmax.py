@@ -68,7 +68,7 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shap
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
 from ._common import contiguous_strides, float_bits, float_dtype
-from .dropout import SEED_BOUND, keep_mask, keep_threshold, seed_args, seed_launchers
+from .dropout import SEED_BOUND, check_seed, keep_mask, keep_threshold, seed_args, seed_launchers
 
 OP = "attention_softmax"
 BACKWARD_OP = "attention_softmax_backward"
@@ -200,10 +200,9 @@ class AttentionSoftmaxProblem:
                     raise argument_error(InvalidProblemError, self.op, name,
                                          "has other broadcast strides than the plan's (make a plan for this layout)")
         seed = given["seed"]
-        if self.dropout and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND):
-            raise argument_error(InvalidProblemError, self.op, "seed", f"must be an int in [0, 2**63 - 1) with "
-                                 f"dropout, got {seed!r}")
-        if not self.dropout and seed is not None:
+        if self.dropout:
+            check_seed(self.op, seed, self.device)
+        elif seed is not None:
             raise argument_error(InvalidProblemError, self.op, "seed", "is given without dropout")
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
@@ -944,8 +943,8 @@ def _no_dropout(arguments) -> bool:
 
 
 # The backward op has no autograd of its own (double backward is not supported).
-# Inlined under torch.compile on CUDA (library.custom_op's inline_triton) except with dropout, whose
-# seed is a host value.
+# Inlined under torch.compile on CUDA (library.custom_op's inline_triton) except with dropout (not
+# tried: its seed, drawn on the device there, would go through Inductor's mutation analysis too).
 attention_softmax_backward_op = custom_op(BACKWARD_OP, _backward_impl, _backward_fake, inline_triton=_no_dropout)
 attention_softmax_op = custom_op(OP, _attention_softmax_impl, _attention_softmax_fake, backward=_grad, save=_save,
                                  inline_triton=_no_dropout)

@@ -1013,11 +1013,12 @@ def _run_deferred(plan, tensors, on_device: bool, op: str = "cross_entropy"):
     """The plan's outputs; ``on_device``: the deferred target check of a CUDA call, made by the op
     itself (eager mode or inside a compiled graph): an earlier flagged error raised first, then
     this call's flag (the outputs' last) remembered without waiting for the GPU."""
-    if on_device:
-        raise_flagged()
+    if not on_device:
+        return plan.run_unchecked(tensors)
+    in_capture = capturing(tensors[0].device)
+    raise_flagged(in_capture)
     outputs = plan.run_unchecked(tensors)
-    if on_device:
-        note_target_flag(outputs[-1], op)
+    note_target_flag(outputs[-1], op, in_capture)
     return outputs
 
 
@@ -1052,10 +1053,11 @@ _BAD_TARGET_MESSAGE = ("trainops.{}: argument 'target' holds a class index out o
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
 
-def note_target_flag(flags: Tensor, op: str = "cross_entropy") -> None:
+def note_target_flag(flags: Tensor, op: str = "cross_entropy", in_capture: bool | None = None) -> None:
     """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the
     GPU (ops/_common.py's deferred flags); ``op``: the public function the error will name."""
-    note_flag(flags[:1], _BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU had run it"))
+    note_flag(flags[:1], _BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU had run it"),
+              in_capture)
 
 
 

@@ -128,10 +128,11 @@ class DropoutHeuristics:
 # ----------------------------------------------------------------------------------------------
 
 class DropoutRandom(NamedTuple):
-    """The run-time arguments of one call: Philox key, stream offset (elements, a multiple of 4, >= 0)
-    and the drop probability p in [0, 1]."""
+    """The run-time arguments of one call: Philox key (an int; on CUDA also a one-element int64
+    tensor on the plan's device, read by the kernels: ``draw_seed`` under torch.compile or a CUDA
+    graph capture), stream offset (elements, a multiple of 4, >= 0) and the drop probability p in [0, 1]."""
 
-    seed: int
+    seed: int | Tensor
     offset: int
     p: float
 
@@ -242,13 +243,24 @@ def draw_seed(generator: torch.Generator | None = None, device: torch.device | N
     return torch.randint(0, SEED_BOUND, (), dtype=torch.int64, generator=generator)
 
 
-def _check_random(op: str, random) -> DropoutRandom:
+def check_seed(op: str, seed, device: torch.device) -> None:
+    """A Philox key: an int in [0, 2**63 - 1), or on a CUDA ``device`` a one-element int64 tensor on
+    it (its value is not read: no sync). Else InvalidProblemError naming ``seed``."""
+    if isinstance(seed, Tensor):
+        if device.type == "cuda" and seed.device == device and seed.dtype == torch.int64 and seed.numel() == 1:
+            return
+        raise argument_error(InvalidProblemError, op, "seed", f"is a {seed.dtype} tensor of {seed.numel()} elements "
+                             f"on {seed.device}; a seed tensor is one int64 element on the plan's CUDA device")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND:
+        raise argument_error(InvalidProblemError, op, "seed", f"must be an int in [0, 2**63 - 1), got {seed!r}")
+
+
+def _check_random(op: str, random, device: torch.device) -> DropoutRandom:
     if not isinstance(random, tuple) or len(random) != 3:
         raise argument_error(InvalidProblemError, op, "random", f"must be a DropoutRandom(seed, offset, p), "
                              f"got {type(random).__name__}")
     seed, offset, p = random
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND:
-        raise argument_error(InvalidProblemError, op, "seed", f"must be an int in [0, 2**63 - 1), got {seed!r}")
+    check_seed(op, seed, device)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % 4 or offset >= 2 ** 62:
         raise argument_error(InvalidProblemError, op, "offset",
                              f"must be an int in [0, 2**62) and a multiple of 4, got {offset!r}")
@@ -361,7 +373,7 @@ class DropoutProblem:
                 raise argument_error(InvalidProblemError, self.op, "bits", "must be contiguous (the forward's)")
         elif self.backward and given["bits"] is not None:
             raise argument_error(InvalidProblemError, self.op, "bits", "is given; the plan regenerates the mask")
-        _check_random(self.op, given["random"])
+        _check_random(self.op, given["random"], self.device)
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
 
@@ -703,7 +715,7 @@ def _operand_strides(problem: DropoutProblem) -> list[tuple[int, ...]]:
 
 def seed_launchers(kernel, grid: tuple, meta: dict) -> dict:
     """Launchers of a dropout kernel by where its seed is: {False: a host int argument, True: a
-    one-element int64 tensor on the device (``graph_safe_seed``)}."""
+    one-element int64 tensor on the device (``draw_seed`` under torch.compile or a capture)}."""
     return {on_device: launcher(kernel, grid, **meta, SEED_ON_DEVICE=on_device) for on_device in (False, True)}
 
 

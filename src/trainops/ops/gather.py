@@ -710,12 +710,13 @@ def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) ->
     with [low, high) on the device without waiting for it (ops/_common.py's deferred flags; while a
     CUDA graph is being captured, a device-side assert). The op then runs unchecked: such indices
     read nothing (zeros) and get no gradient."""
-    raise_flagged()
+    in_capture = capturing(index.device)
+    raise_flagged(in_capture)
     if index.numel():
         note_flag(out_of_range_flag(index, low, high),
                   f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
                   "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
-                  "indices were zeros and they got no gradient)")
+                  "indices were zeros and they got no gradient)", in_capture)
 
 
 def _deferred(deferred_check: bool, index: Tensor) -> bool:

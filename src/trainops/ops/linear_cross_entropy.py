@@ -60,7 +60,7 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from ..plan import heuristics_for
-from ._common import check_mode, raise_flagged
+from ._common import capturing, check_mode, raise_flagged
 from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inplace_op, cross_entropy_op,
                             note_target_flag, scale_gradient_)
 
@@ -243,12 +243,13 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     if check_target:
         check_class_indices(OP, target, weight.shape[0], ignore_index)
     deferred = deferred_check and hidden.device.type == "cuda"
+    in_capture = deferred and capturing(hidden.device)
     if deferred:
-        raise_flagged()
+        raise_flagged(in_capture)
     outputs = _compute(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction,
                        label_smoothing, z_loss, softcap, needs, rows)
     if deferred:
-        note_target_flag(outputs[-1], OP)
+        note_target_flag(outputs[-1], OP, in_capture)
     return outputs
 
 
@@ -332,7 +333,9 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
             if g.numel():
                 unit = _ONE_UNIT.get(g.device)
                 if unit is None:
-                    unit = _ONE_UNIT[g.device] = torch.zeros(2, dtype=torch.int32, device=g.device)
+                    unit = torch.zeros(2, dtype=torch.int32, device=g.device)
+                    if not capturing(g.device):  # made in a capture, it would hold zeros only once replayed
+                        _ONE_UNIT[g.device] = unit
                 scale_gradient_(g, dloss.reshape(1), unit)
             grads[name] = g
     return grads
@@ -460,6 +463,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     t = target.reshape(-1)
     num_items = None
     if num_items_in_batch is not None:
+        if (isinstance(num_items_in_batch, Tensor) and num_items_in_batch.device.type == "cpu"
+                and capturing(x.device)):
+            raise argument_error(UnsupportedError, OP, "num_items_in_batch", "is a CPU tensor inside a CUDA graph "
+                                 "capture: pass it on the GPU (a copy from the host cannot be captured; an int "
+                                 "would be captured as a constant)")
         # an int is filled on the device: a copy from pageable host memory would wait for the GPU's queue
         num_items = (num_items_in_batch.reshape(()).to(x.device, non_blocking=True)
                      if isinstance(num_items_in_batch, Tensor)

@@ -94,19 +94,25 @@ class BlockTables:
     block: int
 
 
-# What a captured CUDA graph reads at every replay: the host buffers of tables made while capturing
-# (the graph copies from them) and the device tables it launched with. They live as long as the
-# process (a few bytes per tensor of a captured step): a table dropped from its cache and freed
-# would otherwise hand its memory to other tensors under a graph that still reads it.
-_CAPTURED: list = []
+# What captured CUDA graphs read at every replay, by id: the host buffers of tables made while
+# capturing (the graph copies from them) and the device tables they launched with. They live as
+# long as the process (a few bytes per tensor of a captured step; PyTorch tells no one when a
+# graph is freed): a table dropped from its cache and freed would otherwise hand its memory to
+# other tensors under a graph that still reads it.
+_CAPTURED: dict[int, object] = {}
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _keep_for_graphs(obj) -> None:
+    _CAPTURED.setdefault(id(obj), obj)
+
+
+def _to_device(host: torch.Tensor, device: torch.device, in_capture: bool) -> torch.Tensor:
     """A CPU tensor copied to ``device`` without a host sync: from pageable memory (staged by the
-    driver), or while a CUDA graph is being captured, from pinned memory kept for the process's life."""
-    if capturing(device):
+    driver), or ``in_capture`` (a CUDA graph is being captured) from pinned memory kept for the
+    process's life, since every replay copies it again."""
+    if in_capture:
         host = host.pin_memory()
-        _CAPTURED.append(host)
+        _keep_for_graphs(host)
     return host.to(device, non_blocking=True)
 
 
@@ -140,34 +146,48 @@ class TensorTable:
         strides = tuple(map(torch.Tensor.stride, itertools.chain(*columns[:user_columns])))
         sizes = tuple(map(torch.Tensor.numel, lead))
         key = (addresses, strides, sizes)
+        device = lead[0].device
+        in_capture = capturing(device)
         if key == self._key:
-            if capturing(lead[0].device):
-                _CAPTURED.append(self._tables)
+            if in_capture:
+                _keep_for_graphs(self._tables)
             return self._tables
         if validate is not None:
             validate()
-        device = lead[0].device
+        if in_capture:
+            # Made for this capture alone: its copies run at the graph's replays, so it must not serve
+            # later calls (their kernels could read it before any replay); the graph keeps it.
+            blocks = self._new_blocks(sizes, device, True)
+            tables = self._build(addresses, len(columns), len(scalars), sizes, device, blocks, True)
+            _keep_for_graphs(tables)
+            return tables
         if (device, sizes) != self._sizes_key:
-            counts = [-(-n // self.block) for n in sizes]
-            first, total = [], 0
-            for c in counts:
-                first.append(total)
-                total += c
-            owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32),
-                                            torch.tensor(counts, dtype=torch.int64))
-            self._blocks = (_to_device(owner, device), _to_device(torch.tensor(first, dtype=torch.int32), device),
-                            _to_device(torch.tensor(sizes, dtype=torch.int64), device), total)
+            self._blocks = self._new_blocks(sizes, device, False)
             self._sizes_key = (device, sizes)
-        address_table = _to_device(torch.tensor(addresses, dtype=torch.int64).view(len(columns) + len(scalars),
-                                                                                    len(lead)), device)
-        n_column_addresses = len(columns) * len(lead)
-        owner, first, numels, total = self._blocks
-        self._tables = BlockTables(address_table, owner, first, numels, len(lead), total,
-                                   aligned=all(a % 16 == 0 for a in addresses[:n_column_addresses]), block=self.block)
+        self._tables = self._build(addresses, len(columns), len(scalars), sizes, device, self._blocks, False)
         self._key = key
-        if capturing(device):
-            _CAPTURED.append(self._tables)
         return self._tables
+
+    def _new_blocks(self, sizes, device, in_capture: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(owner tensor of each block, first block of each tensor, numels, block count) on ``device``."""
+        counts = [-(-n // self.block) for n in sizes]
+        first, total = [], 0
+        for c in counts:
+            first.append(total)
+            total += c
+        owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32),
+                                        torch.tensor(counts, dtype=torch.int64))
+        return (_to_device(owner, device, in_capture),
+                _to_device(torch.tensor(first, dtype=torch.int32), device, in_capture),
+                _to_device(torch.tensor(sizes, dtype=torch.int64), device, in_capture), total)
+
+    def _build(self, addresses, n_columns: int, n_scalars: int, sizes, device, blocks, in_capture: bool) -> BlockTables:
+        n_tensors = len(sizes)
+        address_table = _to_device(torch.tensor(addresses, dtype=torch.int64).view(n_columns + n_scalars, n_tensors),
+                                   device, in_capture)
+        owner, first, numels, total = blocks
+        return BlockTables(address_table, owner, first, numels, n_tensors, total,
+                           aligned=all(a % 16 == 0 for a in addresses[:n_columns * n_tensors]), block=self.block)
 
 
 class TableCache:
