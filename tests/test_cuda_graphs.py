@@ -60,9 +60,11 @@ CASES = {
     "softmax": lambda t: (trainops.softmax(t["x"], -1) * t["r"]).sum(),
     "log_softmax": lambda t: (trainops.log_softmax(t["x"], -1) * t["r"]).sum(),
     "cross_entropy": lambda t: trainops.cross_entropy(t["logits"], t["targets"]),
+    "cross_entropy_inplace": lambda t: trainops.cross_entropy(t["logits"] * 1.0, t["targets"], inplace_backward=True),
     "linear_cross_entropy": lambda t: trainops.linear_cross_entropy(t["hidden"], t["head"], t["targets"]),
     "embedding": lambda t: _sq(trainops.embedding(t["ids"], t["table"])),
     "gather": lambda t: _sq(trainops.gather(t["table"], t["ids"], 0)),
+    "gather_backward": lambda t: _sq(trainops.gather_backward(t["x"], t["ids"], 0, (V, C))),
 }
 RANDOM_CASES = {
     "dropout": lambda t: trainops.dropout(t["x"], 0.25),
@@ -123,6 +125,24 @@ def test_captured_forward_backward_replays_the_eager_results(name):
             assert torch.equal(got[k], want_grads[k]), (name, seed, k)
 
 
+def _reduce_overhead(fn):
+    """``fn`` compiled with mode="reduce-overhead", Dynamo reset and its counters cleared (see
+    ``_assert_graphs_recorded``)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(fn, mode="reduce-overhead")
+
+
+def _assert_graphs_recorded():
+    """Inductor recorded CUDA graphs: none skipped (a silent fallback to plain launches would pass the rest)."""
+    from torch._dynamo.utils import counters
+
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
 def _relative(a, b) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all()
@@ -132,12 +152,8 @@ def _relative(a, b) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reduce_overhead_compile_gives_the_eager_results(name):
-    from torch._dynamo.utils import counters
-
     fn = CASES[name]
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, mode="reduce-overhead")
+    compiled = _reduce_overhead(fn)
     for seed in range(4):   # warm-up, recording, then replays of the recorded graph
         values = _values(seed)
         t = _leaves(values)
@@ -150,8 +166,7 @@ def test_reduce_overhead_compile_gives_the_eager_results(name):
         assert got.keys() == want_grads.keys()
         for k in got:
             assert _relative(got[k], want_grads[k]) < 1e-5, (name, seed, k)
-    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])   # graphs were recorded
-    torch._dynamo.reset()
+    _assert_graphs_recorded()
 
 
 def _dropout_mask(name: str, t: dict, y: torch.Tensor, p: float) -> torch.Tensor:
@@ -172,21 +187,15 @@ def _dropout_mask(name: str, t: dict, y: torch.Tensor, p: float) -> torch.Tensor
 @pytest.mark.parametrize("name", sorted(RANDOM_CASES))
 def test_captured_dropout_draws_a_new_mask_at_every_replay(name):
     fn = RANDOM_CASES[name]
-    source = "x" if name == "dropout" else "scores"
     p = 0.25
     static = _leaves(_values(0))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            static[source].grad = None
-            fn(static).sum().backward()
-    torch.cuda.current_stream().wait_stream(side)
-    static[source].grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fn(static)
-        y.sum().backward()
+    out = {}
+
+    def loss_of(t):
+        out["y"] = fn(t)
+        return out["y"].sum()
+    graph, _ = _capture(loss_of, static)
+    y = out["y"]   # the captured call's output, rewritten by every replay
     masks = []
     for _ in range(3):   # the same inputs: only a new seed changes the mask
         graph.replay()
@@ -198,12 +207,8 @@ def test_captured_dropout_draws_a_new_mask_at_every_replay(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(RANDOM_CASES))
 def test_reduce_overhead_dropout_draws_a_new_mask_every_call(name):
-    from torch._dynamo.utils import counters
-
     fn = RANDOM_CASES[name]
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, mode="reduce-overhead")
+    compiled = _reduce_overhead(fn)
     masks = []
     values = _values(0)
     for _ in range(4):   # the same inputs every call (warm-up, recording, replays): only the seed changes
@@ -213,8 +218,7 @@ def test_reduce_overhead_dropout_draws_a_new_mask_every_call(name):
         torch.cuda.synchronize()
         masks.append(_dropout_mask(name, t, y, 0.25))
     assert all(not torch.equal(a, b) for a, b in zip(masks, masks[1:]))
-    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])   # graphs were recorded
-    torch._dynamo.reset()
+    _assert_graphs_recorded()
 
 
 CAPTURED_CHECKS = {   # a call whose index check runs inside the captured graph: deferred or immediate mode
@@ -335,7 +339,8 @@ def test_a_captured_training_step_replays_the_eager_steps():
         assert torch.equal(p, q), name
 
 
-BAD_INPUT = {"cross_entropy": "targets", "linear_cross_entropy": "targets", "embedding": "ids", "gather": "ids"}
+BAD_INPUT = {"cross_entropy": "targets", "cross_entropy_inplace": "targets", "linear_cross_entropy": "targets",
+             "embedding": "ids", "gather": "ids", "gather_backward": "ids"}
 
 
 @pytest.mark.gpu

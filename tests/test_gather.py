@@ -446,3 +446,45 @@ def test_out_of_range_flag_kernel(n):
                 corrupted = index.clone()
                 corrupted[position] = bad
                 assert out_of_range_flag(corrupted, -7, 50).tolist() == [1], (dtype, position, bad)
+
+
+def _bad_calls():
+    """(name, call raising for an out-of-range index / target, the function and argument it names)."""
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    bad = torch.tensor([0, 3, 7, 1])
+    return {
+        "gather": (lambda: trainops.gather(x, torch.tensor([0, 6, 1]), 0), "gather", "index"),
+        "embedding": (lambda: trainops.embedding(bad, w), "embedding", "input"),
+        "gather_backward": (lambda: trainops.gather_backward(torch.randn(4, 5, dtype=torch.float64), bad, 0, (7, 5)),
+                            "gather_backward", "index"),
+        "cross_entropy_no_grad": (lambda: trainops.cross_entropy(x.detach()[:4], bad), "cross_entropy", "target"),
+        "cross_entropy": (lambda: trainops.cross_entropy(x[:4], bad), "cross_entropy", "target"),
+        "linear_cross_entropy": (lambda: trainops.linear_cross_entropy(x[:4], w, bad), "linear_cross_entropy",
+                                 "target"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bad_calls()))
+def test_compiled_calls_on_the_cpu_check_before_the_launch(name):
+    """On the CPU a compiled call checks its indices before the launch (no host sync to save there)
+    and raises at the call itself, naming the function and its argument, with or without a gradient."""
+    call, op, argument = _bad_calls()[name]
+    torch._dynamo.reset()
+    with pytest.raises(IndexError, match=f"trainops.{op}: argument '{argument}'"):
+        torch.compile(call, backend="aot_eager", fullgraph=True)()
+    torch._dynamo.reset()
+
+
+def test_the_ops_check_before_the_launch_on_the_cpu_even_when_asked_to_defer():
+    """``deferred_check`` defers only on CUDA: a CPU call given it still checks first."""
+    from trainops.ops import gather as gather_ops
+
+    x = torch.randn(6, 5)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_ops.gather_op(x, torch.tensor([0, 6]), 0, False, True, True)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_ops.embedding_op(torch.tensor([0, 6]), x, None, False, True, True)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_ops.gather_backward_op(torch.randn(2, 5), torch.tensor([0, 6]), 0, [6, 5], True, None, False, False,
+                                      True, True)

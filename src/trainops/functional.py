@@ -142,7 +142,7 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max
     input: int32/int64 of any shape, values in [0, num_embeddings); weight: (num_embeddings, D).
     Gradient to weight through the deterministic sorted-index GatherGrad kernel: the padding_idx
     row receives none; ``scale_grad_by_freq`` divides each row's gradient by its count in input.
-    ``check_index`` as ``gather`` (IndexError names the range; in eager mode on the GPU reported by
+    ``check_index`` as ``gather`` (IndexError names the range; on the GPU reported by
     a later call). ``max_norm`` and ``sparse=True`` are not supported (UnsupportedError).
     """
     op = "embedding"

@@ -61,7 +61,7 @@ def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) 
     else:
         host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
     host.copy_(flag.reshape(-1)[:1], non_blocking=True)
-    done.record()
+    done.record(torch.cuda.current_stream(flag.device))   # the copy's stream, whichever device is current
     _PENDING_FLAGS.append((host, done, message))
 
 
@@ -69,9 +69,9 @@ CHECK_MODES = "True, False or 'immediate'"
 
 
 def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
-    """(check, immediate) of a ``check_index`` / ``check_target`` argument: True (the default: in
-    eager mode on the GPU a check on the device that the host does not wait for, reported by a
-    later trainops call; elsewhere before the launch), "immediate" (before the launch everywhere:
+    """(check, immediate) of a ``check_index`` / ``check_target`` argument: True (the default: on
+    the GPU, eager or inside a compiled graph, a check on the device that the host does not wait
+    for, reported by a later trainops call; on the CPU before the launch), "immediate" (before the launch everywhere:
     on the GPU one reduction and one host synchronisation per call), False (none). Anything else:
     InvalidProblemError naming ``name``."""
     if isinstance(value, bool):

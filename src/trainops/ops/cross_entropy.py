@@ -1014,6 +1014,8 @@ def _run_deferred(plan, tensors, on_device: bool, op: str = "cross_entropy"):
     itself (eager mode or inside a compiled graph): an earlier flagged error raised first, then
     this call's flag (the outputs' last) remembered without waiting for the GPU."""
     if not on_device:
+        if tensors[0].device.type == "cuda":   # an earlier call's flagged error first, checked or not
+            raise_flagged()
         return plan.run_unchecked(tensors)
     in_capture = capturing(tensors[0].device)
     raise_flagged(in_capture)
@@ -1157,8 +1159,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, ignore_
                   label_smoothing: float, z_loss: float, loss_dtype: torch.dtype | None, check_target: bool,
                   inplace_backward: bool, immediate_check: bool = False) -> tuple[Tensor, Tensor]:
     """(loss, lse) of trainops.cross_entropy (functional.py checks the arguments' types): the deferred
-    target check of eager mode (see functional.cross_entropy; none with ``immediate_check``), and
-    the in-place variant."""
+    target check (see functional.cross_entropy; none with ``immediate_check``), and the in-place
+    variant."""
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     compiling = torch.compiler.is_compiling()
     if not compiling:

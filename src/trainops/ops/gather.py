@@ -13,13 +13,15 @@ indices must lie in [0, S) as in torch.
 Dtypes: float32, float16, bfloat16, float64 values; int32 and int64 indices. Sums accumulate in
 float32 (float64 for float64).
 
-Index checks (``check_index=True``, the default): the launcher reads the index's min and max
-before anything is written and raises ``IndexOutOfRangeError`` (an IndexError): on the CPU, and
-on the GPU under torch.compile (one small reduction and one host synchronisation per call). Eager
-calls on the GPU instead check on the device without waiting (functional.py's
-``_index_checked_on_device``: a later call raises) and run the launch unchecked. Unchecked
-out-of-range indices are never dereferenced: gather writes zeros for them and the gradient drops
-them.
+Index checks (``check_index=True``, the default): on the CPU, and in "immediate" mode everywhere,
+the launcher reads the index's min and max before anything is written and raises
+``IndexOutOfRangeError`` (an IndexError; on the GPU one small reduction and one host
+synchronisation per call). Calls on the GPU, eager or inside a compiled graph, instead check on the
+device without waiting (``defer_index_check``, the ops' ``deferred_check``: a later call raises)
+and run the launch unchecked; inside a CUDA graph capture both become device-side asserts.
+Unchecked out-of-range indices are never dereferenced: gather writes zeros for them and the
+gradient drops them. Every CUDA call first raises an error an earlier call flagged, if the GPU
+has set it by now (also inside a compiled graph; the replays of a captured graph run no Python).
 
 Triton kernels:
     _gather_rows              tiles of [BLOCK_N index positions, BLOCK_I inner elements].
@@ -699,9 +701,10 @@ if triton_available():
 # Custom ops: torch.ops.trainops.gather, gather_backward and embedding, with autograd
 # ----------------------------------------------------------------------------------------------
 
-def _same_device(op: str, x_name: str, x: Tensor, index: Tensor) -> None:
+def _same_device(op: str, x_name: str, x: Tensor, index: Tensor, index_name: str = "index") -> None:
     if index.device != x.device:
-        raise argument_error(InvalidProblemError, op, "index", f"is on {index.device} but {x_name} is on {x.device}")
+        raise argument_error(InvalidProblemError, op, index_name, f"is on {index.device} but {x_name} is on "
+                             f"{x.device}")
 
 
 def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) -> None:
@@ -719,22 +722,29 @@ def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) ->
                   "indices were zeros and they got no gradient)", in_capture)
 
 
-def _deferred(deferred_check: bool, index: Tensor) -> bool:
-    """Whether a call checks its indices on the device (CUDA only; elsewhere before the launch)."""
-    return deferred_check and index.device.type == "cuda"
+def _start(deferred_check: bool, index: Tensor) -> bool:
+    """Whether a call checks its indices on the device (CUDA only; elsewhere before the launch). A
+    CUDA call that does not (unchecked, immediate) raises an earlier call's flagged error here; one
+    that does raises it in defer_index_check."""
+    if deferred_check and index.device.type == "cuda":
+        return True
+    if index.device.type == "cuda":
+        raise_flagged()
+    return False
 
 
 def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, check_index: bool,
-                deferred_check: bool = False) -> Tensor:
+                deferred_check: bool = False, start: bool = True) -> Tensor:
+    """``start=False``: the caller (embedding) has checked the index and raised pending errors already."""
     _same_device("gather", "x", x, index)
     if x.dim() and three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
         x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
-    deferred = _deferred(deferred_check, index)
+    deferred = _start(deferred_check and check_index, index) if start else False
     descriptor = GatherDescriptor(x.shape, dim, index.shape, x.dtype, index.dtype, x.device, x_strides=x.stride(),
                                   negative_indices=negative_indices, check_index=check_index and not deferred,
                                   heuristics=heuristics_for(GatherHeuristics))
     plan = cached_plan(descriptor)
-    if deferred and check_index:
+    if deferred:
         size = x.shape[dim]
         defer_index_check("gather", "index", index, -size if negative_indices else 0, size)
     return plan.run_unchecked((x, index))
@@ -775,14 +785,14 @@ def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequ
     if rank and -rank <= dim < rank and three_axis_strides(
             dy.shape, dy.stride(), dim % rank, dim % rank + index.dim()) is None:
         dy = dy.contiguous()  # rare layouts whose batch / index / inner dims do not merge: one copy of dy
-    deferred = _deferred(deferred_check, index)
+    deferred = _start(deferred_check and check_index, index)
     descriptor = GatherBackwardDescriptor(
         input_shape, dim, index.shape, dy.dtype, index.dtype, dy.device, dy_shape=dy.shape, dy_strides=dy.stride(),
         deterministic=deterministic, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
         negative_indices=negative_indices, check_index=check_index and not deferred,
         heuristics=heuristics_for(GatherHeuristics))
     plan = cached_plan(descriptor)
-    if deferred and check_index:
+    if deferred:
         size = input_shape[dim]
         defer_index_check("gather_backward", "index", index, -size if negative_indices else 0, size)
     return plan.run_unchecked((dy, index))
@@ -823,13 +833,14 @@ def _gather_backward_grad(ctx, g: Tensor) -> dict:
 def _embedding_impl(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,
                     scale_grad_by_freq: bool = False, check_index: bool = True,
                     deferred_check: bool = False) -> Tensor:
-    _same_device("embedding", "weight", weight, index)
+    _same_device("embedding", "weight", weight, index, "input")
+    deferred = _start(deferred_check and check_index, index)
     if check_index:   # here rather than in the gather plan, so that the error names embedding's argument
-        if _deferred(deferred_check, index):
+        if deferred:
             defer_index_check("embedding", "input", index, 0, weight.shape[0])
         else:
             check_index_range("embedding", index, weight.shape[0], False, name="input")
-    return _run_gather(weight, index, 0, False, False)
+    return _run_gather(weight, index, 0, False, False, start=False)
 
 
 def _embedding_fake(index: Tensor, weight: Tensor, padding_idx: Optional[int] = None,

@@ -27,8 +27,8 @@ term by their count, as trainops.cross_entropy); ``num_items_in_batch`` replaces
 its value (Hugging Face's loss under gradient accumulation: the sum over this micro-batch divided
 by the tokens of the whole batch). The divisors stay on the device: with class weights and z-loss
 the chunks' class weights are scaled by count / weight sum, so that one division by the count gives
-both terms their own divisor. No host synchronisation, but for the target check under
-torch.compile or with check_target="immediate" (as trainops.cross_entropy).
+both terms their own divisor. No host synchronisation, but for the target check with
+check_target="immediate" (as trainops.cross_entropy).
 
 Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast the
 autocast dtype, as torch.nn.functional.linear); weight and bias any float dtype (cast once to the
@@ -244,8 +244,8 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
         check_class_indices(OP, target, weight.shape[0], ignore_index)
     deferred = deferred_check and hidden.device.type == "cuda"
     in_capture = deferred and capturing(hidden.device)
-    if deferred:
-        raise_flagged(in_capture)
+    if hidden.device.type == "cuda":   # an earlier call's flagged error first, checked or not
+        raise_flagged(in_capture if deferred else None)
     outputs = _compute(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction,
                        label_smoothing, z_loss, softcap, needs, rows)
     if deferred:
