@@ -172,6 +172,12 @@ def checked_strides(op: str, names: Sequence[str], present: Sequence[bool], stri
     return strides
 
 
+def math_value(value: float, acc: torch.dtype) -> float:
+    """``value`` as kernels of math dtype ``acc`` use it: rounded once to float32 unless ``acc`` is
+    float64 (the CPU paths' match of ``float_bits`` / ``from_bits``)."""
+    return value if acc == torch.float64 else struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 def float_bits(value: float, acc: torch.dtype) -> int:
     """``value`` in the math dtype ``acc`` (float32, rounded once, or float64) as the int of its bits.
     Kernels take float constants this way (Triton types a Python float argument float32; a tensor of

@@ -54,7 +54,6 @@ forward an online max / sum pass then a second pass; backward a sum(g * y) pass 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -67,7 +66,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_bits, float_dtype
+from ._common import contiguous_strides, float_bits, float_dtype, math_value
 from .dropout import SEED_BOUND, check_seed, keep_mask, keep_threshold, seed_args, seed_launchers
 
 OP = "attention_softmax"
@@ -345,11 +344,6 @@ ForwardDescriptor = register_op(OP, _describe_forward)
 BackwardDescriptor = register_op(BACKWARD_OP, _describe_backward)
 
 
-def _math_value(value: float, acc: torch.dtype) -> float:
-    """``value`` as the kernels use it: rounded to float32 unless the math is float64."""
-    return value if acc == torch.float64 else struct.unpack("<f", struct.pack("<f", value))[0]
-
-
 def _keep_scale(p: float) -> float:
     return 1.0 / (1.0 - p)
 
@@ -368,7 +362,7 @@ def _cpu_forward(problem: AttentionSoftmaxProblem, tensors, outputs) -> None:
     scores, mask, bias, seed = tensors
     out, y = outputs
     acc = problem.acc_dtype
-    z = scores.to(acc) * _math_value(problem.scale, acc)
+    z = scores.to(acc) * math_value(problem.scale, acc)
     if bias is not None:
         z = z + bias.to(acc)
     if mask is not None:
@@ -384,7 +378,7 @@ def _cpu_forward(problem: AttentionSoftmaxProblem, tensors, outputs) -> None:
         return
     y.copy_(probs)
     keep = keep_mask(problem.numel, seed, 0, problem.dropout_p).view(problem.shape)
-    out.copy_(torch.where(keep, y.to(acc) * _math_value(_keep_scale(problem.dropout_p), acc), 0.0))
+    out.copy_(torch.where(keep, y.to(acc) * math_value(_keep_scale(problem.dropout_p), acc), 0.0))
 
 
 def _cpu_backward(problem: AttentionSoftmaxProblem, tensors, outputs) -> None:
@@ -394,10 +388,10 @@ def _cpu_backward(problem: AttentionSoftmaxProblem, tensors, outputs) -> None:
     g = dout.to(acc)
     if problem.dropout:
         keep = keep_mask(problem.numel, seed, 0, problem.dropout_p).view(problem.shape)
-        g = torch.where(keep, g * _math_value(_keep_scale(problem.dropout_p), acc), 0.0)
+        g = torch.where(keep, g * math_value(_keep_scale(problem.dropout_p), acc), 0.0)
     yy = y.to(acc)
     dz = yy * (g - (g * yy).sum(-1, keepdim=True))
-    ds.copy_(dz * _math_value(problem.scale, acc))
+    ds.copy_(dz * math_value(problem.scale, acc))
     if problem.bias_shape is not None:
         aligned = problem.aligned_bias_shape
         dims = [d for d, (b, s) in enumerate(zip(aligned, problem.shape)) if b == 1 and s != 1]

@@ -79,7 +79,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import checked_strides, float_bits, float_dtype, raise_mismatch
+from ._common import checked_strides, float_bits, float_dtype, math_value, raise_mismatch
 
 DROPOUT_OPS = ("dropout", "dropout_backward")
 MASK_MODES = ("regenerate", "bits")
@@ -164,7 +164,7 @@ def _scale(p: float, acc: torch.dtype) -> tuple[float, int]:
     """(scale, its bits as an int) in the math dtype: 1 / (1 - p) rounded once; 0 for p = 1 (every
     element dropped). The kernels take the bits (an exact integer argument, bitcast back)."""
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    scale = scale if acc == torch.float64 else _f32(scale)
+    scale = math_value(scale, acc)
     return scale, float_bits(scale, acc)
 
 
