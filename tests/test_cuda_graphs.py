@@ -280,20 +280,25 @@ class _Net(torch.nn.Module):
         return trainops.cross_entropy(self.head(h), targets)
 
 
+def _twin_nets(batch_seed: int, steps: int, device: str = "cuda"):
+    """Two identical _Nets (one to step eagerly, one to capture) and ``steps`` batches of (ids, targets)."""
+    import copy
+
+    torch.manual_seed(0)
+    eager_net = _Net().to(device)
+    g = torch.Generator(device=device).manual_seed(batch_seed)
+    batches = [(torch.randint(0, V, (B * T,), generator=g, device=device),
+                torch.randint(0, V, (B * T,), generator=g, device=device)) for _ in range(steps)]
+    return eager_net, copy.deepcopy(eager_net), batches
+
+
 @pytest.mark.gpu
 def test_a_captured_training_step_replays_the_eager_steps():
     """Forward, backward and a trainops AdamW step (clipping by the global norm, a learning-rate
     schedule through a device tensor) captured in one graph: its replays give the eager steps'
     losses and parameters bit for bit. The optimizer's tensor tables made while capturing are
     copied from pinned memory the graph keeps."""
-    import copy
-
-    torch.manual_seed(0)
-    eager_net = _Net().cuda()
-    graph_net = copy.deepcopy(eager_net)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randint(0, V, (B * T,), generator=g, device="cuda"),
-                torch.randint(0, V, (B * T,), generator=g, device="cuda")) for _ in range(7)]
+    eager_net, graph_net, batches = _twin_nets(1, 7)
 
     def step(net, opt, ids, targets):
         loss = net(ids, targets)
@@ -377,14 +382,7 @@ def test_compiled_index_checks_never_wait_for_the_gpu_and_a_later_call_raises(na
 def test_a_capture_never_hands_its_unreplayed_tables_to_the_next():
     """The optimizer tables a capture makes are filled at its replays only: a second capture (here
     after the first graph was deleted unreplayed) builds its own, and its replays match eager steps."""
-    import copy
-
-    torch.manual_seed(0)
-    eager_net = _Net().cuda()
-    graph_net = copy.deepcopy(eager_net)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    batches = [(torch.randint(0, V, (B * T,), generator=g, device="cuda"),
-                torch.randint(0, V, (B * T,), generator=g, device="cuda")) for _ in range(5)]
+    eager_net, graph_net, batches = _twin_nets(2, 5)
     eager_opt = trainops.optim.AdamW(eager_net.parameters(), lr=1e-3)
     graph_opt = trainops.optim.AdamW(graph_net.parameters(), lr=1e-3)
 
