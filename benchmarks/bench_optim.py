@@ -9,7 +9,7 @@ warps of the AdamW kernel) and ``optimizer_launch_bound_cases``, run by ``traino
 Cases (../shared/ANCHORS.md): 1.485 B float32 parameters in 96 tensors. Bytes per parameter are
 the fewest the step must move: AdamW reads p, g, m, v and writes p, m, v (28 B in float32); with
 bf16 parameters and a float32 master copy it reads master, g and writes master, p (28 B too); SGD
-with momentum 20 B; LAMB is counted at AdamW's 28 B (its two passes move 40). With a global-norm
+with momentum 20 B; LAMB 40 B (two passes: the trust ratio needs the whole update's norm). With a global-norm
 clip or a GradScaler the gradients must be read once more (+4 B): they are counted.
 Timed with triton.testing.do_bench (median) on random (never zero) data; the launch-bound case
 (200 x 4096 float32) with CUDA events around 200 steps after 20. JSON: {"environment",

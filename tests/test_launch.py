@@ -108,3 +108,47 @@ def test_direct_launch_with_trailing_keys_only_the_call_arguments():
         assert 1 <= len(keys) <= 2, keys  # aligned and unaligned x / b pointers
         # the three tensors of the call; no integer keyed (all four scalars are bound)
         assert all(len(key[1]) == 3 and key[3] == () for key in keys), keys
+
+
+def _check_keyword_launches(device):
+    """``launch(kernel, grid, *args, **kwargs)``: run-time arguments by position and by name in any
+    order, constexprs and options by name, one kept launcher per (grid, constexpr values)."""
+    from trainops import launch as launch_module
+
+    base = torch.randint(-50, 50, (301,), device=device).float()
+    bias = torch.randint(-50, 50, (301,), device=device).float() / 2
+    calls = [((4,), dict(HAS_B=True), 256, 16, 0.5, False), ((4,), dict(HAS_B=False), 256, 1, 2.0, True),
+             ((5,), dict(HAS_B=True), 300, 7, -1.0, True), ((4,), dict(HAS_B=True), 200, 16, 0.0, False)]
+    for grid, flags, n, k, offset, flag in calls:
+        for start in (0, 1):
+            x, b = base[start:start + n], bias[start:start + n]
+            y = torch.full((n,), float("nan"), device=device)
+            # X and Y by position, the rest by name (flag before n: names, not order, decide)
+            launch_module.launch(_affine, grid, x, y, flag=flag, B=b if flags["HAS_B"] else None, n=n, k=k,
+                                 offset=offset, BLOCK=64, **flags)
+            want = _reference(x, b if flags["HAS_B"] else None, k, offset, flag)
+            assert torch.equal(y, want), (grid, flags, n, k, start)
+    kept = [key for key in launch_module._KEPT if key[0] is _affine]
+    assert len(kept) == 3, kept  # (4,) with and without the bias, (5,) with it: the grid and the constexprs key it
+    # a run-time argument left out: kernel[grid] itself, whose error says which
+    with pytest.raises(Exception, match="offset|argument"):
+        launch_module.launch(_affine, (4,), base, base, base, 256, 16, flag=False, BLOCK=64, HAS_B=True)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_keyword_launches_map_arguments_by_name():
+    _check_keyword_launches("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.mark.gpu
+def test_keyword_launches_launch_directly():
+    """On the GPU each kept launcher has compiled its kernel once per specialisation and launches it
+    directly afterwards (a second round adds no compiled kernel and gives the same results)."""
+    from trainops import launch as launch_module
+
+    _check_keyword_launches("cuda")
+    kept = {key: kept for key, kept in launch_module._KEPT.items() if key[0] is _affine}
+    counts = {key: len(k.compiled) for key, k in kept.items()}
+    assert all(c >= 1 for c in counts.values()), counts
+    _check_keyword_launches("cuda")
+    assert {key: len(k.compiled) for key, k in kept.items()} == counts

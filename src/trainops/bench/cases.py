@@ -611,7 +611,7 @@ def multi_tensor_cases(device, quick: bool) -> list[Case]:
     cases = [_optimizer_case("AdamW", total, count, 28, device)]
     if quick:
         return cases
-    cases += [_optimizer_case("SGD", total, count, 20, device), _optimizer_case("LAMB", total, count, 28, device)]
+    cases += [_optimizer_case("SGD", total, count, 20, device), _optimizer_case("LAMB", total, count, 40, device)]
     cases += [_tensor_list_case(op, total // 2, count, device)
               for op in ("all_finite", "unscale", "grad_stats", "accumulate", "zero")]
     return cases + [_update_scale_case(device)]
@@ -676,8 +676,9 @@ def optimizer_variant_cases(device, total: int = 1_485_000_000, count: int = 96)
     """benchmarks/bench_optim.py's cases. Bytes per parameter are the fewest the step must move:
     AdamW reads p, g, m, v and writes p, m, v (28 B in float32); with bf16 parameters and a float32
     master copy it reads master, g and writes master, p (28 B too; a bf16 state 16 B); SGD with
-    momentum 20 B; LAMB is counted at AdamW's 28 B (its two passes move 40). With a global-norm
-    clip or a GradScaler the gradients are read once more (+4 B)."""
+    momentum 20 B; LAMB 40 B (the trust ratio needs the whole tensor's update norm before any
+    parameter is written: pass 1 reads p, g, m, v and writes m, v, pass 2 reads p, m, v and writes p).
+    With a global-norm clip or a GradScaler the gradients are read once more (+4 B)."""
     fp32, bf16 = torch.float32, torch.bfloat16
     adamw, sgd = torch.optim.AdamW, torch.optim.SGD
     ours = trainops.optim
@@ -687,7 +688,7 @@ def optimizer_variant_cases(device, total: int = 1_485_000_000, count: int = 96)
             "torch foreach": (lambda p: adamw(p, lr=1e-3, foreach=True), None),
             "torch fused": (lambda p: adamw(p, lr=1e-3, fused=True), None),
             "trainops": (lambda p: ours.AdamW(p, lr=1e-3), None),
-            "trainops lamb": (lambda p: ours.LAMB(p, lr=1e-3), None)}, device, do_bench_300),
+            "trainops lamb": (lambda p: ours.LAMB(p, lr=1e-3), 40)}, device, do_bench_300),
         _optimizer_study_case("adamw fp32 + clip/scaler", "adam_step", fp32, total, count, 28, {
             "torch fused + clip_grad_norm_": (lambda p: ClippedStep(p, adamw(p, lr=1e-3, fused=True)), 32),
             "trainops max_grad_norm": (lambda p: ours.AdamW(p, lr=1e-3, max_grad_norm=1.0), 32),

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..layout import REGISTER_TILE, merge_dims, next_pow2
+from ..launch import launcher
 from ..library import custom_op
 from .multi_tensor import MultiTensorLaunch, is_dense, multi_tensor_describer, multi_tensor_launch
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_for
@@ -887,12 +888,14 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
                 FIRST_PASS_EVICT=problem.heuristics.first_pass_evict, GRAD_STORE=problem.heuristics.grad_store,
                 MEAN_BY_TARGETS=mean_by_targets,
                 REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient)
+    # the plan's scalars bound once (trailing): a call passes the nine tensors alone
+    rows_launch = launcher(_ce_rows, (max(1, min(problem.rows, programs)),),
+                           trailing=(*consts, problem.rows, c, s, *strides, problem.ignore_index), **meta)
 
     def run(tensors, out):
         operands = _kernel_operands(problem, tensors, out, acc)
         if operands is not None:
-            _ce_rows[(min(problem.rows, programs),)](*operands, *consts, problem.rows, c, s, *strides,
-                                                     problem.ignore_index, **meta)
+            rows_launch(*operands)
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
               ("plan", "fused" if chunks == 1 else "two-pass"))
@@ -936,12 +939,17 @@ def _prepare_grad_scale_triton(problem) -> MultiTensorLaunch:
     programs = sm_count(problem.device) * _SCALE_PROGRAMS_PER_SM
     meta = dict(ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK=_SCALE_BLOCK, num_warps=4,
                 ROUND="rtne" if problem.dtype.itemsize == 2 else None)
+    launches: dict[int, object] = {}  # one launcher a grid size (at most ``programs`` of them)
 
     def run(grad, dloss, flags):
-        if grad.numel():
-            base = grad if grad.is_contiguous() else grad.as_strided((grad.numel(),), (1,))
-            _scale_unless_one[(min(programs, -(-grad.numel() // _SCALE_BLOCK)),)](base, dloss, flags, grad.numel(),
-                                                                                   **meta)
+        numel = grad.numel()
+        if numel:
+            base = grad if grad.is_contiguous() else grad.as_strided((numel,), (1,))
+            grid = min(programs, -(-numel // _SCALE_BLOCK))
+            launch = launches.get(grid)
+            if launch is None:
+                launch = launches[grid] = launcher(_scale_unless_one, (grid,), **meta)
+            launch(base, dloss, flags, numel)
 
     return MultiTensorLaunch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)), acc)
 

@@ -602,6 +602,15 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
     workspace = b * chunks * 2 * i
     meta = dict(ACC=_acc_tl(problem.dtype), CHUNK=h.chunk)
     padding = -1 if problem.padding_idx is None else problem.padding_idx
+    flags = dict(HAS_PADDING=problem.padding_idx is not None, SCALE_BY_FREQ=problem.scale_grad_by_freq)
+    # the plan's scalars bound once (trailing): a call passes the tensors alone
+    hot_chunks = launcher(_gather_grad_hot_chunks, hot_grid, trailing=(s, n, i, chunks, dy_sb, dy_sn, dy_si),
+                          BLOCK_I=hot_block, num_warps=8, **meta)
+    hot_rows = launcher(_gather_grad_hot_rows, hot_grid, trailing=(s, n, i, chunks, padding), STEP=h.hot_step,
+                        BLOCK_I=hot_block, num_warps=4, **flags, **meta)
+    row_sums = launcher(_gather_grad_rows, row_grid, trailing=(s, i, v_blocks, dy_sb, dy_sn, dy_si, padding),
+                        BLOCK_V=block_v, BLOCK_I=block_i, num_warps=warps, **flags, **meta)
+
     def run(tensors, out):
         dy, index = tensors
         index = _flat_index(problem, index)
@@ -616,16 +625,9 @@ def _prepare_gather_backward_sorted(problem: GatherBackwardProblem) -> Launch:
         starts = torch.searchsorted(keys, boundaries, out_int32=n < 2**31 - 1)
         partial = torch.empty(max(workspace, 1), dtype=acc, device=out.device)
         if n:
-            _gather_grad_hot_chunks[hot_grid](dy, keys, perm, starts, partial, s, n, i, chunks, dy_sb, dy_sn, dy_si,
-                                              BLOCK_I=hot_block, num_warps=8, **meta)
-            _gather_grad_hot_rows[hot_grid](keys, starts, partial, out, s, n, i, chunks, padding,
-                                            HAS_PADDING=problem.padding_idx is not None,
-                                            SCALE_BY_FREQ=problem.scale_grad_by_freq, STEP=h.hot_step,
-                                            BLOCK_I=hot_block, num_warps=4, **meta)
-        _gather_grad_rows[row_grid](dy, perm, starts, out, s, i, v_blocks, dy_sb, dy_sn, dy_si, padding,
-                                    HAS_PADDING=problem.padding_idx is not None,
-                                    SCALE_BY_FREQ=problem.scale_grad_by_freq, BLOCK_V=block_v, BLOCK_I=block_i,
-                                    num_warps=warps, **meta)
+            hot_chunks(dy, keys, perm, starts, partial)
+            hot_rows(keys, starts, partial, out)
+        row_sums(dy, perm, starts, out)
 
     params = (("CHUNK", h.chunk), ("HOT_STEP", h.hot_step), ("BLOCK_V", block_v), ("BLOCK_I", block_i),
               ("HOT_BLOCK_I", hot_block), ("num_warps", warps), ("row_grid", row_grid), ("hot_grid", hot_grid))
@@ -643,6 +645,9 @@ def _prepare_gather_backward_atomic(problem: GatherBackwardProblem) -> Launch:
     n_blocks = -(-n // block_n)
     grid = (b * n_blocks, -(-i // block_i))
     padding = -1 if problem.padding_idx is None else problem.padding_idx
+    add_rows = launcher(_gather_grad_atomic, grid, trailing=(s, n, i, n_blocks, dy_sb, dy_sn, dy_si, padding),
+                        NEGATIVE=problem.negative_indices, HAS_PADDING=problem.padding_idx is not None,
+                        SCALE_BY_FREQ=problem.scale_grad_by_freq, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
 
     def run(tensors, out):
         dy, index = tensors
@@ -657,10 +662,7 @@ def _prepare_gather_backward_atomic(problem: GatherBackwardProblem) -> Launch:
             counts = torch.zeros(s + 1, dtype=torch.int32, device=out.device)
             counts.index_put_((rows,), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
         if n:
-            _gather_grad_atomic[grid](dy, index, counts, target, s, n, i, n_blocks, dy_sb, dy_sn, dy_si, padding,
-                                      NEGATIVE=problem.negative_indices, HAS_PADDING=problem.padding_idx is not None,
-                                      SCALE_BY_FREQ=problem.scale_grad_by_freq, BLOCK_N=block_n, BLOCK_I=block_i,
-                                      num_warps=warps)
+            add_rows(dy, index, counts, target)
         if separate_acc:
             out.copy_(target)
 
