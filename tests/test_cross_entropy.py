@@ -680,3 +680,22 @@ def test_gpu_evaluation_errors_are_raised_by_check_pending_or_printed_at_exit():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "trainops: at exit, an error found on the GPU that no later call raised" in done.stderr
+
+
+@pytest.mark.gpu
+def test_deferred_target_check_on_a_side_stream_raises_at_a_later_call():
+    """The flag's host copy is ordered on the stream the call ran on (a side stream here): the
+    error is raised by a later call once that stream has run it, and calls on the default stream
+    in between see nothing of it before."""
+    torch.cuda.synchronize()
+    logits = torch.randn(8, 16, device="cuda", requires_grad=True)
+    bad = torch.tensor([0, 1, 2, 3, 4, 5, 6, 99], device="cuda")
+    good = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        trainops.cross_entropy(logits, bad)
+    side.synchronize()
+    with pytest.raises(trainops.IndexOutOfRangeError, match="cross_entropy"):
+        trainops.cross_entropy(logits, good)
+    trainops.cross_entropy(logits, good).backward()  # reported once: later calls run

@@ -57,54 +57,6 @@ def launcher(kernel, grid: tuple, trailing: tuple = (), **meta) -> Callable[...,
     return _DirectLaunch(kernel, grid, trailing, meta)
 
 
-_KEPT: dict = {}  # (kernel, grid, constexpr and option values) -> launcher, for ``launch``
-_KEPT_LIMIT = 4096  # emptied when full: a grid per table size, bounded in practice by the models' tensor sets
-_RUNTIME_NAMES: dict = {}  # kernel -> its run-time (non-constexpr) parameter names, in order
-
-
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)`` for launch sites whose grid or constexprs vary by call (the
-    multi-tensor steps: a grid per tensor table, dtype and flag constexprs per call): a launcher
-    per (kernel, grid, constexpr and option values), kept, so that later calls launch directly
-    (see ``launcher``). ``args``: the leading run-time arguments; ``kwargs``: the other run-time
-    arguments by name, the constexprs and the launch options. Goes through ``kernel[grid]`` itself
-    when the arguments do not map onto the run-time parameters that way (a constexpr passed by
-    position, a run-time parameter left to its default) or a constexpr value cannot be a key."""
-    names = _RUNTIME_NAMES.get(kernel)
-    if names is None:
-        names = _RUNTIME_NAMES[kernel] = _runtime_names(kernel)
-    if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
-        kernel[grid](*args, **kwargs)
-        return
-    meta = {k: v for k, v in kwargs.items() if k not in names}
-    try:
-        key = (kernel, tuple(grid), tuple(meta.items()))
-        kept = _KEPT.get(key)
-    except TypeError:  # an unhashable constexpr value
-        kernel[grid](*args, **kwargs)
-        return
-    if kept is None:
-        if len(_KEPT) >= _KEPT_LIMIT:
-            _KEPT.clear()
-        kept = _KEPT[key] = launcher(kernel, grid, **meta)
-    kept(*args, *[kwargs[n] for n in names[len(args):]])
-
-
-def _runtime_names(kernel) -> tuple[str, ...]:
-    """The names of a @triton.jit kernel's run-time (non-constexpr) parameters, in order; under the
-    interpreter (an InterpretedFunction has no ``params``) from the function's annotations."""
-    if hasattr(kernel, "params"):
-        return tuple(p.name for p in kernel.params if not p.is_constexpr)
-    import inspect
-
-    import triton.language as tl
-
-    def constexpr(annotation) -> bool:  # the annotation object, or its text under postponed evaluation
-        return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr")
-
-    return tuple(p.name for p in inspect.signature(kernel.fn).parameters.values() if not constexpr(p.annotation))
-
-
 def _traced(args) -> bool:
     """Whether a call's tensors are torch.compile's (functional or fake tensors), not real ones."""
     return any(isinstance(a, torch.Tensor) and type(a) not in PLAIN_TENSORS for a in args)
@@ -194,4 +146,4 @@ def _installed(hook) -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
-__all__ = ["launch", "launcher"]
+__all__ = ["launcher"]

@@ -61,9 +61,28 @@ def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) 
         host, done = _FREE_FLAGS.pop()
     else:
         host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-    host.copy_(flag.reshape(-1)[:1], non_blocking=True)
-    done.record(torch.cuda.current_stream(flag.device))   # the copy's stream, whichever device is current
+    host.copy_(flag if flag.shape == (1,) else flag.reshape(-1)[:1], non_blocking=True)
+    done.record(current_stream(flag.device))   # the copy's stream, whichever device is current
     _PENDING_FLAGS.append((host, done, message))
+
+
+_STREAMS: dict = {}  # (stream id, device index, device type) -> its torch.cuda.Stream
+_STREAMS_LIMIT = 256  # emptied when full (torch's stream pools are 32 streams a priority and device)
+
+
+def current_stream(device: torch.device) -> "torch.cuda.Stream":
+    """``torch.cuda.current_stream(device)`` of a CUDA ``device``, its Stream object kept per stream:
+    torch's builds a new one under a device guard at every call, about a tenth of an eager
+    cross-entropy call's host time on the H100 machine (benchmarks/NOTES.md, "Direct launches
+    everywhere")."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= _STREAMS_LIMIT:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream
 
 
 CHECK_MODES = "True, False or 'immediate'"

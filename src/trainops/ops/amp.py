@@ -27,7 +27,6 @@ import torch
 from ..errors import InvalidProblemError, argument_error
 from .multi_tensor import (MultiTensorLaunch, MultiTensorProblem, TableCache, bucket_by, check_columns, check_scalar,
                             multi_tensor_describer, multi_tensor_launch, prepared_launches)
-from ..launch import launch as launch_kernel
 from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 
@@ -350,9 +349,9 @@ if triton_available():
 
         def run(columns, found_inf, tables):
             if tables.n_blocks:
-                launch_kernel(_all_finite_blocks, _grid(tables), tables.addresses, tables.n_tensors, tables.block_tensor,
-                    tables.first_block, tables.numels, found_inf, DTYPE=dtype,
-                    ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
+                _all_finite_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
+                                                  tables.first_block, tables.numels, found_inf, DTYPE=dtype,
+                                                  ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
 
         return MultiTensorLaunch(run, KernelChoice("all_finite_blocks", "triton", _block_params(problem)),
                       torch.float32)
@@ -362,16 +361,16 @@ if triton_available():
 
         def run(columns, inv_scale, found_inf, tables):
             if tables.n_blocks:
-                launch_kernel(_unscale_blocks, _grid(tables), tables.addresses, tables.n_tensors, tables.block_tensor,
-                    tables.first_block, tables.numels, inv_scale, found_inf, DTYPE=dtype,
-                    ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
+                _unscale_blocks[_grid(tables)](tables.addresses, tables.n_tensors, tables.block_tensor,
+                                               tables.first_block, tables.numels, inv_scale, found_inf, DTYPE=dtype,
+                                               ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
 
         return MultiTensorLaunch(run, KernelChoice("unscale_blocks", "triton", _block_params(problem)),
                       torch.float32)
 
     def _prepare_update_scale_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
         def run(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
-            launch_kernel(_update_scale, (1,), scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+            _update_scale[(1,)](scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
         return MultiTensorLaunch(run, KernelChoice("update_scale", "triton"), torch.float32)
 
@@ -387,7 +386,7 @@ if triton_available():
             offset = 0
             for dtype, column, t in all_tables:
                 if t.n_blocks:
-                    launch_kernel(_grad_stats_blocks, _grid(t),
+                    _grad_stats_blocks[_grid(t)](
                         t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels, partials[0, offset:],
                         partials[1, offset:], grad_scale if grad_scale is not None else partials,
                         DTYPE=TL_DTYPES[dtype], HAS_SCALE=grad_scale is not None, ALIGNED=t.aligned, BLOCK=t.block,
@@ -397,10 +396,10 @@ if triton_available():
             sum_chunk = problem.heuristics.sum_chunk
             chunks = max(1, -(-n_blocks // sum_chunk))
             sums = torch.empty(2, chunks, dtype=torch.float32, device=problem.device)
-            launch_kernel(_sum_partials, (chunks, 2), partials, n_blocks, sums, CHUNK=sum_chunk, BLOCK=1024, num_warps=4)
-            launch_kernel(_grad_stats_finish, (1,), sums, chunks, found_inf, norm, clip if clip is not None else norm,
-                1.0 if max_norm is None else float(max_norm), HAS_CLIP=clip is not None,
-                BLOCK=1024, num_warps=4)
+            _sum_partials[(chunks, 2)](partials, n_blocks, sums, CHUNK=sum_chunk, BLOCK=1024, num_warps=4)
+            _grad_stats_finish[(1,)](sums, chunks, found_inf, norm, clip if clip is not None else norm,
+                                     1.0 if max_norm is None else float(max_norm), HAS_CLIP=clip is not None,
+                                     BLOCK=1024, num_warps=4)
 
         return MultiTensorLaunch(run, KernelChoice("grad_stats_blocks+finish", "triton", _block_params(problem)),
                       torch.float32)

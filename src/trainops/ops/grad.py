@@ -19,7 +19,6 @@ import torch
 from ..dtensor import any_dtensor, is_dtensor, local
 from ..errors import InvalidProblemError, argument_error
 from .multi_tensor import MultiTensorLaunch, TableCache, bucket_by, multi_tensor_describer, prepared_launches
-from ..launch import launch as launch_kernel
 from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS
@@ -137,9 +136,9 @@ if triton_available():
 
         def run(columns, scale, t):
             if t.n_blocks:
-                launch_kernel(_accumulate_blocks, (t.n_blocks,), t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
-                    scale, D_DTYPE=d_dtype, S_DTYPE=s_dtype, ALIGNED=t.aligned,
-                    BLOCK=t.block, num_warps=problem.heuristics.warps)
+                _accumulate_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
+                                                  scale, D_DTYPE=d_dtype, S_DTYPE=s_dtype, ALIGNED=t.aligned,
+                                                  BLOCK=t.block, num_warps=problem.heuristics.warps)
 
         return MultiTensorLaunch(run, KernelChoice("accumulate_blocks", "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps))),
                       torch.float32)
@@ -149,8 +148,8 @@ if triton_available():
 
         def run(columns, t):
             if t.n_blocks:
-                launch_kernel(_zero_blocks, (t.n_blocks,), t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
-                    DTYPE=dtype, ALIGNED=t.aligned, BLOCK=t.block, num_warps=problem.heuristics.warps)
+                _zero_blocks[(t.n_blocks,)](t.addresses, t.n_tensors, t.block_tensor, t.first_block, t.numels,
+                                            DTYPE=dtype, ALIGNED=t.aligned, BLOCK=t.block, num_warps=problem.heuristics.warps)
 
         return MultiTensorLaunch(run, KernelChoice("zero_blocks", "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps))),
                       problem.dtype)

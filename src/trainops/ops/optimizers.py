@@ -43,7 +43,6 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidProblemError, argument_error
-from ..launch import launch as launch_kernel
 from ..plan import KernelChoice
 from ..registry import FLOATS, register, register_op, triton_available
 from .amp import TRITON_FLOATS, unscaled_grads_cpu
@@ -697,9 +696,9 @@ if triton_available():
         return (tables.addresses, tables.n_tensors, tables.block_tensor, tables.first_block, tables.numels)
 
     def _advance(tables, step_row, found_inf):
-        launch_kernel(_advance_steps, (1,), tables.addresses, tables.n_tensors, step_row,
-            found_inf if found_inf is not None else tables.numels, HAS_FOUND_INF=found_inf is not None,
-            BLOCK=128)
+        _advance_steps[(1,)](tables.addresses, tables.n_tensors, step_row,
+                             found_inf if found_inf is not None else tables.numels, HAS_FOUND_INF=found_inf is not None,
+                             BLOCK=128)
 
     def _kernel_choice(name, problem: MultiTensorProblem):
         return KernelChoice(name, "triton", (("BLOCK", problem.heuristics.block), ("num_warps", problem.heuristics.warps)))
@@ -720,7 +719,7 @@ if triton_available():
                 sub_tables = tables if len(groups) == 1 else TensorTable(tables.block).tables(sub)  # checked whole
                 if not sub_tables.n_blocks:
                     continue
-                launch_kernel(_sgd_blocks, (sub_tables.n_blocks,),
+                _sgd_blocks[(sub_tables.n_blocks,)](
                     *_table_args(sub_tables), **pointers, lr=lr, momentum=float(momentum), dampening=float(dampening),
                     weight_decay=weight_decay, P_DTYPE=p_dtype, S_DTYPE=s_dtype, LR_POINTER=lr_pointer,
                     WD_POINTER=wd_pointer, MOMENTUM=has_momentum, FRESH=bool(is_fresh),
@@ -756,7 +755,7 @@ if triton_available():
         def launch(tables, values, flags, pointers, has, eps, rows):
             if not tables.n_blocks:
                 return
-            launch_kernel(_adam_blocks, (tables.n_blocks,),
+            _adam_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, **values, eps=eps, **rows, **flags,
                 DECOUPLED=problem.option("decoupled"), AMSGRAD=problem.option("amsgrad"), **has,
                 MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, BLOCK=tables.block, num_warps=problem.heuristics.warps)
@@ -777,19 +776,19 @@ if triton_available():
             common = dict(**values, eps=eps, **rows, **flags, BIAS_CORRECTION=problem.option("bias_correction"),
                           HAS_FOUND_INF=has["HAS_FOUND_INF"], ALIGNED=tables.aligned, BLOCK=tables.block,
                           num_warps=problem.heuristics.warps)
-            launch_kernel(_lamb_moments_blocks, (tables.n_blocks,),
+            _lamb_moments_blocks[(tables.n_blocks,)](
                 *_table_args(tables), **pointers, partials=partials, HAS_SCALE=has["HAS_SCALE"],
                 HAS_CLIP=has["HAS_CLIP"], MAXIMIZE=problem.option("maximize"), **common)
-            launch_kernel(_lamb_trust_ratios, (tables.n_tensors,), partials, tables.first_block, tables.numels, ratios,
-                STEP_BLOCK=tables.block, BLOCK=256,
-                SQUARES=reduce_squares is not None, num_warps=4)
+            _lamb_trust_ratios[(tables.n_tensors,)](partials, tables.first_block, tables.numels, ratios,
+                                                    STEP_BLOCK=tables.block, BLOCK=256,
+                                                    SQUARES=reduce_squares is not None, num_warps=4)
             if reduce_squares is not None:
                 squares = ratios.view(tables.n_tensors, 2)
                 reduce_squares(squares)
                 norms = squares.sqrt()  # correctly rounded, as the kernel's sqrt_rn and division
                 ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
-            launch_kernel(_lamb_apply_blocks, (tables.n_blocks,), *_table_args(tables), pointers["found_inf_ptr"], ratios, lr=lr,
-                LR_POINTER=lr_pointer, **common)
+            _lamb_apply_blocks[(tables.n_blocks,)](*_table_args(tables), pointers["found_inf_ptr"], ratios, lr=lr,
+                                                   LR_POINTER=lr_pointer, **common)
 
         return _moment_step_launch(problem, "lamb_moments_blocks+trust_ratios+apply_blocks", launch)
 
