@@ -13,6 +13,7 @@ from torch import Tensor
 from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import activations as activation_ops
 from .ops import attention_softmax as attention_ops
+from .ops import batch_norm as batch_norm_ops
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
@@ -277,6 +278,61 @@ def _check_norm_tensors(op: str, x, params: dict) -> None:
             raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; expected {tuple(shape)}")
         if name == "residual" and t.dtype != x.dtype:
             raise argument_error(InvalidProblemError, op, name, f"has dtype {t.dtype} but x has {x.dtype}")
+
+
+def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,
+               bias: Tensor | None = None, training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Batch normalization over the channel axis (axis 1) of ``input`` (N, C, ...), as
+    ``torch.nn.functional.batch_norm`` (same signature and semantics).
+
+    training=True: each channel normalized by its batch mean and biased variance over N and the
+    spatial axes; ``running_mean`` / ``running_var`` (when given) updated in place with
+    ``momentum`` (running_var from the unbiased variance). training=False: normalized by the
+    running statistics, which must be given. y = (x - mean) / sqrt(var + eps) * weight + bias.
+    input: rank 2 to 8, any strides (channels-last stays channels-last in y and in the gradient),
+    float32/float16/bfloat16/float64; weight, bias, running statistics (C,) in any float dtype.
+    Statistics and sums in float32 (float64 for float64). Backward: dx, dweight, dbias,
+    deterministic (per-program partial sums added in a fixed order, no atomics), bit-identical
+    run to run. Double backward raises UnsupportedError.
+    Errors: InvalidProblemError (shapes or devices of the per-channel tensors, running statistics
+    missing in eval, one value per channel in training, momentum outside [0, 1], eps < 0),
+    UnsupportedError (integer dtypes, rank above 8).
+    """
+    op = "batch_norm"
+    if not isinstance(input, Tensor):
+        raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
+    if not input.is_floating_point():
+        raise argument_error(UnsupportedError, op, "input", f"has dtype {input.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    if input.dim() < 2:
+        raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}; batch norm takes "
+                             "(N, C, ...)")
+    channels = (input.shape[1],)
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
+                                 "bfloat16, float64")
+        if t.device != input.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but input is on {input.device}")
+        if tuple(t.shape) != channels:
+            raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)}; expected {channels}, "
+                                 "one value per channel")
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and t.requires_grad:
+            raise argument_error(InvalidProblemError, op, name, "requires grad; running statistics are buffers")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+        raise argument_error(InvalidProblemError, op, "momentum", f"must be a number in [0, 1], got {momentum!r}")
+    eps = _eps(op, eps)
+    training = bool(training)
+    # the statistics (running ones updated in place) carry no autograd: the forward op's backward
+    # is batch norm's whole gradient
+    mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, training,
+                                                    float(momentum), eps)
+    return batch_norm_ops.batch_norm_op(input, weight, bias, mean, rstd, training)
 
 
 def _eps(op: str, eps):

@@ -181,6 +181,38 @@ class Dropout(torch.nn.Dropout):
         return F.dropout(input, self.p, self.training, self.inplace, mask_mode=self.mask_mode)
 
 
+class _BatchNormForward:
+    """The forward of trainops's BatchNorm modules: torch's ``_BatchNorm.forward`` (momentum None is
+    the cumulative average, ``num_batches_tracked`` counted in training, eval on the running
+    statistics when tracked) with ``trainops.functional.batch_norm``."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        tracked = not self.training or self.track_running_stats
+        return F.batch_norm(input, self.running_mean if tracked else None, self.running_var if tracked else None,
+                            self.weight, self.bias, use_batch, factor, self.eps)
+
+
+class BatchNorm1d(_BatchNormForward, torch.nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` on ``trainops.functional.batch_norm``: same constructor, parameters,
+    buffers and state dict; (N, C) or (N, C, L) input."""
+
+
+class BatchNorm2d(_BatchNormForward, torch.nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` on ``trainops.functional.batch_norm`` (channels-last inputs stay
+    channels-last); same constructor, parameters, buffers and state dict."""
+
+
+class BatchNorm3d(_BatchNormForward, torch.nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d`` on ``trainops.functional.batch_norm``; same constructor, parameters,
+    buffers and state dict."""
+
+
 class LinearCrossEntropyLoss(torch.nn.Module):
     """``trainops.functional.linear_cross_entropy`` as a loss module (no parameters of its own: the
     LM head's weight is an argument, so FSDP or ZeRO-3 can gather it).

@@ -7,3 +7,4 @@ from . import rotary  # noqa: F401
 from . import dropout  # noqa: F401
 from . import attention_softmax  # noqa: F401
 from . import linear_cross_entropy  # noqa: F401
+from . import batch_norm  # noqa: F401

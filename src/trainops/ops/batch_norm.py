@@ -1,0 +1,908 @@
+"""Batch normalization over the channel axis (axis 1), forward and backward: Triton kernels, CPU
+path, registrations and custom ops (ONNX Runtime's BatchNormalization / BatchNormalizationGrad).
+
+x has shape (N, C, d1, ..., dk), k >= 0 (BatchNorm1d, 2d, 3d). Each channel c is normalized over
+the R = N * d1 * ... * dk elements of its slice:
+
+    training   mean = sum(x) / R, var = sum((x - mean)^2) / R (biased), rstd = 1 / sqrt(var + eps)
+               running_mean <- (1 - momentum) * running_mean + momentum * mean
+               running_var  <- (1 - momentum) * running_var + momentum * var * R / (R - 1)
+    eval       mean = running_mean, rstd = 1 / sqrt(running_var + eps)
+    both       y = (x - mean) * rstd * weight + bias
+
+Backward, with xh = (x - mean) * rstd and g = dy * weight (weight 1 when absent):
+
+    dweight = sum(dy * xh), dbias = sum(dy)                           (per channel, over R)
+    training   dx = rstd * (g - mean(g) - xh * mean(g * xh))  =  weight * rstd * (dy - dbias / R - xh * dweight / R)
+    eval       dx = g * rstd
+
+torch.nn.functional.batch_norm's semantics: running statistics are updated in place only in
+training mode and only when given; eval needs them. Dtypes: x (and dy) float32 / float16 /
+bfloat16 / float64; weight, bias, running_mean, running_var any of those (gradients and updated
+statistics in their own dtype); y and dx in x's dtype. Statistics and sums in float32 (float64 for
+float64 x). Layouts: channels-first (contiguous) and channels-last, and any x whose spatial axes
+walk as one strided axis (other views are copied first); y and dx keep x's memory format.
+
+Deterministic and bit-identical run to run: every per-channel sum is taken per program over a
+fixed range of the channel's elements (means and squared deviations combined tile by tile,
+Chan's formula, so a large mean costs no precision), then across programs in a fixed order by a
+second kernel. No atomics.
+
+Triton plan: x is walked as (N', C, S') with S' the spatial axes (and N folded into them when
+they merge, as in channels-last): a program owns BLOCK_C channels and a range of (n, spatial
+block) tiles. Forward in training: the statistics kernel reads x once, a finishing kernel merges
+the partials, updates the running statistics and writes (mean, rstd), the apply kernel reads x
+again and writes y (3 passes over x's bytes: read, read, write). Backward: partial sums of dy and
+dy * xh (reads dy, x), their fixed-order totals (dweight, dbias), then dx (reads dy, x, writes dx).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
+from ..layout import merge_dims, next_pow2
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
+                        triton_available)
+from ._common import float_dtype
+
+STATS_OP, FORWARD_OP, BACKWARD_OP = "batch_norm_stats", "batch_norm", "batch_norm_backward"
+OPS = (STATS_OP, FORWARD_OP, BACKWARD_OP)
+MAX_RANK = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchNormHeuristics:
+    """The batch-norm family's tunables (trainops.heuristics(...) overrides them).
+
+    tile: elements of one (spatial block, channel block) tile a program loads per step.
+    channel_block: channels a program owns when channels are the contiguous axis (channels-last);
+        with spatial elements contiguous (channels-first) the tile's channels are tile // spatial
+        block, at least 1. spatial_block: the largest spatial block.
+    programs_per_sm: programs of the two reduction kernels (statistics, gradient sums) per SM; each
+        writes one partial row per channel. warps: warps of every kernel.
+    Defaults chosen, then checked on the H100 (benchmarks/NOTES.md, "Batch normalization").
+    """
+
+    tile: int = 4096
+    channel_block: int = 64
+    spatial_block: int = 1024
+    programs_per_sm: int = 4
+    warps: int = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchNormProblem:
+    """One batch-norm problem over x of ``shape`` (N, C, spatial...), one of three ops:
+
+    batch_norm_stats     (x, running_mean, running_var) -> (mean, rstd), the running statistics
+                         updated in place in training
+    batch_norm           (x, weight, bias, mean, rstd) -> y
+    batch_norm_backward  (dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
+
+    Absent optional tensors are None; absent outputs are empty tensors. mean and rstd: (C,) in
+    the accumulator dtype (the batch's in training, the running statistics' in eval).
+    ``strides``: x's, or (dy's, x's) for the backward; each one's spatial axes walk as one
+    strided axis.
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    strides: tuple[tuple[int, ...], ...]
+    weight_dtype: torch.dtype | None
+    bias_dtype: torch.dtype | None
+    stats_dtype: torch.dtype | None      # running statistics' dtype (forward; None: not given)
+    training: bool
+    momentum: float
+    eps: float
+    input_grad: bool
+    weight_grad: bool
+    bias_grad: bool
+    heuristics: BatchNormHeuristics
+    index_dtype = None
+
+    @cached_property
+    def backward(self) -> bool:
+        return self.op == BACKWARD_OP
+
+    @cached_property
+    def stats(self) -> bool:
+        return self.op == STATS_OP
+
+    @cached_property
+    def channels(self) -> int:
+        return self.shape[1]
+
+    @cached_property
+    def reduced(self) -> int:
+        """R: elements per channel."""
+        return self.shape[0] * math.prod(self.shape[2:])
+
+    @cached_property
+    def acc_dtype(self) -> torch.dtype:
+        return accumulator_dtype(self.dtype)
+
+    @cached_property
+    def strided_names(self) -> tuple[str, ...]:
+        return ("dy", "x") if self.backward else ("x",)
+
+    def check(self, tensors: Sequence[Tensor | None], out) -> None:
+        """Cheap checks of concrete tensors against the plan (shape, strides, dtype, device)."""
+        if self.stats:
+            names = ("x", "running_mean", "running_var")
+            per_channel = {"running_mean": self.stats_dtype, "running_var": self.stats_dtype}
+        else:
+            names = ("dy", "x", "weight", "mean", "rstd") if self.backward else ("x", "weight", "bias", "mean", "rstd")
+            per_channel = {"weight": self.weight_dtype, "mean": self.acc_dtype, "rstd": self.acc_dtype}
+            if not self.backward:
+                per_channel["bias"] = self.bias_dtype
+        if len(tensors) != len(names):
+            raise InvalidProblemError(f"trainops.{self.op}: expected {len(names)} tensors ({', '.join(names)}), "
+                                      f"got {len(tensors)}")
+        given = dict(zip(names, tensors))
+        for name, dtype in per_channel.items():
+            if (given[name] is None) != (dtype is None):
+                raise argument_error(InvalidProblemError, self.op, name,
+                                     "is missing; the plan has one" if dtype is not None else
+                                     "is given; the plan has none")
+            if given[name] is not None:
+                check_tensor(self.op, name, given[name], (self.channels,), dtype, self.device)
+                if not given[name].is_contiguous():
+                    raise argument_error(InvalidProblemError, self.op, name, "must be contiguous")
+        for name, strides in zip(self.strided_names, self.strides):
+            check_tensor(self.op, name, given[name], self.shape, self.dtype, self.device, strides)
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
+
+    def like_x(self) -> Tensor:
+        """A new tensor of x's shape and dtype in x's memory format (``output_strides``)."""
+        return torch.empty_strided(self.shape, output_strides(self.shape, self.strides[-1]), dtype=self.dtype,
+                                   device=self.device)
+
+    def new_output(self):
+        """Statistics: (mean, rstd); forward: y; backward: (dx, dweight, dbias). Absent outputs are empty."""
+        def empty():  # an absent output: its own empty tensor (outputs of a custom op may not alias)
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        c = (self.channels,)
+        if self.backward:
+            dx = self.like_x() if self.input_grad else empty()
+            dw = torch.empty(c, dtype=self.weight_dtype, device=self.device) if self.weight_grad else empty()
+            db = torch.empty(c, dtype=self.bias_dtype, device=self.device) if self.bias_grad else empty()
+            return dx, dw, db
+        if self.stats:
+            return (torch.empty(c, dtype=self.acc_dtype, device=self.device),
+                    torch.empty(c, dtype=self.acc_dtype, device=self.device))
+        return self.like_x()
+
+
+def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` whose axes are ordered as in ``strides`` (largest
+    first; ties keep the axis order): x's memory format for y and dx (channels-last stays
+    channels-last), as torch's empty_like of a dense tensor."""
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
+    dense, step = [0] * len(shape), 1
+    for d in reversed(order):
+        dense[d] = step
+        step *= max(shape[d], 1)
+    return tuple(dense)
+
+
+def output_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """Strides of y and dx: x's memory format when x is dense (its axes' order, so channels-last
+    stays channels-last), else contiguous (as torch's empty_like)."""
+    dense = _dense_strides(shape, strides)
+    if all(a == b for a, b, size in zip(strides, dense, shape) if size > 1):
+        return dense
+    return _dense_strides(shape, range(len(shape), 0, -1))
+
+
+def _walks(shape: Sequence[int], strides: Sequence[Sequence[int]]):
+    """(N', S', ((n stride, channel stride, spatial stride) per tensor)) of (N, C, spatial...)
+    walked as (N', C, S') by every tensor of ``strides`` alike: the spatial axes merged into one,
+    and N folded into them when it walks on in every tensor (channels-last: one axis of N * S
+    elements; no spatial axis: N itself). None when a tensor's spatial axes do not walk as one
+    strided axis."""
+    per = []
+    for st in strides:
+        spatial = merge_dims(shape[2:], st[2:]) if len(shape) > 2 else (1, 0)
+        if spatial is None:
+            return None
+        per.append((st[0], st[1], spatial[1]))
+    n, s = shape[0], math.prod(shape[2:])
+    if s == 1:
+        return 1, n, tuple((0, sc, sn) for sn, sc, _ in per)
+    if n > 1 and all(sn == ss * s for sn, _, ss in per):
+        return 1, n * s, tuple((0, sc, ss) for _, sc, ss in per)
+    return n, s, tuple(per)
+
+
+def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtype=None, bias_dtype=None,
+              stats_dtype=None, training=True, momentum=0.1, eps=1e-5, input_grad=True, weight_grad=None,
+              bias_grad=None, heuristics=None) -> BatchNormProblem:
+    """Validate a batch-norm descriptor.
+
+    shape: x's sizes (N, C, spatial...), rank 2..8. dtype: x's (and dy's). strides: None
+    (contiguous) or x's strides (forward), (dy's, x's) (backward); spatial axes must walk as one
+    strided axis. weight_dtype / bias_dtype: None when absent. stats_dtype: batch_norm_stats, the
+    running statistics' dtype (None: not given; eval needs them). training: batch statistics (and
+    running updates), else the running ones (the forward ignores it). momentum: in [0, 1]. eps:
+    >= 0. input_grad / weight_grad /
+    bias_grad: backward, which gradients to compute (weight_grad / bias_grad default to "the
+    tensor is present"). heuristics: a BatchNormHeuristics.
+    """
+    backward = op == BACKWARD_OP
+    first = "dy" if backward else "x"
+    shape = checked_shape(op, "shape", shape)
+    if not 2 <= len(shape) <= MAX_RANK:
+        raise argument_error(UnsupportedError if len(shape) > MAX_RANK else InvalidProblemError, op, first,
+                             f"has rank {len(shape)}; batch norm takes (N, C, ...) of rank 2 to {MAX_RANK}")
+    dtype = float_dtype(op, first, dtype)
+    weight_dtype = float_dtype(op, "weight", weight_dtype, optional=True)
+    bias_dtype = float_dtype(op, "bias", bias_dtype, optional=True)
+    stats_dtype = float_dtype(op, "running_mean", stats_dtype, optional=True)
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0 or math.isinf(eps):
+        raise argument_error(InvalidProblemError, op, "eps", f"must be a finite number >= 0, got {eps!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
+        raise argument_error(InvalidProblemError, op, "momentum", f"must be a number in [0, 1], got {momentum!r}")
+    training = bool(training)
+    reduced = shape[0] * math.prod(shape[2:])
+    if op == STATS_OP:
+        if not training and stats_dtype is None:
+            raise argument_error(InvalidProblemError, op, "running_mean",
+                                 "is None in eval mode (training=False): eval normalizes with the running statistics")
+        if training and reduced == 1 and shape[1]:
+            raise argument_error(InvalidProblemError, op, first, f"has shape {shape}: training needs more than 1 "
+                                 "value per channel (as torch)")
+    names = ("dy", "x") if backward else ("x",)
+    if strides is None:
+        strides = (None,) * len(names)
+    if not isinstance(strides, (tuple, list)) or len(strides) != len(names):
+        raise argument_error(InvalidProblemError, op, "strides", f"needs one entry per input ({', '.join(names)})")
+    checked = []
+    for name, st in zip(names, strides):
+        if st is None:
+            st = tuple(_dense_strides(shape, range(len(shape), 0, -1)))
+        try:
+            st = tuple(int(v) for v in st)
+        except TypeError:
+            raise argument_error(InvalidProblemError, op, "strides", f"must be sequences of ints, got {st!r}") from None
+        if len(st) != len(shape) or any(v < 0 for v in st):
+            raise argument_error(InvalidProblemError, op, name, f"has strides {st}: one non-negative stride per axis "
+                                 f"of {shape}")
+        if _walks(shape, [st]) is None:
+            raise argument_error(UnsupportedError, op, name, f"has strides {st}: its spatial axes do not walk as one "
+                                 "strided axis (copy it first; the custom op does)")
+        checked.append(st)
+    if weight_grad is None:
+        weight_grad = weight_dtype is not None
+    if bias_grad is None:
+        bias_grad = bias_dtype is not None
+    if backward and weight_grad and weight_dtype is None:
+        raise argument_error(InvalidProblemError, op, "weight_grad", "is True without a weight")
+    if backward and bias_grad and bias_dtype is None:
+        raise argument_error(InvalidProblemError, op, "bias_grad", "is True without a bias dtype")
+    if heuristics is None:
+        heuristics = heuristics_for(BatchNormHeuristics)
+    elif not isinstance(heuristics, BatchNormHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics",
+                             f"must be a BatchNormHeuristics, got {type(heuristics).__name__}")
+    if op == STATS_OP:
+        weight_dtype = bias_dtype = None
+    return BatchNormProblem(op, shape, dtype, device, tuple(checked), weight_dtype, bias_dtype,
+                            stats_dtype if op == STATS_OP else None, training, float(momentum), float(eps),
+                            bool(input_grad) if backward else True, bool(weight_grad) if backward else False,
+                            bool(bias_grad) if backward else False, heuristics)
+
+
+def _describer(op: str):
+    def describe(shape, dtype, device="cuda", *, strides=None, weight_dtype=None, bias_dtype=None, stats_dtype=None,
+                 training=True, momentum=0.1, eps=1e-5, input_grad=True, weight_grad=None, bias_grad=None,
+                 heuristics=None) -> BatchNormProblem:
+        return _describe(op, shape, dtype, device, strides=strides, weight_dtype=weight_dtype, bias_dtype=bias_dtype,
+                         stats_dtype=stats_dtype, training=training, momentum=momentum, eps=eps,
+                         input_grad=input_grad, weight_grad=weight_grad, bias_grad=bias_grad, heuristics=heuristics)
+    describe.__doc__ = _describe.__doc__
+    return describe
+
+
+BatchNormStatsDescriptor = register_op(STATS_OP, _describer(STATS_OP))
+BatchNormDescriptor = register_op(FORWARD_OP, _describer(FORWARD_OP))
+BatchNormBackwardDescriptor = register_op(BACKWARD_OP, _describer(BACKWARD_OP))
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path: torch's CPU ops in the accumulator dtype (the same formulas as the kernels)
+# ----------------------------------------------------------------------------------------------
+
+def _per_channel(v: Tensor, rank: int) -> Tensor:
+    return v.reshape((1, -1) + (1,) * (rank - 2))
+
+
+def eval_statistics(running_mean: Tensor, running_var: Tensor, eps: float, acc: torch.dtype,
+                    mean: Tensor, rstd: Tensor) -> None:
+    """mean = running_mean, rstd = 1 / sqrt(running_var + eps), written into the (C,) ``mean`` and
+    ``rstd`` in ``acc`` (eval mode, both backends)."""
+    mean.copy_(running_mean)
+    torch.rsqrt(running_var.to(acc) + eps, out=rstd)
+
+
+def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
+    x, running_mean, running_var = tensors
+    mean, rstd = outputs
+    acc, rank = problem.acc_dtype, len(problem.shape)
+    if not problem.training:
+        eval_statistics(running_mean, running_var, problem.eps, acc, mean, rstd)
+        return
+    xa = x.to(acc)
+    dims = (0,) + tuple(range(2, rank))
+    # summed after a shift (each channel's first element), as the kernels: a mean far from 0 keeps
+    # its precision (torch's float32 mean alone was off by 1e-3 at 1e4)
+    shift = xa.select(0, 0).reshape(problem.channels, -1)[:, 0]
+    mean.copy_(shift + (xa - _per_channel(shift, rank)).mean(dims))
+    var = (xa - _per_channel(mean, rank)).square().mean(dims)
+    torch.rsqrt(var + problem.eps, out=rstd)
+    if running_mean is not None:
+        m, r = problem.momentum, problem.reduced
+        running_mean.copy_((1 - m) * running_mean.to(acc) + m * mean)
+        running_var.copy_((1 - m) * running_var.to(acc) + m * var * (r / (r - 1)))
+
+
+def _cpu_forward(problem: BatchNormProblem, tensors, y) -> None:
+    x, weight, bias, mean, rstd = tensors
+    acc, rank = problem.acc_dtype, len(problem.shape)
+    out = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd, rank)
+    if weight is not None:
+        out = out * _per_channel(weight.to(acc), rank)
+    if bias is not None:
+        out = out + _per_channel(bias.to(acc), rank)
+    y.copy_(out)
+
+
+def _cpu_backward(problem: BatchNormProblem, tensors, outputs) -> None:
+    dy, x, weight, mean, rstd = tensors
+    dx, dweight, dbias = outputs
+    acc, rank = problem.acc_dtype, len(problem.shape)
+    dims = (0,) + tuple(range(2, rank))
+    dya = dy.to(acc)
+    xh = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd, rank)
+    sum_dy, sum_dy_xh = dya.sum(dims), (dya * xh).sum(dims)
+    if problem.weight_grad:
+        dweight.copy_(sum_dy_xh)
+    if problem.bias_grad:
+        dbias.copy_(sum_dy)
+    if problem.input_grad:
+        scale = _per_channel(rstd * (weight.to(acc) if weight is not None else 1), rank)
+        if problem.training:
+            r = problem.reduced
+            dx.copy_(scale * (dya - _per_channel(sum_dy / r, rank) - xh * _per_channel(sum_dy_xh / r, rank)))
+        else:
+            dx.copy_(scale * dya)
+
+
+def _prepare_cpu(problem: BatchNormProblem) -> Launch:
+    compute = _cpu_backward if problem.backward else _cpu_stats if problem.stats else _cpu_forward
+
+    def run(tensors, outputs):
+        if problem.channels == 0:
+            return
+        if problem.reduced == 0:
+            _write_empty(problem, tensors, outputs)
+            return
+        compute(problem, tensors, outputs)
+
+    return Launch(run, KernelChoice(f"{problem.op}_cpu", "cpu", ()), problem.acc_dtype)
+
+
+def _write_empty(problem: BatchNormProblem, tensors, outputs) -> None:
+    """No element in a channel (N = 0 or a zero-size spatial axis), as torch: training leaves the
+    running statistics alone (the saved mean and rstd are 0 and 1: nothing reads them), eval takes
+    the running ones. Backward: zero weight and bias gradients."""
+    if problem.backward:
+        for grad in outputs[1:]:
+            grad.zero_()
+    elif problem.stats:
+        mean, rstd = outputs
+        if problem.training:
+            mean.zero_()
+            rstd.fill_(1.0)
+        else:
+            eval_statistics(tensors[1], tensors[2], problem.eps, problem.acc_dtype, mean, rstd)
+
+
+for _op in OPS:
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+             name=f"{_op}_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(unit, S, S_BLOCKS, sn, ss, sc, c, BLOCK_S: tl.constexpr):
+        """Offsets, spatial mask and element count of tile ``unit`` = (n, spatial block) for the
+        channels ``c``: [BLOCK_S, BLOCK_C]."""
+        n = unit // S_BLOCKS
+        s = (unit - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
+        offsets = n.to(tl.int64) * sn + s.to(tl.int64)[:, None] * ss + c.to(tl.int64)[None, :] * sc
+        return offsets, s < S, tl.minimum(S - (unit - n * S_BLOCKS) * BLOCK_S, BLOCK_S)
+
+    @triton.jit
+    def _bn_stats(X, PART, C, S, S_BLOCKS, UNITS, units_per_program, sn, sc, ss,
+                  ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Partial statistics of BLOCK_C channels over this program's tiles (at least one):
+        PART[0, p, c] the elements' count, [1] their mean minus [3], [2] their squared deviations,
+        [3] the shift: the program's first tile's mean. Elements are summed after the shift (sums
+        of x - shift and of its square, kept per tile slot in registers and reduced once after the
+        loop), so that a mean far from 0 costs no precision: the squared deviations are
+        sum((x - shift)^2) - count * (mean - shift)^2, which cancels only when the channel's mean
+        lies many standard deviations from its first tile's."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        p = tl.program_id(1)
+        first = p * units_per_program
+        last = tl.minimum(first + units_per_program, UNITS)
+        offsets, s_mask, k = _tile(first, S, S_BLOCKS, sn, ss, sc, c, BLOCK_S)
+        mask = s_mask[:, None] & c_mask[None, :]
+        shift = tl.sum(tl.load(X + offsets, mask=mask, other=0.0).to(ACC), 0) / k.to(ACC)
+        total = tl.zeros([BLOCK_S, BLOCK_C], ACC)
+        squares = tl.zeros([BLOCK_S, BLOCK_C], ACC)
+        count = tl.zeros([BLOCK_C], ACC)
+        for unit in range(first, last):
+            offsets, s_mask, k = _tile(unit, S, S_BLOCKS, sn, ss, sc, c, BLOCK_S)
+            mask = s_mask[:, None] & c_mask[None, :]
+            x = tl.where(mask, tl.load(X + offsets, mask=mask, other=0.0).to(ACC) - shift[None, :], 0.0)
+            total += x
+            squares += x * x
+            count += k.to(ACC)
+        mean = tl.sum(total, 0) / count
+        m2 = tl.maximum(tl.sum(squares, 0) - count * mean * mean, 0.0)
+        row = p.to(tl.int64) * C + c
+        planes = tl.num_programs(1).to(tl.int64) * C
+        tl.store(PART + row, count, mask=c_mask)
+        tl.store(PART + planes + row, mean, mask=c_mask)
+        tl.store(PART + 2 * planes + row, m2, mask=c_mask)
+        tl.store(PART + 3 * planes + row, shift, mask=c_mask)
+
+    @triton.jit
+    def _bn_stats_finish(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps,
+                         HAS_RUNNING: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The P partials of each channel combined in order, their means taken relative to the
+        first partial's shift: mean, rstd; the running statistics updated in place (their own
+        dtype; unbiased variance R / (R - 1))."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
+        base = tl.load(PART + 3 * planes + c, mask=c_mask, other=0.0)
+        count = tl.zeros([BLOCK_C], ACC)
+        mean = tl.zeros([BLOCK_C], ACC)   # relative to base
+        m2 = tl.zeros([BLOCK_C], ACC)
+        for p in range(0, P):
+            row = p * C + c
+            k = tl.load(PART + row, mask=c_mask, other=1.0)
+            part_mean = tl.load(PART + planes + row, mask=c_mask, other=0.0) + (
+                tl.load(PART + 3 * planes + row, mask=c_mask, other=0.0) - base)
+            part_m2 = tl.load(PART + 2 * planes + row, mask=c_mask, other=0.0)
+            total = count + k
+            delta = part_mean - mean
+            # a program without tiles (k = 0) changes nothing
+            w = tl.where(total > 0, k / tl.where(total > 0, total, 1.0), 0.0)
+            mean += delta * w
+            m2 += part_m2 + delta * delta * (count * w)
+            count = total
+        mean += base
+        var = m2 / R
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(MEAN + c, mean, mask=c_mask)
+        tl.store(RSTD + c, rstd, mask=c_mask)
+        if HAS_RUNNING:
+            rm = tl.load(RUNNING_MEAN + c, mask=c_mask, other=0.0).to(ACC)
+            rv = tl.load(RUNNING_VAR + c, mask=c_mask, other=0.0).to(ACC)
+            unbiased = m2 / (R - 1)
+            tl.store(RUNNING_MEAN + c, ((1 - momentum) * rm + momentum * mean).to(RUNNING_MEAN.dtype.element_ty),
+                     mask=c_mask)
+            tl.store(RUNNING_VAR + c, ((1 - momentum) * rv + momentum * unbiased).to(RUNNING_VAR.dtype.element_ty),
+                     mask=c_mask)
+
+    @triton.jit
+    def _bn_apply(X, Y, W, B, MEAN, RSTD, C, S, S_BLOCKS, x_sn, x_sc, x_ss, y_sn, y_sc, y_ss,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """y = (x - mean) * rstd * weight + bias over one tile a program (tiles on axis 0, channel
+        blocks on axis 1)."""
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        unit = tl.program_id(0)
+        x_off, s_mask, _ = _tile(unit, S, S_BLOCKS, x_sn, x_ss, x_sc, c, BLOCK_S)
+        y_off, _, _ = _tile(unit, S, S_BLOCKS, y_sn, y_ss, y_sc, c, BLOCK_S)
+        mask = s_mask[:, None] & c_mask[None, :]
+        scale = tl.load(RSTD + c, mask=c_mask, other=0.0)
+        if HAS_W:
+            scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
+        mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
+        x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
+        # x - mean first: x * scale - mean * scale would cancel in float32 when |mean| >> std
+        y = (x - mean[None, :]) * scale[None, :]
+        if HAS_B:
+            y += tl.load(B + c, mask=c_mask, other=0.0).to(ACC)[None, :]
+        tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bn_grad_sums(DY, X, MEAN, RSTD, PART, C, S, S_BLOCKS, UNITS, units_per_program,
+                      dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss,
+                      ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Partial sums of dy (PART[0, p, c]) and dy * xh (PART[1, p, c]) over this program's tiles."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        p = tl.program_id(1)
+        first = p * units_per_program
+        last = tl.minimum(first + units_per_program, UNITS)
+        mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
+        rstd = tl.load(RSTD + c, mask=c_mask, other=0.0)
+        sum_dy = tl.zeros([BLOCK_S, BLOCK_C], ACC)
+        sum_dy_xh = tl.zeros([BLOCK_S, BLOCK_C], ACC)
+        for unit in range(first, last):
+            dy_off, s_mask, _ = _tile(unit, S, S_BLOCKS, dy_sn, dy_ss, dy_sc, c, BLOCK_S)
+            x_off, _, _ = _tile(unit, S, S_BLOCKS, x_sn, x_ss, x_sc, c, BLOCK_S)
+            mask = s_mask[:, None] & c_mask[None, :]
+            dy = tl.load(DY + dy_off, mask=mask, other=0.0).to(ACC)
+            x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
+            sum_dy += dy
+            sum_dy_xh += dy * ((x - mean[None, :]) * rstd[None, :])
+        row = p.to(tl.int64) * C + c
+        tl.store(PART + row, tl.sum(sum_dy, 0), mask=c_mask)
+        tl.store(PART + tl.num_programs(1).to(tl.int64) * C + row, tl.sum(sum_dy_xh, 0), mask=c_mask)
+
+    @triton.jit
+    def _bn_grad_finish(PART, SUMS, DW, DB, P, C, DW_WANTED: tl.constexpr, DB_WANTED: tl.constexpr,
+                        ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The P partials of each channel summed in order: SUMS[0] = sum(dy) (= dbias), SUMS[1] =
+        sum(dy * xh) (= dweight), both also written in the parameters' dtypes when wanted."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
+        sum_dy = tl.zeros([BLOCK_C], ACC)
+        sum_dy_xh = tl.zeros([BLOCK_C], ACC)
+        for p in range(0, P):
+            sum_dy += tl.load(PART + p * C + c, mask=c_mask, other=0.0)
+            sum_dy_xh += tl.load(PART + planes + p * C + c, mask=c_mask, other=0.0)
+        tl.store(SUMS + c, sum_dy, mask=c_mask)
+        tl.store(SUMS + C + c, sum_dy_xh, mask=c_mask)
+        if DW_WANTED:
+            tl.store(DW + c, sum_dy_xh.to(DW.dtype.element_ty), mask=c_mask)
+        if DB_WANTED:
+            tl.store(DB + c, sum_dy.to(DB.dtype.element_ty), mask=c_mask)
+
+    @triton.jit
+    def _bn_grad_input(DY, X, DX, W, MEAN, RSTD, SUMS, C, S, S_BLOCKS, R,
+                       dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss, dx_sn, dx_sc, dx_ss,
+                       TRAINING: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dx over one tile a program: training, weight * rstd * (dy - sum(dy) / R - xh * sum(dy * xh) / R);
+        eval, dy * weight * rstd (tiles on axis 0, channel blocks on axis 1)."""
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < C
+        unit = tl.program_id(0)
+        dy_off, s_mask, _ = _tile(unit, S, S_BLOCKS, dy_sn, dy_ss, dy_sc, c, BLOCK_S)
+        dx_off, _, _ = _tile(unit, S, S_BLOCKS, dx_sn, dx_ss, dx_sc, c, BLOCK_S)
+        mask = s_mask[:, None] & c_mask[None, :]
+        rstd = tl.load(RSTD + c, mask=c_mask, other=0.0)
+        scale = rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
+        dy = tl.load(DY + dy_off, mask=mask, other=0.0).to(ACC)
+        if TRAINING:
+            x_off, _, _ = _tile(unit, S, S_BLOCKS, x_sn, x_ss, x_sc, c, BLOCK_S)
+            x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
+            mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
+            mean_dy = tl.load(SUMS + c, mask=c_mask, other=0.0) / R
+            mean_dy_xh = tl.load(SUMS + C + c, mask=c_mask, other=0.0) / R
+            xh = (x - mean[None, :]) * rstd[None, :]
+            dx = scale[None, :] * (dy - mean_dy[None, :] - xh * mean_dy_xh[None, :])
+        else:
+            dx = dy * scale[None, :]
+        tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class BatchNormConfig:
+    """A Triton plan: the tile (spatial block x channel block), warps, reduction programs."""
+
+    block_s: int
+    block_c: int
+    num_warps: int
+    programs: int            # reduction programs along the tiles (per channel block)
+    units_per_program: int
+
+
+def _problem_walks(problem: BatchNormProblem):
+    """``_walks`` of the inputs (x; dy, x) and the output (y; dx) together, so that a tile is the
+    same elements in each: (N', S', (strides of each, the output's last))."""
+    return _walks(problem.shape, problem.strides + (output_strides(problem.shape, problem.strides[-1]),))
+
+
+def _config(problem: BatchNormProblem) -> BatchNormConfig:
+    """Channels contiguous (channels-last, or (N, C)): BLOCK_C up to ``channel_block`` and the
+    spatial block filling the tile; otherwise the spatial block first (up to ``spatial_block``),
+    channels filling the tile. Reduction programs: about ``programs_per_sm`` per SM over all
+    channel blocks, each a whole number of tiles."""
+    h = problem.heuristics
+    n_prime, s, per = _problem_walks(problem)
+    _, sc, ss = per[-2]   # x's
+    c = problem.channels
+    if sc == 1 and ss != 1:
+        block_c = min(next_pow2(c), h.channel_block)
+        block_s = max(1, min(next_pow2(s), h.tile // block_c))
+    else:
+        block_s = min(next_pow2(s), h.spatial_block)
+        block_c = max(1, min(next_pow2(c), h.tile // block_s))
+    n_units = -(-s // block_s) * n_prime
+    c_blocks = -(-c // block_c)
+    wanted = max(1, (sm_count(problem.device) * h.programs_per_sm) // max(c_blocks, 1))
+    units_per_program = max(1, -(-n_units // wanted))
+    programs = max(1, -(-n_units // units_per_program))
+    return BatchNormConfig(block_s, block_c, h.warps, programs, units_per_program)
+
+
+def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = None) -> Launch:
+    config = config or _config(problem)
+    acc = problem.acc_dtype
+    acc_tl = tl.float64 if acc == torch.float64 else tl.float32
+    c, r = problem.channels, problem.reduced
+    n_prime, s, walks = _problem_walks(problem)
+    s_blocks = -(-s // config.block_s)
+    units = n_prime * s_blocks
+    c_blocks = -(-c // config.block_c)
+    tile = dict(ACC=acc_tl, BLOCK_S=config.block_s, BLOCK_C=config.block_c, num_warps=config.num_warps)
+    x_sn, x_sc, x_ss = walks[-2]
+    o_sn, o_sc, o_ss = walks[-1]
+    finish_block = min(next_pow2(max(c, 1)), 1024)
+    finish_grid = (-(-c // finish_block),)
+    params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
+              ("programs", config.programs), ("units_per_program", config.units_per_program))
+
+    if problem.stats:
+        stats = launcher(_bn_stats, (c_blocks, config.programs),
+                         trailing=(c, s, s_blocks, units, config.units_per_program, x_sn, x_sc, x_ss), **tile)
+        finish = launcher(_bn_stats_finish, finish_grid, trailing=(config.programs, c, r, problem.momentum,
+                                                                   problem.eps),
+                          HAS_RUNNING=problem.stats_dtype is not None, ACC=acc_tl, BLOCK_C=finish_block)
+
+        def run(tensors, outputs):
+            x, running_mean, running_var = tensors
+            mean, rstd = outputs
+            if c == 0:
+                return
+            if r == 0:
+                _write_empty(problem, tensors, outputs)
+            elif problem.training:
+                part = torch.empty((4, config.programs, c), dtype=acc, device=x.device)
+                stats(x, part)
+                finish(part, mean, rstd, running_mean, running_var)
+            else:
+                eval_statistics(running_mean, running_var, problem.eps, acc, mean, rstd)
+
+        return Launch(run, KernelChoice("bn_stats+finish" if problem.training else "running_statistics", "triton",
+                                        params), acc, workspace_bytes=4 * config.programs * c * acc.itemsize)
+
+    if not problem.backward:
+        apply = launcher(_bn_apply, (units, c_blocks), trailing=(c, s, s_blocks, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
+                         HAS_W=problem.weight_dtype is not None, HAS_B=problem.bias_dtype is not None, **tile)
+
+        def run(tensors, y):
+            if c and r:
+                x, weight, bias, mean, rstd = tensors
+                apply(x, y, weight, bias, mean, rstd)
+
+        return Launch(run, KernelChoice("bn_apply", "triton", params), acc)
+
+    dy_sn, dy_sc, dy_ss = walks[0]
+    sums_needed = problem.weight_grad or problem.bias_grad or (problem.input_grad and problem.training)
+    grad_sums = launcher(_bn_grad_sums, (c_blocks, config.programs),
+                         trailing=(c, s, s_blocks, units, config.units_per_program, dy_sn, dy_sc, dy_ss,
+                                   x_sn, x_sc, x_ss), **tile)
+    grad_finish = launcher(_bn_grad_finish, finish_grid, trailing=(config.programs, c),
+                           DW_WANTED=problem.weight_grad, DB_WANTED=problem.bias_grad, ACC=acc_tl,
+                           BLOCK_C=finish_block)
+    grad_input = launcher(_bn_grad_input, (units, c_blocks),
+                          trailing=(c, s, s_blocks, r, dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
+                          TRAINING=problem.training, HAS_W=problem.weight_dtype is not None, **tile)
+
+    def run(tensors, outputs):
+        dy, x, weight, mean, rstd = tensors
+        dx, dweight, dbias = outputs
+        if c == 0:
+            return
+        if r == 0:
+            _write_empty(problem, tensors, outputs)
+            return
+        sums = None
+        if sums_needed:
+            part = torch.empty((2, config.programs, c), dtype=acc, device=dy.device)
+            sums = torch.empty((2, c), dtype=acc, device=dy.device)
+            grad_sums(dy, x, mean, rstd, part)
+            grad_finish(part, sums, dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
+        if problem.input_grad:
+            grad_input(dy, x, dx, weight, mean, rstd, sums)
+
+    return Launch(run, KernelChoice("bn_grad_sums+finish+input", "triton", params), acc,
+                  workspace_bytes=(2 * config.programs * c + 2 * c) * acc.itemsize)
+
+
+if triton_available():
+    for _op in OPS:
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+                 name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.batch_norm / batch_norm_backward, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _walkable(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy when its spatial axes do not walk as one strided axis (rare views)."""
+    if t.dim() < 2 or t.is_contiguous() or _walks(t.shape, [t.stride()]) is not None:
+        return t
+    return t.contiguous()
+
+
+def _per_channel_tensor(op: str, name: str, t: Tensor | None, channels: int, device) -> Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (channels,) or t.device != device:
+        raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)} on {t.device}; expected "
+                             f"({channels},) on {device}, one value per channel")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check_running(op: str, running_mean: Tensor | None, running_var: Tensor | None, channels: int, device) -> None:
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and (t.shape != (channels,) or t.device != device or not t.is_contiguous()):
+            raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)} on {t.device}; expected "
+                                 f"a contiguous ({channels},) on {device} (updated in place)")
+    if (running_mean is None) != (running_var is None) or (
+            running_mean is not None and running_mean.dtype != running_var.dtype):
+        raise argument_error(InvalidProblemError, op, "running_var", "must be given with running_mean, in its dtype")
+
+
+def _batch_norm_stats_impl(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool,
+                           momentum: float, eps: float) -> tuple[Tensor, Tensor]:
+    op = STATS_OP
+    x = _walkable(x)
+    _check_running(op, running_mean, running_var, x.shape[1] if x.dim() >= 2 else 0, x.device)
+    descriptor = BatchNormStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
+                                          stats_dtype=None if running_mean is None else running_mean.dtype,
+                                          training=training, momentum=momentum, eps=eps,
+                                          heuristics=heuristics_for(BatchNormHeuristics))
+    return cached_plan(descriptor).run_unchecked((x, running_mean, running_var))
+
+
+def _batch_norm_stats_fake(x, running_mean, running_var, training, momentum, eps):
+    acc = accumulator_dtype(x.dtype)
+    return x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
+
+
+def _batch_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                     training: bool) -> Tensor:
+    op = FORWARD_OP
+    x = _walkable(x)
+    channels = x.shape[1] if x.dim() >= 2 else 0
+    weight, bias = (_per_channel_tensor(op, n, t, channels, x.device) for n, t in (("weight", weight), ("bias", bias)))
+    descriptor = BatchNormDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
+                                     weight_dtype=None if weight is None else weight.dtype,
+                                     bias_dtype=None if bias is None else bias.dtype, training=training,
+                                     heuristics=heuristics_for(BatchNormHeuristics))
+    plan = cached_plan(descriptor)
+    acc = plan.problem.acc_dtype
+    if any(t.shape != (channels,) or t.dtype != acc or t.device != x.device or not t.is_contiguous()
+           for t in (mean, rstd)):
+        plan.problem.check((x, weight, bias, mean, rstd), None)   # names the argument
+    return plan.run_unchecked((x, weight, bias, mean, rstd))
+
+
+def _batch_norm_fake(x, weight, bias, mean, rstd, training):
+    return torch.empty_like(x)
+
+
+def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                              training: bool, input_grad: bool, weight_grad: bool,
+                              bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    op = BACKWARD_OP
+    dy, x = _walkable(dy), _walkable(x)
+    if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
+        raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)}, {dy.dtype} on {dy.device}; "
+                             f"expected x's {tuple(x.shape)}, {x.dtype} on {x.device}")
+    descriptor = BatchNormBackwardDescriptor(x.shape, x.dtype, x.device, strides=(dy.stride(), x.stride()),
+                                             weight_dtype=None if weight is None else weight.dtype,
+                                             bias_dtype=bias_dtype, training=training, input_grad=input_grad,
+                                             weight_grad=weight_grad, bias_grad=bias_dtype is not None,
+                                             heuristics=heuristics_for(BatchNormHeuristics))
+    plan = cached_plan(descriptor)
+    acc, c = plan.problem.acc_dtype, (x.shape[1],)
+    if any(t.shape != c or t.dtype != acc or t.device != x.device or not t.is_contiguous() for t in (mean, rstd)) or (
+            weight is not None and (weight.shape != c or weight.device != x.device or not weight.is_contiguous())):
+        plan.problem.check((dy, x, weight, mean, rstd), None)   # names the argument
+    return plan.run_unchecked((dy, x, weight, mean, rstd))
+
+
+def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, weight_grad, bias_dtype):
+    c = (x.shape[1],)
+    dx = torch.empty_like(x) if input_grad else x.new_empty(0)
+    dw = x.new_empty(c, dtype=weight.dtype) if weight_grad else x.new_empty(0)
+    db = x.new_empty(c, dtype=bias_dtype) if bias_dtype is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(inputs.x, inputs.weight, inputs.mean, inputs.rstd)
+    ctx.training = inputs.training
+    ctx.bias_dtype = None if inputs.bias is None else inputs.bias.dtype
+    # the backward plans with the forward's heuristics (autograd may run it on another thread)
+    ctx.heuristics = heuristics_for(BatchNormHeuristics)
+
+
+def _grad(ctx, dy) -> dict:
+    if dy is None:
+        return {}
+    if torch.is_grad_enabled():  # create_graph=True: the backward op records no graph of its own
+        raise UnsupportedError("trainops.batch_norm: double backward (create_graph=True) is not supported")
+    x, weight, mean, rstd = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_grad.weight
+    bias_grad = ctx.bias_dtype is not None and ctx.needs_grad.bias
+    input_grad = ctx.needs_grad.x
+    if not (input_grad or weight_grad or bias_grad):
+        return {}
+    with heuristics(ctx.heuristics):
+        dx, dweight, dbias = batch_norm_backward_op(dy, x, weight, mean, rstd, ctx.training, input_grad, weight_grad,
+                                                    ctx.bias_dtype if bias_grad else None)
+    grads = {}
+    if input_grad:
+        grads["x"] = dx
+    if weight_grad:
+        grads["weight"] = dweight
+    if bias_grad:
+        grads["bias"] = dbias
+    return grads
+
+
+# The statistics op has no autograd (mean and rstd carry none: the forward op's backward is the
+# whole batch-norm gradient, their dependence on x included, in training); neither has the backward
+# op (double backward raises UnsupportedError). torch.library allows no autograd formula on an op
+# that writes its inputs, hence two forward ops.
+batch_norm_stats_op = custom_op(STATS_OP, _batch_norm_stats_impl, _batch_norm_stats_fake,
+                                mutates_args=("running_mean", "running_var"))
+batch_norm_backward_op = custom_op(BACKWARD_OP, _batch_norm_backward_impl, _batch_norm_backward_fake)
+batch_norm_op = custom_op(FORWARD_OP, _batch_norm_impl, _batch_norm_fake, backward=_grad, save=_save)
+
+
+__all__ = ["BatchNormHeuristics", "BatchNormProblem", "batch_norm_op", "batch_norm_backward_op", "batch_norm_stats_op",
+           "eval_statistics", "output_strides"]

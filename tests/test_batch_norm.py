@@ -1,0 +1,318 @@
+"""Batch normalization: forward (training and eval, running statistics) and backward, every backend,
+against torch's batch_norm in float64; layouts (channels-last, strided, copied views); plans forced
+on small shapes; numerical stability; determinism; errors; modules; gradcheck; torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops import batch_norm as bn_ops
+from trainops.ops.batch_norm import BatchNormHeuristics
+from trainops.plan import clear_plan_cache
+
+from conftest import HAS_CUDA
+from numerics import FLOATS, assert_close
+
+# small tiles and many reduction programs: partials of several programs (some with no tile) merged,
+# several channel blocks, spatial blocks that do not divide the spatial size
+SMALL = BatchNormHeuristics(tile=16, channel_block=2, spatial_block=4, programs_per_sm=16)
+PLANS = {"default": BatchNormHeuristics(), "small": SMALL}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
+    original = bn_ops.BatchNormProblem.new_output
+
+    def new_output(self):
+        out = original(self)
+        return out.fill_(float("nan")) if isinstance(out, torch.Tensor) else tuple(t.fill_(float("nan")) for t in out)
+    monkeypatch.setattr(bn_ops.BatchNormProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def make_input(shape, layout, dtype, device, gen, scale=2.0, offset=0.5):
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + offset).to(dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    elif layout == "strided":  # the last spatial axis with stride 2 (walked in place)
+        wide = torch.randn(tuple(shape[:-1]) + (2 * shape[-1],), generator=gen, dtype=torch.float64)
+        x = (wide * scale + offset).to(dtype)[..., ::2]
+    elif layout == "copied":  # spatial axes swapped: they do not walk as one axis (copied first)
+        x = (torch.randn(shape[:2] + (shape[3], shape[2]), generator=gen, dtype=torch.float64) * scale
+             + offset).to(dtype).transpose(2, 3)
+    return x.to(device)
+
+
+def _params(channels, device, gen, dtype=torch.float32):
+    w = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(dtype).to(device)
+    b = torch.randn(channels, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    rm = torch.randn(channels, generator=gen, dtype=torch.float64).to(torch.float32).to(device)
+    rv = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(torch.float32).to(device)
+    return w, b, rm, rv
+
+
+def _run_both(x, w, b, rm, rv, training, momentum=0.1, eps=1e-5, dy=None):
+    """(ours, reference): y, running mean, running var and the gradients of x, w, b; the
+    reference is torch's batch_norm on float64 copies of the same values."""
+    xs = x.detach().clone().requires_grad_()
+    ws = None if w is None else w.detach().clone().requires_grad_()
+    bs = None if b is None else b.detach().clone().requires_grad_()
+    rms, rvs = (None, None) if rm is None else (rm.clone(), rv.clone())
+    y = trainops.batch_norm(xs, rms, rvs, ws, bs, training, momentum, eps)
+    if dy is None:
+        dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).to(y.dtype).to(y.device)
+    leaves = [t for t in (xs, ws, bs) if t is not None]
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    # the reference on the CPU: torch's CUDA float64 backward without a weight or running
+    # statistics raised "tensor does not have a device" on the H100 (torch 2.11)
+    xr = x.detach().double().cpu().requires_grad_()
+    wr = None if w is None else w.detach().double().cpu().requires_grad_()
+    br = None if b is None else b.detach().double().cpu().requires_grad_()
+    rmr, rvr = (None, None) if rm is None else (rm.double().cpu(), rv.double().cpu())
+    yr = torch_F.batch_norm(xr, rmr, rvr, wr, br, training, momentum, eps)
+    ref_leaves = [t for t in (xr, wr, br) if t is not None]
+    ref_grads = torch.autograd.grad(yr, ref_leaves, dy.double().cpu())
+    return (y, rms, rvs, grads), (yr, rmr, rvr, ref_grads)
+
+
+def _compare(ours, ref, dtype):
+    (y, rm, rv, grads), (yr, rmr, rvr, ref_grads) = ours, ref
+    assert_close(y, yr, dtype, "y")
+    if rm is not None:
+        assert_close(rm, rmr, torch.float32, "running_mean")
+        assert_close(rv, rvr, torch.float32, "running_var")
+    for name, g, gr in zip(("dx", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, gr, dtype, name)   # the parameters are in x's dtype in these tests
+
+
+CASES = [((4, 3, 5, 6), "contiguous"), ((4, 3, 5, 6), "channels_last"), ((2, 3, 2, 3, 4), "channels_last"),
+         ((8, 5), "contiguous"), ((3, 4, 7), "contiguous"), ((2, 3, 4, 6), "strided"), ((2, 3, 4, 5), "copied"),
+         ((1, 3, 4, 5), "contiguous"), ((5, 1, 3, 3), "contiguous")]
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape,layout", CASES)
+def test_matches_torch(backend, device, shape, layout, training):
+    gen = torch.Generator().manual_seed(hash((shape, layout)) % 1000)
+    x = make_input(shape, layout, torch.float32, device, gen)
+    w, b, rm, rv = _params(shape[1], device, gen)
+    ours, ref = _run_both(x, w, b, rm, rv, training)
+    _compare(ours, ref, torch.float32)
+    # y and dx keep x's memory format where x is dense (channels-last stays channels-last)
+    y = ours[0]
+    if layout in ("contiguous", "channels_last"):
+        assert y.stride() == x.stride() and ours[3][0].stride() == x.stride()
+
+
+@pytest.mark.parametrize("dtype", sorted(FLOATS, key=str))
+@pytest.mark.parametrize("plan", PLANS)
+def test_dtypes_and_plans(backend, device, dtype, plan):
+    gen = torch.Generator().manual_seed(3)
+    for shape, layout in (((4, 6, 5, 7), "contiguous"), ((3, 5, 4, 6), "channels_last"), ((37, 9), "contiguous")):
+        x = make_input(shape, layout, dtype, device, gen)
+        w, b, rm, rv = _params(shape[1], device, gen, dtype)
+        with trainops.heuristics(PLANS[plan]):
+            ours, ref = _run_both(x, w, b, rm, rv, True)
+        _compare(ours, ref, dtype)
+        assert ours[0].dtype == dtype and ours[3][1].dtype == dtype  # y in x's dtype, dweight in weight's
+
+
+def test_statistics_stay_accurate_for_a_large_mean(backend, device):
+    """float32 values of mean 1e4 and spread 1: a float32 sum of squares would lose every digit of
+    the variance (x^2 ~ 1e8, whose float32 spacing is 8); the tile-by-tile combination keeps it.
+    The variance (running_var) is checked against float64; y and dx carry the float32 mean's own
+    rounding (spacing 1e-3 at 1e4), so they are held to torch's float32 result's error instead."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 4, 8, 8, generator=gen, dtype=torch.float64) + 1e4).float().to(device)
+    w, b, rm, rv = _params(4, device, gen)
+    with trainops.heuristics(SMALL):
+        (y, rm_out, rv_out, grads), (yr, rmr, rvr, ref_grads) = _run_both(x, w, b, rm, rv, True)
+    assert_close(rv_out, rvr, torch.float32, "running_var")
+    assert_close(rm_out, rmr, torch.float32, "running_mean")
+    y32 = torch_F.batch_norm(x.cpu(), rm.cpu().clone(), rv.cpu().clone(), w.cpu(), b.cpu(), True)
+    torch_error = ((y32.double() - yr).norm() / yr.norm()).item()
+    our_error = ((y.double().cpu() - yr).norm() / yr.norm()).item()
+    assert our_error <= 2 * torch_error + 1e-6, (our_error, torch_error)
+
+
+def test_affine_and_running_statistics_optional(backend, device):
+    gen = torch.Generator().manual_seed(1)
+    x = make_input((4, 3, 5, 5), "contiguous", torch.float32, device, gen)
+    w, b, rm, rv = _params(3, device, gen)
+    for weight, bias, stats in ((None, None, True), (w, None, True), (None, b, False), (w, b, False)):
+        ours, ref = _run_both(x, weight, bias, rm if stats else None, rv if stats else None, True)
+        _compare(ours, ref, torch.float32)
+    # eval without affine
+    ours, ref = _run_both(x, None, None, rm, rv, False)
+    _compare(ours, ref, torch.float32)
+
+
+def test_frozen_parameters_get_no_gradient_and_the_rest_is_right(backend, device):
+    gen = torch.Generator().manual_seed(2)
+    x = make_input((4, 3, 5, 5), "channels_last", torch.float32, device, gen).requires_grad_()
+    w, b, rm, rv = _params(3, device, gen)
+    w.requires_grad_()
+    y = trainops.batch_norm(x, rm.clone(), rv.clone(), w, b, True)   # b frozen
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = torch_F.batch_norm(xr, rm.double(), rv.double(), wr, b.double(), True)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy.double())
+    assert_close(dx, dxr, torch.float32, "dx")
+    assert_close(dw, dwr, torch.float32, "dweight")
+    # only the weight needs a gradient (x frozen): dweight alone
+    y = trainops.batch_norm(x.detach(), None, None, w, b, True)
+    (dw2,) = torch.autograd.grad(y, (w,), dy)
+    assert_close(dw2, dwr, torch.float32, "dweight without dx")
+
+
+def test_bit_identical_run_to_run(backend, device):
+    gen = torch.Generator().manual_seed(4)
+    x = make_input((6, 5, 7, 9), "contiguous", torch.float32, device, gen)
+    w, b, rm, rv = _params(5, device, gen)
+    with trainops.heuristics(SMALL):
+        first = _run_both(x, w, b, rm, rv, True)[0]
+        second = _run_both(x, w, b, rm, rv, True)[0]
+    for a, c in zip((first[0], first[1], first[2], *first[3]), (second[0], second[1], second[2], *second[3])):
+        assert torch.equal(a, c)
+
+
+def test_empty_batch_as_torch(backend, device):
+    """N = 0: an empty y, the running statistics left alone (as torch), zero parameter gradients."""
+    x = torch.empty(0, 3, 4, 4, device=device, requires_grad=True)
+    w = torch.ones(3, device=device, requires_grad=True)
+    b = torch.zeros(3, device=device, requires_grad=True)
+    rm, rv = torch.randn(3, device=device), torch.rand(3, device=device) + 0.5
+    rm0, rv0 = rm.clone(), rv.clone()
+    y = trainops.batch_norm(x, rm, rv, w, b, True)
+    assert y.shape == x.shape
+    assert torch.equal(rm, rm0) and torch.equal(rv, rv0)
+    dx, dw, db = torch.autograd.grad(y.sum(), (x, w, b))
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros(3, device=device)) and torch.equal(db, dw)
+
+
+def test_running_statistics_bump_their_version(backend, device):
+    x = torch.randn(4, 3, 2, 2, device=device, requires_grad=True)
+    rm, rv = torch.zeros(3, device=device), torch.ones(3, device=device)
+    before = rm._version, rv._version
+    trainops.batch_norm(x, rm, rv, training=True)
+    assert rm._version > before[0] and rv._version > before[1]
+
+
+def test_errors_name_the_argument(backend, device):
+    x = torch.randn(4, 3, 5, device=device)
+    rm, rv = torch.zeros(3, device=device), torch.ones(3, device=device)
+    with pytest.raises(InvalidProblemError, match="running_mean"):
+        trainops.batch_norm(x, None, None, training=False)
+    with pytest.raises(InvalidProblemError, match="more than 1 value per channel"):
+        trainops.batch_norm(torch.randn(1, 3, device=device), None, None, training=True)
+    with pytest.raises(InvalidProblemError, match="weight"):
+        trainops.batch_norm(x, rm, rv, torch.ones(4, device=device))
+    with pytest.raises(InvalidProblemError, match="running_var"):
+        trainops.batch_norm(x, rm, torch.ones(2, device=device))
+    with pytest.raises(InvalidProblemError, match="running_var"):
+        trainops.batch_norm(x, rm, rv.double(), training=True)
+    with pytest.raises(InvalidProblemError, match="momentum"):
+        trainops.batch_norm(x, rm, rv, training=True, momentum=1.5)
+    with pytest.raises(InvalidProblemError, match="eps"):
+        trainops.batch_norm(x, rm, rv, eps=-1.0)
+    with pytest.raises(InvalidProblemError, match="input"):
+        trainops.batch_norm(torch.randn(3, device=device), None, None, training=True)
+    with pytest.raises(UnsupportedError, match="input"):
+        trainops.batch_norm(torch.ones(4, 3, dtype=torch.int64, device=device), None, None, training=True)
+    with pytest.raises(InvalidProblemError, match="running_mean"):
+        trainops.batch_norm(x, torch.zeros(3, device=device, requires_grad=True), rv, training=True)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_gradcheck_float64(backend, device, training):
+    gen = torch.Generator().manual_seed(7)
+    x = make_input((3, 2, 4), "contiguous", torch.float64, device, gen).requires_grad_()
+    w, b, rm, rv = _params(2, device, gen, torch.float64)
+    w.requires_grad_(), b.requires_grad_()
+
+    def f(x, w, b):
+        return trainops.batch_norm(x, rm.clone().double(), rv.clone().double(), w, b, training)
+    assert torch.autograd.gradcheck(f, (x, w, b), fast_mode=backend == "triton")
+
+
+def test_torch_compile_fullgraph(backend, device):
+    gen = torch.Generator().manual_seed(8)
+    x = make_input((4, 3, 5, 5), "channels_last", torch.float32, device, gen)
+    w, b, rm, rv = _params(3, device, gen)
+
+    def block(x, w, b, rm, rv):
+        return (trainops.batch_norm(x, rm, rv, w, b, True) * 2).relu().sum()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    stats = [rm.clone(), rv.clone()]
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*leaves, *stats)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    ref_stats = [rm.clone(), rv.clone()]
+    ref = block(*ref_leaves, *ref_stats)
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    assert_close(loss, ref, torch.float32, "loss")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, "grad")
+    for s, r in zip(stats, ref_stats):  # the running statistics written through the compiled graph too
+        assert torch.allclose(s, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("cls", ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"])
+def test_modules_are_drop_ins(backend, device, cls, momentum):
+    shape = {"BatchNorm1d": (6, 4, 5), "BatchNorm2d": (3, 4, 5, 3), "BatchNorm3d": (2, 4, 3, 2, 3)}[cls]
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, cls)(4, momentum=momentum).to(device)
+    ours = getattr(trainops.nn, cls)(4, momentum=momentum).to(device)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    ours.load_state_dict(theirs.state_dict())
+    with torch.no_grad():
+        theirs.weight.uniform_(0.5, 1.5)
+        theirs.bias.uniform_(-1, 1)
+        ours.load_state_dict(theirs.state_dict())
+    for step in range(3):
+        x = torch.randn(shape, device=device) * 2 + step
+        y_ours, y_theirs = ours(x), theirs(x)
+        assert_close(y_ours, y_theirs.double(), torch.float32, f"step {step}")
+        y_ours.square().sum().backward()
+        y_theirs.square().sum().backward()
+    for name in ("running_mean", "running_var"):
+        assert_close(getattr(ours, name), getattr(theirs, name), torch.float32, name)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 3
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, "parameter gradient")
+    ours.eval(), theirs.eval()
+    x = torch.randn(shape, device=device)
+    assert_close(ours(x), theirs(x), torch.float32, "eval")
+    untracked = getattr(trainops.nn, cls)(4, track_running_stats=False, affine=False).to(device)
+    reference = getattr(torch.nn, cls)(4, track_running_stats=False, affine=False).to(device)
+    untracked.eval(), reference.eval()   # no running statistics: batch statistics even in eval
+    assert_close(untracked(x), reference(x), torch.float32, "untracked eval")
+    wrong_rank = {"BatchNorm1d": (4,), "BatchNorm2d": (2, 4, 3), "BatchNorm3d": (2, 4, 3, 3)}[cls]
+    with pytest.raises(ValueError, match="input"):   # torch's rank check, kept
+        ours(torch.randn(wrong_rank, device=device))
+
+
+GPU_CASES = [(shape, layout) for shape in ((32, 64, 56, 56), (32, 256, 14, 14), (64, 2048, 7, 7))
+             for layout in ("contiguous", "channels_last")] + [((256, 512), "contiguous")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,layout", GPU_CASES)
+def test_real_sizes_on_gpu(shape, layout, dtype):
+    gen = torch.Generator().manual_seed(11)
+    x = make_input(shape, layout, dtype, "cuda", gen)
+    w, b, rm, rv = _params(shape[1], "cuda", gen, dtype)
+    ours, ref = _run_both(x, w, b, rm, rv, True)
+    _compare(ours, ref, dtype)
+    again = _run_both(x, w, b, rm, rv, True)[0]
+    for a, c in zip((ours[0], *ours[3]), (again[0], *again[3])):
+        assert torch.equal(a, c), "not bit-identical run to run"
