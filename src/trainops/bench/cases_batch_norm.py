@@ -32,8 +32,10 @@ def _bn_case(shape, dtype, device, channels_last: bool) -> Case:
         if channels_last:
             x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
         x.requires_grad_()
-        w = (_randn((c,), dtype, device, 41, 0.1) + 1.0).requires_grad_()
-        b = _randn((c,), dtype, device, 42).requires_grad_()
+        # float32 parameters and statistics, as mixed-precision training keeps them (torch's CUDA
+        # batch norm refused bf16 weights beside float32 running statistics at some shapes)
+        w = (_randn((c,), torch.float32, device, 41, 0.1) + 1.0).requires_grad_()
+        b = _randn((c,), torch.float32, device, 42).requires_grad_()
         rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
         leaves = (x, w, b)
 

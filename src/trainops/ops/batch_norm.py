@@ -494,30 +494,39 @@ if triton_available():
 
     @triton.jit
     def _bn_stats_finish(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps,
-                         HAS_RUNNING: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The P partials of each channel combined in order, their means taken relative to the
-        first partial's shift: mean, rstd; the running statistics updated in place (their own
-        dtype; unbiased variance R / (R - 1))."""
+                         HAS_RUNNING: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+        """The P partials of each channel combined: mean, rstd; the running statistics updated in
+        place (their own dtype; unbiased variance R / (R - 1)). Partial means are taken relative
+        to the first partial's shift (base), then two passes over [BLOCK_P, BLOCK_C] tiles of
+        partials: the mean (sum of count * relative mean / R), then the squared deviations (sum
+        of each partial's plus count * (its mean - the mean)^2). Fixed tiles and reduction trees:
+        the same bits every run."""
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < C
         planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
         base = tl.load(PART + 3 * planes + c, mask=c_mask, other=0.0)
-        count = tl.zeros([BLOCK_C], ACC)
-        mean = tl.zeros([BLOCK_C], ACC)   # relative to base
-        m2 = tl.zeros([BLOCK_C], ACC)
-        for p in range(0, P):
-            row = p * C + c
-            k = tl.load(PART + row, mask=c_mask, other=1.0)
-            part_mean = tl.load(PART + planes + row, mask=c_mask, other=0.0) + (
-                tl.load(PART + 3 * planes + row, mask=c_mask, other=0.0) - base)
-            part_m2 = tl.load(PART + 2 * planes + row, mask=c_mask, other=0.0)
-            total = count + k
-            delta = part_mean - mean
-            # a program without tiles (k = 0) changes nothing
-            w = tl.where(total > 0, k / tl.where(total > 0, total, 1.0), 0.0)
-            mean += delta * w
-            m2 += part_m2 + delta * delta * (count * w)
-            count = total
+        weighted = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < P)[:, None] & c_mask[None, :]
+            rows = p.to(tl.int64)[:, None] * C + c[None, :]
+            k = tl.load(PART + rows, mask=mask, other=0.0)
+            relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
+                tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
+            weighted += k * relative
+        mean = tl.sum(weighted, 0) / R   # relative to base
+        spread = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < P)[:, None] & c_mask[None, :]
+            rows = p.to(tl.int64)[:, None] * C + c[None, :]
+            k = tl.load(PART + rows, mask=mask, other=0.0)
+            relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
+                tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
+            d = relative - mean[None, :]
+            spread += tl.load(PART + 2 * planes + rows, mask=mask, other=0.0) + k * d * d
+        m2 = tl.sum(spread, 0)
         mean += base
         var = m2 / R
         rstd = 1.0 / tl.sqrt(var + eps)
@@ -583,17 +592,23 @@ if triton_available():
 
     @triton.jit
     def _bn_grad_finish(PART, SUMS, DW, DB, P, C, DW_WANTED: tl.constexpr, DB_WANTED: tl.constexpr,
-                        ACC: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The P partials of each channel summed in order: SUMS[0] = sum(dy) (= dbias), SUMS[1] =
+                        ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The P partials of each channel summed over [BLOCK_P, BLOCK_C] tiles (fixed tiles and
+        reduction tree: the same bits every run): SUMS[0] = sum(dy) (= dbias), SUMS[1] =
         sum(dy * xh) (= dweight), both also written in the parameters' dtypes when wanted."""
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < C
         planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
-        sum_dy = tl.zeros([BLOCK_C], ACC)
-        sum_dy_xh = tl.zeros([BLOCK_C], ACC)
-        for p in range(0, P):
-            sum_dy += tl.load(PART + p * C + c, mask=c_mask, other=0.0)
-            sum_dy_xh += tl.load(PART + planes + p * C + c, mask=c_mask, other=0.0)
+        tile_dy = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        tile_dy_xh = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < P)[:, None] & c_mask[None, :]
+            rows = p.to(tl.int64)[:, None] * C + c[None, :]
+            tile_dy += tl.load(PART + rows, mask=mask, other=0.0)
+            tile_dy_xh += tl.load(PART + planes + rows, mask=mask, other=0.0)
+        sum_dy = tl.sum(tile_dy, 0)
+        sum_dy_xh = tl.sum(tile_dy_xh, 0)
         tl.store(SUMS + c, sum_dy, mask=c_mask)
         tl.store(SUMS + C + c, sum_dy_xh, mask=c_mask)
         if DW_WANTED:
@@ -684,7 +699,9 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     tile = dict(ACC=acc_tl, BLOCK_S=config.block_s, BLOCK_C=config.block_c, num_warps=config.num_warps)
     x_sn, x_sc, x_ss = walks[-2]
     o_sn, o_sc, o_ss = walks[-1]
-    finish_block = min(next_pow2(max(c, 1)), 1024)
+    # the finishing kernels: [BLOCK_P, BLOCK_C] tiles of partials, BLOCK_C channels a program
+    finish_block = min(next_pow2(max(c, 1)), 64)
+    finish_rows = min(next_pow2(config.programs), 32)
     finish_grid = (-(-c // finish_block),)
     params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
               ("programs", config.programs), ("units_per_program", config.units_per_program))
@@ -694,7 +711,8 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
                          trailing=(c, s, s_blocks, units, config.units_per_program, x_sn, x_sc, x_ss), **tile)
         finish = launcher(_bn_stats_finish, finish_grid, trailing=(config.programs, c, r, problem.momentum,
                                                                    problem.eps),
-                          HAS_RUNNING=problem.stats_dtype is not None, ACC=acc_tl, BLOCK_C=finish_block)
+                          HAS_RUNNING=problem.stats_dtype is not None, ACC=acc_tl, BLOCK_P=finish_rows,
+                          BLOCK_C=finish_block)
 
         def run(tensors, outputs):
             x, running_mean, running_var = tensors
@@ -731,7 +749,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
                                    x_sn, x_sc, x_ss), **tile)
     grad_finish = launcher(_bn_grad_finish, finish_grid, trailing=(config.programs, c),
                            DW_WANTED=problem.weight_grad, DB_WANTED=problem.bias_grad, ACC=acc_tl,
-                           BLOCK_C=finish_block)
+                           BLOCK_P=finish_rows, BLOCK_C=finish_block)
     grad_input = launcher(_bn_grad_input, (units, c_blocks),
                           trailing=(c, s, s_blocks, r, dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
                           TRAINING=problem.training, HAS_W=problem.weight_dtype is not None, **tile)
