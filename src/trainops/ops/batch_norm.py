@@ -174,10 +174,14 @@ class BatchNormProblem:
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
 
+    @cached_property
+    def out_strides(self) -> tuple[int, ...]:
+        """y's and dx's strides: x's memory format (``output_strides``)."""
+        return output_strides(self.shape, self.strides[-1])
+
     def like_x(self) -> Tensor:
-        """A new tensor of x's shape and dtype in x's memory format (``output_strides``)."""
-        return torch.empty_strided(self.shape, output_strides(self.shape, self.strides[-1]), dtype=self.dtype,
-                                   device=self.device)
+        """A new tensor of x's shape and dtype in x's memory format."""
+        return torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
 
     def new_output(self):
         """Statistics: (mean, rstd); forward: y; backward: (dx, dweight, dbias). Absent outputs are empty."""
@@ -661,7 +665,7 @@ class BatchNormConfig:
 def _problem_walks(problem: BatchNormProblem):
     """``_walks`` of the inputs (x; dy, x) and the output (y; dx) together, so that a tile is the
     same elements in each: (N', S', (strides of each, the output's last))."""
-    return _walks(problem.shape, problem.strides + (output_strides(problem.shape, problem.strides[-1]),))
+    return _walks(problem.shape, problem.strides + (problem.out_strides,))
 
 
 def _config(problem: BatchNormProblem) -> BatchNormConfig:
