@@ -316,3 +316,102 @@ def test_real_sizes_on_gpu(shape, layout, dtype):
     again = _run_both(x, w, b, rm, rv, True)[0]
     for a, c in zip((ours[0], *ours[3]), (again[0], *again[3])):
         assert torch.equal(a, c), "not bit-identical run to run"
+
+
+@pytest.mark.parametrize("layout", ["copied", "channels_last_crop", "channels_last", "strided"])
+def test_fakes_report_the_real_strides(backend, device, layout):
+    """torch.library.opcheck's fake-tensor test: the fakes give y and dx the strides the real op
+    gives them (a copied view and a channels-last crop come out contiguous), which Inductor relies on."""
+    gen = torch.Generator().manual_seed(12)
+    if layout == "channels_last_crop":
+        x = make_input((2, 3, 6, 7), "channels_last", torch.float32, device, gen)[:, :, 1:-1, 1:-1]
+    else:
+        x = make_input((2, 3, 4, 6), layout, torch.float32, device, gen)
+    w, b, _, _ = _params(3, device, gen)
+    mean, rstd = bn_ops.batch_norm_stats_op(x, None, None, True, 0.1, 1e-5)
+    torch.library.opcheck(bn_ops.batch_norm_op.op, (x, w, b, mean, rstd, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    dy = torch.randn(x.shape, device=device)
+    torch.library.opcheck(bn_ops.batch_norm_backward_op.op, (dy, x, w, mean, rstd, True, True, True, b.dtype),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_strided_weight_trains(backend, device):
+    """A weight that is a view (an expanded scalar): forward and backward as torch's."""
+    x = torch.randn(4, 3, 5, device=device, dtype=torch.float64, requires_grad=True)
+    g = torch.full((1,), 1.5, device=device, dtype=torch.float64, requires_grad=True)
+    y = trainops.batch_norm(x, None, None, g.expand(3), None, True)
+    dx, dg = torch.autograd.grad(y.square().sum(), (x, g))
+    xr, gr = x.detach().clone().requires_grad_(), g.detach().clone().requires_grad_()
+    yr = torch_F.batch_norm(xr, None, None, gr.expand(3), None, True)
+    dxr, dgr = torch.autograd.grad(yr.square().sum(), (xr, gr))
+    # float32's bound: dx of a square loss over 20 elements a channel is ill-conditioned (1e-11 off
+    # in float64, torch's own float64 result included)
+    assert_close(dx, dxr, torch.float32, "dx")
+    assert_close(dg, dgr, torch.float32, "dweight")
+
+
+def test_an_error_leaves_the_running_statistics_alone(backend, device):
+    x = torch.randn(4, 3, 5, device=device)
+    rm, rv = torch.randn(3, device=device), torch.rand(3, device=device) + 0.5
+    rm0, rv0 = rm.clone(), rv.clone()
+    for kwargs in (dict(weight=torch.ones(3, device=device).to(torch.float8_e4m3fn)),
+                   dict(bias=torch.ones(3, device=device).to(torch.float8_e4m3fn)),
+                   dict(weight=torch.ones(4, device=device)), dict(eps=-1.0)):
+        with pytest.raises((InvalidProblemError, UnsupportedError)):
+            trainops.batch_norm(x, rm, rv, training=True, **kwargs)
+        assert torch.equal(rm, rm0) and torch.equal(rv, rv0), kwargs
+
+
+def test_eval_leaves_the_running_statistics_versions_alone(backend, device):
+    """Eval reads the running statistics and writes nothing: their versions stay (as torch), so a
+    backward that saved them still runs."""
+    x = torch.randn(4, 3, 5, device=device, requires_grad=True)
+    rm, rv = torch.zeros(3, device=device), torch.ones(3, device=device)
+    before = rm._version, rv._version
+    trainops.batch_norm(x, rm, rv, training=False).sum().backward()
+    assert (rm._version, rv._version) == before
+
+
+def test_forward_mode_ad_in_training_raises(backend, device):
+    from torch.autograd import forward_ad
+
+    x = torch.randn(4, 3, 5, device=device)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.randn_like(x))
+        with pytest.raises(UnsupportedError, match="forward-mode"):
+            trainops.batch_norm(dual, None, None, training=True)
+
+
+def test_momentum_may_be_any_real_number(backend, device):
+    import numpy as np
+
+    x = torch.randn(4, 3, 5, device=device)
+    rm, rv = torch.zeros(3, device=device), torch.ones(3, device=device)
+    rm2, rv2 = rm.clone(), rv.clone()
+    trainops.batch_norm(x, rm, rv, training=True, momentum=np.float32(0.25))
+    torch_F.batch_norm(x, rm2, rv2, training=True, momentum=0.25)
+    assert_close(rm, rm2, torch.float32, "running_mean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "copied"])
+def test_inductor_compiled_module_matches_eager(layout):
+    """torch.compile (Inductor) of a conv + BatchNorm2d + ReLU block: the loss, the gradients and
+    the running statistics of the eager run."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), trainops.nn.BatchNorm2d(8),  # noqa: E731
+                                       torch.nn.ReLU()).cuda()
+    eager, compiled = make(), make()
+    compiled.load_state_dict(eager.state_dict())
+    step = torch.compile(lambda m, x: m(x).square().mean())
+    gen = torch.Generator().manual_seed(1)
+    x = make_input((4, 3, 10, 12), layout, torch.float32, "cuda", gen)
+    for _ in range(2):
+        loss_e, loss_c = eager(x).square().mean(), step(compiled, x)
+        loss_e.backward(), loss_c.backward()
+        assert_close(loss_c, loss_e, torch.float32, "loss")
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert_close(q.grad, p.grad, torch.float32, name)
+    for name in ("running_mean", "running_var"):
+        assert_close(getattr(compiled[1], name), getattr(eager[1], name), torch.float32, name)

@@ -7,13 +7,19 @@ without the dispatcher): autograd, torch.compile and the kernel registry come wi
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
+from .dtensor import is_dtensor
 from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import activations as activation_ops
 from .ops import attention_softmax as attention_ops
 from .ops import batch_norm as batch_norm_ops
+from .ops._common import float_dtype
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
@@ -308,14 +314,17 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}; batch norm takes "
                              "(N, C, ...)")
     channels = (input.shape[1],)
+    float_dtype(op, "input", input.dtype)
+    # every check before the statistics op writes the running statistics: nothing half-applied
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
         if not isinstance(t, Tensor):
             raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
-                                 "bfloat16, float64")
+        if is_dtensor(t):
+            raise argument_error(UnsupportedError, op, name, "is a DTensor (a sharded parameter); call batch norm "
+                                 "inside the module's forward, where FSDP2 has gathered its parameters")
+        float_dtype(op, name, t.dtype)
         if t.device != input.device:
             raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but input is on {input.device}")
         if tuple(t.shape) != channels:
@@ -324,14 +333,28 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     for name, t in (("running_mean", running_mean), ("running_var", running_var)):
         if t is not None and t.requires_grad:
             raise argument_error(InvalidProblemError, op, name, "requires grad; running statistics are buffers")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
         raise argument_error(InvalidProblemError, op, "momentum", f"must be a number in [0, 1], got {momentum!r}")
-    eps = _eps(op, eps)
+    eps = _eps(op, eps) if eps is not None else 1e-5
     training = bool(training)
-    # the statistics (running ones updated in place) carry no autograd: the forward op's backward
-    # is batch norm's whole gradient
-    mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, training,
-                                                    float(momentum), eps)
+    reduced = input.shape[0] * math.prod(input.shape[2:])
+    if training and reduced == 1:
+        raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}: training needs more "
+                             "than 1 value per channel (as torch)")
+    if not training and (running_mean is None or running_var is None):
+        raise argument_error(InvalidProblemError, op, "running_mean" if running_mean is None else "running_var",
+                             "is None in eval mode (training=False): eval normalizes with the running statistics")
+    if training and forward_ad._current_level >= 0 and forward_ad.unpack_dual(input).tangent is not None:
+        raise argument_error(UnsupportedError, op, "input", "carries a forward-mode tangent: forward-mode AD of "
+                             "batch norm in training is not supported (use reverse mode)")
+    if training:
+        # the statistics (running ones updated in place) carry no autograd: the forward op's
+        # backward is batch norm's whole gradient
+        mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, True,
+                                                        float(momentum), eps)
+    else:  # read, not written: no statistics op (whose in-place contract would bump their versions)
+        acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+        mean, rstd = running_mean.to(acc), torch.rsqrt(running_var.to(acc) + eps)
     return batch_norm_ops.batch_norm_op(input, weight, bias, mean, rstd, training)
 
 

@@ -135,9 +135,8 @@ class CustomOp:
         args += self._defaults[len(args):]
         if (self._function is not None and torch.is_grad_enabled()
                 and any(a.requires_grad for a in args if isinstance(a, Tensor))):
-            output = self._function.apply(*args)
-        else:
-            output = self._impl(*args)
+            return self._function.apply(*args)
+        output = self._impl(*args)
         for i in self._mutated:  # an in-place write bumps the version, as torch's in-place ops
             if args[i] is not None:
                 torch.autograd.graph.increment_version(args[i])

@@ -212,8 +212,9 @@ def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, .
 
 
 def output_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """Strides of y and dx: x's memory format when x is dense (its axes' order, so channels-last
-    stays channels-last), else contiguous (as torch's empty_like)."""
+    """Strides of y and dx for x of ``strides`` (as the op reads it): x's memory format when x is
+    dense (its axes' order, so channels-last stays channels-last), else contiguous (a crop of a
+    channels-last tensor too, where torch's empty_like would keep channels-last)."""
     dense = _dense_strides(shape, strides)
     if all(a == b for a, b, size in zip(strides, dense, shape) if size > 1):
         return dense
@@ -850,8 +851,18 @@ def _batch_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     return plan.run_unchecked((x, weight, bias, mean, rstd))
 
 
+def _like_read(x: Tensor) -> Tensor:
+    """A new tensor with the strides the op gives y (or dx) for this x: ``output_strides`` of x as
+    ``_walkable`` leaves it (the fakes must report the real strides: Inductor relies on them)."""
+    if x.dim() < 2:
+        return torch.empty_like(x)
+    strides = x.stride() if _walks(x.shape, [x.stride()]) is not None else \
+        _dense_strides(x.shape, range(x.dim(), 0, -1))
+    return x.new_empty_strided(x.shape, output_strides(x.shape, strides))
+
+
 def _batch_norm_fake(x, weight, bias, mean, rstd, training):
-    return torch.empty_like(x)
+    return _like_read(x)
 
 
 def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
@@ -859,6 +870,8 @@ def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], m
                               bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
     op = BACKWARD_OP
     dy, x = _walkable(dy), _walkable(x)
+    if weight is not None and not weight.is_contiguous():  # a strided weight: dense first, as the forward
+        weight = weight.contiguous()
     if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
         raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)}, {dy.dtype} on {dy.device}; "
                              f"expected x's {tuple(x.shape)}, {x.dtype} on {x.device}")
@@ -877,7 +890,7 @@ def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], m
 
 def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, weight_grad, bias_dtype):
     c = (x.shape[1],)
-    dx = torch.empty_like(x) if input_grad else x.new_empty(0)
+    dx = _like_read(x) if input_grad else x.new_empty(0)
     dw = x.new_empty(c, dtype=weight.dtype) if weight_grad else x.new_empty(0)
     db = x.new_empty(c, dtype=bias_dtype) if bias_dtype is not None else x.new_empty(0)
     return dx, dw, db
