@@ -498,6 +498,18 @@ if triton_available():
         tl.store(PART + 3 * planes + row, shift, mask=c_mask)
 
     @triton.jit
+    def _partials(PART, planes, p0, P, C, c, c_mask, base, BLOCK_P: tl.constexpr):
+        """Partials p0 .. p0 + BLOCK_P of the channels ``c``: (count, mean relative to ``base``,
+        squared deviations), [BLOCK_P, BLOCK_C] each (zero past P)."""
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & c_mask[None, :]
+        rows = p.to(tl.int64)[:, None] * C + c[None, :]
+        k = tl.load(PART + rows, mask=mask, other=0.0)
+        relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
+            tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
+        return k, relative, tl.load(PART + 2 * planes + rows, mask=mask, other=0.0)
+
+    @triton.jit
     def _bn_stats_finish(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps,
                          HAS_RUNNING: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_C: tl.constexpr):
@@ -513,24 +525,14 @@ if triton_available():
         base = tl.load(PART + 3 * planes + c, mask=c_mask, other=0.0)
         weighted = tl.zeros([BLOCK_P, BLOCK_C], ACC)
         for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            mask = (p < P)[:, None] & c_mask[None, :]
-            rows = p.to(tl.int64)[:, None] * C + c[None, :]
-            k = tl.load(PART + rows, mask=mask, other=0.0)
-            relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
-                tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
+            k, relative, _ = _partials(PART, planes, p0, P, C, c, c_mask, base, BLOCK_P)
             weighted += k * relative
         mean = tl.sum(weighted, 0) / R   # relative to base
         spread = tl.zeros([BLOCK_P, BLOCK_C], ACC)
         for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            mask = (p < P)[:, None] & c_mask[None, :]
-            rows = p.to(tl.int64)[:, None] * C + c[None, :]
-            k = tl.load(PART + rows, mask=mask, other=0.0)
-            relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
-                tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
+            k, relative, m2 = _partials(PART, planes, p0, P, C, c, c_mask, base, BLOCK_P)
             d = relative - mean[None, :]
-            spread += tl.load(PART + 2 * planes + rows, mask=mask, other=0.0) + k * d * d
+            spread += m2 + k * d * d
         m2 = tl.sum(spread, 0)
         mean += base
         var = m2 / R
