@@ -302,7 +302,8 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     run to run. Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes or devices of the per-channel tensors, running statistics
     missing in eval, one value per channel in training, momentum outside [0, 1], eps < 0),
-    UnsupportedError (integer dtypes, rank above 8).
+    UnsupportedError (integer or other dtypes, rank above 8, DTensor parameters, forward-mode AD in
+    training). Every check runs before the running statistics are written.
     """
     op = "batch_norm"
     if not isinstance(input, Tensor):
