@@ -327,7 +327,7 @@ def test_fakes_report_the_real_strides(backend, device, layout):
     else:
         x = make_input((2, 3, 4, 6), layout, torch.float32, device, gen)
     w, b, _, _ = _params(3, device, gen)
-    mean, rstd = bn_ops.batch_norm_stats_op(x, None, None, True, 0.1, 1e-5)
+    mean, rstd = bn_ops.batch_norm_stats_op(x, None, None, 0.1, 1e-5)
     torch.library.opcheck(bn_ops.batch_norm_op.op, (x, w, b, mean, rstd, True),
                           test_utils=("test_schema", "test_faketensor"))
     dy = torch.randn(x.shape, device=device)

@@ -351,7 +351,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if training:
         # the statistics (running ones updated in place) carry no autograd: the forward op's
         # backward is batch norm's whole gradient
-        mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, True,
+        mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var,
                                                         float(momentum), eps)
     else:  # read, not written: no statistics op (whose in-place contract would bump their versions)
         acc = torch.float64 if input.dtype == torch.float64 else torch.float32

@@ -94,8 +94,8 @@ class BatchNormHeuristics:
 class BatchNormProblem:
     """One batch-norm problem over x of ``shape`` (N, C, spatial...), one of three ops:
 
-    batch_norm_stats     (x, running_mean, running_var) -> (mean, rstd), the running statistics
-                         updated in place in training
+    batch_norm_stats     (x, running_mean, running_var) -> (mean, rstd) of the batch (training), the
+                         running statistics (when given) updated in place
     batch_norm           (x, weight, bias, mean, rstd) -> y
     batch_norm_backward  (dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
 
@@ -250,9 +250,10 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     shape: x's sizes (N, C, spatial...), rank 2..8. dtype: x's (and dy's). strides: None
     (contiguous) or x's strides (forward), (dy's, x's) (backward); spatial axes must walk as one
     strided axis. weight_dtype / bias_dtype: None when absent. stats_dtype: batch_norm_stats, the
-    running statistics' dtype (None: not given; eval needs them). training: batch statistics (and
-    running updates), else the running ones (the forward ignores it). momentum: in [0, 1]. eps:
-    >= 0. input_grad / weight_grad /
+    running statistics' dtype (None: not given). training: the backward's formula (mean and rstd
+    are the batch's, else the running ones); the statistics are always the batch's (eval takes
+    the running ones without this op) and the forward ignores it. momentum: in [0, 1]. eps: >= 0.
+    input_grad / weight_grad /
     bias_grad: backward, which gradients to compute (weight_grad / bias_grad default to "the
     tensor is present"). heuristics: a BatchNormHeuristics.
     """
@@ -277,10 +278,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     training = bool(training)
     reduced = shape[0] * math.prod(shape[2:])
     if op == STATS_OP:
-        if not training and stats_dtype is None:
-            raise argument_error(InvalidProblemError, op, "running_mean",
-                                 "is None in eval mode (training=False): eval normalizes with the running statistics")
-        if training and reduced == 1 and shape[1]:
+        if reduced == 1 and shape[1]:
             raise argument_error(InvalidProblemError, op, first, f"has shape {shape}: training needs more than 1 "
                                  "value per channel (as torch)")
     names = ("dy", "x") if backward else ("x",)
@@ -348,21 +346,10 @@ def _per_channel(v: Tensor, rank: int) -> Tensor:
     return v.reshape((1, -1) + (1,) * (rank - 2))
 
 
-def eval_statistics(running_mean: Tensor, running_var: Tensor, eps: float, acc: torch.dtype,
-                    mean: Tensor, rstd: Tensor) -> None:
-    """mean = running_mean, rstd = 1 / sqrt(running_var + eps), written into the (C,) ``mean`` and
-    ``rstd`` in ``acc`` (eval mode, both backends)."""
-    mean.copy_(running_mean)
-    torch.rsqrt(running_var.to(acc) + eps, out=rstd)
-
-
 def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
     x, running_mean, running_var = tensors
     mean, rstd = outputs
     acc, rank = problem.acc_dtype, len(problem.shape)
-    if not problem.training:
-        eval_statistics(running_mean, running_var, problem.eps, acc, mean, rstd)
-        return
     xa = x.to(acc)
     dims = (0,) + tuple(range(2, rank))
     # summed after a shift (each channel's first element), as the kernels: a mean far from 0 keeps
@@ -424,19 +411,16 @@ def _prepare_cpu(problem: BatchNormProblem) -> Launch:
 
 
 def _write_empty(problem: BatchNormProblem, tensors, outputs) -> None:
-    """No element in a channel (N = 0 or a zero-size spatial axis), as torch: training leaves the
-    running statistics alone (the saved mean and rstd are 0 and 1: nothing reads them), eval takes
-    the running ones. Backward: zero weight and bias gradients."""
+    """No element in a channel (N = 0 or a zero-size spatial axis), as torch: the running
+    statistics are left alone (the batch's mean and rstd are 0 and 1: nothing reads them).
+    Backward: zero weight and bias gradients."""
     if problem.backward:
         for grad in outputs[1:]:
             grad.zero_()
     elif problem.stats:
         mean, rstd = outputs
-        if problem.training:
-            mean.zero_()
-            rstd.fill_(1.0)
-        else:
-            eval_statistics(tensors[1], tensors[2], problem.eps, problem.acc_dtype, mean, rstd)
+        mean.zero_()
+        rstd.fill_(1.0)
 
 
 for _op in OPS:
@@ -729,15 +713,13 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
                 return
             if r == 0:
                 _write_empty(problem, tensors, outputs)
-            elif problem.training:
-                part = torch.empty((4, config.programs, c), dtype=acc, device=x.device)
-                stats(x, part)
-                finish(part, mean, rstd, running_mean, running_var)
-            else:
-                eval_statistics(running_mean, running_var, problem.eps, acc, mean, rstd)
+                return
+            part = torch.empty((4, config.programs, c), dtype=acc, device=x.device)
+            stats(x, part)
+            finish(part, mean, rstd, running_mean, running_var)
 
-        return Launch(run, KernelChoice("bn_stats+finish" if problem.training else "running_statistics", "triton",
-                                        params), acc, workspace_bytes=4 * config.programs * c * acc.itemsize)
+        return Launch(run, KernelChoice("bn_stats+finish", "triton", params), acc,
+                      workspace_bytes=4 * config.programs * c * acc.itemsize)
 
     if not problem.backward:
         apply = launcher(_bn_apply, (units, c_blocks), trailing=(c, s, s_blocks, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
@@ -819,19 +801,18 @@ def _check_running(op: str, running_mean: Tensor | None, running_var: Tensor | N
         raise argument_error(InvalidProblemError, op, "running_var", "must be given with running_mean, in its dtype")
 
 
-def _batch_norm_stats_impl(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool,
+def _batch_norm_stats_impl(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
                            momentum: float, eps: float) -> tuple[Tensor, Tensor]:
     op = STATS_OP
     x = _walkable(x)
     _check_running(op, running_mean, running_var, x.shape[1] if x.dim() >= 2 else 0, x.device)
     descriptor = BatchNormStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
                                           stats_dtype=None if running_mean is None else running_mean.dtype,
-                                          training=training, momentum=momentum, eps=eps,
-                                          heuristics=heuristics_for(BatchNormHeuristics))
+                                          momentum=momentum, eps=eps, heuristics=heuristics_for(BatchNormHeuristics))
     return cached_plan(descriptor).run_unchecked((x, running_mean, running_var))
 
 
-def _batch_norm_stats_fake(x, running_mean, running_var, training, momentum, eps):
+def _batch_norm_stats_fake(x, running_mean, running_var, momentum, eps):
     acc = accumulator_dtype(x.dtype)
     return x.new_empty((x.shape[1],), dtype=acc), x.new_empty((x.shape[1],), dtype=acc)
 
@@ -943,4 +924,4 @@ batch_norm_op = custom_op(FORWARD_OP, _batch_norm_impl, _batch_norm_fake, backwa
 
 
 __all__ = ["BatchNormHeuristics", "BatchNormProblem", "batch_norm_op", "batch_norm_backward_op", "batch_norm_stats_op",
-           "eval_statistics", "output_strides"]
+           "output_strides"]
