@@ -19,7 +19,7 @@ from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import activations as activation_ops
 from .ops import attention_softmax as attention_ops
 from .ops import batch_norm as batch_norm_ops
-from .ops._common import float_dtype
+from .ops._common import FLOAT_NAMES, float_dtype
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
@@ -28,6 +28,15 @@ from .ops._common import check_mode, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
 from .ops import softmax as softmax_ops
+
+
+def _float_tensor(op: str, name: str, t) -> None:
+    """``t`` a torch.Tensor of a floating dtype, else InvalidProblemError (not a tensor) or
+    UnsupportedError (its dtype) naming the argument ``name``."""
+    if not isinstance(t, Tensor):
+        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: {FLOAT_NAMES}")
 
 
 def _check(op: str, name: str, t, dim) -> None:
@@ -268,11 +277,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
 def _check_norm_tensors(op: str, x, params: dict) -> None:
     """x a float tensor; each given parameter a tensor on x's device (weight / bias: the normalized
     shape; residual: x's shape and dtype)."""
-    if not isinstance(x, Tensor):
-        raise argument_error(InvalidProblemError, op, "x", f"must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise argument_error(UnsupportedError, op, "x", f"has dtype {x.dtype}; supported: float32, float16, "
-                             "bfloat16, float64")
+    _float_tensor(op, "x", x)
     for name, (t, shape) in params.items():
         if t is None:
             continue
@@ -308,14 +313,11 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     op = "batch_norm"
     if not isinstance(input, Tensor):
         raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
-    if not input.is_floating_point():
-        raise argument_error(UnsupportedError, op, "input", f"has dtype {input.dtype}; supported: float32, float16, "
-                             "bfloat16, float64")
+    float_dtype(op, "input", input.dtype)   # the four float dtypes (a float8 input is refused here too)
     if input.dim() < 2:
         raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}; batch norm takes "
                              "(N, C, ...)")
     channels = (input.shape[1],)
-    float_dtype(op, "input", input.dtype)
     # every check before the statistics op writes the running statistics: nothing half-applied
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         if t is None:
@@ -470,14 +472,11 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     sin, tensors on other devices; UnsupportedError for integer or other dtypes.
     """
     op = "rotary_embedding"
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
-        if name == "position_ids" and t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
-        if name != "position_ids" and not t.is_floating_point():
-            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
-                                 "bfloat16, float64")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _float_tensor(op, name, t)
+    if position_ids is not None and not isinstance(position_ids, Tensor):
+        raise argument_error(InvalidProblemError, op, "position_ids",
+                             f"must be a torch.Tensor, got {type(position_ids).__name__}")
     if torch.is_grad_enabled():
         for name, t in (("cos", cos), ("sin", sin)):
             if t.requires_grad:
@@ -604,11 +603,7 @@ def _check_generator(op: str, generator) -> None:
 def _dropout_args(op: str, x, p, generator, mask_mode, name: str = "x") -> float:
     """p as a float; x (the argument ``name``) a float tensor, generator a CPU torch.Generator or
     None, mask_mode known."""
-    if not isinstance(x, Tensor):
-        raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise argument_error(UnsupportedError, op, name, f"has dtype {x.dtype}; supported: float32, float16, "
-                             "bfloat16, float64")
+    _float_tensor(op, name, x)
     p = dropout_ops.check_p(op, p)
     if mask_mode not in dropout_ops.MASK_MODES:
         raise argument_error(InvalidProblemError, op, "mask_mode",
@@ -734,11 +729,7 @@ def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None
     generator under torch.compile.
     """
     op = "attention_softmax"
-    if not isinstance(scores, Tensor):
-        raise argument_error(InvalidProblemError, op, "scores", f"must be a torch.Tensor, got {type(scores).__name__}")
-    if not scores.is_floating_point():
-        raise argument_error(UnsupportedError, op, "scores", f"has dtype {scores.dtype}; supported: float32, "
-                             "float16, bfloat16, float64")
+    _float_tensor(op, "scores", scores)
     for name, t in (("mask", mask), ("bias", bias)):
         if t is None:
             continue
