@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import trainops
-from trainops.errors import UnsupportedError
+from trainops.errors import InvalidProblemError, UnsupportedError
 
 from spawned import free_port, run_cases
 
@@ -209,6 +209,21 @@ def error_cases(rank, world, mesh, out, tmp):
         out["partial grad"] = "no error"
     except UnsupportedError as e:
         out["partial grad"] = str(e)
+    # ranks that would make different collectives (a clip summed on one rank only; other parameters)
+    # raise on every rank at the first step, before any state is made, instead of hanging
+    for case, make in (("clip on rank 0", lambda m: trainops.optim.AdamW(m.parameters(),
+                                                                          max_grad_norm=1.0 if rank == 0 else None)),
+                       ("fewer parameters", lambda m: trainops.optim.AdamW(list(m.parameters())[:2 + 2 * rank]))):
+        model = shard(make_model(), mesh)
+        opt = make(model)
+        backward(model, 0, rank, world)
+        before = full(model.parameters())
+        try:
+            opt.step()
+            out[f"disagree {case}"] = "no error"
+        except InvalidProblemError as e:
+            out[f"disagree {case}"] = str(e)
+        out[f"disagree {case} changed nothing"] = rel(full(model.parameters()), before) == 0.0 and not opt.state
     model = shard(make_model(), mesh)
     opt = trainops.optim.AdamW(model.parameters())
     train(model, opt, 1, rank, world)
@@ -527,6 +542,10 @@ def test_an_inf_on_one_rank_skips_every_rank(runs):
 def test_sharded_errors_name_the_problem(runs):
     for out in outputs(runs, 2, error_cases):
         assert "2 device meshes" in out["two meshes"], out["two meshes"]
+        assert "disagree on max_grad_norm: rank" in out["disagree clip on rank 0"], out["disagree clip on rank 0"]
+        assert "disagree on the parameters with a gradient" in out["disagree fewer parameters"], \
+            out["disagree fewer parameters"]
+        assert out["disagree clip on rank 0 changed nothing"] and out["disagree fewer parameters changed nothing"], out
         assert "Partial" in out["partial grad"] or "placements" in out["partial grad"], out["partial grad"]
         assert "torch.distributed.checkpoint" in out["plain state"], out["plain state"]
         assert out["plain state changed nothing"]

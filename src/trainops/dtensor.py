@@ -11,7 +11,9 @@ rank holds the same values, which are not summed. Sums travel in float64 (the ca
 restored), one ``all_reduce`` per mesh dimension that some value needs.
 
 Errors (UnsupportedError, raised before any collective): DTensors on more than one device mesh in
-one step, or with a ``Partial`` placement (a gradient not yet reduced).
+one step, or with a ``Partial`` placement (a gradient not yet reduced). ``check_ranks_agree``
+turns ranks that would run different collectives (another parameter list, a clip on one rank
+only) into an InvalidProblemError on every rank instead of a hang.
 
 ``fully_shard`` changes a module's class to a subclass of (FSDPModule, its class);
 ``fsdp_wrapped_class`` and ``fsdp_class`` let trainops.patch swap such a module's class for the
@@ -24,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import UnsupportedError
+from .errors import InvalidProblemError, UnsupportedError
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -117,6 +119,32 @@ class MeshSums:
         return tuple(range(self.mesh.ndim))
 
 
+def check_ranks_agree(mesh, facts: dict, where: str) -> None:
+    """InvalidProblemError on every rank of ``mesh`` unless all of its ranks pass equal ``facts``
+    (picklable values: what decides the collectives a step will make, such as the layout of the
+    parameters and whether a clip norm is summed). Ranks that disagree would otherwise wait in
+    mismatched collectives until the process group's timeout, or sum unrelated values.
+
+    One ``all_gather_object`` per mesh dimension (each rank against the ranks sharing its other
+    coordinates; together every rank of the mesh): a host synchronisation, for where a step's
+    layout is built, not for every step. The message names the first differing fact and the
+    global ranks that hold the two values.
+    """
+    dist = torch.distributed
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, facts, group=group)
+        for position, other in enumerate(gathered):
+            if other == facts:
+                continue
+            key = next((k for k in facts if other.get(k) != facts[k]), next(iter(other.keys() - facts.keys()), None))
+            raise InvalidProblemError(
+                f"{where}: the ranks of the device mesh disagree on {key}: rank {dist.get_rank()} has "
+                f"{facts.get(key)!r}, rank {dist.get_global_rank(group, position)} has {other.get(key)!r}; every rank "
+                "must step the same parameters with the same options")
+
+
 def _fsdp_module_class():
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -146,4 +174,4 @@ def fsdp_class(cls: type) -> type:
     return known[cls]
 
 
-__all__ = ["MeshSums", "any_dtensor", "fsdp_class", "fsdp_wrapped_class", "is_dtensor", "local", "shard_dims"]
+__all__ = ["MeshSums", "any_dtensor", "check_ranks_agree", "fsdp_class", "fsdp_wrapped_class", "is_dtensor", "local", "shard_dims"]

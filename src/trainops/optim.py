@@ -31,7 +31,10 @@ it). What needs whole tensors is summed over the mesh: the ``max_grad_norm`` nor
 ratios (norms of whole parameters), and the inf/NaN flag (``skip_nonfinite``, a GradScaler's
 ``found_inf``), so every rank skips or steps alike. These collectives are the only ones a step
 makes, and only with DTensor parameters; every rank must step the same parameters. One device
-mesh per optimizer.
+mesh per optimizer. Where a step first sees a set of sharded parameters (its first step, a new set
+of parameters with gradients, a loaded state), the ranks compare the parameters' layouts,
+``max_grad_norm`` and ``skip_nonfinite`` (one ``all_gather_object``) and raise InvalidProblemError
+on every rank if they differ, instead of hanging in mismatched collectives.
 
 Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
 state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,
@@ -46,7 +49,7 @@ from typing import Iterable
 
 import torch
 
-from .dtensor import MeshSums, is_dtensor, local
+from .dtensor import MeshSums, check_ranks_agree, is_dtensor, local
 from .errors import InvalidProblemError, UnsupportedError
 from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
@@ -185,6 +188,15 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         return local(g)
 
     def _build_buckets(self, index: int, group, params) -> dict:
+        sharded = [p for p in params if is_dtensor(p)]
+        if sharded:
+            # before any state is made: ranks that would run different collectives raise, not hang
+            check_ranks_agree(sharded[0].device_mesh, {
+                "the optimizer": self._name, "the param group": index, "max_grad_norm": self.max_grad_norm,
+                "skip_nonfinite": self.skip_nonfinite,
+                "the parameters with a gradient (dtype, shape, placements)": [
+                    (str(p.dtype), tuple(p.shape), str(getattr(p, "placements", "plain"))) for p in params]},
+                f"trainops.optim.{self._name} (param group {index})")
         buckets: dict = {}
         devices = set()
         for p in params:
