@@ -92,6 +92,8 @@ def _recorded_calls():
         run(trainops.linear_cross_entropy(leaf(5, 16), leaf(10, 16), torch.randint(0, 10, (5,)), reduction="none"))
         run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
         run(trainops.batch_norm(leaf(4, 3, 5), torch.zeros(3), torch.ones(3), leaf(3), leaf(3), training=True))
+        run(trainops.gist.relu(leaf(3, 7)))
+        run(trainops.gist.relu(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last)))
     finally:
         library.CustomOp.__call__ = original
     return calls

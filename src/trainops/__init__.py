@@ -9,12 +9,13 @@
     p = trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=x.device)
     opt = trainops.optim.AdamW(model.parameters())  # multi-tensor fused step (SGD, Adam, AdamW, LAMB)
     scaler = trainops.amp.GradScaler("cuda")        # torch's GradScaler on trainops kernels
+    handle = trainops.gist.compress(model, stash="e4m3")   # ReLUs keep 1 bit; stashed activations 1 byte
     with trainops.backend("cpu"): ...               # pin a backend
 """
 
 from . import ops  # noqa: F401  (registers every kernel)
 from . import errors, functional, library, nn, registry
-from . import amp, distributed, grad, optim
+from . import amp, distributed, gist, grad, optim
 from .errors import IndexOutOfRangeError, InvalidProblemError, TrainopsError, UnsupportedError
 from .functional import (cross_entropy, embedding, gather, gather_backward, layer_norm, log_softmax, log_softmax_backward,
                          rms_norm, rotary_embedding, softmax, softmax_backward)
@@ -31,7 +32,7 @@ from .registry import backend, kernels, lookup
 __version__ = "0.1.0"
 
 __all__ = [
-    "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
+    "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "gist", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
     "UnsupportedError", "PatchReport", "patch", "track_kernels", "backend", "heuristics", "cross_entropy", "embedding", "errors", "functional", "gather", "gather_backward", "kernels",
     "layer_norm", "library", "log_softmax", "rms_norm", "rotary_embedding", "log_softmax_backward", "lookup", "nn", "plan", "registry", "softmax",
     "softmax_backward", "bias_gelu", "geglu", "gelu", "quick_gelu", "silu", "swiglu",

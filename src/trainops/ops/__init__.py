@@ -8,3 +8,4 @@ from . import dropout  # noqa: F401
 from . import attention_softmax  # noqa: F401
 from . import linear_cross_entropy  # noqa: F401
 from . import batch_norm  # noqa: F401
+from . import gist  # noqa: F401

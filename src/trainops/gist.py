@@ -1,0 +1,214 @@
+"""trainops.gist: activations stored for the backward pass in compressed form (GIST; ONNX Runtime's
+Gist encoders and decoders), opt-in per model.
+
+    y = trainops.gist.relu(x)                  # torch.relu; its backward keeps 1 bit an element
+    handle = trainops.gist.compress(model, stash="e4m3")   # every nn.ReLU -> gist.ReLU, and the
+                                                           # model's other stashed activations 1 byte
+    with trainops.gist.saved_tensors("bf16") as stats:     # or around any forward
+        loss = model(x)
+    loss.backward(); print(stats.stored_bytes / stats.original_bytes)
+
+Two savings, which add up:
+
+- **Exact.** ``relu`` / ``ReLU`` save ceil(numel / 8) bytes of bits (where the output is positive)
+  instead of the output: torch's ReLU backward needs nothing else, so the gradient is torch's bit
+  for bit. The output itself is freed unless another node saves it too (a following convolution or
+  linear layer saves its input: pair with ``stash`` to pack that one).
+- **Lossy.** ``saved_tensors(format)`` packs every float tensor the autograd graph saves while it is
+  active, for the backward pass to unpack: "e4m3" / "e5m2" (float8, 1 byte, a power-of-two scale
+  per tensor), "fp16" / "bf16" (2 bytes); the formats and their rounding are in
+  trainops.ops.gist. Only activations are packed: tensors with a ``grad_fn`` (parameters, the
+  model's inputs and other leaves stay alive anyway, and a packed copy would add memory), of at
+  least ``min_numel`` elements, wider than the format, plain tensors (not DTensors or other
+  subclasses). A tensor saved by several nodes is packed once (the same tensor object at the same
+  version). The gradients change by the format's rounding of what the backward reads: measured in
+  benchmarks/NOTES.md ("GIST").
+
+``compress(model, relu=True, stash=None)`` swaps every ``torch.nn.ReLU`` submodule (also
+``inplace=True`` ones, computed out of place: the bits replace the saved output, so the input is
+freed as before) and, with ``stash``, runs every forward of ``model`` inside ``saved_tensors``
+(forward hooks that also close it when the forward raises). It returns a ``GistHandle`` (what was
+swapped, the last forward's ``StashStats``, ``remove()`` to take the hooks off). ReLUs called as
+functions (``F.relu``, ``torch.relu``) are not swapped; ``GistHandle.relus_left`` cannot see them,
+so call ``trainops.gist.relu`` there.
+
+Eager mode: under torch.compile, ``relu`` is a custom op like the others; ``saved_tensors`` is a
+``torch.autograd.graph.saved_tensors_hooks`` context, which torch.compile handles (or refuses) as
+it does any such hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .errors import InvalidProblemError, UnsupportedError, argument_error
+from .ops import gist as gist_ops
+from .ops.gist import STASH_FORMATS, Stashed, pack_stash, unpack_stash
+
+MIN_NUMEL = 4096   # smaller saved tensors (biases' inputs, statistics) are not worth a scale and a launch
+
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """``torch.nn.functional.relu(input)``, saving 1 bit an element for its backward.
+
+    input: float32, float16, bfloat16 or float64, any shape; a dense layout (contiguous,
+    channels_last, a permutation) is read in place and kept by the output, any other is copied
+    first. Returns a new tensor (``inplace=True`` raises UnsupportedError: the op does not write
+    its input). Gradient: dy where the output is positive, else 0, exactly torch's. Errors:
+    UnsupportedError for other dtypes or a DTensor, InvalidProblemError for a non-tensor.
+    """
+    op = "gist.relu"
+    if not isinstance(input, Tensor):
+        raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise argument_error(UnsupportedError, op, "input", f"has dtype {input.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    if inplace:
+        raise argument_error(UnsupportedError, op, "inplace", "is True; trainops.gist.relu returns a new tensor "
+                             "(its saved state is the bits, so the input is freed as after an in-place ReLU)")
+    from .dtensor import is_dtensor
+
+    if is_dtensor(input):
+        raise argument_error(UnsupportedError, op, "input", "is a DTensor; call it on the local tensor")
+    y, _ = gist_ops.gist_relu_op(input)
+    return y
+
+
+class ReLU(torch.nn.ReLU):
+    """Drop-in for ``torch.nn.ReLU``: ``trainops.gist.relu`` (1 bit an element saved). ``inplace``
+    is kept as an attribute (state and repr as torch's) but the output is always a new tensor."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return relu(input)
+
+
+@dataclass
+class StashStats:
+    """What ``saved_tensors`` packed: how many tensors, their bytes before and after, and how many
+    saves reused an earlier packed copy of the same tensor."""
+
+    packed: int = 0
+    original_bytes: int = 0
+    stored_bytes: int = 0
+    reused: int = 0
+
+
+def _check_min_numel(op: str, min_numel) -> int:
+    if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+        raise argument_error(InvalidProblemError, op, "min_numel", f"is {min_numel!r}; it must be an int >= 0")
+    return min_numel
+
+
+@contextlib.contextmanager
+def saved_tensors(format: str = "e4m3", *, min_numel: int = MIN_NUMEL) -> Iterator[StashStats]:
+    """Pack the activations the autograd graph saves while active (see the module docstring).
+
+    format: "e4m3", "e5m2", "fp16" or "bf16". min_numel: smaller tensors stay as they are. Yields
+    the StashStats of this context. Errors (InvalidProblemError, before anything is hooked): an
+    unknown format, a negative min_numel.
+    """
+    op = "gist.saved_tensors"
+    spec = gist_ops.check_stash_format(op, "format", format)
+    min_numel = _check_min_numel(op, min_numel)
+    stats = StashStats()
+    packed: dict[int, tuple[weakref.ref, int, Stashed]] = {}   # id(tensor) -> (the tensor, its version, packed)
+    width = spec.dtype.itemsize
+
+    def pack(t: Tensor):
+        if (type(t) not in (Tensor, torch.nn.Parameter) or t.grad_fn is None or t.dtype not in gist_ops.FLOATS
+                or t.element_size() <= width or t.numel() < min_numel):
+            return t
+        known = packed.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            stats.reused += 1
+            return known[2]
+        stashed = pack_stash(t, format)
+        packed[id(t)] = (weakref.ref(t), t._version, stashed)
+        stats.packed += 1
+        stats.original_bytes += t.numel() * t.element_size()
+        stats.stored_bytes += stashed.data.numel() * stashed.data.element_size()
+        return stashed
+
+    def unpack(saved):
+        return unpack_stash(saved) if isinstance(saved, Stashed) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield stats
+
+
+@dataclass
+class GistHandle:
+    """What ``compress`` did to a model: the swapped ReLUs' names, the stash format (None: none),
+    ``stats`` of the last forward (None before one, or without a stash), and ``remove()``."""
+
+    swapped: list[str]
+    stash: str | None
+    stats: StashStats | None = None
+    _hooks: list = field(default_factory=list, repr=False)
+    _model: weakref.ref | None = field(default=None, repr=False)
+
+    def remove(self) -> None:
+        """Take the stash hooks off the model (the swapped ReLUs stay: they compute torch's ReLU)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            _COMPRESSED.pop(model, None)
+
+
+_COMPRESSED: "weakref.WeakKeyDictionary[torch.nn.Module, GistHandle]" = weakref.WeakKeyDictionary()
+
+
+def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = None,
+             min_numel: int = MIN_NUMEL) -> GistHandle:
+    """Opt ``model`` into GIST (see the module docstring): ``relu`` swaps its ``torch.nn.ReLU``
+    modules for ``trainops.gist.ReLU``; ``stash`` (a format of ``saved_tensors``, or None) packs
+    the activations every forward saves. Returns a GistHandle. Errors (before anything changes):
+    InvalidProblemError for a non-module, an unknown stash format, a negative min_numel, or a
+    model whose stash hooks are on already (``remove()`` them first).
+    """
+    op = "gist.compress"
+    if not isinstance(model, torch.nn.Module):
+        raise argument_error(InvalidProblemError, op, "model", f"must be a torch.nn.Module, got {type(model).__name__}")
+    if stash is not None:
+        gist_ops.check_stash_format(op, "stash", stash)
+    min_numel = _check_min_numel(op, min_numel)
+    if stash is not None and model in _COMPRESSED:
+        raise argument_error(InvalidProblemError, op, "model", "has GIST stash hooks already; call remove() on the "
+                             "handle compress returned first")
+    swapped = []
+    if relu:
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if type(child) is torch.nn.ReLU:
+                    new = ReLU(inplace=child.inplace)
+                    new.train(child.training)
+                    setattr(module, child_name, new)
+                    swapped.append(f"{name}.{child_name}" if name else child_name)
+    handle = GistHandle(swapped, stash, _model=weakref.ref(model))
+    if stash is None:
+        return handle
+    active: list = []
+
+    def enter(module, args):
+        context = saved_tensors(stash, min_numel=min_numel)
+        handle.stats = context.__enter__()
+        active.append(context)
+
+    def leave(module, args, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    handle._hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    _COMPRESSED[model] = handle
+    return handle
+
+
+__all__ = ["GistHandle", "MIN_NUMEL", "ReLU", "STASH_FORMATS", "StashStats", "compress", "relu", "saved_tensors"]

@@ -1,0 +1,436 @@
+"""GIST: activations stored for the backward pass in compressed form (ONNX Runtime's GistBinarize /
+GistPack1 / GistPack8 / GistPack16 encoders and decoders): the ReLU that keeps one bit an element,
+its Triton kernels, CPU path, registrations and custom ops, and the lossy packing of other stashed
+activations (a composite of torch's casts).
+
+    gist_relu(x)                   -> (y, bits)   y = 0 where x < 0, else x (torch.relu: NaN, -0.0 kept)
+                                                  bits: bit i % 8 of byte i // 8 = not (y_i <= 0)
+    gist_relu_backward(dy, bits)   -> dx          dx_i = dy_i where bit i is set, else 0
+
+The ReLU backward needs only where the output is not <= 0 (torch's ``threshold_backward(dy, y,
+0)``: dy where y is positive or NaN), so the gradient is exact, bit for bit torch's, from
+ceil(numel / 8) bytes instead of the output itself: 1/32 of a float32 output, 1/16 of a half one. Element i is the i-th element of the
+tensors' memory order, not of their logical order: x may be any dense layout (contiguous,
+channels_last, any permutation of a dense tensor), read in place, y has x's strides (as torch's
+``empty_like``), and the backward reads dy in the same layout (a dy of other strides is copied to
+it first: the one copy, said here). A non-dense x (a slice, an expanded tensor) is copied to a
+contiguous one first. Dtypes: float32, float16, bfloat16, float64; no arithmetic (a select and a
+comparison, made in float32, or float64 for float64: exact), so nothing is rounded and the kernels
+are deterministic. NaN: y keeps it and its bit is set, so dy passes there, as in torch.
+
+Bytes (the fewest the ops must move): forward reads x and writes y and the bits, n (2s + 1/8)
+bytes for elements of s bytes; backward reads dy and the bits and writes dx, the same. Triton plan
+(``GistHeuristics``): one-dimensional, a program owns ``block`` consecutive elements as a (block /
+8, 8) tile, each row of 8 one byte of bits. The block and warps are dropout's measured choice for
+the same tile (ops/dropout.py, 2048 elements, 8 warps); not measured for these kernels yet.
+
+Lossy packing (``pack_stash`` / ``unpack_stash``), for stashed activations whose values the
+backward needs (a convolution's or linear layer's input, a batch norm's): ``STASH_FORMATS``
+
+    "e4m3"  float8 e4m3fn, 1 byte   3 mantissa bits: relative error <= 2**-4 per element
+    "e5m2"  float8 e5m2, 1 byte     2 mantissa bits: <= 2**-3
+    "fp16"  float16, 2 bytes        10 mantissa bits: <= 2**-11
+    "bf16"  bfloat16, 2 bytes       7 mantissa bits: <= 2**-8
+
+Each tensor is scaled by a power of two chosen from its largest magnitude so that it fits the
+format's range (e4m3 448, e5m2 57344, fp16 65504; bf16 needs no scale: float32's range), then
+rounded to the nearest value of the format (round-to-nearest-even casts); unpacking multiplies by
+the inverse power of two (exact) in the original dtype. A power of two is exact in every format,
+so the only error is the format's rounding (and values below its smallest subnormal, relative to
+the largest, flush to zero). The scale is computed on the device (no host synchronisation): a
+tensor holding inf or NaN gets a NaN scale, so it unpacks as all NaN and the gradients it feeds
+become NaN, which a GradScaler or ``skip_nonfinite`` step then skips (never a silently finite
+wrong value). Bytes: pack reads the tensor twice (its largest magnitude, then the cast) and writes
+the packed copy; unpack reads that and writes a tensor of the original dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
+from ..layout import next_pow2
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
+from ..registry import FLOATS, normalize_device, register, register_op, triton_available
+from ._common import float_dtype
+from .dropout import pack_bits, unpack_bits
+
+GIST_OPS = ("gist_relu", "gist_relu_backward")
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics, problem, descriptor
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GistHeuristics:
+    """The GIST ReLU kernels' tunables (trainops.heuristics(...) overrides them).
+
+    block: elements one program owns (a power of two >= 8; smaller for tensors that need fewer);
+    warps: its warps. Dropout's measured choice for the same (block / 8, 8) tile on the H100
+    (2026-11-24, benchmarks/NOTES.md "Transformer-block families"), not measured for these kernels.
+    """
+
+    block: int = 2048
+    warps: int = 8
+
+
+def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` covers a block of memory exactly once (some
+    permutation of a contiguous tensor: contiguous, channels_last, a transpose of either)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(shape, strides) if s != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class GistReluProblem:
+    """One GIST ReLU problem: ``numel`` elements of a dense layout (``shape``, ``strides``).
+
+    Forward ("gist_relu"): inputs (x,) -> (y, bits). Backward ("gist_relu_backward"): inputs (dy,
+    bits) -> dx. x, y, dy and dx share ``strides``; bits are contiguous uint8 of ceil(numel / 8).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    heuristics: GistHeuristics
+    index_dtype = None
+
+    @property
+    def backward(self) -> bool:
+        return self.op == "gist_relu_backward"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes_bits(self) -> int:
+        return (self.numel + 7) // 8
+
+    def check(self, tensors: Sequence, out) -> None:
+        """Cheap checks of concrete arguments against the plan (shape, strides, dtype, device)."""
+        names = ("dy", "bits") if self.backward else ("x",)
+        if len(tensors) != len(names):
+            raise InvalidProblemError(f"trainops.{self.op}: expected {len(names)} arguments ({', '.join(names)}), "
+                                      f"got {len(tensors)}")
+        check_tensor(self.op, names[0], tensors[0], self.shape, self.dtype, self.device, self.strides)
+        if self.backward:
+            bits = tensors[1]
+            check_tensor(self.op, "bits", bits, (self.nbytes_bits,), torch.uint8, self.device)
+            if not bits.is_contiguous():
+                raise argument_error(InvalidProblemError, self.op, "bits", "must be contiguous (the forward's)")
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
+
+    def new_output(self):
+        """Forward: (y, bits); backward: dx. y and dx in the problem's strides."""
+        y = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+        if self.backward:
+            return y
+        return y, torch.empty((self.nbytes_bits,), dtype=torch.uint8, device=self.device)
+
+
+def _describe(op: str, shape, dtype, device="cuda", *, strides=None, heuristics=None) -> GistReluProblem:
+    """Validate a GIST ReLU descriptor.
+
+    shape: x's (dy's) sizes, any rank. dtype: x's (dy's): float32, float16, bfloat16, float64.
+    strides: None (contiguous) or a dense layout's strides (see ``dense_strides``). heuristics: a
+    GistHeuristics.
+    """
+    first = "dy" if op == "gist_relu_backward" else "x"
+    shape = checked_shape(op, "shape", shape)
+    dtype = float_dtype(op, first, dtype)
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    contiguous = []
+    step = 1
+    for size in reversed(shape):
+        contiguous.append(step)
+        step *= max(size, 1)
+    contiguous = tuple(reversed(contiguous))
+    strides = contiguous if strides is None else tuple(int(s) for s in strides)
+    if len(strides) != len(shape) or not dense_strides(shape, strides):
+        raise argument_error(InvalidProblemError, op, "strides", f"{strides} of shape {shape} are not a dense layout; "
+                             "copy the tensor first (the custom op does)")
+    if heuristics is None:
+        heuristics = heuristics_for(GistHeuristics)
+    elif not isinstance(heuristics, GistHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics",
+                             f"must be a GistHeuristics, got {type(heuristics).__name__}")
+    if heuristics.block < 8 or heuristics.block & (heuristics.block - 1):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"block must be a power of two >= 8, got "
+                             f"{heuristics.block}")
+    return GistReluProblem(op, shape, strides, dtype, device, heuristics)
+
+
+def _describer(op: str):
+    def describe(shape, dtype, device="cuda", *, strides=None, heuristics=None) -> GistReluProblem:
+        return _describe(op, shape, dtype, device, strides=strides, heuristics=heuristics)
+    describe.__doc__ = _describe.__doc__
+    return describe
+
+
+GistReluDescriptor, GistReluBackwardDescriptor = (register_op(op, _describer(op)) for op in GIST_OPS)
+
+
+def _memory(t: Tensor, numel: int) -> Tensor:
+    """The flat view of a dense tensor's memory, in memory order."""
+    return t.as_strided((numel,), (1,), t.storage_offset())
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path
+# ----------------------------------------------------------------------------------------------
+
+def _prepare_cpu(problem: GistReluProblem) -> Launch:
+    n = problem.numel
+
+    def run(tensors, outputs):
+        if not n:
+            return
+        if problem.backward:
+            dy, bits = tensors
+            keep = unpack_bits(bits, n)
+            flat = _memory(dy, n)
+            _memory(outputs, n).copy_(torch.where(keep, flat, torch.zeros((), dtype=flat.dtype)))
+            return
+        (x,) = tensors
+        y, bits = outputs
+        flat = _memory(x, n)
+        y_flat = _memory(y, n)
+        y_flat.copy_(torch.where(flat < 0, torch.zeros((), dtype=flat.dtype), flat))
+        bits.copy_(pack_bits(~(y_flat <= 0)))   # torch's threshold_backward: dy where not (y <= 0), NaN too
+
+    return Launch(run, KernelChoice(f"{problem.op}_cpu", "cpu", ()), problem.dtype)
+
+
+for _op in GIST_OPS:
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator="none (no arithmetic)",
+             name=f"{_op}_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gist_relu_fwd(X, Y, BITS, n, BLOCK: tl.constexpr, INT64: tl.constexpr, ACC: tl.constexpr):
+        """y = relu(x) and its bits, BLOCK elements of memory order a program as (BLOCK / 8, 8).
+        Compared in ACC (float32, or float64 for float64): exact for every input dtype."""
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
+        rows = tl.arange(0, BLOCK // 8)
+        lane = tl.arange(0, 8)[None, :]
+        local = rows[:, None] * 8 + lane
+        mask = local < n - base
+        x = tl.load(X + base + local, mask=mask, other=0.0).to(ACC)
+        y = tl.where(x < 0, 0.0, x)          # NaN and -0.0 stay, as torch.relu
+        tl.store(Y + base + local, y.to(Y.dtype.element_ty), mask=mask)
+        keep = (y <= 0) == 0                 # torch's threshold_backward passes dy where not (y <= 0): NaN too
+        byte = tl.sum(tl.where(keep & mask, 1 << lane, 0), 1)
+        first_byte = base // 8
+        tl.store(BITS + first_byte + rows, byte.to(tl.uint8), mask=rows < (n + 7) // 8 - first_byte)
+
+    @triton.jit
+    def _gist_relu_bwd(DY, BITS, DX, n, BLOCK: tl.constexpr, INT64: tl.constexpr):
+        """dx = dy where the forward's bit is set, else 0 (the forward's tiles)."""
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
+        rows = tl.arange(0, BLOCK // 8)
+        lane = tl.arange(0, 8)[None, :]
+        local = rows[:, None] * 8 + lane
+        mask = local < n - base
+        first_byte = base // 8
+        byte = tl.load(BITS + first_byte + rows, mask=rows < (n + 7) // 8 - first_byte, other=0)
+        keep = ((byte.to(tl.int32)[:, None] >> lane) & 1) != 0
+        dy = tl.load(DY + base + local, mask=mask, other=0.0)
+        tl.store(DX + base + local, tl.where(keep, dy, 0.0).to(DX.dtype.element_ty), mask=mask)
+
+
+def _prepare_triton(problem: GistReluProblem) -> Launch:
+    h = problem.heuristics
+    n = problem.numel
+    block = max(8, min(h.block, next_pow2(max(n, 1))))
+    int64 = n + block >= 2 ** 31
+    kernel = _gist_relu_bwd if problem.backward else _gist_relu_fwd
+    meta = dict(BLOCK=block, INT64=int64, num_warps=h.warps)
+    if not problem.backward:
+        meta["ACC"] = tl.float64 if problem.dtype == torch.float64 else tl.float32
+    launch = launcher(kernel, (triton.cdiv(max(n, 1), block),), trailing=(n,), **meta)
+
+    if problem.backward:
+        def run(tensors, dx):
+            if n:
+                dy, bits = tensors
+                launch(_memory(dy, n), bits, _memory(dx, n))
+    else:
+        def run(tensors, outputs):
+            if n:
+                y, bits = outputs
+                launch(_memory(tensors[0], n), _memory(y, n), bits)
+
+    name = "gist_relu_bwd" if problem.backward else "gist_relu_fwd"
+    return Launch(run, KernelChoice(name, "triton", (("BLOCK", block), ("num_warps", h.warps))), problem.dtype)
+
+
+if triton_available():
+    for _op in GIST_OPS:
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator="none (no arithmetic)",
+                 name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.gist_relu / gist_relu_backward, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` itself when its layout is dense, else a contiguous copy (the one copy, said above)."""
+    return t if t.is_contiguous() or dense_strides(t.shape, t.stride()) else t.contiguous()
+
+
+def _gist_relu_impl(x: Tensor) -> tuple[Tensor, Tensor]:
+    x = _dense(x)
+    descriptor = GistReluDescriptor(x.shape, x.dtype, x.device, strides=x.stride(),
+                                    heuristics=heuristics_for(GistHeuristics))
+    return cached_plan(descriptor).run_unchecked((x,))
+
+
+def _gist_relu_fake(x):
+    y = x if x.is_contiguous() or dense_strides(x.shape, x.stride()) else x.contiguous()
+    return torch.empty_strided(y.shape, y.stride(), dtype=x.dtype, device=x.device), \
+        x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+def _in_layout(t: Tensor, shape, strides) -> Tensor:
+    """``t`` when it has ``strides``, else a copy of it in that layout."""
+    if tuple(t.stride()) == tuple(strides) or t.numel() <= 1:
+        return t
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _gist_relu_backward_impl(dy: Tensor, bits: Tensor, strides: list[int]) -> Tensor:
+    op = "gist_relu_backward"
+    dy = _in_layout(dy, dy.shape, strides)
+    descriptor = GistReluBackwardDescriptor(dy.shape, dy.dtype, dy.device, strides=dy.stride(),
+                                            heuristics=heuristics_for(GistHeuristics))
+    plan = cached_plan(descriptor)
+    if bits.shape != (plan.problem.nbytes_bits,) or bits.dtype != torch.uint8 or bits.device != dy.device \
+            or not bits.is_contiguous():
+        plan.problem.check((dy, bits), None)
+    return plan.run_unchecked((dy, bits))
+
+
+def _gist_relu_backward_fake(dy, bits, strides):
+    return torch.empty_strided(dy.shape, tuple(strides), dtype=dy.dtype, device=dy.device)
+
+
+def _save(ctx, inputs, outputs) -> None:
+    y, bits = outputs
+    ctx.mark_non_differentiable(bits)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(bits)   # the bits alone: not x, not y
+    ctx.strides = list(y.stride())
+    ctx.heuristics = heuristics_for(GistHeuristics)
+
+
+def _grad(ctx, dy, dbits) -> dict:
+    if dy is None or not ctx.needs_grad.x:
+        return {}
+    if torch.is_grad_enabled():   # create_graph=True: the backward op records no graph of its own
+        raise UnsupportedError("trainops.gist.relu: double backward (create_graph=True) is not supported")
+    (bits,) = ctx.saved_tensors
+    with heuristics(ctx.heuristics):
+        return {"x": gist_relu_backward_op(dy, bits, ctx.strides)}
+
+
+gist_relu_backward_op = custom_op("gist_relu_backward", _gist_relu_backward_impl, _gist_relu_backward_fake)
+gist_relu_op = custom_op("gist_relu", _gist_relu_impl, _gist_relu_fake, backward=_grad, save=_save)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lossy packing of stashed activations (composite: torch's casts)
+# ----------------------------------------------------------------------------------------------
+
+class StashFormat(NamedTuple):
+    dtype: torch.dtype
+    largest: float | None   # the largest finite magnitude the scale maps to (None: no scale)
+
+
+STASH_FORMATS = {
+    "e4m3": StashFormat(torch.float8_e4m3fn, 448.0),
+    "e5m2": StashFormat(torch.float8_e5m2, 57344.0),
+    "fp16": StashFormat(torch.float16, 65504.0),
+    "bf16": StashFormat(torch.bfloat16, None),
+}
+
+
+class Stashed(NamedTuple):
+    """A packed tensor: ``data`` in the format's dtype (the original's shape; its strides where the
+    original was dense), ``scale`` a 0-d float32 tensor (a power of two, or NaN) or None, and the
+    original dtype."""
+
+    data: Tensor
+    scale: Tensor | None
+    dtype: torch.dtype
+
+
+def check_stash_format(op: str, name: str, format) -> StashFormat:
+    """The StashFormat named ``format``; InvalidProblemError naming the argument otherwise."""
+    if not isinstance(format, str) or format not in STASH_FORMATS:
+        raise argument_error(InvalidProblemError, op, name, f"is {format!r}; expected one of "
+                             f"{', '.join(map(repr, STASH_FORMATS))}")
+    return STASH_FORMATS[format]
+
+
+def pack_stash(t: Tensor, format: str) -> Stashed:
+    """``t`` (float32, float16, bfloat16, float64) in the packed ``format`` (see the module docstring)."""
+    spec = check_stash_format("gist.pack_stash", "format", format)
+    if not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype not in FLOATS:
+        raise argument_error(UnsupportedError, "gist.pack_stash", "t", "must be a float32, float16, bfloat16 or "
+                             f"float64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if spec.largest is None:
+        return Stashed(t.detach().to(spec.dtype), None, t.dtype)
+    with torch.no_grad():
+        largest = t.abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+        # the power of two that maps the largest magnitude into [format's largest / 2, its largest],
+        # kept within what t's dtype represents (2**15 for float16, 2**127 for the others)
+        bound = math.floor(math.log2(torch.finfo(t.dtype).max)) if t.dtype == torch.float16 else 127
+        exponent = torch.floor(torch.log2(spec.largest / largest)).clamp(-bound, bound)
+        scale = torch.where(largest > 0, torch.exp2(exponent), 1.0)
+        scale = torch.where(torch.isfinite(largest), scale, torch.nan)   # inf / NaN: all NaN (see above)
+        data = (t * scale.to(t.dtype)).to(spec.dtype)
+    return Stashed(data, scale, t.dtype)
+
+
+def unpack_stash(stashed: Stashed) -> Tensor:
+    """The tensor ``pack_stash`` packed, in its original dtype (with the format's rounding)."""
+    data, scale, dtype = stashed
+    out = data.to(dtype)
+    if scale is not None:
+        out.mul_((1.0 / scale).to(dtype))   # a power of two: exact in every dtype
+    return out
+
+
+__all__ = ["GIST_OPS", "GistHeuristics", "GistReluProblem", "STASH_FORMATS", "Stashed", "StashFormat",
+           "check_stash_format", "dense_strides", "gist_relu_backward_op", "gist_relu_op", "pack_stash",
+           "unpack_stash"]

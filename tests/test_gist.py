@@ -1,0 +1,404 @@
+"""GIST (trainops.gist): the ReLU that saves 1 bit an element (forward and backward against torch's,
+bit for bit, every backend, layouts, special values, the saved state), the lossy stash formats
+(error bounds, non-finite inputs, scales), saved_tensors (what it packs, once, and the gradients'
+change), compress (swaps, hooks, errors), torch.compile, and real sizes on the GPU."""
+
+import math
+
+import pytest
+import torch
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops import gist as G
+from trainops.ops.dropout import pack_bits
+from trainops.ops.gist import GistHeuristics, pack_stash, unpack_stash
+from trainops.plan import clear_plan_cache
+
+from conftest import HAS_CUDA
+from numerics import FLOATS, relative_error
+
+SMALL = GistHeuristics(block=16)   # many programs on small shapes, a partial last one
+PLANS = {"default": GistHeuristics(), "small": SMALL}
+BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Outputs start as NaN (bits as 0b10101010), so an element or byte left unwritten fails."""
+    original = G.GistReluProblem.new_output
+
+    def new_output(self):
+        out = original(self)
+        if isinstance(out, torch.Tensor):
+            return out.fill_(float("nan"))
+        y, bits = out
+        return y.fill_(float("nan")), bits.fill_(0xAA)
+    monkeypatch.setattr(G.GistReluProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN payloads aside (torch's own NaN payloads differ between its paths)."""
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    ints = BITS_OF[a.element_size()]
+    keep = ~a.isnan()
+    return torch.equal(a.detach()[keep].view(ints), b.detach()[keep].view(ints))
+
+
+def special(shape, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    flat = x.view(-1)
+    values = [float("nan"), 0.0, -0.0, float("-inf"), float("inf"), -1e-30, 1e-30]
+    flat[:min(len(values), flat.numel())] = torch.tensor(values[:flat.numel()], dtype=torch.float64).to(dtype)
+    return x.to(device)
+
+
+def relu_and_grad(fn, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5, 7), (4, 129), (2, 3, 17, 9)])
+def test_relu_is_torchs_bit_for_bit(backend, device, dtype, shape, plan):
+    x = special(shape, dtype, device)
+    dy = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    with trainops.heuristics(PLANS[plan]):
+        y, dx = relu_and_grad(trainops.gist.relu, x, dy)
+    ref_y, ref_dx = relu_and_grad(torch.relu, x, dy)
+    assert same_bits(y, ref_y) and same_bits(dx, ref_dx), (y, ref_y, dx, ref_dx)
+
+
+def test_bits_are_the_backward_mask_packed(backend, device):
+    x = special((5, 13), torch.float32, device)
+    with trainops.heuristics(SMALL):
+        y, bits = G.gist_relu_op(x)
+    assert bits.dtype == torch.uint8 and bits.shape == ((x.numel() + 7) // 8,)
+    assert torch.equal(bits.cpu(), pack_bits(~(y.cpu().reshape(-1) <= 0)))   # the last byte's spare bits are 0
+
+
+def test_only_the_bits_are_saved(backend, device):
+    """The autograd graph keeps ceil(n / 8) bytes for the ReLU, not its input or output."""
+    saved = []
+    x = torch.randn(6, 11, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        trainops.gist.relu(x * 2)
+    assert len(saved) == 1 and saved[0].dtype == torch.uint8 and saved[0].shape == (9,), saved
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.relu(x * 2)
+    assert saved[0].dtype == torch.float32 and saved[0].numel() == 66   # torch keeps the output
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced", "expanded"])
+def test_layouts(backend, device, layout):
+    base = special((2, 3, 4, 5), torch.float32, device, seed=3)
+    x = {"channels_last": base.to(memory_format=torch.channels_last),
+         "transposed": base.transpose(1, 3),
+         "sliced": base[:, :, 1:3],
+         "expanded": base[:1, :1].expand(2, 3, 4, 5)}[layout]
+    dy = torch.randn(x.shape, device=device)
+    with trainops.heuristics(SMALL):
+        y, dx = relu_and_grad(trainops.gist.relu, x, dy)
+    ref_y, ref_dx = relu_and_grad(torch.relu, x, dy)
+    assert same_bits(y, ref_y) and same_bits(dx, ref_dx)
+    if layout in ("channels_last", "transposed"):   # dense layouts are read in place and kept
+        assert y.stride() == x.stride()
+    else:
+        assert y.is_contiguous()
+
+
+def test_gradient_of_another_layout_than_the_output(backend, device):
+    """dy in strides other than y's is brought to y's layout (the bits are in y's memory order)."""
+    x = special((2, 3, 4, 5), torch.float32, device, seed=4).to(memory_format=torch.channels_last)
+    dy = torch.randn(2, 3, 4, 5, device=device)                 # contiguous, y is channels_last
+    y, dx = relu_and_grad(trainops.gist.relu, x, dy)
+    ref_y, ref_dx = relu_and_grad(torch.relu, x, dy)
+    assert same_bits(dx, ref_dx)
+
+
+def test_empty_and_gradcheck(backend, device):
+    y, dx = relu_and_grad(trainops.gist.relu, torch.empty(0, 3, device=device), torch.empty(0, 3, device=device))
+    assert y.shape == (0, 3) and dx.shape == (0, 3)
+    x = torch.randn(4, 9, dtype=torch.float64, device=device)
+    x = torch.where(x.abs() < 1e-3, 0.5, x).requires_grad_()   # no input within gradcheck's step of 0
+    assert torch.autograd.gradcheck(trainops.gist.relu, (x,))
+
+
+def test_module_is_a_drop_in(backend, device):
+    for inplace in (False, True):
+        module = trainops.gist.ReLU(inplace=inplace)
+        assert isinstance(module, torch.nn.ReLU) and module.inplace is inplace and repr(module) == repr(
+            torch.nn.ReLU(inplace=inplace))
+        x = torch.randn(3, 8, device=device)
+        before = x.clone()
+        assert same_bits(module(x), torch.relu(x)) and torch.equal(x, before)   # a new tensor, input untouched
+
+
+def test_torch_compile_fullgraph(backend, device):
+    def f(x):
+        return (trainops.gist.relu(x * 3) * 2).sum()
+
+    x = torch.randn(4, 33, device=device, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(x)
+    loss.backward()
+    ref = x.detach().clone().requires_grad_()
+    f_ref = (torch.relu(ref * 3) * 2).sum()
+    f_ref.backward()
+    assert torch.equal(loss.detach(), f_ref.detach()) and torch.equal(x.grad, ref.grad)
+
+
+def test_relu_errors_name_the_argument():
+    with pytest.raises(UnsupportedError, match=r"gist.relu: argument 'inplace'"):
+        trainops.gist.relu(torch.randn(3), inplace=True)
+    with pytest.raises(UnsupportedError, match=r"gist.relu: argument 'input' has dtype torch.int64"):
+        trainops.gist.relu(torch.arange(3))
+    with pytest.raises(InvalidProblemError, match=r"gist.relu: argument 'input' must be a torch.Tensor"):
+        trainops.gist.relu([1.0, -1.0])
+    with pytest.raises(InvalidProblemError, match=r"argument 'strides'"):
+        trainops.plan("gist_relu", shape=(4, 4), dtype=torch.float32, device="cpu", strides=(8, 1))
+    with pytest.raises(InvalidProblemError, match=r"argument 'heuristics'"):
+        trainops.plan("gist_relu", shape=(4,), dtype=torch.float32, device="cpu", heuristics=GistHeuristics(block=12))
+    with pytest.raises(InvalidProblemError, match=r"argument 'bits'"):
+        G.gist_relu_backward_op(torch.randn(16), torch.zeros(3, dtype=torch.uint8), [1])
+    with pytest.raises(UnsupportedError, match="double backward"):
+        x = torch.randn(5, requires_grad=True)
+        torch.autograd.grad(trainops.gist.relu(x).sum(), x, create_graph=True)
+
+
+def test_plan_api_reports_the_kernel(backend, device):
+    p = trainops.plan("gist_relu", shape=(10, 3), dtype=torch.bfloat16, device=device)
+    assert p.kernel.backend == backend and p.precision.bitwise_reproducible
+    x = special((10, 3), torch.bfloat16, device)
+    y, bits = p.run(x)
+    assert same_bits(y, torch.relu(x))
+
+
+# ---- lossy stash formats -----------------------------------------------------------------------
+
+BOUNDS = {"e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+# the smallest normal of each format, relative to the largest magnitude after scaling (>= format max / 2)
+NORMAL_RANGE = {"e4m3": 2.0 ** -6 / 224, "e5m2": 2.0 ** -14 / 28672, "fp16": 2.0 ** -14 / 32752, "bf16": 2.0 ** -126}
+
+
+@pytest.mark.parametrize("format", list(BOUNDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4])
+def test_stash_error_is_the_formats_rounding(format, dtype, magnitude):
+    gen = torch.Generator().manual_seed(7)
+    if dtype == torch.float16 and magnitude == 1e-6:
+        magnitude = 1e-3   # within float16's own range
+    # magnitudes log-uniform over the format's normal range below the largest (and the input
+    # dtype's: float16's normals end at 2**-14), both signs
+    span = min(-math.log2(NORMAL_RANGE[format]), 20.0,
+               math.log2(magnitude / 2.0 ** -14) if dtype == torch.float16 else 20.0)
+    mags = torch.exp2(-torch.rand(4096, generator=gen, dtype=torch.float64) * span)
+    signs = torch.where(torch.rand(4096, generator=gen) < 0.5, -1.0, 1.0).double()
+    t = (mags * signs * magnitude).to(dtype)
+    assert (t != 0).all()
+    stashed = pack_stash(t, format)
+    back = unpack_stash(stashed)
+    assert back.dtype == dtype and back.shape == t.shape
+    rel = ((back.double() - t.double()).abs() / t.double().abs()).max().item()
+    bound = max(BOUNDS[format], 2.0 ** -8 if dtype == torch.bfloat16 else 0.0, 2.0 ** -11 if dtype == torch.float16 else 0)
+    assert rel <= bound, (format, dtype, magnitude, rel)
+    if stashed.scale is not None:
+        s = stashed.scale.item()
+        assert s == 2.0 ** round(math.log2(s))                                   # a power of two
+        assert stashed.data.float().abs().max().item() <= G.STASH_FORMATS[format].largest
+    assert stashed.data.element_size() == (1 if format in ("e4m3", "e5m2") else 2)
+
+
+def test_stash_of_non_finite_zero_empty_and_layouts():
+    t = torch.randn(64)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        u = t.clone()
+        u[5] = bad
+        for format in ("e4m3", "e5m2", "fp16"):
+            assert unpack_stash(pack_stash(u, format)).isnan().all(), (format, bad)   # never finite and wrong
+    assert torch.equal(unpack_stash(pack_stash(torch.zeros(9), "e4m3")), torch.zeros(9))
+    assert unpack_stash(pack_stash(torch.empty(0, 4), "e5m2")).shape == (0, 4)
+    cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert unpack_stash(pack_stash(cl, "e4m3")).stride() == cl.stride()
+    with pytest.raises(InvalidProblemError, match="argument 'format' is 'fp8'"):
+        pack_stash(t, "fp8")
+    with pytest.raises(UnsupportedError, match="argument 't'"):
+        pack_stash(torch.arange(4), "bf16")
+
+
+# ---- saved_tensors and compress ----------------------------------------------------------------
+
+class Net(torch.nn.Module):
+    """conv -> batch norm -> ReLU -> conv -> ReLU -> pool -> linear: what a CNN stashes."""
+
+    def __init__(self, inplace=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU(inplace=inplace),
+            torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def loss_and_grads(model, x, y):
+    model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def batch(seed=1, n=8):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 16, 16, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def test_saved_tensors_packs_activations_once_and_leaves_the_rest():
+    x, y = batch()
+    model = Net()
+    ref_loss, ref_grads = loss_and_grads(model, x, y)
+    with trainops.gist.saved_tensors("e4m3", min_numel=1024) as stats:
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    # conv1 output (saved by batch norm), relu1 output (saved by relu1 and conv2: packed once), relu2's
+    # output (by relu2 and the mean's backward? no: mean saves nothing), so 3 tensors of 8*16*16*16
+    # floats; the input x, the weights and the small statistics are not packed
+    numel = 8 * 16 * 16 * 16
+    assert stats.packed == 3 and stats.reused >= 1, stats
+    assert stats.original_bytes == 3 * numel * 4 and stats.stored_bytes == 3 * numel, stats
+    assert torch.equal(loss, ref_loss)                  # the forward is untouched
+    errors = [relative_error(g, r) for g, r in zip(grads, ref_grads)]
+    assert 1e-4 < max(errors) < 0.1, errors              # changed, by about e4m3's rounding
+    # outside the context nothing is packed: the same step gives the reference gradients again
+    _, again = loss_and_grads(model, x, y)
+    assert all(torch.equal(a, r) for a, r in zip(again, ref_grads))
+
+
+def test_saved_tensors_bf16_and_min_numel():
+    x, y = batch()
+    model = Net()
+    _, ref_grads = loss_and_grads(model, x, y)
+    with trainops.gist.saved_tensors("bf16") as stats:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    model.zero_grad()
+    loss.backward()
+    err = max(relative_error(p.grad, r) for p, r in zip(model.parameters(), ref_grads))
+    assert 0 < err < 1e-2, err
+    assert stats.stored_bytes * 2 == stats.original_bytes
+    with trainops.gist.saved_tensors("bf16", min_numel=10 ** 9) as none:
+        cross = torch.nn.functional.cross_entropy(model(x), y)
+    assert none.packed == 0
+    cross.backward()
+    with pytest.raises(InvalidProblemError, match="argument 'min_numel'"):
+        with trainops.gist.saved_tensors("bf16", min_numel=-1):
+            pass
+    with pytest.raises(InvalidProblemError, match="argument 'format'"):
+        with trainops.gist.saved_tensors("int8"):
+            pass
+
+
+def test_compress_swaps_relus_exactly_and_stashes(backend, device):
+    x, y = batch()
+    x, y = x.to(device), y.to(device)
+    plain = Net(inplace=True).to(device)
+    ref_loss, ref_grads = loss_and_grads(plain, x, y)
+    model = Net(inplace=True).to(device)
+    handle = trainops.gist.compress(model)
+    assert handle.swapped == ["body.2", "body.4"] and handle.stash is None and handle.stats is None
+    assert all(type(model.body[i]) is trainops.gist.ReLU for i in (2, 4)) and model.body[2].inplace
+    loss, grads = loss_and_grads(model, x, y)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    assert trainops.gist.compress(model).swapped == []   # nothing left to swap
+
+    handle = trainops.gist.compress(model, stash="e4m3", min_numel=1024)
+    loss, grads = loss_and_grads(model, x, y)
+    # with the ReLUs' bits, only conv1's output (batch norm's input) and relu1's (conv2's input) remain
+    assert handle.stats.packed == 2 and handle.stats.reused == 0, handle.stats
+    assert torch.equal(loss, ref_loss) and 0 < max(relative_error(g, r) for g, r in zip(grads, ref_grads)) < 0.1
+    with pytest.raises(InvalidProblemError, match="has GIST stash hooks already"):
+        trainops.gist.compress(model, stash="bf16")
+    handle.remove()
+    loss, grads = loss_and_grads(model, x, y)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))    # hooks off: exact again
+
+
+def test_a_forward_that_raises_closes_the_stash():
+    model = Net()
+    trainops.gist.compress(model, stash="e4m3", min_numel=1)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, 16, 16))   # wrong channel count: conv1 raises
+    saved = []
+    a = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(type(t)) or t, lambda t: t):
+        (a * 2).exp()
+    assert saved == [torch.Tensor]   # our hooks are not left on (theirs, innermost, see a plain tensor)
+    out = (a * 2).exp()                # and a step outside runs without ours
+    out.sum().backward()
+
+
+def test_compress_errors():
+    with pytest.raises(InvalidProblemError, match="gist.compress: argument 'model'"):
+        trainops.gist.compress(torch.nn.functional.relu)
+    with pytest.raises(InvalidProblemError, match="argument 'stash' is 'e3m4'"):
+        trainops.gist.compress(Net(), stash="e3m4")
+    model = Net()
+    with pytest.raises(InvalidProblemError, match="argument 'min_numel'"):
+        trainops.gist.compress(model, stash="bf16", min_numel=-2)
+    assert type(model.body[2]) is torch.nn.ReLU   # refused before anything changed
+
+
+# ---- real sizes on the GPU ---------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_relu_real_size(dtype):
+    x = torch.randn(32, 256, 56, 56, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    x.view(-1)[:4] = torch.tensor([float("nan"), 0.0, -0.0, float("-inf")], dtype=dtype)
+    dy = torch.randn_like(x)
+    y, dx = relu_and_grad(trainops.gist.relu, x, dy)
+    ref_y, ref_dx = relu_and_grad(torch.relu, x, dy)
+    assert same_bits(y, ref_y) and same_bits(dx, ref_dx) and y.stride() == x.stride()
+
+
+@pytest.mark.gpu
+def test_gpu_compress_saves_memory():
+    torch.manual_seed(0)
+
+    def make():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(6):
+            layers += [torch.nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
+                       torch.nn.ReLU(inplace=True)]
+        return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
+
+    x = torch.randn(64, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last)
+    peaks, grads = {}, {}
+    for name in ("torch", "relu", "relu+e4m3"):
+        model = make()
+        if name != "torch":
+            trainops.gist.compress(model, stash="e4m3" if "e4m3" in name else None)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        grads[name] = [p.grad for p in model.parameters()]
+    print(peaks)
+    assert all(torch.equal(a, b) for a, b in zip(grads["relu"], grads["torch"]))
+    assert max(relative_error(a, b) for a, b in zip(grads["relu+e4m3"], grads["torch"])) < 0.1
+    assert peaks["relu+e4m3"] < 0.6 * peaks["torch"], peaks
