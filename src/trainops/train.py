@@ -577,10 +577,10 @@ def evaluate(model, batches, amp_dtype, device, loss_of=lambda model, x, y: mode
     return sum(losses) / len(losses)
 
 
-def _progress(name, step, steps, loss, tokens_per_s, final=False):
+def _progress(name, step, steps, loss, tokens_per_s, final=False, unit="tok/s"):
     width = 24
     done = int(width * step / steps)
-    line = f"\r{name:9s} [{'#' * done}{'.' * (width - done)}] step {step}/{steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
+    line = f"\r{name:9s} [{'#' * done}{'.' * (width - done)}] step {step}/{steps} loss {loss:.4f} {tokens_per_s:,.0f} {unit}"
     if sys.stderr.isatty():
         sys.stderr.write(line + ("\n" if final else ""))
     elif final or step % max(1, steps // 10) == 0:
@@ -795,18 +795,20 @@ def main(argv=None) -> int:
     """``python -m trainops train``: check every argument and the --resume checkpoint, then train;
     returns 0. A user error ends in ``parser.error`` (exit status 2, one line naming the argument)
     before any data is read or any step runs."""
+    from .train_cnn import CNN_CONFIGS, GIST_CHOICES
     from .train_llama import LLAMA_CONFIGS, RUNS
 
     default_steps = "; ".join(f"{model}: " + ", ".join(f"{name} {entries['steps']}" for name, entries in configs.items())
-                              for model, configs in (("gpt", CONFIGS), ("llama", LLAMA_CONFIGS)))
+                              for model, configs in (("gpt", CONFIGS), ("llama", LLAMA_CONFIGS), ("cnn", CNN_CONFIGS)))
     parser = argparse.ArgumentParser(prog="python -m trainops train", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", type=_training_device, help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--model", default="gpt", choices=["gpt", "llama"],
+    parser.add_argument("--model", default="gpt", choices=["gpt", "llama", "cnn"],
                         help="gpt (default): the byte-level GPT written over trainops's ops; llama: transformers's "
-                             "LlamaForCausalLM on BPE tokens, patched by trainops.patch (needs the hf extra)")
-    parser.add_argument("--config", default="small", choices=sorted(set(CONFIGS) | set(LLAMA_CONFIGS)),
+                             "LlamaForCausalLM on BPE tokens, patched by trainops.patch (needs the hf extra); cnn: "
+                             "a small ResNet on generated images with trainops's batch norm and GIST")
+    parser.add_argument("--config", default="small", choices=sorted(set(CONFIGS) | set(LLAMA_CONFIGS) | set(CNN_CONFIGS)),
                         help=f"model size and data budget (default: small); gpt: {', '.join(CONFIGS)}; "
-                             f"llama: {', '.join(LLAMA_CONFIGS)}")
+                             f"llama: {', '.join(LLAMA_CONFIGS)}; cnn: {', '.join(CNN_CONFIGS)}")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help=f"optimizer steps, at least 1 (default: the config's: {default_steps})")
     parser.add_argument("--lr", type=_positive_float, default=None,
@@ -837,7 +839,17 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=None,
                         help=f"--model llama: the runs to train, comma-separated, from {', '.join(RUNS)} "
                              "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger)")
+    parser.add_argument("--gist", default=None, choices=GIST_CHOICES,
+                        help="--model cnn: what the trainops run stores compressed for the backward (default: relu, "
+                             "1 bit a ReLU output, exact; bf16 / fp16 / e5m2 / e4m3: also every other saved "
+                             "activation, lossy; none: nothing)")
     args = parser.parse_args(argv)
+    if args.model == "cnn":
+        from .train_cnn import main_cnn
+        args.gist = "relu" if args.gist is None else args.gist
+        return main_cnn(parser, args)
+    if args.gist is not None:
+        parser.error("argument --gist: only with --model cnn")
     if args.model == "llama":
         if args.fsdp:
             parser.error("argument --fsdp: only with --model gpt (the default)")

@@ -311,13 +311,13 @@ def mean_relative_difference(losses: list, reference: list) -> float:
     return sum(abs(a - b) / abs(b) for a, b in zip(losses, reference)) / len(reference)
 
 
-def results_table(results: list[RunResult], device: torch.device) -> str:
-    """One line per run: tokens/s, median step, speed against the reference run (of the medians),
-    peak memory, final and held-out loss, and the largest and the mean relative distance of its loss curve from the
-    reference's, step by step."""
+def results_table(results: list[RunResult], device: torch.device, runs: dict = RUNS, unit: str = "tokens/s") -> str:
+    """One line per run: ``unit`` (a result's throughput), median step, speed against the reference
+    run (of the medians), peak memory, final and held-out loss, and the largest and the mean relative
+    distance of its loss curve from the reference's, step by step. ``runs``: each run's label."""
     reference = reference_run(results)
     memory = "peak MiB" if device.type == "cuda" else "peak RSS so far"
-    lines = [f"{'run':32s} {'tokens/s':>10s} {'ms/step':>8s} {'speed':>6s} {memory:>15s} {'final':>7s} "
+    lines = [f"{'run':32s} {unit:>10s} {'ms/step':>8s} {'speed':>6s} {memory:>15s} {'final':>7s} "
              f"{'held-out':>8s} {'curve vs ' + (reference.name if reference else '-') + ': max, mean':>32s}"]
     for r in results:
         timed = bool(r.step_times_ms)
@@ -326,7 +326,7 @@ def results_table(results: list[RunResult], device: torch.device) -> str:
         curve = (f"{100 * largest_relative_difference(r.losses, reference.losses):24.2f}%, "
                  f"{100 * mean_relative_difference(r.losses, reference.losses):5.2f}%"
                  if reference and r is not reference else f"{'-':>32s}")
-        lines.append(f"{RUNS[r.name]:32s} {r.tokens_per_s if timed else math.nan:10,.0f} "
+        lines.append(f"{runs[r.name]:32s} {r.tokens_per_s if timed else math.nan:10,.0f} "
                      f"{_median(r.step_times_ms):8.1f} {speed:>6s} {r.peak_memory_mb:15,.0f} "
                      f"{sum(r.losses[-5:]) / len(r.losses[-5:]):7.4f} {r.val_loss:8.4f} {curve}")
     if any(not r.step_times_ms for r in results):
@@ -342,7 +342,7 @@ def curves_table(results: list[RunResult], every: int) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(results: list[RunResult], path: str, title: str) -> str:
+def plot_curves(results: list[RunResult], path: str, title: str, runs: dict = RUNS) -> str:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -351,7 +351,7 @@ def plot_curves(results: list[RunResult], path: str, title: str) -> str:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(results):
-        ax.plot(range(1, len(r.losses) + 1), r.losses, label=RUNS[r.name], lw=2 if i == 0 else 1,
+        ax.plot(range(1, len(r.losses) + 1), r.losses, label=runs[r.name], lw=2 if i == 0 else 1,
                 ls="-" if i == 0 else "--", alpha=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
