@@ -91,6 +91,13 @@ def test_bits_are_the_backward_mask_packed(backend, device):
         y, bits = G.gist_relu_op(x)
     assert bits.dtype == torch.uint8 and bits.shape == ((x.numel() + 7) // 8,)
     assert torch.equal(bits.cpu(), pack_bits(~(y.cpu().reshape(-1) <= 0)))   # the last byte's spare bits are 0
+    # a channels-last tensor's bits follow its memory order (N, H, W, C), not the logical one
+    x = special((2, 3, 5, 7), torch.float32, device, seed=8).to(memory_format=torch.channels_last)
+    with trainops.heuristics(SMALL):
+        y, bits = G.gist_relu_op(x)
+    in_memory = y.cpu().permute(0, 2, 3, 1).reshape(-1)
+    assert torch.equal(bits.cpu(), pack_bits(~(in_memory <= 0)))
+    assert not torch.equal(bits.cpu(), pack_bits(~(y.cpu().reshape(-1) <= 0)))
 
 
 def test_only_the_bits_are_saved(backend, device):
@@ -134,8 +141,11 @@ def test_gradient_of_another_layout_than_the_output(backend, device):
 
 
 def test_empty_and_gradcheck(backend, device):
-    y, dx = relu_and_grad(trainops.gist.relu, torch.empty(0, 3, device=device), torch.empty(0, 3, device=device))
-    assert y.shape == (0, 3) and dx.shape == (0, 3)
+    for shape in ((0, 3), (4, 0), (2, 0, 3)):
+        y, dx = relu_and_grad(trainops.gist.relu, torch.empty(shape, device=device), torch.empty(shape, device=device))
+        assert y.shape == shape and dx.shape == shape
+    for x in (torch.randn(0, 3, device=device), torch.randn(4, 0, device=device), torch.randn(1, 1, device=device)):
+        torch.library.opcheck(torch.ops.trainops.gist_relu.default, (x.requires_grad_(),))
     x = torch.randn(4, 9, dtype=torch.float64, device=device)
     x = torch.where(x.abs() < 1e-3, 0.5, x).requires_grad_()   # no input within gradcheck's step of 0
     assert torch.autograd.gradcheck(trainops.gist.relu, (x,))
@@ -222,8 +232,29 @@ def test_stash_error_is_the_formats_rounding(format, dtype, magnitude):
     if stashed.scale is not None:
         s = stashed.scale.item()
         assert s == 2.0 ** round(math.log2(s))                                   # a power of two
-        assert stashed.data.float().abs().max().item() <= G.STASH_FORMATS[format].largest
+        assert stashed.data.float().abs().max().item() <= (G.STASH_FORMATS[format].largest
+                                                            or torch.finfo(torch.bfloat16).max)
     assert stashed.data.element_size() == (1 if format in ("e4m3", "e5m2") else 2)
+
+
+@pytest.mark.parametrize("format", list(BOUNDS))
+@pytest.mark.parametrize("magnitude", [1e300, 1e39, 1e-42, 1e-300])
+def test_float64_stash_beyond_float32s_range(format, magnitude):
+    t = torch.randn(512, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * magnitude
+    t = torch.where(t.abs() < magnitude * 1e-3, magnitude, t)   # keep within a few binades of the largest
+    back = unpack_stash(pack_stash(t, format))
+    rel = ((back - t).abs() / t.abs()).max().item()
+    assert rel <= BOUNDS[format], (format, magnitude, rel)
+
+
+def test_float16_stash_of_small_values_clamps_its_scale():
+    t = (torch.randn(512, generator=torch.Generator().manual_seed(4)) * 1e-4).to(torch.float16)
+    stashed = pack_stash(t, "e4m3")
+    assert stashed.scale.item() == 2.0 ** 15          # 448 / 4e-4 would need 2**20: float16 holds 2**15
+    back = unpack_stash(stashed)
+    normal = t.float().abs() >= 2.0 ** -6 / 2.0 ** 15   # e4m3's normals after the scale
+    rel = ((back.float() - t.float()).abs() / t.float().abs())[normal].max().item()
+    assert rel <= BOUNDS["e4m3"], rel
 
 
 def test_stash_of_non_finite_zero_empty_and_layouts():
@@ -345,16 +376,62 @@ def test_compress_swaps_relus_exactly_and_stashes(backend, device):
 
 def test_a_forward_that_raises_closes_the_stash():
     model = Net()
-    trainops.gist.compress(model, stash="e4m3", min_numel=1)
+    handle = trainops.gist.compress(model, stash="e4m3", min_numel=1)
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 5, 16, 16))   # wrong channel count: conv1 raises
-    saved = []
+    packed = handle.stats.packed
     a = torch.randn(64, 64, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(type(t)) or t, lambda t: t):
-        (a * 2).exp()
-    assert saved == [torch.Tensor]   # our hooks are not left on (theirs, innermost, see a plain tensor)
-    out = (a * 2).exp()                # and a step outside runs without ours
-    out.sum().backward()
+    (a * 2).exp().sum().backward()     # exp saves its output: a leaked e4m3 hook would pack it
+    assert torch.equal(a.grad, 2 * (a.detach() * 2).exp()) and handle.stats.packed == packed
+
+
+def test_stash_leaves_parameters_their_views_and_expanded_views():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128))
+    x = torch.randn(64, 128)
+    seen = []
+    with trainops.gist.saved_tensors("e4m3", min_numel=1024) as stats:
+        h = model(x)                                   # Linear saves weight.t(): a view of a leaf
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)                                   # under autocast, the weights' bf16 copies
+        wide = h[:1].expand(64, 128) * h              # mul saves an expanded view (not dense)
+    # packed: the ReLU's output (saved by the ReLU and the second linear: once), in the float32 and
+    # the bf16 forward, and h (saved by the mul); never x, a weight's transpose or its bf16 copy,
+    # nor the expanded view of h
+    assert stats.packed == 3 and stats.reused == 2, stats
+    assert stats.original_bytes == 64 * 128 * (4 + 2 + 4), stats
+    wide.sum().backward()
+
+
+def test_packed_copies_go_with_the_graph():
+    import gc
+
+    model = Net()
+    x, y = batch()
+    counts = []
+    with trainops.gist.saved_tensors("e4m3", min_numel=1024):
+        for _ in range(4):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            gc.collect()
+            counts.append(sum(isinstance(o, G.Stashed) for o in gc.get_objects()))
+    assert counts == [0, 0, 0, 0], counts
+
+
+def test_compress_keeps_hooks_sharing_and_leaves_subclasses():
+    class MyReLU(torch.nn.ReLU):
+        pass
+
+    shared = torch.nn.ReLU()
+    calls = []
+    shared.register_forward_hook(lambda *args: calls.append(1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.Linear(4, 4), shared, MyReLU())
+    handle = trainops.gist.compress(model)
+    assert handle.swapped == ["1"] and handle.left == ["4"], handle
+    assert model[1] is model[3] is shared and type(shared) is trainops.gist.ReLU
+    model(torch.randn(2, 4))
+    assert calls == [1, 1]
+    root = torch.nn.ReLU()
+    assert trainops.gist.compress(root).swapped == [""] and type(root) is trainops.gist.ReLU
 
 
 def test_compress_errors():

@@ -17,20 +17,27 @@ Two savings, which add up:
 - **Lossy.** ``saved_tensors(format)`` packs every float tensor the autograd graph saves while it is
   active, for the backward pass to unpack: "e4m3" / "e5m2" (float8, 1 byte, a power-of-two scale
   per tensor), "fp16" / "bf16" (2 bytes); the formats and their rounding are in
-  trainops.ops.gist. Only activations are packed: tensors with a ``grad_fn`` (parameters, the
-  model's inputs and other leaves stay alive anyway, and a packed copy would add memory), of at
-  least ``min_numel`` elements, wider than the format, plain tensors (not DTensors or other
-  subclasses). A tensor saved by several nodes is packed once (the same tensor object at the same
-  version). The gradients change by the format's rounding of what the backward reads: measured in
-  benchmarks/NOTES.md ("GIST").
+  trainops.ops.gist. Only activations are packed: tensors computed from something that needs a
+  gradient (a ``grad_fn``), other than views and casts of leaves (a parameter, its transpose that a
+  linear layer saves, its autocast copy, the model's inputs stay as they are: they are alive
+  anyway, and a packed copy would add memory and error), dense (an expanded or sliced view stays:
+  packing it would copy it whole), of at least ``min_numel`` elements, wider than the format, plain
+  tensors (not DTensors or other subclasses). A tensor saved by several nodes is packed once (the
+  same tensor object at the same version; a write through ``.data``, which bumps no version, is
+  not seen: do not write saved activations through ``.data`` inside the context). The gradients
+  change by the format's rounding of what the backward reads: measured in benchmarks/NOTES.md
+  ("GIST").
 
-``compress(model, relu=True, stash=None)`` swaps every ``torch.nn.ReLU`` submodule (also
-``inplace=True`` ones, computed out of place: the bits replace the saved output, so the input is
-freed as before) and, with ``stash``, runs every forward of ``model`` inside ``saved_tensors``
-(forward hooks that also close it when the forward raises). It returns a ``GistHandle`` (what was
-swapped, the last forward's ``StashStats``, ``remove()`` to take the hooks off). ReLUs called as
-functions (``F.relu``, ``torch.relu``) are not swapped; ``GistHandle.relus_left`` cannot see them,
-so call ``trainops.gist.relu`` there.
+``compress(model, relu=True, stash=None)`` turns every ``torch.nn.ReLU`` module of ``model`` (the
+model itself included; also ``inplace=True`` ones, computed out of place: the bits replace the
+saved output, so the input is freed as before) into a ``trainops.gist.ReLU`` in place (its class
+is swapped: the same object, so its hooks and a module shared by several parents stay as they
+are) and, with ``stash``, runs every forward of ``model`` inside ``saved_tensors`` (forward hooks
+that also close it when the forward raises). It returns a ``GistHandle``: the swapped modules'
+names, ``left`` (subclasses of ``torch.nn.ReLU`` it does not swap: their forward is their own),
+the last forward's ``StashStats``, and ``remove()`` to take the hooks off. ReLUs called as
+functions (``F.relu``, ``torch.relu``) are not swapped and not seen; call ``trainops.gist.relu``
+there.
 
 Eager mode: under torch.compile, ``relu`` is a custom op like the others; ``saved_tensors`` is a
 ``torch.autograd.graph.saved_tensors_hooks`` context, which torch.compile handles (or refuses) as
@@ -99,6 +106,23 @@ class StashStats:
     reused: int = 0
 
 
+_PASS_THROUGH = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                           "ReshapeAliasBackward0", "UnsafeViewBackward0", "ExpandBackward0", "ToCopyBackward0",
+                           "AliasBackward0", "DetachBackward0"})
+
+
+def _is_activation(t: Tensor) -> bool:
+    """Whether ``t`` was computed from something that needs a gradient, other than a view or cast
+    chain ending at a leaf (a parameter, its transpose, its autocast copy)."""
+    fn = (t._base if t._is_view() else t).grad_fn
+    while fn is not None and type(fn).__name__ in _PASS_THROUGH:
+        sources = [f for f, _ in fn.next_functions if f is not None]
+        if len(sources) != 1:
+            break
+        fn = sources[0]
+    return fn is not None and type(fn).__name__ != "AccumulateGrad"
+
+
 def _check_min_numel(op: str, min_numel) -> int:
     if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
         raise argument_error(InvalidProblemError, op, "min_numel", f"is {min_numel!r}; it must be an int >= 0")
@@ -117,19 +141,25 @@ def saved_tensors(format: str = "e4m3", *, min_numel: int = MIN_NUMEL) -> Iterat
     spec = gist_ops.check_stash_format(op, "format", format)
     min_numel = _check_min_numel(op, min_numel)
     stats = StashStats()
-    packed: dict[int, tuple[weakref.ref, int, Stashed]] = {}   # id(tensor) -> (the tensor, its version, packed)
+    # id(tensor) -> (the tensor, its version, its packed copy), all weak: an entry lives while both
+    # the tensor and the graph's packed copy do, and goes with the tensor
+    packed: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
     width = spec.dtype.itemsize
 
     def pack(t: Tensor):
-        if (type(t) not in (Tensor, torch.nn.Parameter) or t.grad_fn is None or t.dtype not in gist_ops.FLOATS
-                or t.element_size() <= width or t.numel() < min_numel):
+        if (type(t) not in (Tensor, torch.nn.Parameter) or t.dtype not in gist_ops.FLOATS
+                or t.element_size() <= width or t.numel() < min_numel
+                or not gist_ops.dense_strides(t.shape, t.stride()) or not _is_activation(t)):
             return t
-        known = packed.get(id(t))
+        key = id(t)
+        known = packed.get(key)
         if known is not None and known[0]() is t and known[1] == t._version:
-            stats.reused += 1
-            return known[2]
+            stashed = known[2]()
+            if stashed is not None:
+                stats.reused += 1
+                return stashed
         stashed = pack_stash(t, format)
-        packed[id(t)] = (weakref.ref(t), t._version, stashed)
+        packed[key] = (weakref.ref(t, lambda _, key=key: packed.pop(key, None)), t._version, weakref.ref(stashed))
         stats.packed += 1
         stats.original_bytes += t.numel() * t.element_size()
         stats.stored_bytes += stashed.data.numel() * stashed.data.element_size()
@@ -144,10 +174,12 @@ def saved_tensors(format: str = "e4m3", *, min_numel: int = MIN_NUMEL) -> Iterat
 
 @dataclass
 class GistHandle:
-    """What ``compress`` did to a model: the swapped ReLUs' names, the stash format (None: none),
-    ``stats`` of the last forward (None before one, or without a stash), and ``remove()``."""
+    """What ``compress`` did to a model: the swapped ReLUs' names ("" for the model itself), the
+    ReLU subclasses ``left`` as they are, the stash format (None: none), ``stats`` of the last
+    forward (None before one, or without a stash), and ``remove()``."""
 
     swapped: list[str]
+    left: list[str]
     stash: str | None
     stats: StashStats | None = None
     _hooks: list = field(default_factory=list, repr=False)
@@ -183,16 +215,15 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
     if stash is not None and model in _COMPRESSED:
         raise argument_error(InvalidProblemError, op, "model", "has GIST stash hooks already; call remove() on the "
                              "handle compress returned first")
-    swapped = []
+    swapped, left = [], []
     if relu:
-        for name, module in list(model.named_modules()):
-            for child_name, child in list(module.named_children()):
-                if type(child) is torch.nn.ReLU:
-                    new = ReLU(inplace=child.inplace)
-                    new.train(child.training)
-                    setattr(module, child_name, new)
-                    swapped.append(f"{name}.{child_name}" if name else child_name)
-    handle = GistHandle(swapped, stash, _model=weakref.ref(model))
+        for name, module in model.named_modules():   # each module once, shared ones too
+            if type(module) is torch.nn.ReLU:
+                module.__class__ = ReLU   # the same object: hooks, sharing and state stay
+                swapped.append(name)
+            elif isinstance(module, torch.nn.ReLU) and not isinstance(module, ReLU):
+                left.append(name)
+    handle = GistHandle(swapped, left, stash, _model=weakref.ref(model))
     if stash is None:
         return handle
     active: list = []

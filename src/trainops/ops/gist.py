@@ -40,7 +40,8 @@ backward needs (a convolution's or linear layer's input, a batch norm's): ``STAS
 Each tensor is scaled by a power of two chosen from its largest magnitude so that it fits the
 format's range (e4m3 448, e5m2 57344, fp16 65504; bf16 needs no scale: float32's range), then
 rounded to the nearest value of the format (round-to-nearest-even casts); unpacking multiplies by
-the inverse power of two (exact) in the original dtype. A power of two is exact in every format,
+the inverse power of two (exact) in the original dtype (a float64 tensor is scaled in float64,
+bf16 too, so that its range fits). A power of two is exact in every format,
 so the only error is the format's rounding (and values below its smallest subnormal, relative to
 the largest, flush to zero). The scale is computed on the device (no host synchronisation): a
 tensor holding inf or NaN gets a NaN scale, so it unpacks as all NaN and the gradients it feeds
@@ -90,7 +91,10 @@ class GistHeuristics:
 
 def dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether a tensor of ``shape`` and ``strides`` covers a block of memory exactly once (some
-    permutation of a contiguous tensor: contiguous, channels_last, a transpose of either)."""
+    permutation of a contiguous tensor: contiguous, channels_last, a transpose of either; an empty
+    tensor covers none, whatever its strides)."""
+    if 0 in tuple(shape):
+        return True
     expected = 1
     for size, stride in sorted(((s, st) for s, st in zip(shape, strides) if s != 1), key=lambda p: p[1]):
         if stride != expected:
@@ -328,9 +332,12 @@ def _gist_relu_fake(x):
 
 
 def _in_layout(t: Tensor, shape, strides) -> Tensor:
-    """``t`` when it has ``strides``, else a copy of it in that layout."""
-    if tuple(t.stride()) == tuple(strides) or t.numel() <= 1:
+    """``t`` with ``strides``: itself when it has them, a view of its one element (or none) under
+    them, else a copy in that layout."""
+    if tuple(t.stride()) == tuple(strides):
         return t
+    if t.numel() <= 1:
+        return t.as_strided(shape, strides)
     return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -390,14 +397,15 @@ STASH_FORMATS = {
 }
 
 
-class Stashed(NamedTuple):
-    """A packed tensor: ``data`` in the format's dtype (the original's shape; its strides where the
-    original was dense), ``scale`` a 0-d float32 tensor (a power of two, or NaN) or None, and the
-    original dtype."""
+class Stashed:
+    """A packed tensor: ``data`` in the format's dtype (the original's shape and, where it was
+    dense, strides), ``scale`` a 0-d float32 tensor (float64 for a float64 original: a power of
+    two, or NaN) or None, and the original dtype. Weak-referenceable (saved_tensors's cache)."""
 
-    data: Tensor
-    scale: Tensor | None
-    dtype: torch.dtype
+    __slots__ = ("data", "scale", "dtype", "__weakref__")
+
+    def __init__(self, data: Tensor, scale: Tensor | None, dtype: torch.dtype):
+        self.data, self.scale, self.dtype = data, scale, dtype
 
 
 def check_stash_format(op: str, name: str, format) -> StashFormat:
@@ -414,14 +422,18 @@ def pack_stash(t: Tensor, format: str) -> Stashed:
     if not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype not in FLOATS:
         raise argument_error(UnsupportedError, "gist.pack_stash", "t", "must be a float32, float16, bfloat16 or "
                              f"float64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if spec.largest is None:
+    wide = t.dtype == torch.float64
+    target = spec.largest if spec.largest is not None else (torch.finfo(spec.dtype).max if wide else None)
+    if target is None:   # bf16 of a float32 / float16 / bf16 tensor: float32's range, no scale needed
         return Stashed(t.detach().to(spec.dtype), None, t.dtype)
     with torch.no_grad():
-        largest = t.abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+        scale_dtype = torch.float64 if wide else torch.float32
+        largest = t.abs().amax().to(scale_dtype) if t.numel() else torch.zeros((), dtype=scale_dtype, device=t.device)
         # the power of two that maps the largest magnitude into [format's largest / 2, its largest],
-        # kept within what t's dtype represents (2**15 for float16, 2**127 for the others)
-        bound = math.floor(math.log2(torch.finfo(t.dtype).max)) if t.dtype == torch.float16 else 127
-        exponent = torch.floor(torch.log2(spec.largest / largest)).clamp(-bound, bound)
+        # kept within what t's dtype represents (2**15 for float16, 2**127 for float32 and bfloat16,
+        # 2**1023 for float64)
+        bound = math.frexp(torch.finfo(t.dtype).max)[1] - 1   # the largest power of two the dtype holds
+        exponent = torch.floor(torch.log2(target / largest)).clamp(-bound, bound)
         scale = torch.where(largest > 0, torch.exp2(exponent), 1.0)
         scale = torch.where(torch.isfinite(largest), scale, torch.nan)   # inf / NaN: all NaN (see above)
         data = (t * scale.to(t.dtype)).to(spec.dtype)
@@ -430,7 +442,7 @@ def pack_stash(t: Tensor, format: str) -> Stashed:
 
 def unpack_stash(stashed: Stashed) -> Tensor:
     """The tensor ``pack_stash`` packed, in its original dtype (with the format's rounding)."""
-    data, scale, dtype = stashed
+    data, scale, dtype = stashed.data, stashed.scale, stashed.dtype
     out = data.to(dtype)
     if scale is not None:
         out.mul_((1.0 / scale).to(dtype))   # a power of two: exact in every dtype
