@@ -311,6 +311,13 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     training). Every check runs before the running statistics are written.
     """
     op = "batch_norm"
+    eps = _batch_norm_checks(op, input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), eps)
+
+
+def _batch_norm_checks(op: str, input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       one_value_per_channel_ok: bool = False) -> float:
+    """batch_norm's argument checks (all of them, before anything is written); returns eps as a float."""
     if not isinstance(input, Tensor):
         raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
     float_dtype(op, "input", input.dtype)   # the four float dtypes (a float8 input is refused here too)
@@ -341,7 +348,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     eps = _eps(op, eps) if eps is not None else 1e-5
     training = bool(training)
     reduced = input.shape[0] * math.prod(input.shape[2:])
-    if training and reduced == 1:
+    if training and reduced == 1 and not one_value_per_channel_ok:
         raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}: training needs more "
                              "than 1 value per channel (as torch)")
     if not training and (running_mean is None or running_var is None):
@@ -350,15 +357,83 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if training and forward_ad._current_level >= 0 and forward_ad.unpack_dual(input).tangent is not None:
         raise argument_error(UnsupportedError, op, "input", "carries a forward-mode tangent: forward-mode AD of "
                              "batch norm in training is not supported (use reverse mode)")
+    return eps
+
+
+def _batch_norm(input, running_mean, running_var, weight, bias, training: bool, momentum: float,
+                eps: float) -> Tensor:
+    """batch_norm on checked arguments."""
     if training:
         # the statistics (running ones updated in place) carry no autograd: the forward op's
         # backward is batch norm's whole gradient
-        mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var,
-                                                        float(momentum), eps)
+        mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, momentum, eps)
     else:  # read, not written: no statistics op (whose in-place contract would bump their versions)
         acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         mean, rstd = running_mean.to(acc), torch.rsqrt(running_var.to(acc) + eps)
     return batch_norm_ops.batch_norm_op(input, weight, bias, mean, rstd, training)
+
+
+def _process_group(op: str, process_group):
+    """(group, its world size) that ``sync_batch_norm`` synchronises over: ``process_group`` or the
+    default group; (None, 1) when torch.distributed is unavailable or not initialized. The size is
+    torch's (-1 on a rank outside the group, which then normalizes alone, as torch's)."""
+    import torch.distributed as dist
+
+    available = dist.is_available()
+    if process_group is not None and not (available and isinstance(process_group, dist.ProcessGroup)):
+        raise argument_error(InvalidProblemError, op, "process_group", "must be a torch.distributed.ProcessGroup or "
+                             f"None, got {type(process_group).__name__}")
+    if not (available and dist.is_initialized()):
+        return None, 1
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group, dist.get_world_size(group)
+
+
+def sync_batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                    weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+                    momentum: float = 0.1, eps: float = 1e-5, process_group=None) -> Tensor:
+    """Synchronised batch normalization: ``batch_norm`` whose training statistics are those of the
+    whole batch of ``process_group``'s ranks (default: the default group), as
+    ``torch.nn.SyncBatchNorm`` computes them (trainops.nn.SyncBatchNorm is the module).
+
+    training=True with torch.distributed initialized and a group of 2 or more ranks: per channel
+    c, over the elements of every rank (n_r on rank r, N = sum n_r; ranks may differ in batch size,
+    and a rank may have none): mean = sum(x) / N, var = sum((x - mean)^2) / N (biased), y = (x -
+    mean) / sqrt(var + eps) * weight + bias on each rank's own x; ``running_mean`` /
+    ``running_var`` (when given, the same on every rank) become (1 - momentum) * running +
+    momentum * (mean, var * N / (N - 1)) on every rank (N = 1 gives NaN, as torch's; N = 0 leaves
+    them). Backward: dx = weight * rstd * (dy - sum(dy) / N - xh * sum(dy * xh) / N) with the
+    group's sums; dweight = sum(dy * xh) and dbias = sum(dy) over this rank's elements only, as
+    torch's (DistributedDataParallel then averages them over ranks; a rank without an element gets
+    zeros where torch's gives None). Otherwise (eval, one rank,
+    torch.distributed not initialized, a rank outside the group): ``batch_norm`` itself.
+
+    Shapes and dtypes as ``batch_norm``: input (N, C, ...) of rank 2 to 8, any strides,
+    channels-last kept; float32 / float16 / bfloat16 / float64; per-channel tensors (C,) of any
+    float dtype. Accumulators: each rank's statistics and gradient sums as ``batch_norm``'s
+    (float32, float64 for float64, fixed-order partial sums); the ranks' statistics combined in
+    float64 (Chan's formula, in rank order: every rank gets the same bits). Collectives on
+    ``process_group``: one all_gather of 2C + 1 float64 values a forward, one all_reduce (SUM) of
+    2C accumulator-dtype values a backward when input needs its gradient (none for dweight and
+    dbias), no other host synchronisation. Determinism: y, the statistics, dweight and dbias are
+    bit-identical run to run; dx too where the backend's all_reduce adds the ranks' sums in a
+    fixed order. Every rank of the group must call it alike (same
+    C, dtypes, training, and input requiring grad or not), as torch's: a rank that skips a call
+    leaves the others waiting in the collective. Under torch.compile it runs eagerly (a graph break).
+    Errors: those of ``batch_norm``, raised before any collective and before the running
+    statistics are written (one value per channel is allowed on a rank of a group of 2 or more,
+    as torch's); InvalidProblemError when ``process_group`` is not a ProcessGroup or None. Double
+    backward and forward-mode AD in training raise UnsupportedError.
+    """
+    op = "sync_batch_norm"
+    group, world_size = _process_group(op, process_group)
+    world_size = world_size if training else 1
+    eps = _batch_norm_checks(op, input, running_mean, running_var, weight, bias, training, momentum, eps,
+                             one_value_per_channel_ok=world_size > 1)
+    if world_size <= 1:
+        return _batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), eps)
+    return batch_norm_ops.sync_batch_norm(input, weight, bias, running_mean, running_var, float(momentum), eps, group,
+                                          world_size)
 
 
 def _eps(op: str, eps):

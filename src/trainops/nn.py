@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -194,8 +195,11 @@ class _BatchNormForward:
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         tracked = not self.training or self.track_running_stats
-        return F.batch_norm(input, self.running_mean if tracked else None, self.running_var if tracked else None,
-                            self.weight, self.bias, use_batch, factor, self.eps)
+        return self._normalize(input, self.running_mean if tracked else None, self.running_var if tracked else None,
+                               use_batch, factor)
+
+    def _normalize(self, input: Tensor, running_mean, running_var, use_batch: bool, factor: float) -> Tensor:
+        return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
 
 
 class BatchNorm1d(_BatchNormForward, torch.nn.BatchNorm1d):
@@ -211,6 +215,66 @@ class BatchNorm2d(_BatchNormForward, torch.nn.BatchNorm2d):
 class BatchNorm3d(_BatchNormForward, torch.nn.BatchNorm3d):
     """``torch.nn.BatchNorm3d`` on ``trainops.functional.batch_norm``; same constructor, parameters,
     buffers and state dict."""
+
+
+_HAS_BIAS_KEYWORD = "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
+
+
+class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
+    """``torch.nn.SyncBatchNorm`` on ``trainops.functional.sync_batch_norm``: same constructor
+    (num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias),
+    parameters, buffers and state dict, and ``convert_sync_batchnorm``.
+
+    In training (torch.distributed initialized, ``process_group`` or the default group of 2 or
+    more ranks) the statistics are the group's whole batch: one all_gather of 2C + 1 float64
+    values a forward, one all_reduce of 2C float32 (float64 for float64 input) values a backward
+    (see ``trainops.sync_batch_norm``); each rank's weight and bias gradients are its own
+    elements' sums, as torch's (DistributedDataParallel averages them). In eval, on one rank or
+    without torch.distributed: ``trainops.batch_norm``, as torch's. Unlike torch's, CPU tensors
+    (gloo) are taken too. Input (N, C, ...) of rank 2 to 8, any strides (channels-last kept),
+    float32 / float16 / bfloat16 / float64. Errors: InvalidProblemError (a ValueError, as torch's)
+    for an input of rank below 2 or without channels, then those of ``trainops.sync_batch_norm``,
+    each before the running statistics are written (``num_batches_tracked`` is counted first,
+    as torch's). ``trainops.patch(model, batch_norm=True)`` swaps torch's SyncBatchNorm for it.
+    """
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if not isinstance(input, Tensor) or input.dim() < 2 or input.shape[1] == 0:
+            shape = tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__
+            raise argument_error(InvalidProblemError, "nn.SyncBatchNorm", "input",
+                                 f"is {shape}; expected a tensor (N, C, ...) with C > 0 channels")
+
+    def _normalize(self, input: Tensor, running_mean, running_var, use_batch: bool, factor: float) -> Tensor:
+        if not self.training:   # torch's synchronises in training only
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
+        return F.sync_batch_norm(input, running_mean, running_var, self.weight, self.bias, True, factor, self.eps,
+                                 process_group=self.process_group)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+        """torch's ``convert_sync_batchnorm`` making trainops's SyncBatchNorm: every BatchNorm*d
+        (torch's or trainops's; a SyncBatchNorm too) in ``module`` becomes one, sharing the
+        original's parameters and buffers, with its training flag (and qconfig); a BatchNorm
+        ``module`` itself gives a new module, any other is changed in place and returned."""
+        output = module
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            # torch's bias= keyword (affine without a bias) is newer than torch 2.11
+            keywords = {"bias": module.bias is not None} if _HAS_BIAS_KEYWORD else {}
+            output = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                         process_group, **keywords)
+            if module.affine:
+                with torch.no_grad():
+                    output.weight = module.weight
+                    output.bias = module.bias
+            output.running_mean = module.running_mean
+            output.running_var = module.running_var
+            output.num_batches_tracked = module.num_batches_tracked
+            output.training = module.training
+            if hasattr(module, "qconfig"):
+                output.qconfig = module.qconfig
+        for name, child in module.named_children():
+            output.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return output
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):

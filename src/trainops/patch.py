@@ -31,6 +31,16 @@ sizes, small batches) gets slower, as the training demo's 128-wide model did on 
 torch.compile, where their kernels are launched from the compiled graph. With ``block_ops=False``
 these modules are neither swapped nor listed in the report.
 
+With ``batch_norm=True``, the batch norms are swapped too:
+    torch.nn.BatchNorm1d -> trainops.nn.BatchNorm1d    torch.nn.BatchNorm2d -> trainops.nn.BatchNorm2d
+    torch.nn.BatchNorm3d -> trainops.nn.BatchNorm3d    torch.nn.SyncBatchNorm -> trainops.nn.SyncBatchNorm
+They are not swapped by default, for the same reason: their kernels take less GPU time than
+torch's at ResNet-50's large shapes, but each eager training call costs more host time than
+torch's, so eager steps were slower at every ResNet-50 shape on the H100 (benchmarks/NOTES.md,
+"Batch normalization"). SyncBatchNorm follows BatchNorm's policy (its forward and backward are
+batch norm's kernels around one collective each). With ``batch_norm=False`` these modules are
+neither swapped nor listed in the report.
+
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module
 with a non-full backward hook (``register_backward_hook``: it sees the gradients of the module's
@@ -124,12 +134,18 @@ _BLOCK_SWAPS = {swap.torch_class: swap for swap in (
     _Swap(torch.nn.SiLU, trainops_nn.SiLU),
     _Swap(torch.nn.Dropout, trainops_nn.Dropout, added_attributes={"mask_mode": "regenerate"}),
 )}
+_BATCH_NORM_SWAPS = {swap.torch_class: swap for swap in (
+    _Swap(torch.nn.BatchNorm1d, trainops_nn.BatchNorm1d),
+    _Swap(torch.nn.BatchNorm2d, trainops_nn.BatchNorm2d),
+    _Swap(torch.nn.BatchNorm3d, trainops_nn.BatchNorm3d),
+    _Swap(torch.nn.SyncBatchNorm, trainops_nn.SyncBatchNorm),
+)}
 
 
 def _public_name(cls: type) -> str:
     """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``,
     ``transformers.LlamaRMSNorm`` / ``trainops.hf.TrainopsLlamaRMSNorm`` for Hugging Face's."""
-    if cls in _SWAPS or cls in _BLOCK_SWAPS:
+    if cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS:
         return f"torch.nn.{cls.__name__}"
     if trainops_hf.is_transformers_class(cls):
         return f"transformers.{cls.__name__}"
@@ -172,10 +188,11 @@ def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
     return reasons
 
 
-def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -> PatchReport:
+def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, batch_norm: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
-    RMSNorm / LayerNorm / GELU / SiLU / Dropout (see the module docstring); with ``hf`` (the
+    RMSNorm / LayerNorm / GELU / SiLU / Dropout, with ``batch_norm=True`` every exact BatchNorm1d /
+    2d / 3d / SyncBatchNorm (both off by default: see the module docstring); with ``hf`` (the
     default) the Hugging Face transformers modules trainops.hf lists (the norms, gated MLPs,
     attention rotary embedding, tanh GELUs, Gemma's scaled embedding and the causal-LM loss path of
     Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
@@ -184,15 +201,16 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True) -
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
     are left as they are and listed in ``report.skipped`` with the reason; modules that already
     are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
-    Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops`` not a bool.
+    Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops``, ``hf`` or
+    ``batch_norm`` not a bool.
     """
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("block_ops", block_ops), ("hf", hf)):
+    for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm)):
         if not isinstance(value, bool):
             raise argument_error(InvalidProblemError, "patch", name, f"must be a bool, got {value!r}")
-    swaps = {**_SWAPS, **_BLOCK_SWAPS} if block_ops else _SWAPS
+    swaps = {**_SWAPS, **(_BLOCK_SWAPS if block_ops else {}), **(_BATCH_NORM_SWAPS if batch_norm else {})}
     trainops_classes = tuple(swap.trainops_class for swap in swaps.values())
     torch_classes = tuple(swaps)
 

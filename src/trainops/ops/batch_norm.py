@@ -34,6 +34,18 @@ block) tiles. Forward in training: the statistics kernel reads x once, a finishi
 the partials, updates the running statistics and writes (mean, rstd), the apply kernel reads x
 again and writes y (3 passes over x's bytes: read, read, write). Backward: partial sums of dy and
 dy * xh (reads dy, x), their fixed-order totals (dweight, dbias), then dx (reads dy, x, writes dx).
+
+Synchronised (``sync_batch_norm``, torch.nn.SyncBatchNorm's semantics): in training the statistics
+are the process group's whole batch. Each rank computes its own count n_r (a host int: its R),
+mean and biased variance (``batch_norm_local_stats``: the statistics kernels above, writing the
+variance); one all_gather of [n_r, mean_r, n_r * var_r] (2C + 1 float64 values a rank) lets every
+rank combine them in float64 with Chan's formula, in rank order (N = sum n_r, mean = sum n_r mean_r
+/ N, M2 = sum (n_r var_r + n_r (mean_r - mean)^2), var = M2 / N): the same bits on every rank, a
+rank with no element adding nothing. The running statistics take mean and M2 / (N - 1). y as
+above. Backward: ``batch_norm_backward_reduce`` (this rank's sum(dy) and sum(dy * xh), and from them
+dweight and dbias: this rank's sums, as torch's; DDP then averages them), one all_reduce (SUM) of
+the two sums in the accumulator dtype, then ``batch_norm_backward_elemt`` with the group's means
+sum / N. No host synchronisation besides the two collectives.
 """
 
 from __future__ import annotations
@@ -57,7 +69,12 @@ from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device
 from ._common import float_dtype
 
 STATS_OP, FORWARD_OP, BACKWARD_OP = "batch_norm_stats", "batch_norm", "batch_norm_backward"
-OPS = (STATS_OP, FORWARD_OP, BACKWARD_OP)
+# the synchronised variant's pieces (torch's names): this rank's statistics, this rank's gradient
+# sums, dx from the group's
+LOCAL_STATS_OP, REDUCE_OP, ELEMT_OP = ("batch_norm_local_stats", "batch_norm_backward_reduce",
+                                      "batch_norm_backward_elemt")
+OPS = (STATS_OP, FORWARD_OP, BACKWARD_OP, LOCAL_STATS_OP, REDUCE_OP, ELEMT_OP)
+BACKWARD_OPS = (BACKWARD_OP, REDUCE_OP, ELEMT_OP)
 MAX_RANK = 8
 
 
@@ -99,9 +116,19 @@ class BatchNormProblem:
     batch_norm           (x, weight, bias, mean, rstd) -> y
     batch_norm_backward  (dy, x, weight, mean, rstd) -> (dx, dweight, dbias)
 
+or one of the synchronised variant's three:
+
+    batch_norm_local_stats     (x,) -> (mean, var): this rank's mean and biased variance (0 and 0
+                               without an element); no running statistics
+    batch_norm_backward_reduce (dy, x, weight, mean, rstd) -> (sums, dweight, dbias): sums (2, C)
+                               = (sum(dy), sum(dy * xh)) in the accumulator dtype (weight: its
+                               dtype only)
+    batch_norm_backward_elemt  (dy, x, weight, mean, rstd, sums) -> dx of the training formula,
+                               sums (2, C) being the group's (sum(dy) / N, sum(dy * xh) / N)
+
     Absent optional tensors are None; absent outputs are empty tensors. mean and rstd: (C,) in
     the accumulator dtype (the batch's in training, the running statistics' in eval).
-    ``strides``: x's, or (dy's, x's) for the backward; each one's spatial axes walk as one
+    ``strides``: x's, or (dy's, x's) for the backward ops; each one's spatial axes walk as one
     strided axis.
     """
 
@@ -124,11 +151,16 @@ class BatchNormProblem:
 
     @cached_property
     def backward(self) -> bool:
-        return self.op == BACKWARD_OP
+        return self.op in BACKWARD_OPS
 
     @cached_property
     def stats(self) -> bool:
-        return self.op == STATS_OP
+        return self.op in (STATS_OP, LOCAL_STATS_OP)
+
+    @cached_property
+    def variance(self) -> bool:
+        """batch_norm_local_stats: the statistics kernels write the biased variance, not rstd."""
+        return self.op == LOCAL_STATS_OP
 
     @cached_property
     def channels(self) -> int:
@@ -149,11 +181,15 @@ class BatchNormProblem:
 
     def check(self, tensors: Sequence[Tensor | None], out) -> None:
         """Cheap checks of concrete tensors against the plan (shape, strides, dtype, device)."""
-        if self.stats:
+        if self.variance:
+            names, per_channel = ("x",), {}
+        elif self.stats:
             names = ("x", "running_mean", "running_var")
             per_channel = {"running_mean": self.stats_dtype, "running_var": self.stats_dtype}
         else:
             names = ("dy", "x", "weight", "mean", "rstd") if self.backward else ("x", "weight", "bias", "mean", "rstd")
+            if self.op == ELEMT_OP:
+                names += ("sums",)
             per_channel = {"weight": self.weight_dtype, "mean": self.acc_dtype, "rstd": self.acc_dtype}
             if not self.backward:
                 per_channel["bias"] = self.bias_dtype
@@ -172,6 +208,10 @@ class BatchNormProblem:
                     raise argument_error(InvalidProblemError, self.op, name, "must be contiguous")
         for name, strides in zip(self.strided_names, self.strides):
             check_tensor(self.op, name, given[name], self.shape, self.dtype, self.device, strides)
+        if self.op == ELEMT_OP:
+            check_tensor(self.op, "sums", given["sums"], (2, self.channels), self.acc_dtype, self.device)
+            if not given["sums"].is_contiguous():
+                raise argument_error(InvalidProblemError, self.op, "sums", "must be contiguous")
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
 
@@ -185,12 +225,18 @@ class BatchNormProblem:
         return torch.empty_strided(self.shape, self.out_strides, dtype=self.dtype, device=self.device)
 
     def new_output(self):
-        """Statistics: (mean, rstd); forward: y; backward: (dx, dweight, dbias). Absent outputs are empty."""
+        """Statistics: (mean, rstd) ((mean, var): local statistics); forward: y; backward: (dx,
+        dweight, dbias) ((sums, dweight, dbias): reduce; dx: elemt). Absent outputs are empty."""
         def empty():  # an absent output: its own empty tensor (outputs of a custom op may not alias)
             return torch.empty(0, dtype=self.dtype, device=self.device)
         c = (self.channels,)
+        if self.op == ELEMT_OP:
+            return self.like_x()
         if self.backward:
-            dx = self.like_x() if self.input_grad else empty()
+            if self.op == REDUCE_OP:   # the sums in dx's place
+                dx = torch.empty((2, self.channels), dtype=self.acc_dtype, device=self.device)
+            else:
+                dx = self.like_x() if self.input_grad else empty()
             dw = torch.empty(c, dtype=self.weight_dtype, device=self.device) if self.weight_grad else empty()
             db = torch.empty(c, dtype=self.bias_dtype, device=self.device) if self.bias_grad else empty()
             return dx, dw, db
@@ -255,9 +301,16 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     the running ones without this op) and the forward ignores it. momentum: in [0, 1]. eps: >= 0.
     input_grad / weight_grad /
     bias_grad: backward, which gradients to compute (weight_grad / bias_grad default to "the
-    tensor is present"). heuristics: a BatchNormHeuristics.
+    tensor is present"). heuristics: a BatchNormHeuristics. The synchronised variant's ops:
+    batch_norm_local_stats takes no running statistics and any R (one element, or none);
+    batch_norm_backward_reduce computes no dx (input_grad is False), batch_norm_backward_elemt
+    only dx (weight_grad and bias_grad False), both with training's formula.
     """
-    backward = op == BACKWARD_OP
+    backward = op in BACKWARD_OPS
+    if op == REDUCE_OP:
+        input_grad, training = False, True
+    elif op == ELEMT_OP:
+        input_grad, weight_grad, bias_grad, training = True, False, False, True
     first = "dy" if backward else "x"
     shape = checked_shape(op, "shape", shape)
     if not 2 <= len(shape) <= MAX_RANK:
@@ -314,7 +367,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     elif not isinstance(heuristics, BatchNormHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a BatchNormHeuristics, got {type(heuristics).__name__}")
-    if op == STATS_OP:
+    if op in (STATS_OP, LOCAL_STATS_OP):
         weight_dtype = bias_dtype = None
     return BatchNormProblem(op, shape, dtype, device, tuple(checked), weight_dtype, bias_dtype,
                             stats_dtype if op == STATS_OP else None, training, float(momentum), float(eps),
@@ -336,6 +389,9 @@ def _describer(op: str):
 BatchNormStatsDescriptor = register_op(STATS_OP, _describer(STATS_OP))
 BatchNormDescriptor = register_op(FORWARD_OP, _describer(FORWARD_OP))
 BatchNormBackwardDescriptor = register_op(BACKWARD_OP, _describer(BACKWARD_OP))
+BatchNormLocalStatsDescriptor = register_op(LOCAL_STATS_OP, _describer(LOCAL_STATS_OP))
+BatchNormReduceDescriptor = register_op(REDUCE_OP, _describer(REDUCE_OP))
+BatchNormElemtDescriptor = register_op(ELEMT_OP, _describer(ELEMT_OP))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,8 +403,8 @@ def _per_channel(v: Tensor, rank: int) -> Tensor:
 
 
 def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
-    x, running_mean, running_var = tensors
-    mean, rstd = outputs
+    x, running_mean, running_var = tensors if not problem.variance else (tensors[0], None, None)
+    mean, rstd = outputs   # (mean, var) for the local statistics
     acc, rank = problem.acc_dtype, len(problem.shape)
     xa = x.to(acc)
     dims = (0,) + tuple(range(2, rank))
@@ -357,6 +413,9 @@ def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
     shift = xa.select(0, 0).reshape(problem.channels, -1)[:, 0]
     mean.copy_(shift + (xa - _per_channel(shift, rank)).mean(dims))
     var = (xa - _per_channel(mean, rank)).square().mean(dims)
+    if problem.variance:
+        rstd.copy_(var)
+        return
     torch.rsqrt(var + problem.eps, out=rstd)
     if running_mean is not None:
         m, r = problem.momentum, problem.reduced
@@ -376,19 +435,26 @@ def _cpu_forward(problem: BatchNormProblem, tensors, y) -> None:
 
 
 def _cpu_backward(problem: BatchNormProblem, tensors, outputs) -> None:
-    dy, x, weight, mean, rstd = tensors
-    dx, dweight, dbias = outputs
+    dy, x, weight, mean, rstd = tensors[:5]
     acc, rank = problem.acc_dtype, len(problem.shape)
     dims = (0,) + tuple(range(2, rank))
     dya = dy.to(acc)
     xh = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd, rank)
+    scale = _per_channel(rstd * (weight.to(acc) if weight is not None else 1), rank)
+    if problem.op == ELEMT_OP:   # the group's means given
+        mean_dy, mean_dy_xh = tensors[5]
+        outputs.copy_(scale * (dya - _per_channel(mean_dy, rank) - xh * _per_channel(mean_dy_xh, rank)))
+        return
+    dx, dweight, dbias = outputs   # sums in place of dx: reduce
     sum_dy, sum_dy_xh = dya.sum(dims), (dya * xh).sum(dims)
+    if problem.op == REDUCE_OP:
+        dx[0].copy_(sum_dy)
+        dx[1].copy_(sum_dy_xh)
     if problem.weight_grad:
         dweight.copy_(sum_dy_xh)
     if problem.bias_grad:
         dbias.copy_(sum_dy)
     if problem.input_grad:
-        scale = _per_channel(rstd * (weight.to(acc) if weight is not None else 1), rank)
         if problem.training:
             r = problem.reduced
             dx.copy_(scale * (dya - _per_channel(sum_dy / r, rank) - xh * _per_channel(sum_dy_xh / r, rank)))
@@ -412,15 +478,18 @@ def _prepare_cpu(problem: BatchNormProblem) -> Launch:
 
 def _write_empty(problem: BatchNormProblem, tensors, outputs) -> None:
     """No element in a channel (N = 0 or a zero-size spatial axis), as torch: the running
-    statistics are left alone (the batch's mean and rstd are 0 and 1: nothing reads them).
-    Backward: zero weight and bias gradients."""
+    statistics are left alone (the batch's mean and rstd are 0 and 1: nothing reads them; the
+    local statistics' mean and variance 0 and 0: a rank that adds nothing to the group's).
+    Backward: zero weight and bias gradients (and reduce's sums); elemt: dx has no element."""
+    if problem.op == ELEMT_OP:
+        return
     if problem.backward:
-        for grad in outputs[1:]:
+        for grad in outputs[1:] if problem.op != REDUCE_OP else outputs:
             grad.zero_()
     elif problem.stats:
         mean, rstd = outputs
         mean.zero_()
-        rstd.fill_(1.0)
+        rstd.fill_(0.0 if problem.variance else 1.0)
 
 
 for _op in OPS:
@@ -496,9 +565,10 @@ if triton_available():
 
     @triton.jit
     def _bn_stats_finish(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps,
-                         HAS_RUNNING: tl.constexpr, ACC: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
-        """The P partials of each channel combined: mean, rstd; the running statistics updated in
+                         HAS_RUNNING: tl.constexpr, VARIANCE: tl.constexpr, ACC: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The P partials of each channel combined: mean, rstd (VARIANCE: the biased variance in
+        its place); the running statistics updated in
         place (their own dtype; unbiased variance R / (R - 1)). Partial means are taken relative
         to the first partial's shift (base), then two passes over [BLOCK_P, BLOCK_C] tiles of
         partials: the mean (sum of count * relative mean / R), then the squared deviations (sum
@@ -521,9 +591,11 @@ if triton_available():
         m2 = tl.sum(spread, 0)
         mean += base
         var = m2 / R
-        rstd = 1.0 / tl.sqrt(var + eps)
         tl.store(MEAN + c, mean, mask=c_mask)
-        tl.store(RSTD + c, rstd, mask=c_mask)
+        if VARIANCE:
+            tl.store(RSTD + c, var, mask=c_mask)
+        else:
+            tl.store(RSTD + c, 1.0 / tl.sqrt(var + eps), mask=c_mask)
         if HAS_RUNNING:
             rm = tl.load(RUNNING_MEAN + c, mask=c_mask, other=0.0).to(ACC)
             rv = tl.load(RUNNING_VAR + c, mask=c_mask, other=0.0).to(ACC)
@@ -703,12 +775,12 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
                          trailing=(c, s, s_blocks, units, config.units_per_program, x_sn, x_sc, x_ss), **tile)
         finish = launcher(_bn_stats_finish, finish_grid, trailing=(config.programs, c, r, problem.momentum,
                                                                    problem.eps),
-                          HAS_RUNNING=problem.stats_dtype is not None, ACC=acc_tl, BLOCK_P=finish_rows,
-                          BLOCK_C=finish_block)
+                          HAS_RUNNING=problem.stats_dtype is not None, VARIANCE=problem.variance, ACC=acc_tl,
+                          BLOCK_P=finish_rows, BLOCK_C=finish_block)
 
         def run(tensors, outputs):
-            x, running_mean, running_var = tensors
-            mean, rstd = outputs
+            x, running_mean, running_var = tensors if not problem.variance else (tensors[0], None, None)
+            mean, rstd = outputs   # (mean, var) for the local statistics
             if c == 0:
                 return
             if r == 0:
@@ -733,35 +805,43 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
         return Launch(run, KernelChoice("bn_apply", "triton", params), acc)
 
     dy_sn, dy_sc, dy_ss = walks[0]
-    sums_needed = problem.weight_grad or problem.bias_grad or (problem.input_grad and problem.training)
+    elemt, reduce = problem.op == ELEMT_OP, problem.op == REDUCE_OP
+    sums_needed = not elemt and (reduce or problem.weight_grad or problem.bias_grad or
+                                 (problem.input_grad and problem.training))
     grad_sums = launcher(_bn_grad_sums, (c_blocks, config.programs),
                          trailing=(c, s, s_blocks, units, config.units_per_program, dy_sn, dy_sc, dy_ss,
                                    x_sn, x_sc, x_ss), **tile)
     grad_finish = launcher(_bn_grad_finish, finish_grid, trailing=(config.programs, c),
                            DW_WANTED=problem.weight_grad, DB_WANTED=problem.bias_grad, ACC=acc_tl,
                            BLOCK_P=finish_rows, BLOCK_C=finish_block)
+    # elemt's sums are the group's means already: divided by 1
     grad_input = launcher(_bn_grad_input, (units, c_blocks),
-                          trailing=(c, s, s_blocks, r, dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
+                          trailing=(c, s, s_blocks, 1 if elemt else r, dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss,
+                                    o_sn, o_sc, o_ss),
                           TRAINING=problem.training, HAS_W=problem.weight_dtype is not None, **tile)
 
     def run(tensors, outputs):
-        dy, x, weight, mean, rstd = tensors
-        dx, dweight, dbias = outputs
+        dy, x, weight, mean, rstd = tensors[:5]
         if c == 0:
             return
         if r == 0:
             _write_empty(problem, tensors, outputs)
             return
+        if elemt:
+            grad_input(dy, x, outputs, weight, mean, rstd, tensors[5])
+            return
+        dx, dweight, dbias = outputs   # reduce: sums in place of dx
         sums = None
         if sums_needed:
             part = torch.empty((2, config.programs, c), dtype=acc, device=dy.device)
-            sums = torch.empty((2, c), dtype=acc, device=dy.device)
+            sums = dx if reduce else torch.empty((2, c), dtype=acc, device=dy.device)
             grad_sums(dy, x, mean, rstd, part)
             grad_finish(part, sums, dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
         if problem.input_grad:
             grad_input(dy, x, dx, weight, mean, rstd, sums)
 
-    return Launch(run, KernelChoice("bn_grad_sums+finish+input", "triton", params), acc,
+    name = "bn_grad_input" if elemt else "bn_grad_sums+finish" if reduce else "bn_grad_sums+finish+input"
+    return Launch(run, KernelChoice(name, "triton", params), acc,
                   workspace_bytes=(2 * config.programs * c + 2 * c) * acc.itemsize)
 
 
@@ -852,24 +932,39 @@ def _batch_norm_fake(x, weight, bias, mean, rstd, training):
 def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                               training: bool, input_grad: bool, weight_grad: bool,
                               bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
-    op = BACKWARD_OP
+    return _run_backward(BACKWARD_OP, dy, x, weight, mean, rstd, training=training, input_grad=input_grad,
+                         weight_grad=weight_grad, bias_dtype=bias_dtype)
+
+
+def _run_backward(op: str, dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
+                  sums: Tensor | None = None, *, training: bool = True, input_grad: bool = True,
+                  weight_grad: bool = False, bias_dtype: torch.dtype | None = None):
+    """One of the backward ops (batch_norm_backward, batch_norm_backward_reduce, batch_norm_backward_elemt
+    with the group's ``sums``) on these tensors: dy and x walkable (rare views copied), a dense weight."""
     dy, x = _walkable(dy), _walkable(x)
     if weight is not None and not weight.is_contiguous():  # a strided weight: dense first, as the forward
         weight = weight.contiguous()
     if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
         raise argument_error(InvalidProblemError, op, "dy", f"has shape {tuple(dy.shape)}, {dy.dtype} on {dy.device}; "
                              f"expected x's {tuple(x.shape)}, {x.dtype} on {x.device}")
-    descriptor = BatchNormBackwardDescriptor(x.shape, x.dtype, x.device, strides=(dy.stride(), x.stride()),
-                                             weight_dtype=None if weight is None else weight.dtype,
-                                             bias_dtype=bias_dtype, training=training, input_grad=input_grad,
-                                             weight_grad=weight_grad, bias_grad=bias_dtype is not None,
-                                             heuristics=heuristics_for(BatchNormHeuristics))
+    descriptor = _BACKWARD_DESCRIPTORS[op](x.shape, x.dtype, x.device, strides=(dy.stride(), x.stride()),
+                                           weight_dtype=None if weight is None else weight.dtype,
+                                           bias_dtype=bias_dtype, training=training, input_grad=input_grad,
+                                           weight_grad=weight_grad, bias_grad=bias_dtype is not None,
+                                           heuristics=heuristics_for(BatchNormHeuristics))
     plan = cached_plan(descriptor)
     acc, c = plan.problem.acc_dtype, (x.shape[1],)
+    tensors = (dy, x, weight, mean, rstd) + (() if sums is None else (sums,))
     if any(t.shape != c or t.dtype != acc or t.device != x.device or not t.is_contiguous() for t in (mean, rstd)) or (
-            weight is not None and (weight.shape != c or weight.device != x.device or not weight.is_contiguous())):
-        plan.problem.check((dy, x, weight, mean, rstd), None)   # names the argument
-    return plan.run_unchecked((dy, x, weight, mean, rstd))
+            weight is not None and (weight.shape != c or weight.device != x.device or not weight.is_contiguous())) or (
+            sums is not None and (sums.shape != (2,) + c or sums.dtype != acc or sums.device != x.device
+                                  or not sums.is_contiguous())):
+        plan.problem.check(tensors, None)   # names the argument
+    return plan.run_unchecked(tensors)
+
+
+_BACKWARD_DESCRIPTORS = {BACKWARD_OP: BatchNormBackwardDescriptor, REDUCE_OP: BatchNormReduceDescriptor,
+                         ELEMT_OP: BatchNormElemtDescriptor}
 
 
 def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, weight_grad, bias_dtype):
@@ -923,5 +1018,106 @@ batch_norm_backward_op = custom_op(BACKWARD_OP, _batch_norm_backward_impl, _batc
 batch_norm_op = custom_op(FORWARD_OP, _batch_norm_impl, _batch_norm_fake, backward=_grad, save=_save)
 
 
+# ----------------------------------------------------------------------------------------------
+# Synchronised batch norm over torch.distributed (torch.nn.SyncBatchNorm's semantics)
+# ----------------------------------------------------------------------------------------------
+
+def _all_gather(packed: Tensor, group, world_size: int) -> Tensor:
+    """(world_size, len(packed)): every rank's ``packed``, in rank order. One collective: the
+    list all_gather on CPU tensors and gloo (which took no single output tensor in torch's
+    SyncBatchNorm), else all_gather_single (all_gather_into_tensor where torch has no such name)."""
+    import torch.distributed as dist
+
+    if packed.device.type == "cpu" or dist.get_backend(group) == "gloo":
+        parts = [torch.empty_like(packed) for _ in range(world_size)]
+        dist.all_gather(parts, packed, group=group)
+        return torch.stack(parts)
+    gathered = packed.new_empty((world_size * packed.numel(),))
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, packed, group=group)
+    return gathered.view(world_size, -1)
+
+
+def _group_statistics(x: Tensor, group, world_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The group's (mean, M2, N) per channel, float64 on x's device: this rank's mean and variance
+    (``batch_norm_local_stats``), one all_gather of [n, mean, n * var] (2C + 1 float64 values),
+    combined in rank order with Chan's formula (the same bits on every rank; a rank without an
+    element adds 0 to every sum). N is (1,); a group without an element gives mean 0, M2 0."""
+    c = x.shape[1]
+    count = x.shape[0] * math.prod(x.shape[2:])   # this rank's R: a host int, no synchronisation
+    descriptor = BatchNormLocalStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
+                                               heuristics=heuristics_for(BatchNormHeuristics))
+    mean, var = cached_plan(descriptor).run_unchecked((x,))
+    packed = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
+    packed[:1].fill_(count)
+    packed[1:c + 1].copy_(mean)
+    packed[c + 1:].copy_(var).mul_(count)
+    gathered = _all_gather(packed, group, world_size)
+    counts, means, m2s = gathered[:, :1], gathered[:, 1:c + 1], gathered[:, c + 1:]
+    total = counts.sum(0)
+    mean = (counts * means).sum(0) / total.clamp_min(1)
+    m2 = (m2s + counts * (means - mean).square()).sum(0)
+    return mean, m2, total
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Training's batch norm over the group's batch (see ``sync_batch_norm``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, group, world_size):
+        walked = _walkable(x)
+        acc = accumulator_dtype(x.dtype)
+        mean64, m2, total = _group_statistics(walked, group, world_size)
+        mean = mean64.to(acc)
+        rstd = torch.rsqrt(m2 / total.clamp_min(1) + eps).to(acc)
+        if running_mean is not None:
+            # torch's update: momentum towards the mean and the unbiased variance M2 / (N - 1) (a
+            # group of one element gives NaN, as torch's); a group without an element leaves them
+            seen = total > 0
+            old_mean, old_var = running_mean.to(acc), running_var.to(acc)
+            new_mean = (1 - momentum) * old_mean + momentum * mean
+            new_var = (1 - momentum) * old_var + momentum * (m2 / (total - 1)).to(acc)
+            running_mean.copy_(torch.where(seen, new_mean, old_mean))
+            running_var.copy_(torch.where(seen, new_var, old_var))
+        y = _batch_norm_impl(walked, weight, bias, mean, rstd, True)
+        ctx.save_for_backward(x, weight, mean, rstd, total)
+        ctx.group = group
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.heuristics = heuristics_for(BatchNormHeuristics)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True
+            raise UnsupportedError("trainops.sync_batch_norm: double backward (create_graph=True) is not supported")
+        x, weight, mean, rstd, total = ctx.saved_tensors
+        input_grad, weight_grad, bias_grad = ctx.needs_input_grad[:3]
+        weight_grad = weight_grad and weight is not None
+        bias_dtype = ctx.bias_dtype if bias_grad else None
+        dx = None
+        with heuristics(ctx.heuristics):
+            sums, dweight, dbias = _run_backward(REDUCE_OP, dy, x, weight, mean, rstd, weight_grad=weight_grad,
+                                                 bias_dtype=bias_dtype)
+            if input_grad:   # the group's sums, as torch: only for dx (every rank must want it)
+                import torch.distributed as dist
+
+                dist.all_reduce(sums, group=ctx.group)
+                sums.div_(total.clamp_min(1).to(sums.dtype))
+                dx = _run_backward(ELEMT_OP, dy, x, weight, mean, rstd, sums)
+        return (dx, dweight if weight_grad else None, dbias if bias_dtype is not None else None,
+                None, None, None, None, None, None)
+
+
+@torch.compiler.disable
+def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+                    running_var: Tensor | None, momentum: float, eps: float, group, world_size: int) -> Tensor:
+    """Training's batch norm of x over the whole batch of ``group``'s ``world_size`` ranks, with
+    autograd (the module docstring gives the math; trainops.functional.sync_batch_norm checks the
+    arguments first). Collectives: one all_gather of 2C + 1 float64 values in the forward, one
+    all_reduce of 2C accumulator-dtype values in the backward when x needs its gradient; every rank
+    of the group must make the same calls. torch.compile does not trace it (its collectives and
+    plans run eagerly)."""
+    return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, group, world_size)
+
+
 __all__ = ["BatchNormHeuristics", "BatchNormProblem", "batch_norm_op", "batch_norm_backward_op", "batch_norm_stats_op",
-           "output_strides"]
+           "output_strides", "sync_batch_norm"]
