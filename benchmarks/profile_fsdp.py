@@ -1,7 +1,7 @@
 """Where the sharded demo's step time goes (issue 21): ``train --fsdp``'s trainops and plain FSDP2
 runs alternated in one process (rounds in both orders, so a host that warms up or drifts favours
-neither), then three profiled steps of each: the host's time per step, the GPU kernels' time per
-step, and the calls that wait for the GPU.
+neither), then one profiled run of each (its set-up, 5 steps and evaluation, per step): the
+host's time, the GPU kernels' time, the launches, and the calls that wait for the GPU.
 
     torchrun --nproc_per_node N benchmarks/profile_fsdp.py [--config medium] [--rounds 4] [--out f.json]
 

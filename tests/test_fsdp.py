@@ -211,12 +211,22 @@ def error_cases(rank, world, mesh, out, tmp):
         out["partial grad"] = str(e)
     # ranks that would make different collectives (a clip summed on one rank only; other parameters)
     # raise on every rank at the first step, before any state is made, instead of hanging
-    for case, make in (("clip on rank 0", lambda m: trainops.optim.AdamW(m.parameters(),
-                                                                          max_grad_norm=1.0 if rank == 0 else None)),
-                       ("fewer parameters", lambda m: trainops.optim.AdamW(list(m.parameters())[:2 + 2 * rank]))):
+    def two_groups_on_rank_1(m):
+        params = list(m.parameters())
+        return trainops.optim.AdamW([{"params": params}] if rank == 0 else [{"params": params[:2]},
+                                                                            {"params": params[2:]}])
+
+    for case, make, drop in (
+            ("clip on rank 0", lambda m: trainops.optim.AdamW(m.parameters(), max_grad_norm=1.0 if rank == 0 else None),
+             False),
+            ("fewer parameters", lambda m: trainops.optim.AdamW(list(m.parameters())[:2 + 2 * rank]), False),
+            ("param groups", two_groups_on_rank_1, False),
+            ("a gradient None on rank 0", lambda m: trainops.optim.AdamW(m.parameters(), max_grad_norm=1.0), True)):
         model = shard(make_model(), mesh)
         opt = make(model)
         backward(model, 0, rank, world)
+        if drop and rank == 0:
+            model[2].bias.grad = None
         before = full(model.parameters())
         try:
             opt.step()
@@ -224,6 +234,16 @@ def error_cases(rank, world, mesh, out, tmp):
         except InvalidProblemError as e:
             out[f"disagree {case}"] = str(e)
         out[f"disagree {case} changed nothing"] = rel(full(model.parameters()), before) == 0.0 and not opt.state
+    # what one rank alone does to its optimizer between steps (reading the state of a frozen
+    # parameter adds an entry to opt.state's defaultdict there) makes no collective: no hang
+    model = shard(make_model(), mesh)
+    model[4].bias.requires_grad_(False)
+    opt = trainops.optim.AdamW(model.parameters(), lr=0.02, max_grad_norm=1.0)
+    train(model, opt, 2, rank, world)
+    if rank == 0:
+        out["frozen state entries"] = sum(len(opt.state[p]) for p in model.parameters())
+    train(model, opt, 2, rank, world, first=2)
+    out["stepped after a rank-local state read"] = True
     model = shard(make_model(), mesh)
     opt = trainops.optim.AdamW(model.parameters())
     train(model, opt, 1, rank, world)
@@ -542,10 +562,16 @@ def test_an_inf_on_one_rank_skips_every_rank(runs):
 def test_sharded_errors_name_the_problem(runs):
     for out in outputs(runs, 2, error_cases):
         assert "2 device meshes" in out["two meshes"], out["two meshes"]
-        assert "disagree on max_grad_norm: rank" in out["disagree clip on rank 0"], out["disagree clip on rank 0"]
-        assert "disagree on the parameters with a gradient" in out["disagree fewer parameters"], \
-            out["disagree fewer parameters"]
-        assert out["disagree clip on rank 0 changed nothing"] and out["disagree fewer parameters changed nothing"], out
+        expected = {"clip on rank 0": "disagree on max_grad_norm: rank 0 has 1.0, rank 1 has None",
+                    "fewer parameters": "disagree on the number of parameters of param_groups[0]: rank 0 has 2, "
+                                        "rank 1 has 4",
+                    "param groups": "disagree on the number of param groups: rank 0 has 1, rank 1 has 2",
+                    "a gradient None on rank 0": "disagree on param_groups[0]['params'][3] (dtype, shape, "
+                                                 "placements, has a gradient)"}
+        for case, message in expected.items():
+            assert message in out[f"disagree {case}"], (case, out[f"disagree {case}"])
+            assert out[f"disagree {case} changed nothing"], case
+        assert out["stepped after a rank-local state read"]
         assert "Partial" in out["partial grad"] or "placements" in out["partial grad"], out["partial grad"]
         assert "torch.distributed.checkpoint" in out["plain state"], out["plain state"]
         assert out["plain state changed nothing"]
@@ -595,6 +621,36 @@ def test_hf_fused_loss_with_a_sharded_lm_head(runs):
         assert out["hf loss"] <= 1e-6 and out["hf grads"] <= 1e-6, out
         # against the patched model in one process on the global batch: float64's
         assert out["hf grads against one process"] <= 1e-12, out["hf grads against one process"]
+
+
+def disagree_2d_worker(rank, world, port, results):
+    """A 2 x 2 mesh (HSDP's layout), the clip on rank 0 only: every rank raises (a rank whose first
+    dimension agreed must not wait in the second dimension's gather for ranks that already left)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3, dtype=torch.float64), mesh, [Replicate(), Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(4, 3, dtype=torch.float64), mesh, [Replicate(), Shard(0)])
+        try:
+            trainops.optim.AdamW([p], max_grad_norm=1.0 if rank == 0 else None).step()
+            results[rank] = "no error"
+        except InvalidProblemError as e:
+            results[rank] = str(e)
+        except Exception as e:   # a timeout of a collective the other ranks left
+            results[rank] = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_raise_on_a_2d_mesh():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(disagree_2d_worker, args=(4, free_port(), results), nprocs=4, join=True)
+        found = dict(results)
+    assert sorted(found) == [0, 1, 2, 3], found
+    for rank, message in found.items():
+        assert "disagree on max_grad_norm: rank 0 has 1.0, rank 1 has None" in message, (rank, message)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -121,28 +121,32 @@ class MeshSums:
 
 def check_ranks_agree(mesh, facts: dict, where: str) -> None:
     """InvalidProblemError on every rank of ``mesh`` unless all of its ranks pass equal ``facts``
-    (picklable values: what decides the collectives a step will make, such as the layout of the
-    parameters and whether a clip norm is summed). Ranks that disagree would otherwise wait in
-    mismatched collectives until the process group's timeout, or sum unrelated values.
+    (a dict of picklable values: what decides the collectives a step will make, such as the layout
+    of the parameters and whether a clip norm is summed). Ranks that disagree would otherwise wait
+    in mismatched collectives until the process group's timeout, or sum unrelated values.
 
-    One ``all_gather_object`` per mesh dimension (each rank against the ranks sharing its other
-    coordinates; together every rank of the mesh): a host synchronisation, for where a step's
-    layout is built, not for every step. The message names the first differing fact and the
-    global ranks that hold the two values.
+    One ``all_gather_object`` per mesh dimension, each passing on what the earlier ones gathered,
+    so that every rank ends with every rank's facts and decides alike (a rank that raised early
+    would leave the others waiting in the next dimension's gather): a host synchronisation, for
+    where a step's layout is settled, not for every step. The message names the first fact (in
+    ``facts``' order) on which a rank differs from the mesh's lowest rank, and both values.
     """
     dist = torch.distributed
+    known = [(dist.get_rank(), facts)]
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, facts, group=group)
-        for position, other in enumerate(gathered):
-            if other == facts:
-                continue
-            key = next((k for k in facts if other.get(k) != facts[k]), next(iter(other.keys() - facts.keys()), None))
-            raise InvalidProblemError(
-                f"{where}: the ranks of the device mesh disagree on {key}: rank {dist.get_rank()} has "
-                f"{facts.get(key)!r}, rank {dist.get_global_rank(group, position)} has {other.get(key)!r}; every rank "
-                "must step the same parameters with the same options")
+        dist.all_gather_object(gathered, known, group=group)
+        known = sorted({rank: value for part in gathered for rank, value in part}.items(), key=lambda kv: kv[0])
+    first_rank, first = known[0]
+    for rank, other in known[1:]:
+        if other == first:
+            continue
+        key = next((k for k in first if k not in other or other[k] != first[k]),
+                   next(iter(k for k in other if k not in first), None))
+        raise InvalidProblemError(
+            f"{where}: the ranks of the device mesh disagree on {key}: rank {first_rank} has {first.get(key)!r}, "
+            f"rank {rank} has {other.get(key)!r}; every rank must step the same parameters with the same options")
 
 
 def _fsdp_module_class():

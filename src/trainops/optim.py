@@ -31,10 +31,14 @@ it). What needs whole tensors is summed over the mesh: the ``max_grad_norm`` nor
 ratios (norms of whole parameters), and the inf/NaN flag (``skip_nonfinite``, a GradScaler's
 ``found_inf``), so every rank skips or steps alike. These collectives are the only ones a step
 makes, and only with DTensor parameters; every rank must step the same parameters. One device
-mesh per optimizer. Where a step first sees a set of sharded parameters (its first step, a new set
-of parameters with gradients, a loaded state), the ranks compare the parameters' layouts,
-``max_grad_norm`` and ``skip_nonfinite`` (one ``all_gather_object``) and raise InvalidProblemError
-on every rank if they differ, instead of hanging in mismatched collectives.
+mesh per optimizer. At the first step after construction, ``load_state_dict`` or
+``add_param_group``, the ranks compare their steps' layouts (param groups; each parameter's dtype,
+global shape, placements and whether it has a gradient; ``max_grad_norm``; ``skip_nonfinite``:
+one ``all_gather_object`` per mesh dimension, a host synchronisation that once) and raise
+InvalidProblemError on every rank if they differ, instead of hanging in mismatched collectives.
+Later changes on one rank only (a parameter whose gradient goes None there, a ``max_grad_norm``
+set on one rank) are not compared again; a GradScaler or ``check_finite`` on one rank only is not
+compared.
 
 Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
 state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,
@@ -91,6 +95,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         self._mesh_tables: dict = {}
         self._buckets: dict = {}
         self._state_version = 0
+        self._ranks_checked = False   # see _check_ranks
 
     # -- hyper-parameters ----------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         group.update(param_group)
         self._check_group(group, f"param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
+        self._ranks_checked = False
 
     def _check_group(self, group: dict, where: str) -> None:
         """InvalidProblemError unless every hyper-parameter of ``group`` is usable: numbers finite
@@ -187,16 +193,25 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                                    "parameter's mesh and placements")
         return local(g)
 
+    def _check_ranks(self) -> None:
+        """Over DTensor parameters, once after construction, ``load_state_dict`` or
+        ``add_param_group`` (events every rank shares): every rank's layout of the step (param
+        groups, each parameter's dtype, global shape, placements and whether it has a gradient,
+        ``max_grad_norm``, ``skip_nonfinite``) must be the same, else InvalidProblemError on every
+        rank before anything is made or written (trainops.dtensor.check_ranks_agree)."""
+        meshes = [p.device_mesh for g in self.param_groups for p in g["params"] if is_dtensor(p)]
+        if meshes:
+            facts = {"the optimizer": self._name, "the number of param groups": len(self.param_groups),
+                     "max_grad_norm": self.max_grad_norm, "skip_nonfinite": self.skip_nonfinite}
+            for i, group in enumerate(self.param_groups):
+                facts[f"the number of parameters of param_groups[{i}]"] = len(group["params"])
+                for j, p in enumerate(group["params"]):
+                    facts[f"param_groups[{i}]['params'][{j}] (dtype, shape, placements, has a gradient)"] = (
+                        str(p.dtype), tuple(p.shape), str(getattr(p, "placements", "plain")), p.grad is not None)
+            check_ranks_agree(meshes[0], facts, f"trainops.optim.{self._name}")
+        self._ranks_checked = True
+
     def _build_buckets(self, index: int, group, params) -> dict:
-        sharded = [p for p in params if is_dtensor(p)]
-        if sharded:
-            # before any state is made: ranks that would run different collectives raise, not hang
-            check_ranks_agree(sharded[0].device_mesh, {
-                "the optimizer": self._name, "the param group": index, "max_grad_norm": self.max_grad_norm,
-                "skip_nonfinite": self.skip_nonfinite,
-                "the parameters with a gradient (dtype, shape, placements)": [
-                    (str(p.dtype), tuple(p.shape), str(getattr(p, "placements", "plain"))) for p in params]},
-                f"trainops.optim.{self._name} (param group {index})")
         buckets: dict = {}
         devices = set()
         for p in params:
@@ -242,6 +257,8 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         caller_found_inf = found_inf
+        if not self._ranks_checked:
+            self._check_ranks()
         check = self.skip_nonfinite or self.max_grad_norm is not None or check_finite
         gathered = [(group, self._gather(i, group)) for i, group in enumerate(self.param_groups)]
         sharded = [b["mesh_sums"] for _, buckets in gathered for b in buckets.values() if b["mesh_sums"] is not None]
@@ -384,6 +401,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                                            "reshards a full state dict)")
         super().load_state_dict(state_dict)
         self._state_version += 1
+        self._ranks_checked = False
         groups = [g for g in self.param_groups for _ in g["params"]]
         for group in self.param_groups:
             for key, value in self.defaults.items():
