@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
 
-from spawned import free_port, run_cases
+from spawned import free_port, rank_outputs, run_cases, triton_interpreter
 
 GLOBAL_BATCH = 12   # divisible by 2 and 3 ranks
 STEPS = 4
@@ -502,33 +502,19 @@ def runs(tmp_path_factory):
     """{world: {rank: results}} of the 2-rank run (which saves the checkpoint) then the 3-rank one."""
     tmp = str(tmp_path_factory.mktemp("fsdp"))
     found = {}
-    # the ranks run on the CPU, the Triton kernels under the interpreter, on a GPU machine too
-    interpret = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with triton_interpreter():   # the ranks run on the CPU, Triton under the interpreter
         with mp.Manager() as manager:
             for world in (2, 3):
                 results = manager.dict()
                 mp.spawn(worker, args=(world, free_port(), tmp, results), nprocs=world, join=True)
                 found[world] = dict(results)
-    finally:
-        if interpret is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = interpret
     return found
 
 
-def outputs(runs, world, case):
-    """Every rank's results, after checking that ``case`` ran through on each."""
-    for rank in range(world):
-        errors = [value for key, value in runs[world][rank].items() if key.startswith("error in")]
-        assert f"ran {case.__name__}" in runs[world][rank], errors or "not run"
-    return [runs[world][rank] for rank in range(world)]
 
 
 def test_optimizers_step_like_torch_optim_on_fsdp2(runs):
-    for out in outputs(runs, 2, torch_cases):
+    for out in rank_outputs(runs, 2, torch_cases):
         for name in ("sgd", "adam", "adamw clip"):
             # trainops's clip coefficient is a float32 scalar (torch's clip_grad_norm_ keeps float64's)
             assert out[f"{name} params"] <= (1e-8 if "clip" in name else 1e-13), (name, out[f"{name} params"])
@@ -540,7 +526,7 @@ def test_optimizers_step_like_torch_optim_on_fsdp2(runs):
 
 
 def test_lamb_and_clip_use_whole_parameter_norms(runs):
-    for out in outputs(runs, 2, lamb_cases):
+    for out in rank_outputs(runs, 2, lamb_cases):
         assert out["lamb cpu params"] <= 1e-8, out["lamb cpu params"]   # float32 clip coefficient, as above
         assert out["lamb cpu norm"] <= 1e-13
         assert out["lamb triton params"] <= 1e-5 and out["adamw triton params"] <= 1e-5, out
@@ -552,7 +538,7 @@ def test_lamb_and_clip_use_whole_parameter_norms(runs):
 
 
 def test_an_inf_on_one_rank_skips_every_rank(runs):
-    for out in outputs(runs, 2, skip_cases):
+    for out in rank_outputs(runs, 2, skip_cases):
         assert out["skip params"] == 0.0 and out["skip steps"] == [1.0], out
         assert out["skip then step"] > 0
         for path in ("step", "unscale_"):
@@ -560,7 +546,7 @@ def test_an_inf_on_one_rank_skips_every_rank(runs):
 
 
 def test_sharded_errors_name_the_problem(runs):
-    for out in outputs(runs, 2, error_cases):
+    for out in rank_outputs(runs, 2, error_cases):
         assert "2 device meshes" in out["two meshes"], out["two meshes"]
         expected = {"clip on rank 0": "disagree on max_grad_norm: rank 0 has 1.0, rank 1 has None",
                     "fewer parameters": "disagree on the number of parameters of param_groups[0]: rank 0 has 2, "
@@ -585,16 +571,16 @@ def test_sharded_errors_name_the_problem(runs):
 
 
 def test_dcp_checkpoint_of_2_ranks_continues_on_3(runs):
-    for out in outputs(runs, 2, checkpoint_cases):
+    for out in rank_outputs(runs, 2, checkpoint_cases):
         assert out["continued alike"] <= 1e-8, out["continued alike"]   # float32 clip coefficient (see above)
-    for out in outputs(runs, 3, load_cases):
+    for out in rank_outputs(runs, 3, load_cases):
         for key in ("dcp-trainops into trainops", "dcp-trainops into torch", "dcp-torch into trainops"):
             tolerance = 1e-12 if key == "dcp-trainops into trainops" else 1e-8   # float32 clip coefficient
             assert out[key] <= tolerance and out[f"{key} state is DTensor"], (key, out[key])
 
 
 def test_uneven_shards(runs):
-    outs = outputs(runs, 3, uneven_cases)
+    outs = rank_outputs(runs, 3, uneven_cases)
     assert [out["empty shards"][0] for out in outs] == [1, 1, 0]   # the last rank's shards of Linear(7, 2) are empty
     for out in outs:
         # with the clip: its float32 coefficient may round differently from the sums in another order
@@ -603,7 +589,7 @@ def test_uneven_shards(runs):
 
 
 def test_modules_and_patch_inside_fully_shard(runs):
-    for out in outputs(runs, 2, module_cases):
+    for out in rank_outputs(runs, 2, module_cases):
         assert not out["torch swapped"]
         for kind in ("patched first", "patched after"):
             assert out[f"{kind} swapped"], kind    # trainops classes, still FSDP modules
@@ -615,7 +601,7 @@ def test_modules_and_patch_inside_fully_shard(runs):
 
 
 def test_hf_fused_loss_with_a_sharded_lm_head(runs):
-    for out in outputs(runs, 2, hf_cases):
+    for out in rank_outputs(runs, 2, hf_cases):
         assert out["hf logits skipped"]
         # transformers's own loss casts the float64 logits to float32: agreement to float32's precision
         assert out["hf loss"] <= 1e-6 and out["hf grads"] <= 1e-6, out

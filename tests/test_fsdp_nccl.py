@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import trainops
 from trainops.errors import InvalidProblemError
 
-from spawned import free_port, run_cases
+from spawned import free_port, rank_outputs, run_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -211,15 +211,10 @@ def runs(tmp_path_factory):
     return found
 
 
-def outputs(runs, world, case):
-    for rank in range(world):
-        errors = [v for k, v in runs[world][rank].items() if k.startswith("error in")]
-        assert f"ran {case.__name__}" in runs[world][rank], errors or "not run"
-    return [runs[world][rank] for rank in range(world)]
 
 
 def test_adamw_steps_like_torch_fused_on_fsdp2_over_nccl(runs):
-    for out in outputs(runs, WORLD, fused_cases):
+    for out in rank_outputs(runs, WORLD, fused_cases):
         # float32 rounding of two implementations (2x H200: 1.2e-6 .. 4.2e-6, NOTES "FSDP2 on two GPUs");
         # bf16 parameters amplify it (2.9e-4 after 6 steps); the steps moved the parameters by ~1e-1
         assert max(out["vs torch fused float32"]) < 5e-5, out["vs torch fused float32"]
@@ -228,7 +223,7 @@ def test_adamw_steps_like_torch_fused_on_fsdp2_over_nccl(runs):
 
 
 def test_lamb_and_clip_use_whole_parameter_norms_over_nccl(runs):
-    for out in outputs(runs, WORLD, one_process_cases):
+    for out in rank_outputs(runs, WORLD, one_process_cases):
         for name in ("LAMB", "AdamW"):
             # the gradients differ from one process's by float32 rounding of the reduce-scatter only
             assert out[f"vs one process {name}"] < 1e-4, (name, out[f"vs one process {name}"])
@@ -237,18 +232,18 @@ def test_lamb_and_clip_use_whole_parameter_norms_over_nccl(runs):
 
 
 def test_scaler_agrees_across_ranks_over_nccl(runs):
-    for out in outputs(runs, WORLD, scaler_cases):
+    for out in rank_outputs(runs, WORLD, scaler_cases):
         assert out["scales"] == [512.0, 256.0, 512.0], out["scales"]
 
 
 def test_ranks_that_disagree_raise_over_nccl(runs):
-    for out in outputs(runs, WORLD, disagree_cases):
+    for out in rank_outputs(runs, WORLD, disagree_cases):
         assert "disagree on max_grad_norm" in out["disagree"], out["disagree"]
         assert out["disagree changed nothing"]
 
 
 def test_dcp_checkpoint_of_n_ranks_continues_on_one(runs):
-    outputs(runs, WORLD, save_cases)
-    (out,) = outputs(runs, 1, load_cases)
+    rank_outputs(runs, WORLD, save_cases)
+    (out,) = rank_outputs(runs, 1, load_cases)
     assert out["continued on fewer ranks"] < 1e-4, out["continued on fewer ranks"]
     assert out["continued: moved"] > 1e-2, out["continued: moved"]

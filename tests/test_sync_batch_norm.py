@@ -32,7 +32,7 @@ from trainops.ops import batch_norm as bn_ops
 from trainops.ops.batch_norm import BatchNormHeuristics
 
 from numerics import TOLERANCE, assert_close, relative_error
-from spawned import free_port, run_cases
+from spawned import free_port, rank_outputs, run_cases, triton_interpreter
 
 SIZES = {2: (3, 1), 3: (2, 0, 3)}   # samples a rank, by world size
 C, H, W = 3, 4, 5
@@ -357,27 +357,15 @@ def worker(rank, world, port, results):
 def runs():
     """{world: {rank: results}} of the 2-rank and the 3-rank runs."""
     found = {}
-    interpret = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # the ranks run on the CPU, Triton under the interpreter
-    try:
+    with triton_interpreter():   # the ranks run on the CPU, Triton under the interpreter
         with mp.Manager() as manager:
             for world in SIZES:
                 results = manager.dict()
                 mp.spawn(worker, args=(world, free_port(), results), nprocs=world, join=True)
                 found[world] = dict(results)
-    finally:
-        if interpret is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = interpret
     return found
 
 
-def outputs(runs, world, case):
-    for rank in range(world):
-        errors = [value for key, value in runs[world][rank].items() if key.startswith("error in")]
-        assert f"ran {case.__name__}" in runs[world][rank], errors or "not run"
-    return [runs[world][rank] for rank in range(world)]
 
 
 def _check_steps(results, prefix):
@@ -395,27 +383,27 @@ def _check_steps(results, prefix):
 
 @pytest.mark.parametrize("world", SIZES)
 def test_matches_one_process_and_torchs_sync_batch_norm(runs, world):
-    for results in outputs(runs, world, cpu_cases):
+    for results in rank_outputs(runs, world, cpu_cases):
         _check_steps(results, "cpu ")
         assert results[f"cpu contiguous {torch.float64} num_batches_tracked"] == 2
 
 
 @pytest.mark.parametrize("world", SIZES)
 def test_triton_kernels_under_the_interpreter(runs, world):
-    for results in outputs(runs, world, triton_cases):
+    for results in rank_outputs(runs, world, triton_cases):
         _check_steps(results, "triton ")
 
 
 @pytest.mark.parametrize("world", SIZES)
 def test_eval_and_a_group_of_one_do_not_synchronise(runs, world):
-    for results in outputs(runs, world, eval_and_solo_cases):
+    for results in rank_outputs(runs, world, eval_and_solo_cases):
         assert all(results["solo and eval same as unsynchronised"]), results["solo and eval same as unsynchronised"]
         assert results["solo and eval collectives"] == []
 
 
 @pytest.mark.parametrize("world", SIZES)
 def test_errors_before_any_collective_or_write(runs, world):
-    for results in outputs(runs, world, error_cases):
+    for results in rank_outputs(runs, world, error_cases):
         assert results["errors name the argument"] == [True] * 4
         assert results["errors collectives"] == []
         assert results["errors left the running statistics"]
@@ -424,14 +412,14 @@ def test_errors_before_any_collective_or_write(runs, world):
 
 @pytest.mark.parametrize("world", SIZES)
 def test_summed_gradients_of_a_converted_model_match_one_process(runs, world):
-    for results in outputs(runs, world, summed_gradient_cases):
+    for results in rank_outputs(runs, world, summed_gradient_cases):
         assert results["converted"]
         assert results["summed grads"] <= TOLERANCE[torch.float64]
         assert results["summed running stats"] <= TOLERANCE[torch.float64]
 
 
 def test_torch_compile_runs_it_between_graphs(runs):
-    for results in outputs(runs, 2, compile_cases):
+    for results in rank_outputs(runs, 2, compile_cases):
         assert results["compiled"] <= TOLERANCE[torch.float64]
 
 
