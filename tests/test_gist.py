@@ -493,3 +493,131 @@ def test_gpu_compress_saves_memory():
     activation = x.numel() * x.element_size()
     assert peaks["relu"] <= peaks["torch"] + activation and peaks["relu+e4m3"] < 0.6 * peaks["torch"], peaks
     assert peaks["relu+bf16"] < 0.8 * peaks["torch"], peaks
+
+
+# ---- ReLU followed by max pooling --------------------------------------------------------------
+
+POOLS = [(3, 2, 1), (2, 2, 0), (3, 1, 1), (2, 1, 0), ((3, 2), (2, 1), (1, 0))]
+
+
+def pool_reference(backend):
+    relu = torch_relu_as(backend)
+    return lambda x, k, s, p: torch.nn.functional.max_pool2d(relu(x), k, s, p)
+
+
+@pytest.mark.parametrize("window", POOLS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_relu_max_pool2d_is_torchs(backend, device, dtype, window):
+    k, s, p = window
+    x = special((2, 3, 9, 7), dtype, device, seed=11)
+    x[0, 0, :3, :3] = -1.0                                # a window of negatives only: no gradient there
+    x[1, 2, 4:6, 4:6] = 2.5                               # ties: the first in row-major order wins
+    dz = torch.randn(torch.nn.functional.max_pool2d(x, k, s, p).shape, dtype=torch.float64).to(dtype).to(device)
+    with trainops.heuristics(SMALL):
+        z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, k, s, p), x, dz)
+    ref_z, ref_dx = relu_and_grad(lambda t: pool_reference(backend)(t, k, s, p), x, dz)
+    assert same_bits(z, ref_z)
+    overlapping = any(kk > ss for kk, ss in zip(*(v if isinstance(v, tuple) else (v, v) for v in (k, s))))
+    if overlapping and dtype != torch.float64:   # overlapping windows sum in float32, then round once
+        assert relative_error(dx, ref_dx) <= {torch.float32: 1e-7, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+        assert torch.equal(dx.isnan(), ref_dx.isnan())
+    elif overlapping:
+        assert relative_error(dx, ref_dx) <= 1e-15
+    else:
+        assert same_bits(dx, ref_dx)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "batch_of_one"])
+def test_relu_max_pool2d_layouts(backend, device, layout):
+    base = special((2, 4, 10, 8), torch.float32, device, seed=12)
+    x = {"channels_last": base.to(memory_format=torch.channels_last), "sliced": base[:, :, 1:9],
+         "batch_of_one": base[:1].to(memory_format=torch.channels_last)}[layout]
+    dz = torch.randn(torch.nn.functional.max_pool2d(x, 3, 2, 1).shape, device=device)
+    with trainops.heuristics(SMALL):
+        z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, 3, 2, 1), x, dz)
+    ref_z, ref_dx = relu_and_grad(lambda t: pool_reference(backend)(t, 3, 2, 1), x, dz)
+    assert same_bits(z, ref_z) and relative_error(dx, ref_dx) <= 1e-7
+    if layout != "sliced":
+        assert z.stride() == ref_z.stride()   # channels_last in, channels_last out (as torch)
+
+
+def test_relu_max_pool2d_saves_one_byte_a_window(backend, device):
+    saved = []
+    x = torch.randn(2, 3, 8, 8, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        trainops.gist.relu_max_pool2d(x * 2, 3, 2, 1)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.uint8, (2, 3, 4, 4))], saved
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.max_pool2d(torch.relu(x * 2), 3, 2, 1)
+    assert sorted(str(t.dtype) for t in saved) == ["torch.float32", "torch.float32", "torch.int64"]   # torch's
+
+
+def test_relu_max_pool2d_empty_opcheck_and_compile(backend, device):
+    z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, 2), torch.empty(0, 3, 4, 4, device=device),
+                          torch.empty(0, 3, 2, 2, device=device))
+    assert z.shape == (0, 3, 2, 2) and dx.shape == (0, 3, 4, 4)
+    for x in (torch.randn(2, 3, 6, 5, device=device), torch.randn(2, 3, 6, 5, device=device).to(
+            memory_format=torch.channels_last)):
+        torch.library.opcheck(torch.ops.trainops.gist_relu_max_pool2d.default, (x.requires_grad_(), [3, 3], [2, 2],
+                                                                                 [1, 1]))
+    x = torch.randn(2, 3, 8, 8, device=device, requires_grad=True)
+    compiled = torch.compile(lambda t: trainops.gist.relu_max_pool2d(t * 2, 3, 2, 1).sum(), fullgraph=True,
+                             backend="aot_eager")
+    compiled(x).backward()
+    ref = x.detach().clone().requires_grad_()
+    pool_reference(backend)(ref * 2, 3, 2, 1).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
+def test_relu_max_pool2d_errors():
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(InvalidProblemError, match=r"gist.relu_max_pool2d: argument 'input' has shape \(3, 8, 8\)"):
+        trainops.gist.relu_max_pool2d(x[0], 2)
+    with pytest.raises(InvalidProblemError, match=r"argument 'padding' is \(2, 2\); it must be at most half"):
+        trainops.gist.relu_max_pool2d(x, 3, 1, 2)
+    with pytest.raises(UnsupportedError, match=r"argument 'kernel_size' is \(16, 16\)"):
+        trainops.gist.relu_max_pool2d(torch.randn(1, 1, 16, 16), 16)
+    with pytest.raises(InvalidProblemError, match=r"argument 'stride' is 0"):
+        trainops.gist.relu_max_pool2d(x, 2, 0)
+    with pytest.raises(UnsupportedError, match="argument 'input' has dtype torch.int64"):
+        trainops.gist.relu_max_pool2d(torch.zeros(1, 1, 4, 4, dtype=torch.int64), 2)
+    for kwargs, name in ((dict(dilation=2), "dilation"), (dict(return_indices=True), "return_indices"),
+                         (dict(ceil_mode=True), "ceil_mode")):
+        with pytest.raises(UnsupportedError, match=f"argument '{name}'"):
+            trainops.gist.ReLUMaxPool2d(3, 2, 1, **kwargs)
+
+
+def test_compress_fuses_relu_and_max_pool_in_a_sequential(backend, device):
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                   torch.nn.ReLU(inplace=True), torch.nn.MaxPool2d(3, 2, 1),
+                                   torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()).to(device)
+
+    x = torch.randn(4, 3, 16, 16, device=device)
+    plain, model = make(), make()
+    handle = trainops.gist.compress(model)
+    assert handle.fused == [("2", "3")] and handle.swapped == ["5"], handle
+    assert type(model[2]) is trainops.gist.FusedReLU and type(model[3]) is trainops.gist.ReLUMaxPool2d
+    out, ref = model(x), plain(x)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    assert torch.equal(out, ref)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert relative_error(p.grad, q.grad) <= 1e-6   # the pooling's overlapping windows sum in float32
+    # a shared or hooked ReLU, or a pooling with other options, is left to the plain swap
+    shared = torch.nn.ReLU()
+    other = torch.nn.Sequential(shared, torch.nn.MaxPool2d(2), shared, torch.nn.MaxPool2d(2, dilation=2))
+    handle = trainops.gist.compress(other)
+    assert handle.fused == [] and handle.swapped == ["0"] and type(other[1]) is torch.nn.MaxPool2d
+
+
+@pytest.mark.gpu
+def test_gpu_relu_max_pool2d_resnet_stem():
+    x = torch.randn(32, 64, 112, 112, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    dz = torch.randn(32, 64, 56, 56, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, 3, 2, 1), x, dz)
+    ref_z, ref_dx = relu_and_grad(lambda t: torch.nn.functional.max_pool2d(torch.relu(t), 3, 2, 1), x, dz)
+    assert same_bits(z, ref_z) and z.stride() == ref_z.stride()
+    assert relative_error(dx, ref_dx) <= 1e-2

@@ -94,6 +94,8 @@ def _recorded_calls():
         run(trainops.batch_norm(leaf(4, 3, 5), torch.zeros(3), torch.ones(3), leaf(3), leaf(3), training=True))
         run(trainops.gist.relu(leaf(3, 7)))
         run(trainops.gist.relu(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last)))
+        run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5), 3, 2, 1))
+        run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5).to(memory_format=torch.channels_last), 2))
     finally:
         library.CustomOp.__call__ = original
     return calls

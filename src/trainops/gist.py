@@ -2,6 +2,7 @@
 Gist encoders and decoders), opt-in per model.
 
     y = trainops.gist.relu(x)                  # torch.relu; its backward keeps 1 bit an element
+    z = trainops.gist.relu_max_pool2d(x, 3, 2, 1)          # max_pool2d(relu(x)); keeps 1 byte a window
     handle = trainops.gist.compress(model, stash="e4m3")   # every nn.ReLU -> gist.ReLU, and the
                                                            # model's other stashed activations 1 byte
     with trainops.gist.saved_tensors("bf16") as stats:     # or around any forward
@@ -14,6 +15,10 @@ Two savings, which add up:
   instead of the output: torch's ReLU backward needs nothing else, so the gradient is torch's bit
   for bit. The output itself is freed unless another node saves it too (a following convolution or
   linear layer saves its input: pair with ``stash`` to pack that one).
+- **Exact, pooled.** ``relu_max_pool2d`` / ``ReLUMaxPool2d`` (a ReLU then a 2-D max pooling, as
+  in ResNet's stem) save one byte a window (where its maximum was, or that it was <= 0) instead
+  of the ReLU's output (which the pooling would save as its input) and the pooling's int64
+  indices; the gradient is torch's.
 - **Lossy.** ``saved_tensors(format)`` packs every float tensor the autograd graph saves while it is
   active, for the backward pass to unpack: "e4m3" / "e5m2" (float8, 1 byte, a power-of-two scale
   per tensor), "fp16" / "bf16" (2 bytes); the formats and their rounding are in
@@ -35,9 +40,13 @@ is swapped: the same object, so its hooks and a module shared by several parents
 are) and, with ``stash``, runs every forward of ``model`` inside ``saved_tensors`` (forward hooks
 that also close it when the forward raises). It returns a ``GistHandle``: the swapped modules'
 names, ``left`` (subclasses of ``torch.nn.ReLU`` it does not swap: their forward is their own),
-the last forward's ``StashStats``, and ``remove()`` to take the hooks off. ReLUs called as
-functions (``F.relu``, ``torch.relu``) are not swapped and not seen; call ``trainops.gist.relu``
-there.
+the last forward's ``StashStats``, and ``remove()`` to take the hooks off. A ReLU followed by a
+``torch.nn.MaxPool2d`` inside a ``torch.nn.Sequential`` (neither shared nor hooked, the pooling's
+options ones ``relu_max_pool2d`` takes) becomes one ``relu_max_pool2d``: the ReLU a ``FusedReLU``
+(it passes its input on), the pooling a ``ReLUMaxPool2d``; ``GistHandle.fused`` lists the pairs.
+ReLUs called as functions (``F.relu``, ``torch.relu``) and pairs outside a Sequential (a forward
+that calls ``self.relu`` then ``self.maxpool``) are not swapped and not seen; call
+``trainops.gist.relu`` / ``relu_max_pool2d`` there.
 
 Eager mode: under torch.compile, ``relu`` is a custom op like the others; ``saved_tensors`` is a
 ``torch.autograd.graph.saved_tensors_hooks`` context, which torch.compile handles (or refuses) as
@@ -54,6 +63,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .dtensor import is_dtensor
 from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import gist as gist_ops
 from .ops.gist import STASH_FORMATS, Stashed, pack_stash, unpack_stash
@@ -71,20 +81,48 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
     UnsupportedError for other dtypes or a DTensor, InvalidProblemError for a non-tensor.
     """
     op = "gist.relu"
-    if not isinstance(input, Tensor):
-        raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
-    if input.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise argument_error(UnsupportedError, op, "input", f"has dtype {input.dtype}; supported: float32, float16, "
-                             "bfloat16, float64")
+    _check_float_input(op, input)
     if inplace:
         raise argument_error(UnsupportedError, op, "inplace", "is True; trainops.gist.relu returns a new tensor "
                              "(its saved state is the bits, so the input is freed as after an in-place ReLU)")
-    from .dtensor import is_dtensor
-
-    if is_dtensor(input):
-        raise argument_error(UnsupportedError, op, "input", "is a DTensor; call it on the local tensor")
     y, _ = gist_ops.gist_relu_op(input)
     return y
+
+
+def _check_float_input(op: str, input) -> None:
+    """``input`` a plain (not D-) tensor of float32, float16, bfloat16 or float64, else the error
+    naming it."""
+    if not isinstance(input, Tensor):
+        raise argument_error(InvalidProblemError, op, "input", f"must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in gist_ops.FLOATS:
+        raise argument_error(UnsupportedError, op, "input", f"has dtype {input.dtype}; supported: float32, float16, "
+                             "bfloat16, float64")
+    if is_dtensor(input):
+        raise argument_error(UnsupportedError, op, "input", "is a DTensor; call it on the local tensor")
+
+
+def relu_max_pool2d(input: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    """``F.max_pool2d(F.relu(input), kernel_size, stride, padding)`` saving one byte a window for
+    the backward (the position of its maximum, or none where it is <= 0) instead of the ReLU's
+    output and the pooling's int64 indices (GIST's Binarize pair: ResNet's stem).
+
+    input: (N, C, H, W), float32, float16, bfloat16 or float64; a dense layout (contiguous,
+    channels_last) is read in place and kept by the output, any other is copied first. kernel_size,
+    stride (default kernel_size), padding: an int or two, as torch's max_pool2d with dilation 1 and
+    ceil_mode False; windows of at most 254 positions, padding at most half the kernel. Values are
+    torch's (the first maximum of a window in row-major order; NaN propagates; a zero's sign as
+    torch's relu on the device: see ``relu``); the gradient is torch's (dz to the window's
+    maximum, summed where windows overlap: in a fixed order, float32, no atomics). Errors:
+    InvalidProblemError for a non-tensor, another rank, bad sizes; UnsupportedError for other
+    dtypes, a DTensor, or a larger window.
+    """
+    op = "gist.relu_max_pool2d"
+    _check_float_input(op, input)
+    if input.dim() != 4:
+        raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}; expected (N, C, H, W)")
+    kernel, stride, padding = gist_ops.pool_window(op, input.shape, kernel_size, stride, padding)
+    z, _ = gist_ops.gist_relu_max_pool2d_op(input, list(kernel), list(stride), list(padding))
+    return z
 
 
 class ReLU(torch.nn.ReLU):
@@ -93,6 +131,53 @@ class ReLU(torch.nn.ReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         return relu(input)
+
+
+class ReLUMaxPool2d(torch.nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` applied after a ReLU, fused: ``relu_max_pool2d`` (one byte a window
+    saved). Same constructor and state as torch's MaxPool2d, with dilation 1, ``return_indices``
+    and ``ceil_mode`` False (others raise UnsupportedError at construction)."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices=False, ceil_mode=False):
+        super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
+        reason = _pool_unsupported(self)
+        if reason:
+            raise argument_error(UnsupportedError, "gist.ReLUMaxPool2d", reason[0], reason[1])
+
+    def forward(self, input: Tensor) -> Tensor:
+        return relu_max_pool2d(input, self.kernel_size, self.stride, self.padding)
+
+
+class FusedReLU(torch.nn.ReLU):
+    """A ReLU whose work the next module does (``compress`` fused it into a ``ReLUMaxPool2d``):
+    returns its input."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return input
+
+
+def _pool_unsupported(pool: torch.nn.MaxPool2d) -> tuple[str, str] | None:
+    """(argument, why) when ``pool`` has an option ``relu_max_pool2d`` does not take, else None."""
+    pairs = {name: (v, v) if isinstance(v, int) else tuple(v) for name, v in
+             (("kernel_size", pool.kernel_size), ("stride", pool.stride or pool.kernel_size),
+              ("padding", pool.padding), ("dilation", pool.dilation))}
+    if pairs["dilation"] != (1, 1):
+        return "dilation", f"is {pool.dilation}; only 1 is supported"
+    if pool.return_indices:
+        return "return_indices", "is True; the fused op keeps one byte a window, not torch's indices"
+    if pool.ceil_mode:
+        return "ceil_mode", "is True; only False is supported"
+    kh, kw = pairs["kernel_size"]
+    if kh * kw >= gist_ops.NO_POSITION:
+        return "kernel_size", f"is {pool.kernel_size}; windows of at most {gist_ops.NO_POSITION - 1} positions"
+    if any(2 * p > k for p, k in zip(pairs["padding"], pairs["kernel_size"])):
+        return "padding", f"is {pool.padding}; at most half the kernel"
+    return None
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                       "_backward_pre_hooks"))
 
 
 @dataclass
@@ -176,12 +261,14 @@ def saved_tensors(format: str = "e4m3", *, min_numel: int = MIN_NUMEL) -> Iterat
 class GistHandle:
     """What ``compress`` did to a model: the swapped ReLUs' names ("" for the model itself), the
     ReLU subclasses ``left`` as they are, the stash format (None: none), ``stats`` of the last
-    forward (None before one, or without a stash), and ``remove()``."""
+    forward (None before one, or without a stash), the (ReLU, MaxPool2d) pairs ``fused``, and
+    ``remove()``."""
 
     swapped: list[str]
     left: list[str]
     stash: str | None
     stats: StashStats | None = None
+    fused: list = field(default_factory=list)   # (ReLU, MaxPool2d) name pairs made one ReLUMaxPool2d
     _hooks: list = field(default_factory=list, repr=False)
     _model: weakref.ref | None = field(default=None, repr=False)
 
@@ -215,15 +302,30 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
     if stash is not None and model in _COMPRESSED:
         raise argument_error(InvalidProblemError, op, "model", "has GIST stash hooks already; call remove() on the "
                              "handle compress returned first")
-    swapped, left = [], []
+    swapped, left, fused = [], [], []
     if relu:
+        uses: dict[int, int] = {}
+        for _, module in model.named_modules(remove_duplicate=False):
+            uses[id(module)] = uses.get(id(module), 0) + 1
+        # a ReLU followed by a MaxPool2d in a Sequential, neither shared nor hooked: one fused op
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Sequential):
+                continue
+            children = list(module.named_children())
+            for (relu_name, first), (pool_name, second) in zip(children, children[1:]):
+                if (type(first) is torch.nn.ReLU and type(second) is torch.nn.MaxPool2d and uses[id(first)] == 1
+                        and uses[id(second)] == 1 and not _has_hooks(first) and not _has_hooks(second)
+                        and _pool_unsupported(second) is None):
+                    first.__class__, second.__class__ = FusedReLU, ReLUMaxPool2d
+                    prefix = f"{name}." if name else ""
+                    fused.append((prefix + relu_name, prefix + pool_name))
         for name, module in model.named_modules():   # each module once, shared ones too
             if type(module) is torch.nn.ReLU:
                 module.__class__ = ReLU   # the same object: hooks, sharing and state stay
                 swapped.append(name)
-            elif isinstance(module, torch.nn.ReLU) and not isinstance(module, ReLU):
+            elif isinstance(module, torch.nn.ReLU) and not isinstance(module, (ReLU, FusedReLU)):
                 left.append(name)
-    handle = GistHandle(swapped, left, stash, _model=weakref.ref(model))
+    handle = GistHandle(swapped, left, stash, fused=fused, _model=weakref.ref(model))
     if stash is None:
         return handle
     active: list = []
@@ -242,4 +344,5 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
     return handle
 
 
-__all__ = ["GistHandle", "MIN_NUMEL", "ReLU", "STASH_FORMATS", "StashStats", "compress", "relu", "saved_tensors"]
+__all__ = ["FusedReLU", "GistHandle", "MIN_NUMEL", "ReLU", "ReLUMaxPool2d", "STASH_FORMATS", "StashStats", "compress",
+           "relu", "relu_max_pool2d", "saved_tensors"]

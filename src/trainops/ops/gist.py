@@ -383,6 +383,406 @@ gist_relu_op = custom_op("gist_relu", _gist_relu_impl, _gist_relu_fake, backward
 
 
 # ----------------------------------------------------------------------------------------------
+# ReLU followed by 2-D max pooling: the pooling positions alone (GIST's Binarize pair)
+# ----------------------------------------------------------------------------------------------
+
+POOL_OPS = ("gist_relu_max_pool2d", "gist_relu_max_pool2d_backward")
+NO_POSITION = 255   # a window whose maximum is <= 0: the ReLU passes no gradient through it
+
+
+def pool_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """torch's max_pool2d output size along one axis (dilation 1, ceil_mode False)."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def memory_order(shape: Sequence[int], strides: Sequence[int]) -> list[int]:
+    """The axes of a dense tensor from outermost to innermost in memory (size-1 axes, whose strides
+    say nothing, outermost; ties by axis)."""
+    return sorted(range(len(shape)), key=lambda d: (-(strides[d] if shape[d] != 1 else 2 ** 62), d))
+
+
+def like_strides(shape: Sequence[int], like_shape: Sequence[int], like_strides_: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` whose axes lie in memory in the order (``memory_order``) of a
+    dense tensor of ``like_shape`` / ``like_strides_`` (contiguous stays contiguous, channels_last
+    channels_last)."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(memory_order(like_shape, like_strides_)):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+@dataclass(frozen=True)
+class GistPoolProblem:
+    """One fused ReLU + max-pool problem over x of ``shape`` (N, C, H, W) and dense ``strides``.
+
+    Forward ("gist_relu_max_pool2d"): inputs (x,) -> (z, positions): z = max_pool2d(relu(x)) of
+    shape (N, C, Ho, Wo) in x's memory order, positions uint8 of z's shape and strides (the window
+    position k_h * kernel_w + k_w of the maximum, NO_POSITION where it is <= 0). Backward: inputs
+    (dz, positions) -> dx in x's strides (dz in z's strides).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+    heuristics: GistHeuristics
+    index_dtype = None
+
+    @property
+    def backward(self) -> bool:
+        return self.op == "gist_relu_max_pool2d_backward"
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        n, c, h, w = self.shape
+        return (n, c, pool_output_size(h, self.kernel[0], self.stride[0], self.padding[0]),
+                pool_output_size(w, self.kernel[1], self.stride[1], self.padding[1]))
+
+    @property
+    def out_strides(self) -> tuple[int, ...]:
+        return like_strides(self.out_shape, self.shape, self.strides)
+
+    def check(self, tensors: Sequence, out) -> None:
+        """Cheap checks of concrete arguments against the plan (shape, strides, dtype, device)."""
+        if self.backward:
+            if len(tensors) != 2:
+                raise InvalidProblemError(f"trainops.{self.op}: expected 2 arguments (dz, positions), got "
+                                          f"{len(tensors)}")
+            check_tensor(self.op, "dz", tensors[0], self.out_shape, self.dtype, self.device, self.out_strides)
+            check_tensor(self.op, "positions", tensors[1], self.out_shape, torch.uint8, self.device, self.out_strides)
+        else:
+            if len(tensors) != 1:
+                raise InvalidProblemError(f"trainops.{self.op}: expected 1 argument (x), got {len(tensors)}")
+            check_tensor(self.op, "x", tensors[0], self.shape, self.dtype, self.device, self.strides)
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
+
+    def new_output(self):
+        """Forward: (z, positions) in the output's strides; backward: dx in x's strides."""
+        if self.backward:
+            return torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+        shape, strides = self.out_shape, self.out_strides
+        return (torch.empty_strided(shape, strides, dtype=self.dtype, device=self.device),
+                torch.empty_strided(shape, strides, dtype=torch.uint8, device=self.device))
+
+
+def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
+    values = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values):
+        raise argument_error(InvalidProblemError, op, name, f"is {value!r}; expected an int >= {minimum} or two")
+    return values
+
+
+def _describe_pool(op: str, shape, dtype, device="cuda", *, kernel_size=2, stride=None, padding=0, strides=None,
+                   heuristics=None) -> GistPoolProblem:
+    """Validate a fused ReLU + max-pool descriptor.
+
+    shape: x's (N, C, H, W). dtype: float32, float16, bfloat16, float64. kernel_size, stride
+    (default: kernel_size), padding: an int or two (torch's max_pool2d; dilation 1, ceil_mode
+    False), kernel_h * kernel_w <= 255 and padding at most half the kernel (as torch). strides: x's,
+    a dense layout (default contiguous). heuristics: a GistHeuristics.
+    """
+    shape = checked_shape(op, "shape", shape)
+    if len(shape) != 4:
+        raise argument_error(InvalidProblemError, op, "shape", f"is {shape}; expected (N, C, H, W)")
+    dtype = float_dtype(op, "dz" if op.endswith("_backward") else "x", dtype)
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    kernel, stride, padding = pool_window(op, shape, kernel_size, stride, padding)
+    strides = tuple(int(v) for v in strides) if strides is not None else like_strides(shape, shape, (4, 3, 2, 1))
+    if len(strides) != 4 or not dense_strides(shape, strides):
+        raise argument_error(InvalidProblemError, op, "strides", f"{strides} of shape {shape} are not a dense layout; "
+                             "copy the tensor first (the custom op does)")
+    if heuristics is None:
+        heuristics = heuristics_for(GistHeuristics)
+    elif not isinstance(heuristics, GistHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics",
+                             f"must be a GistHeuristics, got {type(heuristics).__name__}")
+    if heuristics.block < 8 or heuristics.block & (heuristics.block - 1):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"block must be a power of two >= 8, got "
+                             f"{heuristics.block}")
+    return GistPoolProblem(op, shape, strides, kernel, stride, padding, dtype, device, heuristics)
+
+
+def pool_window(op: str, shape, kernel_size, stride, padding) -> tuple[tuple[int, int], ...]:
+    """(kernel, stride, padding) as pairs, checked against ``shape`` (N, C, H, W) as torch's
+    max_pool2d checks them, and against the one byte a position; errors name ``op``."""
+    kernel = _pair(op, "kernel_size", kernel_size, 1)
+    stride = kernel if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
+        _pair(op, "stride", stride, 1)
+    padding = _pair(op, "padding", padding, 0)
+    if kernel[0] * kernel[1] >= NO_POSITION:
+        raise argument_error(UnsupportedError, op, "kernel_size", f"is {kernel}; windows of at most {NO_POSITION - 1} "
+                             "positions (a position is kept in one byte)")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise argument_error(InvalidProblemError, op, "padding", f"is {padding}; it must be at most half the kernel "
+                             f"{kernel} (as torch's max_pool2d)")
+    if any(pool_output_size(size, k, s_, p) < 1 for size, k, s_, p in zip(tuple(shape)[2:], kernel, stride, padding)):
+        raise argument_error(InvalidProblemError, op, "shape", f"is {tuple(shape)}: the {kernel} window with padding "
+                             f"{padding} leaves no output")
+    return kernel, stride, padding
+
+
+def _pool_describer(op: str):
+    def describe(shape, dtype, device="cuda", *, kernel_size=2, stride=None, padding=0, strides=None,
+                 heuristics=None) -> GistPoolProblem:
+        return _describe_pool(op, shape, dtype, device, kernel_size=kernel_size, stride=stride, padding=padding,
+                              strides=strides, heuristics=heuristics)
+    describe.__doc__ = _describe_pool.__doc__
+    return describe
+
+
+GistPoolDescriptor, GistPoolBackwardDescriptor = (register_op(op, _pool_describer(op)) for op in POOL_OPS)
+
+
+def _window_starts(problem: GistPoolProblem, device) -> tuple[Tensor, Tensor]:
+    """(rows, columns) of each output window's first input position (padding included)."""
+    _, _, ho, wo = problem.out_shape
+    rows = torch.arange(ho, device=device) * problem.stride[0] - problem.padding[0]
+    cols = torch.arange(wo, device=device) * problem.stride[1] - problem.padding[1]
+    return rows, cols
+
+
+def _prepare_pool_cpu(problem: GistPoolProblem) -> Launch:
+    n, c, h, w = problem.shape
+    kh, kw = problem.kernel
+    acc = torch.float64 if problem.dtype == torch.float64 else torch.float32
+
+    def forward(tensors, outputs):
+        (x,) = tensors
+        z, positions = outputs
+        pooled, flat = torch.nn.functional.max_pool2d(torch.relu(x), problem.kernel, problem.stride,
+                                                      problem.padding, return_indices=True)
+        rows, cols = _window_starts(problem, x.device)
+        position = (flat // w - rows[:, None]) * kw + (flat % w - cols[None, :])
+        z.copy_(pooled)
+        positions.copy_(torch.where(pooled <= 0, NO_POSITION, position).to(torch.uint8))
+
+    def backward(tensors, dx):
+        dz, positions = tensors
+        rows, cols = _window_starts(problem, dz.device)
+        p = positions.to(torch.int64)
+        flat = (rows[:, None] + p // kw) * w + cols[None, :] + p % kw
+        kept = positions != NO_POSITION
+        grads = torch.where(kept, dz.to(acc), 0.0).reshape(n * c, -1)
+        sums = torch.zeros(n * c, h * w, dtype=acc, device=dz.device)
+        sums.scatter_add_(1, torch.where(kept, flat, 0).reshape(n * c, -1), grads)
+        dx.copy_(sums.view(n, c, h, w))
+
+    compute = backward if problem.backward else forward
+    numel = math.prod(problem.shape)
+
+    def run(tensors, outputs):
+        if numel:
+            compute(tensors, outputs)
+
+    return Launch(run, KernelChoice(f"{problem.op}_cpu", "cpu", ()), acc)
+
+
+for _op in POOL_OPS:
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator="float32 (float64 for float64)",
+             name=f"{_op}_cpu")(_prepare_pool_cpu)
+
+
+if triton_available():
+    @triton.jit
+    def _pick(q0, q1, q2, q3, P: tl.constexpr):
+        """The coordinate at memory-order position P of (q0, q1, q2, q3)."""
+        if P == 0:
+            return q0
+        elif P == 1:
+            return q1
+        elif P == 2:
+            return q2
+        else:
+            return q3
+
+    @triton.jit
+    def _coords(i, S1, S2, S3, PN: tl.constexpr, PC: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr):
+        """(n, c, h, w) of flat memory-order index i over sizes (S0, S1, S2, S3) in memory order."""
+        q3 = i % S3
+        t = i // S3
+        q2 = t % S2
+        t = t // S2
+        q1 = t % S1
+        q0 = t // S1
+        return (_pick(q0, q1, q2, q3, PN), _pick(q0, q1, q2, q3, PC), _pick(q0, q1, q2, q3, PH),
+                _pick(q0, q1, q2, q3, PW))
+
+    @triton.jit
+    def _gist_pool_fwd(X, Z, POS, n_out, H, W, S1, S2, S3, xsn, xsc, xsh, xsw,
+                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                       PADH: tl.constexpr, PADW: tl.constexpr, PN: tl.constexpr, PC: tl.constexpr,
+                       PH: tl.constexpr, PW: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
+                       ACC: tl.constexpr):
+        """BLOCK outputs of z's memory order a program: each window's maximum (the first in
+        row-major window order; NaN wins), z = relu of it, and its position (NO_POSITION if <= 0)."""
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
+        i = base + tl.arange(0, BLOCK)
+        inside = i < n_out
+        n, c, oh, ow = _coords(i, S1, S2, S3, PN, PC, PH, PW)
+        plane = n * xsn + c * xsc
+        best = tl.full((BLOCK,), float("-inf"), ACC)
+        arg = tl.zeros((BLOCK,), tl.int32)
+        for kh in tl.static_range(KH):
+            h = oh * SH - PADH + kh
+            for kw in tl.static_range(KW):
+                w = ow * SW - PADW + kw
+                valid = inside & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+                v = tl.load(X + plane + h * xsh + w * xsw, mask=valid, other=float("-inf")).to(ACC)
+                take = (v > best) | ((v != v) & (best == best))
+                best = tl.where(take, v, best)
+                arg = tl.where(take, kh * KW + kw, arg)
+        z = tl.where(best <= 0, 0.0, best)          # relu: NaN kept, -0.0 -> +0.0 (torch's CUDA relu)
+        tl.store(Z + i, z.to(Z.dtype.element_ty), mask=inside)
+        tl.store(POS + i, tl.where(best <= 0, 255, arg).to(tl.uint8), mask=inside)
+
+    @triton.jit
+    def _gist_pool_bwd(DZ, POS, DX, n_in, Ho, Wo, S1, S2, S3, zsn, zsc, zsh, zsw,
+                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                       PADH: tl.constexpr, PADW: tl.constexpr, PN: tl.constexpr, PC: tl.constexpr,
+                       PH: tl.constexpr, PW: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
+                       ACC: tl.constexpr):
+        """BLOCK inputs of x's memory order a program: dx = the sum of dz over the windows whose
+        kept position is this input, in a fixed order (the candidate windows row by row): no atomics."""
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
+        i = base + tl.arange(0, BLOCK)
+        inside = i < n_in
+        n, c, h, w = _coords(i, S1, S2, S3, PN, PC, PH, PW)
+        plane = n * zsn + c * zsc
+        acc = tl.zeros((BLOCK,), ACC)
+        last_oh = (h + PADH) // SH
+        last_ow = (w + PADW) // SW
+        for a in tl.static_range((KH + SH - 1) // SH):
+            oh = last_oh - a
+            r = h + PADH - oh * SH
+            for b in tl.static_range((KW + SW - 1) // SW):
+                ow = last_ow - b
+                col = w + PADW - ow * SW
+                valid = inside & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo) & (r < KH) & (col < KW)
+                offset = plane + oh * zsh + ow * zsw
+                pos = tl.load(POS + offset, mask=valid, other=255).to(tl.int32)
+                hit = valid & (pos == r * KW + col)
+                acc += tl.where(hit, tl.load(DZ + offset, mask=hit, other=0.0).to(ACC), 0.0)
+        tl.store(DX + i, acc.to(DX.dtype.element_ty), mask=inside)
+
+
+def _prepare_pool_triton(problem: GistPoolProblem) -> Launch:
+    h = problem.heuristics
+    order = memory_order(problem.shape, problem.strides)
+    where = {axis: order.index(axis) for axis in range(4)}
+    grid_shape = problem.shape if problem.backward else problem.out_shape
+    sizes = [grid_shape[axis] for axis in order]
+    numel = math.prod(grid_shape)
+    block = max(8, min(h.block, next_pow2(max(numel, 1))))
+    other = problem.out_strides if problem.backward else problem.strides   # the strides the kernel gathers through
+    span = max(math.prod(problem.shape), math.prod(problem.out_shape))
+    meta = dict(KH=problem.kernel[0], KW=problem.kernel[1], SH=problem.stride[0], SW=problem.stride[1],
+                PADH=problem.padding[0], PADW=problem.padding[1], PN=where[0], PC=where[1], PH=where[2], PW=where[3],
+                BLOCK=block, INT64=span + block >= 2 ** 31,
+                ACC=tl.float64 if problem.dtype == torch.float64 else tl.float32, num_warps=4)
+    kernel = _gist_pool_bwd if problem.backward else _gist_pool_fwd
+    extent = problem.out_shape[2:] if problem.backward else problem.shape[2:]
+    launch = launcher(kernel, (triton.cdiv(max(numel, 1), block),),
+                      trailing=(numel, *extent, *sizes[1:], *other), **meta)
+
+    if problem.backward:
+        def run(tensors, dx):
+            if numel:
+                dz, positions = tensors
+                launch(dz, positions, _memory(dx, numel))
+    else:
+        def run(tensors, outputs):
+            if numel:
+                z, positions = outputs
+                n_out = math.prod(problem.out_shape)
+                launch(tensors[0], _memory(z, n_out), _memory(positions, n_out))
+
+    name = "gist_pool_bwd" if problem.backward else "gist_pool_fwd"
+    return Launch(run, KernelChoice(name, "triton", (("BLOCK", block), ("num_warps", 4))),
+                  torch.float64 if problem.dtype == torch.float64 else torch.float32)
+
+
+if triton_available():
+    for _op in POOL_OPS:
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True,
+                 accumulator="float32 (float64 for float64)", name=f"{_op}_triton")(_prepare_pool_triton)
+
+
+def _pool_impl(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int]) -> tuple[Tensor, Tensor]:
+    x = _dense(x)
+    descriptor = GistPoolDescriptor(x.shape, x.dtype, x.device, kernel_size=tuple(kernel_size), stride=tuple(stride),
+                                    padding=tuple(padding), strides=x.stride(),
+                                    heuristics=heuristics_for(GistHeuristics))
+    return cached_plan(descriptor).run_unchecked((x,))
+
+
+def _pool_fake(x, kernel_size, stride, padding):
+    x_strides = x.stride() if dense_strides(x.shape, x.stride()) else like_strides(x.shape, x.shape, (4, 3, 2, 1))
+    n, c, h, w = x.shape
+    shape = (n, c, *(pool_output_size(s_, k, st, p) for s_, k, st, p in zip((h, w), kernel_size, stride, padding)))
+    strides = like_strides(shape, x.shape, x_strides)
+    return (torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device),
+            torch.empty_strided(shape, strides, dtype=torch.uint8, device=x.device))
+
+
+def _pool_backward_impl(dz: Tensor, positions: Tensor, x_shape: list[int], x_strides: list[int],
+                        kernel_size: list[int], stride: list[int], padding: list[int]) -> Tensor:
+    descriptor = GistPoolBackwardDescriptor(tuple(x_shape), dz.dtype, dz.device, kernel_size=tuple(kernel_size),
+                                            stride=tuple(stride), padding=tuple(padding), strides=tuple(x_strides),
+                                            heuristics=heuristics_for(GistHeuristics))
+    plan = cached_plan(descriptor)
+    problem = plan.problem
+    dz = _in_layout(dz, problem.out_shape, problem.out_strides)
+    if positions.stride() != problem.out_strides or positions.dtype != torch.uint8 or positions.device != dz.device:
+        problem.check((dz, positions), None)
+    return plan.run_unchecked((dz, positions))
+
+
+def _pool_backward_fake(dz, positions, x_shape, x_strides, kernel_size, stride, padding):
+    return torch.empty_strided(tuple(x_shape), tuple(x_strides), dtype=dz.dtype, device=dz.device)
+
+
+def _pool_save(ctx, inputs, outputs) -> None:
+    _, positions = outputs
+    ctx.mark_non_differentiable(positions)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(positions)   # one byte a window: not x, not the ReLU's output
+    x = inputs.x
+    ctx.x_shape = list(x.shape)
+    ctx.x_strides = list(x.stride() if dense_strides(x.shape, x.stride()) else like_strides(x.shape, x.shape,
+                                                                                            (4, 3, 2, 1)))
+    ctx.window = (list(inputs.kernel_size), list(inputs.stride), list(inputs.padding))
+    ctx.heuristics = heuristics_for(GistHeuristics)
+
+
+def _pool_grad(ctx, dz, dpositions) -> dict:
+    if dz is None or not ctx.needs_grad.x:
+        return {}
+    if torch.is_grad_enabled():
+        raise UnsupportedError("trainops.gist.relu_max_pool2d: double backward (create_graph=True) is not supported")
+    (positions,) = ctx.saved_tensors
+    with heuristics(ctx.heuristics):
+        return {"x": gist_relu_max_pool2d_backward_op(dz, positions, ctx.x_shape, ctx.x_strides, *ctx.window)}
+
+
+gist_relu_max_pool2d_backward_op = custom_op("gist_relu_max_pool2d_backward", _pool_backward_impl,
+                                             _pool_backward_fake)
+gist_relu_max_pool2d_op = custom_op("gist_relu_max_pool2d", _pool_impl, _pool_fake, backward=_pool_grad,
+                                    save=_pool_save)
+
+
+# ----------------------------------------------------------------------------------------------
 # Lossy packing of stashed activations (composite: torch's casts)
 # ----------------------------------------------------------------------------------------------
 
@@ -453,6 +853,7 @@ def unpack_stash(stashed: Stashed) -> Tensor:
     return out
 
 
-__all__ = ["GIST_OPS", "GistHeuristics", "GistReluProblem", "STASH_FORMATS", "Stashed", "StashFormat",
-           "check_stash_format", "dense_strides", "gist_relu_backward_op", "gist_relu_op", "pack_stash",
-           "unpack_stash"]
+__all__ = ["GIST_OPS", "NO_POSITION", "POOL_OPS", "GistHeuristics", "GistPoolProblem", "GistReluProblem",
+           "STASH_FORMATS", "Stashed", "StashFormat", "check_stash_format", "dense_strides",
+           "gist_relu_backward_op", "gist_relu_max_pool2d_backward_op", "gist_relu_max_pool2d_op", "gist_relu_op",
+           "like_strides", "memory_order", "pack_stash", "pool_output_size", "pool_window", "unpack_stash"]
