@@ -282,9 +282,13 @@ def error_cases(rank, world, out):
     with Collectives() as collectives:
         for kwargs, name in (({"weight": torch.ones(C + 1, dtype=torch.float64)}, "weight"),
                              ({"momentum": 1.5}, "momentum"), ({"eps": -1.0}, "eps"),
-                             ({"process_group": "world"}, "process_group")):
+                             ({"process_group": "world"}, "process_group"),
+                             ({"running_var": None}, "running_var"),
+                             ({"running_var": torch.ones(C, dtype=torch.float32)}, "running_var"),
+                             ({"running_mean": torch.zeros(2 * C, dtype=torch.float64)[::2]}, "running_mean")):
+            arguments = {"running_mean": mean, "running_var": var, **kwargs}
             try:
-                trainops.sync_batch_norm(x, mean, var, training=True, **kwargs)
+                trainops.sync_batch_norm(x, training=True, **arguments)
             except InvalidProblemError as e:
                 raised.append(f"'{name}'" in str(e))
             else:
@@ -335,7 +339,44 @@ def compile_cases(rank, world, out):
                           [err(compiled[1].running_var, eager[1].running_var)])
 
 
-CASES = (cpu_cases, triton_cases, eval_and_solo_cases, error_cases, summed_gradient_cases, compile_cases)
+def offset_cases(rank, world, out):
+    """Means far from zero (1e4 in float32, 1e8 in float64, spread 1): the group's unbiased variance
+    (momentum 1: the running variance is it) keeps the precision of one process's statistics."""
+    for dtype, offset in ((torch.float32, 1e4), (torch.float64, 1e8)):
+        x_global = global_batch(0, world)[0] / 2 + offset    # spread 1 around the offset (+1.5)
+        x = x_global[rows(rank, world)].to(dtype)
+        running_mean, running_var = torch.zeros(C, dtype=dtype), torch.ones(C, dtype=dtype)
+        trainops.sync_batch_norm(x, running_mean, running_var, training=True, momentum=1.0)
+        # the deviations from the offset are exact in float64 (torch's var of the raw values at 1e8
+        # is off by about 1e-8 itself)
+        reference = (x_global.to(dtype).double() - offset).transpose(0, 1).reshape(C, -1).var(1)
+        out[f"offset {dtype} running_var"] = err(running_var, reference)
+        out[f"offset {dtype} running_mean"] = err(running_mean, x_global.to(dtype).double().mean((0, 2, 3)))
+
+
+def subgroup_cases(rank, world, out):
+    """A group of ranks 0 and 2 of 3: its members synchronise over their rows; rank 1, outside it
+    (new_group gives it GroupMember.NON_GROUP_MEMBER), normalizes its own batch alone, as torch's."""
+    if world != 3:
+        return
+    group = dist.new_group([0, 2])   # every rank calls new_group
+    module = trainops.nn.SyncBatchNorm(C, momentum=MOMENTUM, process_group=group).double()
+    if rank == 1:
+        x = torch.randn(4, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        reference = torch_F.batch_norm(x, None, None, module.weight.detach(), module.bias.detach(), training=True)
+        out["outside the group"] = err(module(x), reference)
+    else:
+        x_global = global_batch(0, world)[0]
+        members = torch.cat([x_global[rows(0, world)], x_global[rows(2, world)]])
+        mine = x_global[rows(rank, world)]
+        reference = torch_F.batch_norm(members, None, None, module.weight.detach(), module.bias.detach(),
+                                       training=True)
+        offset = 0 if rank == 0 else SIZES[3][0]
+        out["inside the group"] = err(module(mine), reference[offset:offset + mine.shape[0]])
+
+
+CASES = (cpu_cases, triton_cases, eval_and_solo_cases, error_cases, summed_gradient_cases, compile_cases,
+         offset_cases, subgroup_cases)
 
 
 def worker(rank, world, port, results):
@@ -404,10 +445,26 @@ def test_eval_and_a_group_of_one_do_not_synchronise(runs, world):
 @pytest.mark.parametrize("world", SIZES)
 def test_errors_before_any_collective_or_write(runs, world):
     for results in rank_outputs(runs, world, error_cases):
-        assert results["errors name the argument"] == [True] * 4
+        assert results["errors name the argument"] == [True] * 7
         assert results["errors collectives"] == []
         assert results["errors left the running statistics"]
         assert results["after errors"] <= TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("world", SIZES)
+def test_means_far_from_zero_keep_their_precision(runs, world):
+    for results in rank_outputs(runs, world, offset_cases):
+        assert results[f"offset {torch.float32} running_var"] <= 1e-5, results
+        assert results[f"offset {torch.float64} running_var"] <= 1e-12, results
+        assert results[f"offset {torch.float32} running_mean"] <= 1e-7, results   # float32's rounding of 1e4
+        assert results[f"offset {torch.float64} running_mean"] <= 1e-15, results
+
+
+def test_a_rank_outside_the_group_normalizes_alone(runs):
+    outs = rank_outputs(runs, 3, subgroup_cases)
+    assert outs[1]["outside the group"] <= TOLERANCE[torch.float64], outs[1]
+    for rank in (0, 2):
+        assert outs[rank]["inside the group"] <= TOLERANCE[torch.float64], outs[rank]
 
 
 @pytest.mark.parametrize("world", SIZES)
@@ -446,8 +503,11 @@ def test_rank_pieces_give_the_single_process_gradient(backend, device, poisoned,
     w = (torch.rand(5, generator=gen) + 0.5).to(device)
     r = x.numel() // x.shape[1]
     with trainops.heuristics(SMALL):
-        mean, var = trainops.plan("batch_norm_local_stats", shape=x.shape, dtype=x.dtype, device=x.device,
-                                  strides=(x.stride(),)).run(x)
+        relative_and_shift, var = trainops.plan("batch_norm_local_stats", shape=x.shape, dtype=x.dtype,
+                                                device=x.device, strides=(x.stride(),)).run(x)
+        # rows: the mean relative to a shift near it, and the shift
+        assert (relative_and_shift[0].abs() < relative_and_shift[1].abs() + 5).all()
+        mean = relative_and_shift[0] + relative_and_shift[1]
         assert_close(mean, x.double().mean((0, 2, 3)), torch.float32, "mean")
         assert_close(var, x.double().var((0, 2, 3), unbiased=False), torch.float32, "var")
         rstd = torch.rsqrt(var + EPS)

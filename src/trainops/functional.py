@@ -380,6 +380,8 @@ def _process_group(op: str, process_group):
     import torch.distributed as dist
 
     available = dist.is_available()
+    if available and isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        return None, -1   # new_group's answer on a rank outside it: this rank normalizes alone, as torch's
     if process_group is not None and not (available and isinstance(process_group, dist.ProcessGroup)):
         raise argument_error(InvalidProblemError, op, "process_group", "must be a torch.distributed.ProcessGroup or "
                              f"None, got {type(process_group).__name__}")
@@ -419,7 +421,8 @@ def sync_batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Ten
     bit-identical run to run; dx too where the backend's all_reduce adds the ranks' sums in a
     fixed order. Every rank of the group must call it alike (same
     C, dtypes, training, and input requiring grad or not), as torch's: a rank that skips a call
-    leaves the others waiting in the collective. Under torch.compile it runs eagerly (a graph break).
+    leaves the others waiting in the collective. Under torch.compile it runs eagerly (a graph break
+    in training over 2 or more ranks, so ``fullgraph=True`` raises there; eval and one rank compile).
     Errors: those of ``batch_norm``, raised before any collective and before the running
     statistics are written (one value per channel is allowed on a rank of a group of 2 or more,
     as torch's); InvalidProblemError when ``process_group`` is not a ProcessGroup or None. Double
@@ -430,6 +433,8 @@ def sync_batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Ten
     world_size = world_size if training else 1
     eps = _batch_norm_checks(op, input, running_mean, running_var, weight, bias, training, momentum, eps,
                              one_value_per_channel_ok=world_size > 1)
+    if world_size > 1:   # batch_norm checks these in its statistics op; here before the collectives
+        batch_norm_ops.check_running(op, running_mean, running_var, input.shape[1], input.device)
     if world_size <= 1:
         return _batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), eps)
     return batch_norm_ops.sync_batch_norm(input, weight, bias, running_mean, running_var, float(momentum), eps, group,

@@ -231,7 +231,11 @@ class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
     (see ``trainops.sync_batch_norm``); each rank's weight and bias gradients are its own
     elements' sums, as torch's (DistributedDataParallel averages them). In eval, on one rank or
     without torch.distributed: ``trainops.batch_norm``, as torch's. Unlike torch's, CPU tensors
-    (gloo) are taken too. Input (N, C, ...) of rank 2 to 8, any strides (channels-last kept),
+    (gloo) are taken too, though DistributedDataParallel refuses a SyncBatchNorm module on the CPU
+    (torch's check, which sees this subclass). Every rank must call it alike (training, input
+    requiring grad or not), as torch's, or the others wait in its collective; under torch.compile
+    a training call over 2 or more ranks is a graph break (``fullgraph=True`` raises).
+    Input (N, C, ...) of rank 2 to 8, any strides (channels-last kept),
     float32 / float16 / bfloat16 / float64. Errors: InvalidProblemError (a ValueError, as torch's)
     for an input of rank below 2 or without channels, then those of ``trainops.sync_batch_norm``,
     each before the running statistics are written (``num_batches_tracked`` is counted first,

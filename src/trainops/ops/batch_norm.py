@@ -118,8 +118,10 @@ class BatchNormProblem:
 
 or one of the synchronised variant's three:
 
-    batch_norm_local_stats     (x,) -> (mean, var): this rank's mean and biased variance (0 and 0
-                               without an element); no running statistics
+    batch_norm_local_stats     (x,) -> (mean, var): this rank's mean as (2, C) rows (the mean
+                               relative to a shift, and the shift: each channel's first element on
+                               the CPU path, its first tile's mean in the Triton kernels) and its
+                               biased variance (0s without an element); no running statistics
     batch_norm_backward_reduce (dy, x, weight, mean, rstd) -> (sums, dweight, dbias): sums (2, C)
                                = (sum(dy), sum(dy * xh)) in the accumulator dtype (weight: its
                                dtype only)
@@ -240,8 +242,8 @@ or one of the synchronised variant's three:
             dw = torch.empty(c, dtype=self.weight_dtype, device=self.device) if self.weight_grad else empty()
             db = torch.empty(c, dtype=self.bias_dtype, device=self.device) if self.bias_grad else empty()
             return dx, dw, db
-        if self.stats:
-            return (torch.empty(c, dtype=self.acc_dtype, device=self.device),
+        if self.stats:   # the local statistics' mean as (relative mean, shift) rows: see the class docstring
+            return (torch.empty((2, self.channels) if self.variance else c, dtype=self.acc_dtype, device=self.device),
                     torch.empty(c, dtype=self.acc_dtype, device=self.device))
         return self.like_x()
 
@@ -411,11 +413,15 @@ def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
     # summed after a shift (each channel's first element), as the kernels: a mean far from 0 keeps
     # its precision (torch's float32 mean alone was off by 1e-3 at 1e4)
     shift = xa.select(0, 0).reshape(problem.channels, -1)[:, 0]
-    mean.copy_(shift + (xa - _per_channel(shift, rank)).mean(dims))
-    var = (xa - _per_channel(mean, rank)).square().mean(dims)
-    if problem.variance:
-        rstd.copy_(var)
+    shifted = xa - _per_channel(shift, rank)
+    relative = shifted.mean(dims)
+    if problem.variance:   # the relative mean and the shift apart: the group's combine keeps them precise
+        mean[0].copy_(relative)
+        mean[1].copy_(shift)
+        rstd.copy_((shifted - _per_channel(relative, rank)).square().mean(dims))
         return
+    mean.copy_(shift + relative)
+    var = (xa - _per_channel(mean, rank)).square().mean(dims)
     torch.rsqrt(var + problem.eps, out=rstd)
     if running_mean is not None:
         m, r = problem.momentum, problem.reduced
@@ -589,12 +595,14 @@ if triton_available():
             d = relative - mean[None, :]
             spread += m2 + k * d * d
         m2 = tl.sum(spread, 0)
-        mean += base
         var = m2 / R
-        tl.store(MEAN + c, mean, mask=c_mask)
-        if VARIANCE:
+        if VARIANCE:   # the local statistics: the mean relative to base, then base (rows of MEAN)
+            tl.store(MEAN + c, mean, mask=c_mask)
+            tl.store(MEAN + C + c, base, mask=c_mask)
             tl.store(RSTD + c, var, mask=c_mask)
         else:
+            mean += base
+            tl.store(MEAN + c, mean, mask=c_mask)
             tl.store(RSTD + c, 1.0 / tl.sqrt(var + eps), mask=c_mask)
         if HAS_RUNNING:
             rm = tl.load(RUNNING_MEAN + c, mask=c_mask, other=0.0).to(ACC)
@@ -871,7 +879,7 @@ def _per_channel_tensor(op: str, name: str, t: Tensor | None, channels: int, dev
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _check_running(op: str, running_mean: Tensor | None, running_var: Tensor | None, channels: int, device) -> None:
+def check_running(op: str, running_mean: Tensor | None, running_var: Tensor | None, channels: int, device) -> None:
     for name, t in (("running_mean", running_mean), ("running_var", running_var)):
         if t is not None and (t.shape != (channels,) or t.device != device or not t.is_contiguous()):
             raise argument_error(InvalidProblemError, op, name, f"has shape {tuple(t.shape)} on {t.device}; expected "
@@ -885,7 +893,7 @@ def _batch_norm_stats_impl(x: Tensor, running_mean: Optional[Tensor], running_va
                            momentum: float, eps: float) -> tuple[Tensor, Tensor]:
     op = STATS_OP
     x = _walkable(x)
-    _check_running(op, running_mean, running_var, x.shape[1] if x.dim() >= 2 else 0, x.device)
+    check_running(op, running_mean, running_var, x.shape[1] if x.dim() >= 2 else 0, x.device)
     descriptor = BatchNormStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
                                           stats_dtype=None if running_mean is None else running_mean.dtype,
                                           momentum=momentum, eps=eps, heuristics=heuristics_for(BatchNormHeuristics))
@@ -1038,25 +1046,32 @@ def _all_gather(packed: Tensor, group, world_size: int) -> Tensor:
 
 
 def _group_statistics(x: Tensor, group, world_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The group's (mean, M2, N) per channel, float64 on x's device: this rank's mean and variance
-    (``batch_norm_local_stats``), one all_gather of [n, mean, n * var] (2C + 1 float64 values),
-    combined in rank order with Chan's formula (the same bits on every rank; a rank without an
-    element adds 0 to every sum). N is (1,); a group without an element gives mean 0, M2 0."""
+    """The group's (mean, M2, N) per channel, float64 on x's device: this rank's mean (relative to
+    its shift) and variance (``batch_norm_local_stats``), one all_gather of [n, relative mean,
+    shift, n * var] (3C + 1 float64 values), combined in rank order with Chan's formula relative to
+    the first rank's shift, so that a mean far from zero keeps its precision (the same bits on
+    every rank; a rank without an element adds 0 to every sum). N is (1,); a group without an
+    element gives mean 0, M2 0."""
     c = x.shape[1]
     count = x.shape[0] * math.prod(x.shape[2:])   # this rank's R: a host int, no synchronisation
     descriptor = BatchNormLocalStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
                                                heuristics=heuristics_for(BatchNormHeuristics))
     mean, var = cached_plan(descriptor).run_unchecked((x,))
-    packed = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
+    packed = torch.empty(3 * c + 1, dtype=torch.float64, device=x.device)
     packed[:1].fill_(count)
-    packed[1:c + 1].copy_(mean)
-    packed[c + 1:].copy_(var).mul_(count)
+    packed[1:2 * c + 1].copy_(mean.reshape(-1))   # relative means, then shifts
+    packed[2 * c + 1:].copy_(var).mul_(count)
     gathered = _all_gather(packed, group, world_size)
-    counts, means, m2s = gathered[:, :1], gathered[:, 1:c + 1], gathered[:, c + 1:]
+    counts, relative, shifts, m2s = (gathered[:, :1], gathered[:, 1:c + 1], gathered[:, c + 1:2 * c + 1],
+                                     gathered[:, 2 * c + 1:])
+    # the first rank with elements' shift is the common one (a rank without any has shift 0)
+    first = (counts[:, 0] > 0).to(torch.int64).argmax()
+    shift = shifts.index_select(0, first.reshape(1))
+    means = (shifts - shift) + relative   # each rank's mean relative to the common shift
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total.clamp_min(1)
     m2 = (m2s + counts * (means - mean).square()).sum(0)
-    return mean, m2, total
+    return shift[0] + mean, m2, total
 
 
 class _SyncBatchNorm(torch.autograd.Function):
