@@ -25,16 +25,18 @@ BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Outputs start as NaN (bits as 0b10101010), so an element or byte left unwritten fails."""
-    original = G.GistReluProblem.new_output
-
-    def new_output(self):
-        out = original(self)
-        if isinstance(out, torch.Tensor):
-            return out.fill_(float("nan"))
-        y, bits = out
-        return y.fill_(float("nan")), bits.fill_(0xAA)
-    monkeypatch.setattr(G.GistReluProblem, "new_output", new_output)
+    """Outputs start as NaN (bits and positions as 0b10101010), so an element or byte left unwritten
+    fails."""
+    def poisoned(original):
+        def new_output(self):
+            out = original(self)
+            if isinstance(out, torch.Tensor):
+                return out.fill_(float("nan"))
+            y, bits = out
+            return y.fill_(float("nan")), bits.fill_(0xAA)
+        return new_output
+    for problem in (G.GistReluProblem, G.GistPoolProblem):
+        monkeypatch.setattr(problem, "new_output", poisoned(problem.new_output))
     clear_plan_cache()
     yield
     clear_plan_cache()
@@ -509,8 +511,9 @@ def pool_reference(backend):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_relu_max_pool2d_is_torchs(backend, device, dtype, window):
     k, s, p = window
-    x = special((2, 3, 9, 7), dtype, device, seed=11)
-    x[0, 0, :3, :3] = -1.0                                # a window of negatives only: no gradient there
+    x = special((2, 3, 9, 7), dtype, device, seed=11)   # NaN, +-0.0, +-inf first (channel 0, row 0)
+    x[0, 1, :3, :3] = -1.0                                # a window of negatives only: no gradient there
+    x[1, 0, 2, 2] = x[1, 0, 2, 4] = float("nan")          # two NaNs in a window: the last takes the gradient
     x[1, 2, 4:6, 4:6] = 2.5                               # ties: the first in row-major order wins
     dz = torch.randn(torch.nn.functional.max_pool2d(x, k, s, p).shape, dtype=torch.float64).to(dtype).to(device)
     with trainops.heuristics(SMALL):
@@ -572,6 +575,8 @@ def test_relu_max_pool2d_empty_opcheck_and_compile(backend, device):
 
 def test_relu_max_pool2d_errors():
     x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(InvalidProblemError, match="height and width must be non-zero"):
+        trainops.gist.relu_max_pool2d(torch.randn(2, 3, 0, 4), 2, 1, 1)
     with pytest.raises(InvalidProblemError, match=r"gist.relu_max_pool2d: argument 'input' has shape \(3, 8, 8\)"):
         trainops.gist.relu_max_pool2d(x[0], 2)
     with pytest.raises(InvalidProblemError, match=r"argument 'padding' is \(2, 2\); it must be at most half"):
@@ -598,19 +603,39 @@ def test_compress_fuses_relu_and_max_pool_in_a_sequential(backend, device):
     x = torch.randn(4, 3, 16, 16, device=device)
     plain, model = make(), make()
     handle = trainops.gist.compress(model)
-    assert handle.fused == [("2", "3")] and handle.swapped == ["5"], handle
-    assert type(model[2]) is trainops.gist.FusedReLU and type(model[3]) is trainops.gist.ReLUMaxPool2d
-    out, ref = model(x), plain(x)
-    out.square().mean().backward()
+    assert handle.fused == [("2", "3")] and handle.swapped == ["2", "5"], handle
+    assert type(model) is trainops.gist.FusingSequential and type(model[2]) is trainops.gist.ReLU
+    assert type(model[3]) is torch.nn.MaxPool2d
+    with trainops.track_kernels() as used:
+        out, ref = model(x), plain(x)
+        out.square().mean().backward()
     ref.square().mean().backward()
-    assert torch.equal(out, ref)
+    assert any(op == "gist_relu_max_pool2d" for op, *_ in used) and torch.equal(out, ref)
     for p, q in zip(model.parameters(), plain.parameters()):
         assert relative_error(p.grad, q.grad) <= 1e-6   # the pooling's overlapping windows sum in float32
-    # a shared or hooked ReLU, or a pooling with other options, is left to the plain swap
-    shared = torch.nn.ReLU()
-    other = torch.nn.Sequential(shared, torch.nn.MaxPool2d(2), shared, torch.nn.MaxPool2d(2, dilation=2))
+    # the modules are unchanged: slicing or iterating applies the ReLU, unbatched input runs unfused
+    assert torch.equal(model[:3](x), plain[:3](x)) and (model[:3](x) >= 0).all()
+    pair, plain_pair = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.MaxPool2d(2)), torch.nn.Sequential(
+        torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+    trainops.gist.compress(pair)
+    assert torch.equal(pair(x[0].cpu()), plain_pair(x[0].cpu()))   # an unbatched (C, H, W) input: not fused
+    # a hook added afterwards is honoured: that call runs the two modules
+    seen = []
+    model[2].register_forward_hook(lambda *args: seen.append(1))
+    assert torch.equal(model(x), plain(x)) and seen == [1]
+
+
+def test_compress_leaves_pairs_it_cannot_fuse():
+    other = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.MaxPool2d(2, dilation=2), torch.nn.ReLU(),
+                                torch.nn.MaxPool2d(2, ceil_mode=True))
     handle = trainops.gist.compress(other)
-    assert handle.fused == [] and handle.swapped == ["0"] and type(other[1]) is torch.nn.MaxPool2d
+    assert handle.fused == [] and type(other) is torch.nn.Sequential and handle.swapped == ["0", "2"]
+
+    class Custom(torch.nn.Sequential):   # a subclass's forward is its own: not swapped
+        pass
+
+    custom = Custom(torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+    assert trainops.gist.compress(custom).fused == [] and type(custom) is Custom
 
 
 @pytest.mark.gpu

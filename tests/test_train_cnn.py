@@ -78,6 +78,7 @@ def test_the_command_reports_every_run(capsys, tmp_path):
     (["--model", "cnn", "--amp", "fp16"], "argument --amp: --model cnn runs bf16 or none"),
     (["--model", "cnn", "--dropout", "0.1"], "argument --dropout: not available with --model cnn"),
     (["--model", "cnn", "--gist", "int8"], "argument --gist: invalid choice"),
+    (["--model", "cnn", "--amp", "bf16", "--gist", "fp16"], "argument --gist: fp16 packs nothing under --amp bf16"),
 ])
 def test_arguments_are_refused_before_any_work(argv, message, capsys, monkeypatch):
     def no_work(*args, **kwargs):
@@ -91,7 +92,7 @@ def test_arguments_are_refused_before_any_work(argv, message, capsys, monkeypatc
 
 @pytest.mark.gpu
 def test_gpu_cnn_runs_side_by_side():
-    cfg = CnnRunConfig(**{**train_cnn.CNN_CONFIGS["small"], "steps": 10, "amp": "bf16", "gist": "bf16"})
+    cfg = CnnRunConfig(**{**train_cnn.CNN_CONFIGS["small"], "steps": 10, "amp": "bf16", "gist": "e4m3"})
     device = torch.device("cuda")
     ours = run_cnn(cfg, device, "trainops", quiet=True)
     ref = run_cnn(cfg, device, "pytorch", quiet=True)

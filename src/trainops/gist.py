@@ -40,10 +40,12 @@ is swapped: the same object, so its hooks and a module shared by several parents
 are) and, with ``stash``, runs every forward of ``model`` inside ``saved_tensors`` (forward hooks
 that also close it when the forward raises). It returns a ``GistHandle``: the swapped modules'
 names, ``left`` (subclasses of ``torch.nn.ReLU`` it does not swap: their forward is their own),
-the last forward's ``StashStats``, and ``remove()`` to take the hooks off. A ReLU followed by a
-``torch.nn.MaxPool2d`` inside a ``torch.nn.Sequential`` (neither shared nor hooked, the pooling's
-options ones ``relu_max_pool2d`` takes) becomes one ``relu_max_pool2d``: the ReLU a ``FusedReLU``
-(it passes its input on), the pooling a ``ReLUMaxPool2d``; ``GistHandle.fused`` lists the pairs.
+the last forward's ``StashStats``, and ``remove()`` to take the hooks off. A plain
+``torch.nn.Sequential`` holding a ReLU followed by a ``torch.nn.MaxPool2d`` becomes a
+``FusingSequential`` (its class swapped in place), whose forward runs such pairs as one
+``relu_max_pool2d`` when neither module is hooked and the pooling's options are ones it takes;
+the modules stay as they are (iterating or slicing the Sequential, or calling a module, does what
+it did); ``GistHandle.fused`` lists the pairs found.
 ReLUs called as functions (``F.relu``, ``torch.relu``) and pairs outside a Sequential (a forward
 that calls ``self.relu`` then ``self.maxpool``) are not swapped and not seen; call
 ``trainops.gist.relu`` / ``relu_max_pool2d`` there.
@@ -110,7 +112,7 @@ def relu_max_pool2d(input: Tensor, kernel_size, stride=None, padding=0) -> Tenso
     channels_last) is read in place and kept by the output, any other is copied first. kernel_size,
     stride (default kernel_size), padding: an int or two, as torch's max_pool2d with dilation 1 and
     ceil_mode False; windows of at most 254 positions, padding at most half the kernel. Values are
-    torch's (the first maximum of a window in row-major order; NaN propagates; a zero's sign as
+    torch's (the first maximum of a window in row-major order, or its last NaN; a zero's sign as
     torch's relu on the device: see ``relu``); the gradient is torch's (dz to the window's
     maximum, summed where windows overlap: in a fixed order, float32, no atomics). Errors:
     InvalidProblemError for a non-tensor, another rank, bad sizes; UnsupportedError for other
@@ -148,11 +150,27 @@ class ReLUMaxPool2d(torch.nn.MaxPool2d):
         return relu_max_pool2d(input, self.kernel_size, self.stride, self.padding)
 
 
-class FusedReLU(torch.nn.ReLU):
-    """A ReLU whose work the next module does (``compress`` fused it into a ``ReLUMaxPool2d``):
-    returns its input."""
+class FusingSequential(torch.nn.Sequential):
+    """A ``torch.nn.Sequential`` (``compress`` swaps the class of one in place) whose forward runs
+    each ``trainops.gist.ReLU`` followed by a ``torch.nn.MaxPool2d`` as one ``relu_max_pool2d``
+    (on (N, C, H, W) inputs, neither module hooked, the pooling's options ones it takes; checked
+    at every call). The modules themselves are unchanged: called on their own, or by other code
+    iterating the Sequential, each still does its own work."""
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input):
+        modules = list(self._modules.values())
+        i = 0
+        while i < len(modules):
+            module = modules[i]
+            following = modules[i + 1] if i + 1 < len(modules) else None
+            if (type(module) is ReLU and type(following) is torch.nn.MaxPool2d and isinstance(input, Tensor)
+                    and input.dim() == 4 and not _has_hooks(module) and not _has_hooks(following)
+                    and _pool_unsupported(following) is None):
+                input = relu_max_pool2d(input, following.kernel_size, following.stride, following.padding)
+                i += 2
+                continue
+            input = module(input)
+            i += 1
         return input
 
 
@@ -304,27 +322,25 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
                              "handle compress returned first")
     swapped, left, fused = [], [], []
     if relu:
-        uses: dict[int, int] = {}
-        for _, module in model.named_modules(remove_duplicate=False):
-            uses[id(module)] = uses.get(id(module), 0) + 1
-        # a ReLU followed by a MaxPool2d in a Sequential, neither shared nor hooked: one fused op
-        for name, module in model.named_modules():
-            if not isinstance(module, torch.nn.Sequential):
-                continue
-            children = list(module.named_children())
-            for (relu_name, first), (pool_name, second) in zip(children, children[1:]):
-                if (type(first) is torch.nn.ReLU and type(second) is torch.nn.MaxPool2d and uses[id(first)] == 1
-                        and uses[id(second)] == 1 and not _has_hooks(first) and not _has_hooks(second)
-                        and _pool_unsupported(second) is None):
-                    first.__class__, second.__class__ = FusedReLU, ReLUMaxPool2d
-                    prefix = f"{name}." if name else ""
-                    fused.append((prefix + relu_name, prefix + pool_name))
         for name, module in model.named_modules():   # each module once, shared ones too
             if type(module) is torch.nn.ReLU:
                 module.__class__ = ReLU   # the same object: hooks, sharing and state stay
                 swapped.append(name)
-            elif isinstance(module, torch.nn.ReLU) and not isinstance(module, (ReLU, FusedReLU)):
+            elif isinstance(module, torch.nn.ReLU) and not isinstance(module, ReLU):
                 left.append(name)
+        # a ReLU followed by a MaxPool2d in a plain Sequential: its forward fuses them (its class
+        # swapped; the modules stay as they are, so code calling them on their own is unchanged)
+        for name, module in model.named_modules():
+            if type(module) not in (torch.nn.Sequential, FusingSequential):
+                continue
+            children = list(module.named_children())
+            pairs = [(first_name, second_name) for (first_name, first), (second_name, second) in zip(children, children[1:])
+                     if type(first) is ReLU and type(second) is torch.nn.MaxPool2d and not _has_hooks(first)
+                     and not _has_hooks(second) and _pool_unsupported(second) is None]
+            if pairs:
+                module.__class__ = FusingSequential
+                prefix = f"{name}." if name else ""
+                fused += [(prefix + a, prefix + b) for a, b in pairs if (prefix + a, prefix + b) not in fused]
     handle = GistHandle(swapped, left, stash, fused=fused, _model=weakref.ref(model))
     if stash is None:
         return handle
@@ -344,5 +360,5 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
     return handle
 
 
-__all__ = ["FusedReLU", "GistHandle", "MIN_NUMEL", "ReLU", "ReLUMaxPool2d", "STASH_FORMATS", "StashStats", "compress",
+__all__ = ["FusingSequential", "GistHandle", "MIN_NUMEL", "ReLU", "ReLUMaxPool2d", "STASH_FORMATS", "StashStats", "compress",
            "relu", "relu_max_pool2d", "saved_tensors"]

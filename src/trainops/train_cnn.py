@@ -19,7 +19,9 @@ decay of the learning rate, autocast bf16 and channels-last on CUDA, float32 on 
 
 - ``trainops``: ``trainops.nn.BatchNorm2d`` for every batch norm, ``trainops.gist.compress`` (the
   ReLUs keep 1 bit an element; with ``--gist`` bf16 / fp16 / e5m2 / e4m3 also every other saved
-  activation packed, lossy), ``trainops.optim.SGD``;
+  activation packed, lossy; under bf16 autocast only the 1-byte formats pack anything, so bf16 /
+  fp16 are refused there), ``trainops.optim.SGD``. In this network each ReLU's output is the next
+  convolution's saved input, so the 1-bit ReLUs alone save about nothing: the stash does;
 - ``pytorch``: the same model with torch's modules and ``torch.optim.SGD``;
 - ``pytorch-compile``: the pytorch run under ``torch.compile``.
 
@@ -286,6 +288,9 @@ def main_cnn(parser, args) -> int:
                      "or none")
     if amp == "fp16":
         parser.error("argument --amp: --model cnn runs bf16 or none (fp16 would need a loss scaler in every run)")
+    if amp == "bf16" and args.gist in ("bf16", "fp16"):
+        parser.error(f"argument --gist: {args.gist} packs nothing under --amp bf16 (the saved activations are 2 "
+                     "bytes already); choose e4m3 or e5m2, or --amp none")
     base = CNN_CONFIGS[args.config]
     cfg = CnnRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
                           "lr": base["lr"] if args.lr is None else args.lr}, gist=args.gist, amp=amp)

@@ -396,9 +396,10 @@ def pool_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
 
 
 def memory_order(shape: Sequence[int], strides: Sequence[int]) -> list[int]:
-    """The axes of a dense tensor from outermost to innermost in memory (size-1 axes, whose strides
-    say nothing, outermost; ties by axis)."""
-    return sorted(range(len(shape)), key=lambda d: (-(strides[d] if shape[d] != 1 else 2 ** 62), d))
+    """The axes of a dense tensor from outermost to innermost in memory: by stride, largest first,
+    ties by axis (a size-1 axis, whose stride says nothing about memory, sits where its stride puts
+    it: channels_last's H of 1 stays between N and W, as torch lays such outputs out)."""
+    return sorted(range(len(shape)), key=lambda d: (-strides[d], d))
 
 
 def like_strides(shape: Sequence[int], like_shape: Sequence[int], like_strides_: Sequence[int]) -> tuple[int, ...]:
@@ -474,6 +475,8 @@ class GistPoolProblem:
 
 def _pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
     values = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(values) == 1:   # torch's max_pool2d takes one value for both axes
+        values = values * 2
     if len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values):
         raise argument_error(InvalidProblemError, op, name, f"is {value!r}; expected an int >= {minimum} or two")
     return values
@@ -515,6 +518,9 @@ def _describe_pool(op: str, shape, dtype, device="cuda", *, kernel_size=2, strid
 def pool_window(op: str, shape, kernel_size, stride, padding) -> tuple[tuple[int, int], ...]:
     """(kernel, stride, padding) as pairs, checked against ``shape`` (N, C, H, W) as torch's
     max_pool2d checks them, and against the one byte a position; errors name ``op``."""
+    if 0 in tuple(shape)[2:]:
+        raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(shape)}; its height and width must "
+                             "be non-zero (as torch's max_pool2d)")
     kernel = _pair(op, "kernel_size", kernel_size, 1)
     stride = kernel if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
         _pair(op, "stride", stride, 1)
@@ -624,7 +630,7 @@ if triton_available():
                        PH: tl.constexpr, PW: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
                        ACC: tl.constexpr):
         """BLOCK outputs of z's memory order a program: each window's maximum (the first in
-        row-major window order; NaN wins), z = relu of it, and its position (NO_POSITION if <= 0)."""
+        row-major window order; the last NaN wins, as torch's), z = relu of it, and its position (NO_POSITION if <= 0)."""
         pid = tl.program_id(0)
         base = pid.to(tl.int64) * BLOCK if INT64 else pid * BLOCK
         i = base + tl.arange(0, BLOCK)
@@ -639,7 +645,7 @@ if triton_available():
                 w = ow * SW - PADW + kw
                 valid = inside & (h >= 0) & (h < H) & (w >= 0) & (w < W)
                 v = tl.load(X + plane + h * xsh + w * xsw, mask=valid, other=float("-inf")).to(ACC)
-                take = (v > best) | ((v != v) & (best == best))
+                take = (v > best) | (v != v)       # a NaN wins, the last one (torch's `val > max || isnan(val)`)
                 best = tl.where(take, v, best)
                 arg = tl.where(take, kh * KW + kw, arg)
         z = tl.where(best <= 0, 0.0, best)          # relu: NaN kept, -0.0 -> +0.0 (torch's CUDA relu)
