@@ -530,16 +530,21 @@ def test_relu_max_pool2d_is_torchs(backend, device, dtype, window):
         assert same_bits(dx, ref_dx)
 
 
-@pytest.mark.parametrize("layout", ["channels_last", "sliced", "batch_of_one"])
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "batch_of_one", "height_of_one"])
 def test_relu_max_pool2d_layouts(backend, device, layout):
     base = special((2, 4, 10, 8), torch.float32, device, seed=12)
     x = {"channels_last": base.to(memory_format=torch.channels_last), "sliced": base[:, :, 1:9],
-         "batch_of_one": base[:1].to(memory_format=torch.channels_last)}[layout]
-    dz = torch.randn(torch.nn.functional.max_pool2d(x, 3, 2, 1).shape, device=device)
+         "batch_of_one": base[:1].to(memory_format=torch.channels_last),
+         # an output height of 2 from an input height of 1: the output stays channels-last, as torch's
+         "height_of_one": base[:, :, :1].contiguous(memory_format=torch.channels_last)}[layout]
+    window = (2, 1, 1) if layout == "height_of_one" else (3, 2, 1)
+    dz = torch.randn(torch.nn.functional.max_pool2d(x, *window).shape, device=device)
     with trainops.heuristics(SMALL):
-        z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, 3, 2, 1), x, dz)
-    ref_z, ref_dx = relu_and_grad(lambda t: pool_reference(backend)(t, 3, 2, 1), x, dz)
+        z, dx = relu_and_grad(lambda t: trainops.gist.relu_max_pool2d(t, *window), x, dz)
+    ref_z, ref_dx = relu_and_grad(lambda t: pool_reference(backend)(t, *window), x, dz)
     assert same_bits(z, ref_z) and relative_error(dx, ref_dx) <= 1e-7
+    if layout == "height_of_one":
+        assert z.shape[2] == 2
     if layout != "sliced":
         assert z.stride() == ref_z.stride()   # channels_last in, channels_last out (as torch)
 
