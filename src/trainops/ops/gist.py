@@ -166,10 +166,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, heuristics=
     first = "dy" if op == "gist_relu_backward" else "x"
     shape = checked_shape(op, "shape", shape)
     dtype = float_dtype(op, first, dtype)
-    try:
-        device = normalize_device(device)
-    except (RuntimeError, TypeError) as e:
-        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    device, heuristics = _device_and_heuristics(op, device, heuristics)
     contiguous = []
     step = 1
     for size in reversed(shape):
@@ -180,6 +177,16 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, heuristics=
     if len(strides) != len(shape) or not dense_strides(shape, strides):
         raise argument_error(InvalidProblemError, op, "strides", f"{strides} of shape {shape} are not a dense layout; "
                              "copy the tensor first (the custom op does)")
+    return GistReluProblem(op, shape, strides, dtype, device, heuristics)
+
+
+def _device_and_heuristics(op: str, device, heuristics) -> tuple[torch.device, GistHeuristics]:
+    """The descriptors' device (normalised) and GistHeuristics (the one in force when None), or the
+    error naming the argument."""
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
     if heuristics is None:
         heuristics = heuristics_for(GistHeuristics)
     elif not isinstance(heuristics, GistHeuristics):
@@ -188,7 +195,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, heuristics=
     if heuristics.block < 8 or heuristics.block & (heuristics.block - 1):
         raise argument_error(InvalidProblemError, op, "heuristics", f"block must be a power of two >= 8, got "
                              f"{heuristics.block}")
-    return GistReluProblem(op, shape, strides, dtype, device, heuristics)
+    return device, heuristics
 
 
 def _describer(op: str):
@@ -495,23 +502,12 @@ def _describe_pool(op: str, shape, dtype, device="cuda", *, kernel_size=2, strid
     if len(shape) != 4:
         raise argument_error(InvalidProblemError, op, "shape", f"is {shape}; expected (N, C, H, W)")
     dtype = float_dtype(op, "dz" if op.endswith("_backward") else "x", dtype)
-    try:
-        device = normalize_device(device)
-    except (RuntimeError, TypeError) as e:
-        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    device, heuristics = _device_and_heuristics(op, device, heuristics)
     kernel, stride, padding = pool_window(op, shape, kernel_size, stride, padding)
     strides = tuple(int(v) for v in strides) if strides is not None else like_strides(shape, shape, (4, 3, 2, 1))
     if len(strides) != 4 or not dense_strides(shape, strides):
         raise argument_error(InvalidProblemError, op, "strides", f"{strides} of shape {shape} are not a dense layout; "
                              "copy the tensor first (the custom op does)")
-    if heuristics is None:
-        heuristics = heuristics_for(GistHeuristics)
-    elif not isinstance(heuristics, GistHeuristics):
-        raise argument_error(InvalidProblemError, op, "heuristics",
-                             f"must be a GistHeuristics, got {type(heuristics).__name__}")
-    if heuristics.block < 8 or heuristics.block & (heuristics.block - 1):
-        raise argument_error(InvalidProblemError, op, "heuristics", f"block must be a power of two >= 8, got "
-                             f"{heuristics.block}")
     return GistPoolProblem(op, shape, strides, kernel, stride, padding, dtype, device, heuristics)
 
 
