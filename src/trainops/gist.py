@@ -9,9 +9,9 @@ Gist encoders and decoders), opt-in per model.
         loss = model(x)
     loss.backward(); print(stats.stored_bytes / stats.original_bytes)
 
-Two savings, which add up:
+Three savings, which add up:
 
-- **Exact.** ``relu`` / ``ReLU`` save ceil(numel / 8) bytes of bits (where the output is positive)
+- **Exact.** ``relu`` / ``ReLU`` save ceil(numel / 8) bytes of bits (where the output is not <= 0)
   instead of the output: torch's ReLU backward needs nothing else, so the gradient is torch's bit
   for bit. The output itself is freed unless another node saves it too (a following convolution or
   linear layer saves its input: pair with ``stash`` to pack that one).
