@@ -415,7 +415,7 @@ def sync_batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Ten
     float dtype. Accumulators: each rank's statistics and gradient sums as ``batch_norm``'s
     (float32, float64 for float64, fixed-order partial sums); the ranks' statistics combined in
     float64 (Chan's formula, in rank order: every rank gets the same bits). Collectives on
-    ``process_group``: one all_gather of 2C + 1 float64 values a forward, one all_reduce (SUM) of
+    ``process_group``: one all_gather of 3C + 1 float64 values a forward, one all_reduce (SUM) of
     2C accumulator-dtype values a backward when input needs its gradient (none for dweight and
     dbias), no other host synchronisation. Determinism: y, the statistics, dweight and dbias are
     bit-identical run to run; dx too where the backend's all_reduce adds the ranks' sums in a

@@ -142,9 +142,9 @@ class ReLUMaxPool2d(torch.nn.MaxPool2d):
 
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices=False, ceil_mode=False):
         super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
-        reason = _pool_unsupported(self)
-        if reason:
-            raise argument_error(UnsupportedError, "gist.ReLUMaxPool2d", reason[0], reason[1])
+        problem = _pool_problem(self)
+        if problem is not None:
+            raise problem
 
     def forward(self, input: Tensor) -> Tensor:
         return relu_max_pool2d(input, self.kernel_size, self.stride, self.padding)
@@ -165,7 +165,7 @@ class FusingSequential(torch.nn.Sequential):
             following = modules[i + 1] if i + 1 < len(modules) else None
             if (type(module) is ReLU and type(following) is torch.nn.MaxPool2d and isinstance(input, Tensor)
                     and input.dim() == 4 and not _has_hooks(module) and not _has_hooks(following)
-                    and _pool_unsupported(following) is None):
+                    and _pool_problem(following) is None):
                 input = relu_max_pool2d(input, following.kernel_size, following.stride, following.padding)
                 i += 2
                 continue
@@ -174,22 +174,21 @@ class FusingSequential(torch.nn.Sequential):
         return input
 
 
-def _pool_unsupported(pool: torch.nn.MaxPool2d) -> tuple[str, str] | None:
-    """(argument, why) when ``pool`` has an option ``relu_max_pool2d`` does not take, else None."""
-    pairs = {name: (v, v) if isinstance(v, int) else tuple(v) for name, v in
-             (("kernel_size", pool.kernel_size), ("stride", pool.stride or pool.kernel_size),
-              ("padding", pool.padding), ("dilation", pool.dilation))}
-    if pairs["dilation"] != (1, 1):
-        return "dilation", f"is {pool.dilation}; only 1 is supported"
-    if pool.return_indices:
-        return "return_indices", "is True; the fused op keeps one byte a window, not torch's indices"
-    if pool.ceil_mode:
-        return "ceil_mode", "is True; only False is supported"
-    kh, kw = pairs["kernel_size"]
-    if kh * kw >= gist_ops.NO_POSITION:
-        return "kernel_size", f"is {pool.kernel_size}; windows of at most {gist_ops.NO_POSITION - 1} positions"
-    if any(2 * p > k for p, k in zip(pairs["padding"], pairs["kernel_size"])):
-        return "padding", f"is {pool.padding}; at most half the kernel"
+def _pool_problem(pool: torch.nn.MaxPool2d):
+    """The error ``relu_max_pool2d`` gives for ``pool``'s options (its own window checks, and the
+    options it does not take), or None."""
+    op = "gist.ReLUMaxPool2d"
+    dilation = (pool.dilation,) * 2 if isinstance(pool.dilation, int) else tuple(pool.dilation)
+    for name, refused, why in (("dilation", dilation != (1, 1), f"is {pool.dilation}; only 1 is supported"),
+                               ("return_indices", pool.return_indices,
+                                "is True; the fused op keeps one byte a window, not torch's indices"),
+                               ("ceil_mode", pool.ceil_mode, "is True; only False is supported")):
+        if refused:
+            return argument_error(UnsupportedError, op, name, why)
+    try:
+        gist_ops.pool_window(op, None, pool.kernel_size, pool.stride, pool.padding)
+    except (InvalidProblemError, UnsupportedError) as error:
+        return error
     return None
 
 
@@ -286,7 +285,7 @@ class GistHandle:
     left: list[str]
     stash: str | None
     stats: StashStats | None = None
-    fused: list = field(default_factory=list)   # (ReLU, MaxPool2d) name pairs made one ReLUMaxPool2d
+    fused: list = field(default_factory=list)   # (ReLU, MaxPool2d) name pairs a FusingSequential runs as one op
     _hooks: list = field(default_factory=list, repr=False)
     _model: weakref.ref | None = field(default=None, repr=False)
 
@@ -336,7 +335,7 @@ def compress(model: torch.nn.Module, *, relu: bool = True, stash: str | None = N
             children = list(module.named_children())
             pairs = [(first_name, second_name) for (first_name, first), (second_name, second) in zip(children, children[1:])
                      if type(first) is ReLU and type(second) is torch.nn.MaxPool2d and not _has_hooks(first)
-                     and not _has_hooks(second) and _pool_unsupported(second) is None]
+                     and not _has_hooks(second) and _pool_problem(second) is None]
             if pairs:
                 module.__class__ = FusingSequential
                 prefix = f"{name}." if name else ""

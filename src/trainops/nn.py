@@ -226,7 +226,7 @@ class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
     parameters, buffers and state dict, and ``convert_sync_batchnorm``.
 
     In training (torch.distributed initialized, ``process_group`` or the default group of 2 or
-    more ranks) the statistics are the group's whole batch: one all_gather of 2C + 1 float64
+    more ranks) the statistics are the group's whole batch: one all_gather of 3C + 1 float64
     values a forward, one all_reduce of 2C float32 (float64 for float64 input) values a backward
     (see ``trainops.sync_batch_norm``); each rank's weight and bias gradients are its own
     elements' sums, as torch's (DistributedDataParallel averages them). In eval, on one rank or

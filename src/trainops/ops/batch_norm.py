@@ -37,11 +37,12 @@ dy * xh (reads dy, x), their fixed-order totals (dweight, dbias), then dx (reads
 
 Synchronised (``sync_batch_norm``, torch.nn.SyncBatchNorm's semantics): in training the statistics
 are the process group's whole batch. Each rank computes its own count n_r (a host int: its R),
-mean and biased variance (``batch_norm_local_stats``: the statistics kernels above, writing the
-variance); one all_gather of [n_r, mean_r, n_r * var_r] (2C + 1 float64 values a rank) lets every
-rank combine them in float64 with Chan's formula, in rank order (N = sum n_r, mean = sum n_r mean_r
-/ N, M2 = sum (n_r var_r + n_r (mean_r - mean)^2), var = M2 / N): the same bits on every rank, a
-rank with no element adding nothing. The running statistics take mean and M2 / (N - 1). y as
+mean (relative to a shift s_r, and s_r) and biased variance (``batch_norm_local_stats``: the
+statistics kernels above, writing the variance); one all_gather of [n_r, mean_r - s_r, s_r, n_r *
+var_r] (3C + 1 float64 values a rank) lets every rank combine them in float64 with Chan's formula,
+in rank order, the means taken relative to the first non-empty rank's shift (N = sum n_r, mean =
+sum n_r mean_r / N, M2 = sum (n_r var_r + n_r (mean_r - mean)^2), var = M2 / N): the same bits on
+every rank, a rank with no element adding nothing, a mean far from zero keeping its precision. The running statistics take mean and M2 / (N - 1). y as
 above. Backward: ``batch_norm_backward_reduce`` (this rank's sum(dy) and sum(dy * xh), and from them
 dweight and dbias: this rank's sums, as torch's; DDP then averages them), one all_reduce (SUM) of
 the two sums in the accumulator dtype, then ``batch_norm_backward_elemt`` with the group's means
@@ -1127,7 +1128,7 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
                     running_var: Tensor | None, momentum: float, eps: float, group, world_size: int) -> Tensor:
     """Training's batch norm of x over the whole batch of ``group``'s ``world_size`` ranks, with
     autograd (the module docstring gives the math; trainops.functional.sync_batch_norm checks the
-    arguments first). Collectives: one all_gather of 2C + 1 float64 values in the forward, one
+    arguments first). Collectives: one all_gather of 3C + 1 float64 values in the forward, one
     all_reduce of 2C accumulator-dtype values in the backward when x needs its gradient; every rank
     of the group must make the same calls. torch.compile does not trace it (its collectives and
     plans run eagerly)."""

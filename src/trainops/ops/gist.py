@@ -512,9 +512,10 @@ def _describe_pool(op: str, shape, dtype, device="cuda", *, kernel_size=2, strid
 
 
 def pool_window(op: str, shape, kernel_size, stride, padding) -> tuple[tuple[int, int], ...]:
-    """(kernel, stride, padding) as pairs, checked against ``shape`` (N, C, H, W) as torch's
-    max_pool2d checks them, and against the one byte a position; errors name ``op``."""
-    if 0 in tuple(shape)[2:]:
+    """(kernel, stride, padding) as pairs, checked as torch's max_pool2d checks them, against the
+    one byte a position and, unless ``shape`` is None, against ``shape`` (N, C, H, W); errors
+    name ``op``."""
+    if shape is not None and 0 in tuple(shape)[2:]:
         raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(shape)}; its height and width must "
                              "be non-zero (as torch's max_pool2d)")
     kernel = _pair(op, "kernel_size", kernel_size, 1)
@@ -527,7 +528,8 @@ def pool_window(op: str, shape, kernel_size, stride, padding) -> tuple[tuple[int
     if any(2 * p > k for p, k in zip(padding, kernel)):
         raise argument_error(InvalidProblemError, op, "padding", f"is {padding}; it must be at most half the kernel "
                              f"{kernel} (as torch's max_pool2d)")
-    if any(pool_output_size(size, k, s_, p) < 1 for size, k, s_, p in zip(tuple(shape)[2:], kernel, stride, padding)):
+    if shape is not None and any(pool_output_size(size, k, s_, p) < 1
+                                 for size, k, s_, p in zip(tuple(shape)[2:], kernel, stride, padding)):
         raise argument_error(InvalidProblemError, op, "shape", f"is {tuple(shape)}: the {kernel} window with padding "
                              f"{padding} leaves no output")
     return kernel, stride, padding
