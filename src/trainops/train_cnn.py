@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .train import RunResult, _cpu_peak_mb, _median, _progress
+from .train import RunResult, _median, _progress
+from .train_llama import _parameter_groups, _peak_mb
 
 CNN_CONFIGS = {
     # tiny: CI. small: the CPU default, about a minute on 2 cores. resnet18: ResNet-18's widths (GPU).
@@ -50,6 +51,7 @@ CNN_CONFIGS = {
 CNN_RUNS = {"trainops": "trainops (BatchNorm, GIST)", "pytorch": "PyTorch eager", "pytorch-compile": "torch.compile"}
 GIST_CHOICES = ("none", "relu", "bf16", "fp16", "e5m2", "e4m3")   # relu + a stash format, for the last four
 UNTIMED_STEPS = 3
+WEIGHT_DECAY = 5e-4   # SGD's usual decay for ResNets, on kernels and weights only
 VAL_BATCHES = 4
 CLASSES = 10
 
@@ -133,12 +135,6 @@ def build_model(cfg: CnnRunConfig, device: torch.device, use_trainops: bool) -> 
     return model
 
 
-def _parameter_groups(model, weight_decay: float = 5e-4):
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
-    rest = [p for n, p in model.named_parameters() if p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
 def learning_rate(cfg: CnnRunConfig, step: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to 0."""
     if step < cfg.warmup:
@@ -159,9 +155,9 @@ def build_run(cfg: CnnRunConfig, device: torch.device, run: str):
     if use_trainops:
         if cfg.gist != "none":
             handle = trainops.gist.compress(model, relu=True, stash=None if cfg.gist == "relu" else cfg.gist)
-        opt = trainops.optim.SGD(_parameter_groups(model), lr=cfg.lr, momentum=0.9, nesterov=True)
+        opt = trainops.optim.SGD(_parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
     else:
-        opt = torch.optim.SGD(_parameter_groups(model), lr=cfg.lr, momentum=0.9, nesterov=True)
+        opt = torch.optim.SGD(_parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
     forward = torch.compile(model) if run == "pytorch-compile" else model
     return model, forward, opt, handle
 
@@ -232,7 +228,7 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
                 _progress(run, step + 1, cfg.steps, losses[-1],
                           1e3 * len(step_times) * cfg.batch / timed if timed else 0, final=step + 1 == cfg.steps,
                           unit="images/s")
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _cpu_peak_mb()
+    peak = _peak_mb(device)
     stash = handle.stats if handle is not None else None   # the last training step's (evaluation packs nothing)
     val, accuracy = evaluate(model, cfg, device)
     timed = sum(step_times)

@@ -177,10 +177,11 @@ def build_model(cfg: LlamaRunConfig, device: torch.device):
         return transformers.LlamaForCausalLM(config)
 
 
-def _parameter_groups(model):
+def _parameter_groups(model, weight_decay: float = 0.1):
+    """Weight decay on matrices and kernels (2 or more dimensions), none on norms and biases."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
