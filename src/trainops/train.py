@@ -846,7 +846,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.model == "cnn":
         from .train_cnn import main_cnn
-        args.gist = "relu" if args.gist is None else args.gist
         return main_cnn(parser, args)
     if args.gist is not None:
         parser.error("argument --gist: only with --model cnn")

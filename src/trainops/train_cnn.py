@@ -284,12 +284,13 @@ def main_cnn(parser, args) -> int:
                      "or none")
     if amp == "fp16":
         parser.error("argument --amp: --model cnn runs bf16 or none (fp16 would need a loss scaler in every run)")
-    if amp == "bf16" and args.gist in ("bf16", "fp16"):
-        parser.error(f"argument --gist: {args.gist} packs nothing under --amp bf16 (the saved activations are 2 "
+    gist = "relu" if args.gist is None else args.gist   # the default: 1 bit a ReLU output, exact
+    if amp == "bf16" and gist in ("bf16", "fp16"):
+        parser.error(f"argument --gist: {gist} packs nothing under --amp bf16 (the saved activations are 2 "
                      "bytes already); choose e4m3 or e5m2, or --amp none")
     base = CNN_CONFIGS[args.config]
     cfg = CnnRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
-                          "lr": base["lr"] if args.lr is None else args.lr}, gist=args.gist, amp=amp)
+                          "lr": base["lr"] if args.lr is None else args.lr}, gist=gist, amp=amp)
     plot_path = gpt._plot_path(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
