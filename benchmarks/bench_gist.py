@@ -14,12 +14,11 @@ weights on the same batches:
   loss curve     the training loss each step (SGD with momentum), and its largest and mean
                  relative distance from "none"
 
-The images: 10 classes of 3 x 32 x 32 sinusoidal gratings (a frequency and orientation per class,
-random phase, Gaussian noise), generated here from a seed; nothing is downloaded.
+The images: trainops.train_cnn's gratings (10 classes of 3 x 32 x 32 sinusoidal gratings, a frequency
+and orientation per class, random phase, Gaussian noise 0.5), from a seed; nothing is downloaded.
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -29,24 +28,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
+from trainops.train_cnn import gratings  # noqa: E402
 
 POLICIES = (("none", False, None), ("relu", True, None), ("relu+bf16", True, "bf16"), ("relu+fp16", True, "fp16"),
             ("relu+e5m2", True, "e5m2"), ("relu+e4m3", True, "e4m3"))
 
 
-def gratings(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    labels = torch.randint(0, 10, (batch,), generator=gen)
-    angle = labels.double() * math.pi / 10
-    freq = 0.2 + 0.05 * (labels % 5).double()
-    phase = torch.rand(batch, generator=gen, dtype=torch.float64) * 2 * math.pi
-    ys, xs = torch.meshgrid(torch.arange(32.0, dtype=torch.float64), torch.arange(32.0, dtype=torch.float64),
-                            indexing="ij")
-    wave = torch.sin(freq[:, None, None] * (xs * torch.cos(angle)[:, None, None] + ys * torch.sin(angle)[:, None, None])
-                     + phase[:, None, None])
-    images = wave[:, None].expand(batch, 3, 32, 32) + 0.5 * torch.randn(batch, 3, 32, 32, generator=gen,
-                                                                        dtype=torch.float64)
-    return images.float().to(device), labels.to(device)
+def batch_of(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s gratings (trainops.train_cnn's, noise 0.5) on ``device``."""
+    images, labels = gratings(batch, 1000 + step, 0.5)
+    return images.to(device), labels.to(device)
 
 
 class Block(torch.nn.Module):
@@ -93,7 +84,7 @@ def run(policy, device, steps: int, batch: int, width: int) -> dict:
     model = resnet(width, device)
     handle = trainops.gist.compress(model, relu=relu, stash=stash) if relu or stash else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x0, y0 = gratings(batch, 0, device)
+    x0, y0 = batch_of(batch, 0, device)
     out = {"policy": name}
     # bytes the graph keeps: with a stash, count what its hooks store (the packed copies, and the
     # tensors they leave, through an outer count of the model run without the stash's hooks)
@@ -113,7 +104,7 @@ def run(policy, device, steps: int, batch: int, width: int) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     for step in range(steps):
-        x, y = gratings(batch, step, device)
+        x, y = batch_of(batch, step, device)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
