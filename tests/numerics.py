@@ -13,6 +13,31 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
+def stable_seed(*parts) -> int:
+    """A generator seed from a test's parameters, the same in every process (``hash`` of a string is
+    salted per process, so a seed taken from it changes from run to run)."""
+    import zlib
+
+    return zlib.crc32(repr(parts).encode())
+
+
+def assert_sum_close(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor, dtype: torch.dtype,
+                     what: str = "") -> None:
+    """Sums over many terms (per-channel gradient reductions): ``||out - ref|| / ||abs_sum||`` within
+    the dtype's tolerance, ``abs_sum`` being the float64 sums of the terms' absolute values.
+
+    A sum accumulated in float32 carries an error of order eps * sum(|term|), whatever the sum itself;
+    where the terms cancel (one channel, a sum near 0) its error relative to the sum is unbounded, so
+    the plain relative norm would fail a correct kernel by chance of the data. A missed or doubled
+    term still shows: it moves the sum by about sum(|term|) / count, far above the tolerance."""
+    assert out.shape == ref.shape == abs_sum.shape, f"{what}: shapes {tuple(out.shape)}, {tuple(ref.shape)}"
+    out, ref, abs_sum = (t.detach().double().cpu() for t in (out, ref, abs_sum))
+    assert not out.isnan().any() and not ref.isnan().any(), f"{what}: NaN"
+    scale = abs_sum.norm().item()
+    err = (out - ref).norm().item() / (scale if scale > 0 else 1.0)
+    assert err <= TOLERANCE[dtype], f"{what}: error {err:.3e} of the absolute sums > {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     """Same shape, NaN exactly where the reference has NaN, relative-norm error within tolerance."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"

@@ -12,7 +12,7 @@ from trainops.ops import batch_norm as bn_ops
 from trainops.ops.batch_norm import BatchNormHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_close
+from numerics import FLOATS, assert_close, assert_sum_close, stable_seed
 
 # small tiles and many reduction programs: partials of several programs (some with no tile) merged,
 # several channel blocks, spatial blocks that do not divide the spatial size
@@ -77,17 +77,29 @@ def _run_both(x, w, b, rm, rv, training, momentum=0.1, eps=1e-5, dy=None):
     yr = torch_F.batch_norm(xr, rmr, rvr, wr, br, training, momentum, eps)
     ref_leaves = [t for t in (xr, wr, br) if t is not None]
     ref_grads = torch.autograd.grad(yr, ref_leaves, dy.double().cpu())
-    return (y, rms, rvs, grads), (yr, rmr, rvr, ref_grads)
+    # sum(|dy * xh|) and sum(|dy|) per channel: the scale of dweight's and dbias's float32 rounding
+    xh = torch_F.batch_norm(xr.detach(), None if rmr is None else rmr.clone(), None if rvr is None else rvr.clone(),
+                            None, None, training or rm is None, 0.0, eps)
+    dims = [d for d in range(x.dim()) if d != 1]
+    sum_scales = [(name, scale) for name, t, scale in (("dweight", w, (dy.double().cpu() * xh).abs().sum(dims)),
+                                                         ("dbias", b, dy.double().cpu().abs().sum(dims)))
+                  if t is not None]   # in the order of the parameters' gradients
+    return (y, rms, rvs, grads), (yr, rmr, rvr, ref_grads, sum_scales)
 
 
 def _compare(ours, ref, dtype):
-    (y, rm, rv, grads), (yr, rmr, rvr, ref_grads) = ours, ref
+    (y, rm, rv, grads), (yr, rmr, rvr, ref_grads, sum_scales) = ours, ref
     assert_close(y, yr, dtype, "y")
     if rm is not None:
         assert_close(rm, rmr, torch.float32, "running_mean")
         assert_close(rv, rvr, torch.float32, "running_var")
-    for name, g, gr in zip(("dx", "dweight", "dbias"), grads, ref_grads):
-        assert_close(g, gr, dtype, name)   # the parameters are in x's dtype in these tests
+    assert_close(grads[0], ref_grads[0], dtype, "dx")
+    # dweight and dbias: per-channel sums over N * spatial terms, held to their terms' absolute sums
+    # (one channel of 45 terms summing near 0 failed the plain relative norm at 2.7e-5 in float32);
+    # the parameters are in x's dtype in these tests
+    assert len(grads) == len(ref_grads) == 1 + len(sum_scales)
+    for g, gr, (name, scale) in zip(grads[1:], ref_grads[1:], sum_scales):
+        assert_sum_close(g, gr, scale, dtype, name)
 
 
 CASES = [((4, 3, 5, 6), "contiguous"), ((4, 3, 5, 6), "channels_last"), ((2, 3, 2, 3, 4), "channels_last"),
@@ -98,7 +110,7 @@ CASES = [((4, 3, 5, 6), "contiguous"), ((4, 3, 5, 6), "channels_last"), ((2, 3, 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("shape,layout", CASES)
 def test_matches_torch(backend, device, shape, layout, training):
-    gen = torch.Generator().manual_seed(hash((shape, layout)) % 1000)
+    gen = torch.Generator().manual_seed(stable_seed(shape, layout))
     x = make_input(shape, layout, torch.float32, device, gen)
     w, b, rm, rv = _params(shape[1], device, gen)
     ours, ref = _run_both(x, w, b, rm, rv, training)
@@ -131,7 +143,7 @@ def test_statistics_stay_accurate_for_a_large_mean(backend, device):
     x = (torch.randn(16, 4, 8, 8, generator=gen, dtype=torch.float64) + 1e4).float().to(device)
     w, b, rm, rv = _params(4, device, gen)
     with trainops.heuristics(SMALL):
-        (y, rm_out, rv_out, grads), (yr, rmr, rvr, ref_grads) = _run_both(x, w, b, rm, rv, True)
+        (y, rm_out, rv_out, grads), (yr, rmr, rvr, ref_grads, _) = _run_both(x, w, b, rm, rv, True)
     assert_close(rv_out, rvr, torch.float32, "running_var")
     assert_close(rm_out, rmr, torch.float32, "running_mean")
     y32 = torch_F.batch_norm(x.cpu(), rm.cpu().clone(), rv.cpu().clone(), w.cpu(), b.cpu(), True)
