@@ -96,6 +96,8 @@ def _recorded_calls():
         run(trainops.gist.relu(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last)))
         run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5), 3, 2, 1))
         run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5).to(memory_format=torch.channels_last), 2))
+        run(trainops.sum_to_shape(leaf(4, 3, 5), (3, 1)))
+        run(trainops.conv2d(leaf(2, 3, 5, 4), leaf(3, 1, 3, 3), leaf(3), padding=1, groups=3))
     finally:
         library.CustomOp.__call__ = original
     return calls

@@ -41,11 +41,12 @@ def test_trainops_run_follows_pytorchs_curve_and_uses_its_kernels():
     ours = run_cnn(TINY, torch.device("cpu"), "trainops", quiet=True)
     ref = run_cnn(TINY, torch.device("cpu"), "pytorch", quiet=True)
     assert len(ours.run.losses) == TINY.steps and all(math.isfinite(v) for v in ours.run.losses)
-    # float32 on the CPU: trainops's batch norm and the exact GIST ReLU give torch's values
+    # float32 on the CPU: trainops's batch norm, the registry's convolutions (torch's CPU kernels)
+    # and the exact GIST ReLU give torch's values
     assert max(abs(a - b) / b for a, b in zip(ours.run.losses, ref.run.losses)) < 1e-5
     ops = {op for op, *_ in ours.run.kernels}
     assert ops == {"batch_norm_stats", "batch_norm", "batch_norm_backward", "gist_relu", "gist_relu_backward",
-                   "sgd_step"}, ops
+                   "sgd_step", "conv2d", "conv2d_backward"}, ops
     assert ref.run.kernels == {}
     assert 0.0 <= ours.accuracy <= 1.0 and ours.stash is None
 

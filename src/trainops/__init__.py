@@ -24,6 +24,7 @@ from .functional import bias_dropout_add, dropout
 from .functional import attention_softmax
 from .functional import linear_cross_entropy
 from .functional import batch_norm, sync_batch_norm
+from .functional import conv2d, sum_to_shape
 from .ops._common import check_pending
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
@@ -38,5 +39,5 @@ __all__ = [
     "softmax_backward", "bias_gelu", "geglu", "gelu", "quick_gelu", "silu", "swiglu",
     "bias_dropout_add", "dropout",
     "attention_softmax", "linear_cross_entropy", "check_pending", "batch_norm",
-    "sync_batch_norm",
+    "sync_batch_norm", "sum_to_shape", "conv2d",
 ]

@@ -19,6 +19,8 @@ from .errors import InvalidProblemError, UnsupportedError, argument_error
 from .ops import activations as activation_ops
 from .ops import attention_softmax as attention_ops
 from .ops import batch_norm as batch_norm_ops
+from .ops import broadcast as broadcast_ops
+from .ops import convolution as convolution_ops
 from .ops._common import FLOAT_NAMES, float_dtype
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
@@ -840,3 +842,73 @@ def attention_softmax(scores: Tensor, *, scale: float = 1.0, mask: Tensor | None
     seed = dropout_ops.draw_seed(generator, scores.device, op) if dropout_p > 0 else None
     out, _ = attention_ops.attention_softmax_op(scores, mask, bias, float(scale), shift, float(dropout_p), seed)
     return out
+
+
+def sum_to_shape(grad: Tensor, shape) -> Tensor:
+    """``grad`` summed down to ``shape`` (torch's ``Tensor.sum_to_size``): the reduction that ends the
+    backward of a broadcasting elementwise op, for the operand that was broadcast.
+
+    grad: any shape and strides, float32 / float16 / bfloat16 / float64. shape: a sequence of ints
+    expandable to grad's shape (right-aligned; each size 1 or grad's). Returns a contiguous tensor of
+    ``shape`` in grad's dtype, accumulated in float32 (float64 for float64), deterministic; grad
+    itself when ``shape`` is grad's shape (as torch's). Differentiable (the backward expands).
+    Errors: InvalidProblemError naming ``grad`` (not a tensor) or ``shape`` (not ints, not
+    expandable); UnsupportedError for another dtype.
+    """
+    op = "sum_to_shape"
+    _float_tensor(op, "grad", grad)
+    if isinstance(shape, Tensor) or not hasattr(shape, "__iter__"):
+        raise argument_error(InvalidProblemError, op, "shape", f"must be a sequence of ints, got {shape!r}")
+    shape = broadcast_ops.check_expandable(op, grad.shape, shape)
+    if shape == tuple(grad.shape):
+        return grad
+    return broadcast_ops.sum_to_shape_op(grad, list(shape))
+
+
+def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv2d through the convolution registry (ops/convolution.py): cuDNN on
+    CUDA (Triton's depthwise kernels under ``trainops.backend("triton")``), torch's CPU kernels on
+    the CPU; ``trainops.track_kernels`` names the kernel that ran.
+
+    input: (N, C, H, W) or unbatched (C, H, W); weight: (O, C / groups, KH, KW); bias: (O,) or None;
+    all of one dtype (float32, float16, bfloat16, float64). stride, dilation: int or pair (>= 1);
+    padding: int, pair (>= 0), "valid" or "same" (stride 1; an odd total padding puts the extra
+    row / column at the bottom / right, as torch's). Returns (N, O, OH, OW) in input's memory format.
+    Errors: InvalidProblemError naming the argument (shapes, groups, geometry), UnsupportedError
+    for another dtype.
+    """
+    op = "conv2d"
+    _float_tensor(op, "input", input)
+    _float_tensor(op, "weight", weight)
+    if bias is not None:
+        _float_tensor(op, "bias", bias)
+    if input.dim() not in (3, 4):
+        raise argument_error(InvalidProblemError, op, "input", f"must be (N, C, H, W) or (C, H, W), got shape "
+                             f"{tuple(input.shape)}")
+    if weight.dim() != 4:
+        raise argument_error(InvalidProblemError, op, "weight", f"must be (O, C / groups, KH, KW), got shape "
+                             f"{tuple(weight.shape)}")
+    unbatched = input.dim() == 3
+    x = input.unsqueeze(0) if unbatched else input
+    stride = convolution_ops.pair(op, "stride", stride, 1)
+    dilation = convolution_ops.pair(op, "dilation", dilation, 1)
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = (0, 0)
+        elif padding == "same":
+            if stride != (1, 1):
+                raise argument_error(InvalidProblemError, op, "padding", f"'same' needs stride 1, got stride {stride}")
+            totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
+            padding = tuple(t // 2 for t in totals)
+            extra = [t % 2 for t in totals]
+            if any(extra):   # the odd row / column after the data, as torch's
+                x = torch.nn.functional.pad(x, [0, extra[1], 0, extra[0]])
+        else:
+            raise argument_error(InvalidProblemError, op, "padding", f"must be an int, a pair, 'valid' or 'same', "
+                                 f"got {padding!r}")
+    padding = convolution_ops.pair(op, "padding", padding, 0)
+    if bias is not None and bias.dim() != 1:
+        raise argument_error(InvalidProblemError, op, "bias", f"must be (O,), got shape {tuple(bias.shape)}")
+    y = convolution_ops.conv2d_op(x, weight, bias, list(stride), list(padding), list(dilation), groups)
+    return y.squeeze(0) if unbatched else y

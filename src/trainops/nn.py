@@ -182,6 +182,18 @@ class Dropout(torch.nn.Dropout):
         return F.dropout(input, self.p, self.training, self.inplace, mask_mode=self.mask_mode)
 
 
+class Conv2d(torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` on ``trainops.functional.conv2d`` (the convolution registry): same
+    constructor, parameters and state dict; every ``padding_mode`` ("zeros", or the input padded by
+    ``F.pad`` first, as torch's own module does)."""
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.padding_mode != "zeros":
+            padded = torch.nn.functional.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return F.conv2d(padded, weight, bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+
 class _BatchNormForward:
     """The forward of trainops's BatchNorm modules: torch's ``_BatchNorm.forward`` (momentum None is
     the cumulative average, ``num_batches_tracked`` counted in training, eval on the running

@@ -41,6 +41,11 @@ torch's, so eager steps were slower at every ResNet-50 shape on the H100 (benchm
 batch norm's kernels around one collective each). With ``batch_norm=False`` these modules are
 neither swapped nor listed in the report.
 
+With ``convolution=True``, torch.nn.Conv2d -> trainops.nn.Conv2d (the convolution registry:
+cuDNN on CUDA as torch's, so the same kernels; Triton's depthwise kernels under
+``trainops.backend("triton")``). Not swapped by default: it adds a call's host time to torch's and,
+until the Triton kernels are measured against cuDNN, changes no kernel.
+
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module
 with a non-full backward hook (``register_backward_hook``: it sees the gradients of the module's
@@ -142,10 +147,13 @@ _BATCH_NORM_SWAPS = {swap.torch_class: swap for swap in (
 )}
 
 
+_CONVOLUTION_SWAPS = {torch.nn.Conv2d: _Swap(torch.nn.Conv2d, trainops_nn.Conv2d)}
+
+
 def _public_name(cls: type) -> str:
     """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``,
     ``transformers.LlamaRMSNorm`` / ``trainops.hf.TrainopsLlamaRMSNorm`` for Hugging Face's."""
-    if cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS:
+    if cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS or cls in _CONVOLUTION_SWAPS:
         return f"torch.nn.{cls.__name__}"
     if trainops_hf.is_transformers_class(cls):
         return f"transformers.{cls.__name__}"
@@ -188,11 +196,13 @@ def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
     return reasons
 
 
-def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, batch_norm: bool = False) -> PatchReport:
+def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, batch_norm: bool = False,
+          convolution: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
     RMSNorm / LayerNorm / GELU / SiLU / Dropout, with ``batch_norm=True`` every exact BatchNorm1d /
-    2d / 3d / SyncBatchNorm (both off by default: see the module docstring); with ``hf`` (the
+    2d / 3d / SyncBatchNorm, with ``convolution=True`` every exact Conv2d (all three off by default:
+    see the module docstring); with ``hf`` (the
     default) the Hugging Face transformers modules trainops.hf lists (the norms, gated MLPs,
     attention rotary embedding, tanh GELUs, Gemma's scaled embedding and the causal-LM loss path of
     Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
@@ -201,16 +211,17 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
     are left as they are and listed in ``report.skipped`` with the reason; modules that already
     are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
-    Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops``, ``hf`` or
-    ``batch_norm`` not a bool.
+    Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops``, ``hf``,
+    ``batch_norm`` or ``convolution`` not a bool.
     """
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm)):
+    for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm), ("convolution", convolution)):
         if not isinstance(value, bool):
             raise argument_error(InvalidProblemError, "patch", name, f"must be a bool, got {value!r}")
-    swaps = {**_SWAPS, **(_BLOCK_SWAPS if block_ops else {}), **(_BATCH_NORM_SWAPS if batch_norm else {})}
+    swaps = {**_SWAPS, **(_BLOCK_SWAPS if block_ops else {}), **(_BATCH_NORM_SWAPS if batch_norm else {}),
+             **(_CONVOLUTION_SWAPS if convolution else {})}
     trainops_classes = tuple(swap.trainops_class for swap in swaps.values())
     torch_classes = tuple(swaps)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -63,6 +64,9 @@ class Launch:
     accumulator: torch.dtype
     workspace_bytes: int = 0
     bitwise_reproducible: bool = True
+    # run(tensors, None) returns the outputs it made: a kernel of torch's own (cuDNN's convolutions)
+    # allocates them, and a copy into outputs made beforehand would move them twice
+    allocates: bool = False
 
 
 class Problem(Protocol):
@@ -114,6 +118,8 @@ class Plan:
 
     def run_unchecked(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """``run`` without the checks, for callers whose plan came from these very tensors."""
+        if self.launch.allocates:
+            return self.launch.run(tensors, out)
         if out is None:
             out = self.problem.new_output()
         self.launch.run(tensors, out)
@@ -138,7 +144,7 @@ def check_tensor(op: str, name: str, t, shape, dtype, device, strides=None) -> N
 def checked_shape(op: str, name: str, shape) -> tuple[int, ...]:
     """``shape`` as a tuple of ints, or InvalidProblemError naming ``name`` (not ints, a negative size)."""
     try:
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(operator.index(s) for s in shape)   # ints only: not 2.5, not "2"
     except TypeError:
         raise argument_error(InvalidProblemError, op, name, f"must be a sequence of ints, got {shape!r}") from None
     if any(s < 0 for s in shape):
@@ -148,7 +154,9 @@ def checked_shape(op: str, name: str, shape) -> tuple[int, ...]:
 
 def select(problem) -> Plan:
     """Bind a validated problem to the registry's kernel for its device and dtype."""
-    info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype,
+    spec = op_spec(problem.op)
+    chosen = spec.choose_backend(problem) if spec.choose_backend is not None and pinned_backend() is None else None
+    info = lookup(problem.op, problem.device.type, problem.dtype, problem.index_dtype, backend=chosen,
                   deterministic=getattr(problem, "deterministic", True))
     return Plan(problem, info, info.prepare(problem))
 

@@ -28,7 +28,7 @@ import torch
 
 from .errors import InvalidProblemError, UnsupportedError
 
-BACKENDS = ("triton", "cpu")
+BACKENDS = ("triton", "cudnn", "cpu")   # cudnn: torch's own CUDA kernels (its convolutions: cuDNN)
 DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 INDEX_DTYPES = frozenset({torch.int32, torch.int64})
@@ -127,6 +127,7 @@ class OpSpec:
     describe: Callable
     descriptor: type
     doc: str = ""
+    choose_backend: Callable | None = None
 
 
 _KERNELS: dict[tuple[str, str, bool], KernelInfo] = {}
@@ -155,11 +156,15 @@ def descriptor_type(op: str, describe: Callable) -> type:
     return cls
 
 
-def register_op(name: str, describe: Callable, doc: str = "") -> type:
+def register_op(name: str, describe: Callable, doc: str = "", *, choose_backend: Callable | None = None) -> type:
     """Declare an op and the function that validates its problem descriptors; returns the op's
-    descriptor class (see OpSpec)."""
+    descriptor class (see OpSpec).
+
+    ``choose_backend(problem) -> backend name``: the backend a problem runs on when none is pinned,
+    for an op whose best kernel depends on the problem (a convolution: cuDNN, or Triton on the
+    shapes where it was measured to win); without it, the device type's DEFAULT_BACKEND."""
     descriptor = descriptor_type(name, describe)
-    _OPS[name] = OpSpec(name, describe, descriptor, doc or describe.__doc__ or "")
+    _OPS[name] = OpSpec(name, describe, descriptor, doc or describe.__doc__ or "", choose_backend)
     return descriptor
 
 
@@ -168,13 +173,15 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
     """Decorator: register ``prepare`` as the ``backend`` kernel of ``op``.
 
     ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter)
-    and ``("cpu",)`` for the CPU backend.
+    and cuDNN, and ``("cpu",)`` for the CPU backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if device_types is None:
         if backend == "triton":
             device_types = ("cuda", "cpu") if triton_interpreting() else ("cuda",)
+        elif backend == "cudnn":
+            device_types = ("cuda",)
         else:
             device_types = ("cpu",)
 
@@ -216,7 +223,8 @@ def pinned_backend() -> str | None:
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
-    """Pin the backend (``"triton"`` or ``"cpu"``) for every trainops op run inside the block.
+    """Pin the backend (``"triton"``, ``"cudnn"`` or ``"cpu"``) for every trainops op run inside
+    the block (an op with no kernel of that backend then raises UnsupportedError).
 
     Pinning ``"triton"`` on CPU tensors works only with ``TRITON_INTERPRET=1`` set before import.
     """

@@ -10,14 +10,17 @@ run sees the same images and nothing is downloaded or read.
 The model (``CNN_CONFIGS``): a CIFAR-style ResNet: a 3x3 stem convolution, batch norm and ReLU,
 then stages of basic blocks (two 3x3 convolutions with batch norms, ReLUs, an identity or a strided
 1x1 convolution shortcut; each stage after the first halves the resolution and doubles the
-width), global average pooling and a linear head. Convolutions are torch's (cuDNN on CUDA) in every
-run: trainops's convolution registry is not built yet.
+width), global average pooling and a linear head. The trainops run's convolutions go through
+trainops's convolution registry (``trainops.nn.Conv2d``: cuDNN on CUDA, as torch's, since its
+Triton kernels are depthwise only and not yet measured against cuDNN; torch's CPU kernels on the
+CPU), the other runs' are torch's.
 
 Runs (``CNN_RUNS``), from the same initial weights (same seed) on the same batches, SGD with
 Nesterov momentum 0.9, weight decay 5e-4 (not on batch norms and biases), warm-up then cosine
 decay of the learning rate, autocast bf16 and channels-last on CUDA, float32 on the CPU:
 
-- ``trainops``: ``trainops.nn.BatchNorm2d`` for every batch norm, ``trainops.gist.compress`` (the
+- ``trainops``: ``trainops.nn.BatchNorm2d`` for every batch norm, ``trainops.nn.Conv2d`` for every
+  convolution, ``trainops.gist.compress`` (the
   ReLUs keep 1 bit an element; with ``--gist`` bf16 / fp16 / e5m2 / e4m3 also every other saved
   activation packed, lossy; under bf16 autocast only the 1-byte formats pack anything, so bf16 /
   fp16 are refused there), ``trainops.optim.SGD``. In this network each ReLU's output is the next
@@ -87,17 +90,17 @@ def gratings(batch: int, seed: int, noise: float) -> tuple[torch.Tensor, torch.T
 
 
 class BasicBlock(torch.nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, norm):
+    def __init__(self, cin: int, cout: int, stride: int, norm, conv=torch.nn.Conv2d):
         super().__init__()
-        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = conv(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn1 = norm(cout)
         self.relu1 = torch.nn.ReLU(inplace=True)
-        self.conv2 = torch.nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.conv2 = conv(cout, cout, 3, padding=1, bias=False)
         self.bn2 = norm(cout)
         self.relu2 = torch.nn.ReLU(inplace=True)
         self.shortcut = None
         if stride != 1 or cin != cout:
-            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride=stride, bias=False), norm(cout))
+            self.shortcut = torch.nn.Sequential(conv(cin, cout, 1, stride=stride, bias=False), norm(cout))
 
     def forward(self, x):
         out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
@@ -105,16 +108,17 @@ class BasicBlock(torch.nn.Module):
 
 
 class ResNet(torch.nn.Module):
-    """The CIFAR-style ResNet of the module docstring; ``norm(channels)`` makes each batch norm."""
+    """The CIFAR-style ResNet of the module docstring; ``norm(channels)`` makes each batch norm,
+    ``conv`` (torch.nn.Conv2d's constructor) each convolution."""
 
-    def __init__(self, widths, blocks: int, norm=torch.nn.BatchNorm2d):
+    def __init__(self, widths, blocks: int, norm=torch.nn.BatchNorm2d, conv=torch.nn.Conv2d):
         super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, widths[0], 3, padding=1, bias=False), norm(widths[0]),
+        self.stem = torch.nn.Sequential(conv(3, widths[0], 3, padding=1, bias=False), norm(widths[0]),
                                         torch.nn.ReLU(inplace=True))
         layers, cin = [], widths[0]
         for i, width in enumerate(widths):
             for j in range(blocks):
-                layers.append(BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, norm))
+                layers.append(BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, norm, conv))
                 cin = width
         self.stages = torch.nn.Sequential(*layers)
         self.head = torch.nn.Linear(cin, CLASSES)
@@ -124,11 +128,15 @@ class ResNet(torch.nn.Module):
 
 
 def build_model(cfg: CnnRunConfig, device: torch.device, use_trainops: bool) -> torch.nn.Module:
-    """The ResNet with torch's or trainops's batch norms, the same initial weights either way."""
+    """The ResNet with torch's or trainops's batch norms and convolutions, the same initial weights
+    either way."""
     import trainops
 
     torch.manual_seed(cfg.seed)
-    model = ResNet(cfg.widths, cfg.blocks, trainops.nn.BatchNorm2d if use_trainops else torch.nn.BatchNorm2d)
+    if use_trainops:
+        model = ResNet(cfg.widths, cfg.blocks, trainops.nn.BatchNorm2d, trainops.nn.Conv2d)
+    else:
+        model = ResNet(cfg.widths, cfg.blocks)
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)

@@ -9,3 +9,5 @@ from . import attention_softmax  # noqa: F401
 from . import linear_cross_entropy  # noqa: F401
 from . import batch_norm  # noqa: F401
 from . import gist  # noqa: F401
+from . import broadcast  # noqa: F401
+from . import convolution  # noqa: F401

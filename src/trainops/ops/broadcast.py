@@ -1,0 +1,404 @@
+"""Broadcast gradients: ``sum_to_shape``, the reduction every broadcasting elementwise backward ends
+with (ONNX Runtime's DivGrad / MulGrad / AddGrad ... reduce their output gradient this way): a
+gradient of the broadcast result's shape summed down to the shape of an operand that was broadcast.
+
+    sum_to_shape(grad, shape) -> out      out has ``shape``; out[k] = sum of grad over the axes
+                                          ``shape`` broadcasts along
+
+Semantics are torch's ``Tensor.sum_to_size``: ``shape`` must be expandable to ``grad.shape``
+(right-aligned; each size 1 or grad's); grad's leading axes beyond ``shape``'s rank and the axes
+where ``shape`` has 1 and grad more are summed. out is contiguous, in grad's dtype (float32, float16,
+bfloat16, float64), accumulated in float32 (float64 for float64) and rounded once. Deterministic:
+each output is summed in a fixed order set by the plan (bit-stable from run to run on one device
+and plan; a plan of other tiles or another GPU's SM count may round differently). An empty
+reduction writes zeros. The backward of out with respect to grad is ``dout.expand(grad.shape)``.
+
+Layout: grad is read in place in any strides. Its axes (size-1 axes dropped) are grouped into runs
+of summed and kept axes, adjacent axes of a run merged where their strides allow; the kernel walks
+up to four summed runs and three kept runs (R0 K0 R1 K1 R2 K2 R3), which covers every tensor of
+rank 7 or less. A grad of more runs is copied to a contiguous tensor first (one more read and write
+of it) and, if that still has more, raises UnsupportedError.
+
+Bytes (the fewest the op must move): grad read once, out written once. Triton plan
+(``BroadcastSumHeuristics``): a program owns a block of outputs and walks a share of the summed
+elements in (summed, kept) tiles oriented so that the axis of stride 1 runs along a warp's lanes;
+when the outputs are too few to fill the GPU, the summed elements are split among programs that
+write float32 partial sums, added in a fixed order by a second kernel (``_common.column_sum``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
+from ..layout import next_pow2
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
+                        triton_available)
+from ._common import contiguous_strides, float_dtype
+
+OP = "sum_to_shape"
+SUMMED_RUNS, KEPT_RUNS = 4, 3   # the kernel's walk: R0 K0 R1 K1 R2 K2 R3
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics, problem, descriptor
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BroadcastSumHeuristics:
+    """The sum_to_shape kernels' tunables (trainops.heuristics(...) overrides them).
+
+    tile: elements of one (summed, kept) tile a program adds per step; kept_block: outputs a program
+    owns when the kept axis has stride 1 (the rest of the tile walks summed elements), or when the
+    summed axis has stride 1, the summed elements a step takes along it (the rest: outputs);
+    programs_per_sm: programs wanted per SM before the summed elements are split among programs;
+    warps: each program's warps; reduce_block / reduce_parts: the partial sums' adding kernel
+    (``column_sum``). Chosen, not yet measured on a GPU (benchmarks/NOTES.md, "sum_to_shape").
+    """
+
+    tile: int = 4096
+    kept_block: int = 64
+    programs_per_sm: int = 4
+    warps: int = 4
+    reduce_block: int = 128
+    reduce_parts: int = 32
+
+
+@dataclass(frozen=True)
+class Walk:
+    """grad's axes as the kernel walks them: sizes and strides of the summed runs R0..R3 and the
+    kept runs K0..K2 (absent runs: size 1, stride 0), and which axis has stride 1 (``inner``:
+    "kept", "summed" or None)."""
+
+    summed: tuple[tuple[int, int], ...]
+    kept: tuple[tuple[int, int], ...]
+
+    @property
+    def summed_count(self) -> int:
+        return math.prod(s for s, _ in self.summed)
+
+    @property
+    def kept_count(self) -> int:
+        return math.prod(s for s, _ in self.kept)
+
+    @property
+    def inner(self) -> str | None:
+        """Which run has the stride-1 axis innermost in the walk: the last kept run or the last
+        summed run (the tile's orientation follows it)."""
+        last_kept = [st for s, st in self.kept if s > 1]
+        last_summed = [st for s, st in self.summed if s > 1]
+        if last_kept and last_kept[-1] == 1:
+            return "kept"
+        if last_summed and last_summed[-1] == 1:
+            return "summed"
+        return None
+
+
+def summed_axes(grad_shape: Sequence[int], shape: Sequence[int]) -> tuple[bool, ...]:
+    """For each axis of grad: whether sum_to_shape sums it (grad's leading axes beyond ``shape``'s
+    rank, and those where ``shape`` has 1 and grad more); ``shape`` is assumed expandable."""
+    lead = len(grad_shape) - len(shape)
+    return tuple(d < lead or (shape[d - lead] == 1 and grad_shape[d] != 1) for d in range(len(grad_shape)))
+
+
+def runs(grad_shape: Sequence[int], strides: Sequence[int], summed: Sequence[bool]) -> list[tuple[bool, int, int]]:
+    """grad's axes as (summed?, size, stride) runs, outermost first: size-1 axes dropped, an axis
+    merged into the previous one of the same kind when the previous one's stride is its stride
+    times its size (the two walk as one axis)."""
+    out: list[list] = []
+    for size, stride, is_summed in zip(grad_shape, strides, summed):
+        if size == 1:
+            continue
+        if out and out[-1][0] == is_summed and out[-1][2] == stride * size:
+            out[-1][1] *= size
+            out[-1][2] = stride
+        else:
+            out.append([is_summed, size, stride])
+    return [tuple(r) for r in out]
+
+
+def walk_of(grad_runs: Sequence[tuple[bool, int, int]]) -> Walk | None:
+    """The runs placed in order in the kernel's slots R0 K0 R1 K1 R2 K2 R3 (a run takes the next
+    slot of its kind; skipped slots stay size 1), or None when they need more slots."""
+    slots: list[tuple[int, int]] = [(1, 0)] * (SUMMED_RUNS + KEPT_RUNS)   # even indices summed, odd kept
+    at = 0
+    for is_summed, size, stride in grad_runs:
+        if (at % 2 == 0) != is_summed:
+            at += 1
+        if at >= len(slots):
+            return None
+        slots[at] = (size, stride)
+        at += 1
+    return Walk(tuple(slots[0::2]), tuple(slots[1::2]))
+
+
+@dataclass(frozen=True)
+class SumToShapeProblem:
+    """One sum_to_shape problem: grad of ``grad_shape`` / ``strides`` summed to ``shape``.
+    Inputs (grad,) -> out (contiguous, ``shape``, grad's dtype)."""
+
+    op: str
+    grad_shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    heuristics: BroadcastSumHeuristics
+    walk: Walk
+    index_dtype = None
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return accumulator_dtype(self.dtype)
+
+    def check(self, tensors: Sequence, out) -> None:
+        """Cheap checks of concrete arguments against the plan (shape, strides, dtype, device)."""
+        if len(tensors) != 1:
+            raise InvalidProblemError(f"trainops.{self.op}: expected 1 argument (grad), got {len(tensors)}")
+        check_tensor(self.op, "grad", tensors[0], self.grad_shape, self.dtype, self.device, self.strides)
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its output)")
+
+    def new_output(self) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+def check_expandable(op: str, grad_shape: Sequence[int], shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints when it expands to ``grad_shape`` (torch's rules, right-aligned),
+    else InvalidProblemError naming ``shape``."""
+    shape = checked_shape(op, "shape", shape)
+    grad_shape = tuple(grad_shape)
+    lead = len(grad_shape) - len(shape)
+    if lead < 0 or any(s not in (1, g) for s, g in zip(shape, grad_shape[lead:])):
+        raise argument_error(InvalidProblemError, op, "shape", f"{shape} is not expandable to grad's shape {grad_shape}")
+    return shape
+
+
+def _describe(grad_shape, dtype, device="cuda", *, strides=None, shape=None, heuristics=None) -> SumToShapeProblem:
+    """Validate a sum_to_shape descriptor.
+
+    grad_shape: grad's sizes, any rank. dtype: grad's: float32, float16, bfloat16, float64. strides:
+    None (contiguous) or grad's strides (any non-negative). shape: the output's sizes, expandable to
+    grad_shape (None: grad_shape itself). heuristics: a BroadcastSumHeuristics.
+    """
+    grad_shape = checked_shape(OP, "grad_shape", grad_shape)
+    dtype = float_dtype(OP, "grad", dtype)
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, OP, "device", f"is not a device: {e}") from None
+    shape = grad_shape if shape is None else check_expandable(OP, grad_shape, shape)
+    if strides is None:
+        strides = contiguous_strides(grad_shape)
+    try:
+        strides = tuple(int(s) for s in strides)
+    except TypeError:
+        raise argument_error(InvalidProblemError, OP, "strides", f"must be a sequence of ints, got {strides!r}") from None
+    if len(strides) != len(grad_shape) or any(s < 0 for s in strides):
+        raise argument_error(InvalidProblemError, OP, "strides",
+                             f"{strides} are not {len(grad_shape)} non-negative strides of grad's shape {grad_shape}")
+    if heuristics is None:
+        heuristics = heuristics_for(BroadcastSumHeuristics)
+    elif not isinstance(heuristics, BroadcastSumHeuristics):
+        raise argument_error(InvalidProblemError, OP, "heuristics",
+                             f"must be a BroadcastSumHeuristics, got {type(heuristics).__name__}")
+    if min(heuristics.tile, heuristics.kept_block) < 1 or heuristics.tile & (heuristics.tile - 1) \
+            or heuristics.kept_block & (heuristics.kept_block - 1) or heuristics.kept_block > heuristics.tile:
+        raise argument_error(InvalidProblemError, OP, "heuristics", "tile and kept_block must be powers of two, "
+                             f"kept_block <= tile; got {heuristics.tile}, {heuristics.kept_block}")
+    walk = walk_of(runs(grad_shape, strides, summed_axes(grad_shape, shape)))
+    if walk is None:
+        raise argument_error(UnsupportedError, OP, "strides",
+                             f"grad of shape {grad_shape} and strides {strides} does not walk as "
+                             f"{SUMMED_RUNS} summed and {KEPT_RUNS} kept runs; copy it first (the custom op does)")
+    return SumToShapeProblem(OP, grad_shape, strides, shape, dtype, device, heuristics, walk)
+
+
+SumToShapeDescriptor = register_op(OP, _describe)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU path
+# ----------------------------------------------------------------------------------------------
+
+def _prepare_cpu(problem: SumToShapeProblem) -> Launch:
+    dims = [d for d, s in enumerate(summed_axes(problem.grad_shape, problem.shape)) if s]
+    acc = problem.acc_dtype
+
+    def run(tensors, out):
+        (grad,) = tensors
+        total = grad.sum(dims, dtype=acc) if dims else grad.to(acc)
+        out.copy_(total.reshape(problem.shape))
+
+    return Launch(run, KernelChoice("sum_to_shape_cpu", "cpu", ()), acc)
+
+
+register(OP, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+         name="sum_to_shape_cpu")(_prepare_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from ._common import column_sum
+
+    @triton.jit
+    def _kept_offsets(k, K1, K2, sk0, sk1, sk2):
+        """Element offsets (int64) of outputs ``k`` (numbered in the output's order) in grad."""
+        k2 = k % K2
+        t = k // K2
+        return (t // K1).to(tl.int64) * sk0 + (t % K1).to(tl.int64) * sk1 + k2.to(tl.int64) * sk2
+
+    @triton.jit
+    def _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3):
+        """Element offsets (int64) of summed elements ``r`` (numbered R0-major) in grad."""
+        r3 = r % R3
+        t = r // R3
+        r2 = t % R2
+        t = t // R2
+        return (t // R1).to(tl.int64) * sr0 + (t % R1).to(tl.int64) * sr1 + r2.to(tl.int64) * sr2 \
+            + r3.to(tl.int64) * sr3
+
+    @triton.jit
+    def _sum_to_shape(G, OUT, K, R, chunk, K1, K2, sk0, sk1, sk2, R1, R2, R3, sr0, sr1, sr2, sr3,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUMMED_INNER: tl.constexpr,
+                      ACC: tl.constexpr):
+        """OUT[split, k] = sum over r in this program's chunk of the summed elements of grad at
+        (r, k), in ACC; programs (output block, split). The tile is (BLOCK_K, BLOCK_R) with the
+        summed elements along the lanes when SUMMED_INNER (their stride-1 axis), else (BLOCK_R,
+        BLOCK_K) with the outputs along them. Fixed order: BLOCK_R-wide steps added elementwise in
+        order, then the tile reduced by tl.sum."""
+        split = tl.program_id(1)
+        start = split * chunk
+        stop = tl.minimum(start + chunk, R)
+        if SUMMED_INNER:
+            k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]
+            k_off = _kept_offsets(k, K1, K2, sk0, sk1, sk2)
+            acc = tl.zeros([BLOCK_K, BLOCK_R], ACC)
+            for r0 in range(start, stop, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)[None, :]
+                mask = (k < K) & (r < stop)
+                r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
+                acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
+            total = tl.sum(acc, 1)
+            kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        else:
+            k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            k_off = _kept_offsets(k, K1, K2, sk0, sk1, sk2)
+            acc = tl.zeros([BLOCK_R, BLOCK_K], ACC)
+            for r0 in range(start, stop, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)[:, None]
+                mask = (k < K) & (r < stop)
+                r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
+                acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
+            total = tl.sum(acc, 0)
+            kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(OUT + split.to(tl.int64) * K + kk, total.to(OUT.dtype.element_ty), mask=kk < K)
+
+
+def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
+    """(BLOCK_K, BLOCK_R, summed_inner, splits, chunk) of the Triton plan: the tile's orientation
+    follows the stride-1 axis; outputs are split into blocks, and when those blocks make fewer than
+    ``programs_per_sm`` programs per SM, the summed elements are split among programs in chunks of
+    whole BLOCK_R steps."""
+    h, w = problem.heuristics, problem.walk
+    K, R = w.kept_count, w.summed_count
+    summed_inner = w.inner == "summed"
+    if summed_inner:
+        block_r = min(h.kept_block, next_pow2(max(R, 1)))   # kept_block: the lanes' share, here summed
+        block_k = max(1, min(h.tile // block_r, next_pow2(max(K, 1))))
+    else:
+        block_k = min(h.kept_block, next_pow2(max(K, 1)))
+        block_r = max(1, min(h.tile // block_k, next_pow2(max(R, 1))))
+    k_blocks = -(-K // block_k)
+    wanted = max(1, sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1))
+    steps = -(-R // block_r)
+    splits = max(1, min(wanted, steps))
+    chunk = -(-steps // splits) * block_r
+    splits = -(-R // chunk) if R else 1
+    return block_k, block_r, summed_inner, splits, chunk
+
+
+def _prepare_triton(problem: SumToShapeProblem) -> Launch:
+    h, w = problem.heuristics, problem.walk
+    K, R = w.kept_count, w.summed_count
+    block_k, block_r, summed_inner, splits, chunk = tiles(problem)
+    acc = problem.acc_dtype
+    (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = w.summed
+    (K0, sk0), (K1, sk1), (K2, sk2) = w.kept
+    grid = (max(1, -(-K // block_k)), splits)
+    main = launcher(_sum_to_shape, grid, trailing=(K, R, chunk, K1, K2, sk0, sk1, sk2, R1, R2, R3, sr0, sr1, sr2, sr3),
+                    BLOCK_K=block_k, BLOCK_R=block_r, SUMMED_INNER=summed_inner,
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=h.warps)
+    finish = column_sum(splits, K, h.reduce_block, h.reduce_parts) if splits > 1 else None
+    workspace = splits * K * acc.itemsize if finish else 0
+
+    def run(tensors, out):
+        (grad,) = tensors
+        if K == 0:
+            return
+        if R == 0:
+            out.zero_()
+            return
+        if finish is None:
+            main(grad, out)
+            return
+        part = torch.empty((splits, K), dtype=acc, device=out.device)
+        main(grad, part)
+        finish(part, out)
+
+    params = (("BLOCK_K", block_k), ("BLOCK_R", block_r), ("summed_inner", summed_inner), ("splits", splits),
+              ("num_warps", h.warps))
+    return Launch(run, KernelChoice("sum_to_shape_triton", "triton", params), acc, workspace_bytes=workspace)
+
+
+if triton_available():
+    register(OP, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+             name="sum_to_shape_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom op: torch.ops.trainops.sum_to_shape, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def walkable(grad: Tensor, shape: Sequence[int]) -> Tensor:
+    """``grad`` itself when the kernel walks its strides, else a contiguous copy (the one copy, said
+    in the module docstring)."""
+    if walk_of(runs(grad.shape, grad.stride(), summed_axes(grad.shape, shape))) is not None:
+        return grad
+    return grad.contiguous()
+
+
+def _impl(grad: Tensor, shape: list[int]) -> Tensor:
+    grad = walkable(grad, shape)
+    descriptor = SumToShapeDescriptor(grad.shape, grad.dtype, grad.device, strides=grad.stride(), shape=tuple(shape),
+                                      heuristics=heuristics_for(BroadcastSumHeuristics))
+    return cached_plan(descriptor).run_unchecked((grad,))
+
+
+def _fake(grad, shape):
+    return grad.new_empty(tuple(shape))
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.grad_shape = tuple(inputs.grad.shape)
+
+
+def _grad(ctx, dout) -> dict:
+    return {"grad": dout.expand(ctx.grad_shape)}
+
+
+sum_to_shape_op = custom_op(OP, _impl, _fake, backward=_grad, save=_save, inline_triton=True)

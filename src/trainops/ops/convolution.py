@@ -1,0 +1,621 @@
+"""2-D convolution through the registry (ONNX Runtime's Conv / ConvGrad): the forward, and the input,
+weight and bias gradients, each with the kernels of two backends, and the choice between them.
+
+    conv2d(x, weight, bias)              -> y                 torch.nn.functional.conv2d's math
+    conv2d_backward(dy, x, weight, mask) -> (dx, dweight, dbias)   mask: which of the three to make
+
+Shapes: x (N, C, H, W), weight (O, C / groups, KH, KW), bias (O,), y (N, O, OH, OW) with
+OH = (H + 2 padding - dilation (KH - 1) - 1) // stride + 1 (and so for OW); stride, padding and
+dilation are pairs of ints (padding zeros). Dtypes: float32, float16, bfloat16, float64, x,
+weight and bias alike (as torch requires). y and dx have x's memory format (channels-last stays
+channels-last); dweight is contiguous. An absent output (not asked for by the mask) is empty.
+
+Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernels`` name them):
+
+- ``cudnn`` (CUDA) and ``cpu``: torch's own convolution and convolution backward
+  (``aten.convolution`` / ``aten.convolution_backward``: cuDNN on CUDA, oneDNN / ATen on the CPU),
+  any groups, strides and layout. Their accumulator and rounding are torch's (float32 for half
+  inputs; cuDNN runs float32 convolutions in TF32 while ``torch.backends.cudnn.allow_tf32`` is
+  True, torch's default). Determinism: a problem's ``deterministic`` is torch's own switch
+  (``torch.use_deterministic_algorithms`` or ``torch.backends.cudnn.deterministic``) unless the
+  descriptor sets it; the deterministic cuDNN kernel runs under ``cudnn.deterministic`` for the
+  call, the other takes cuDNN's choice (its weight gradient may then differ in the last bits from
+  run to run, as torch's does).
+- ``triton``: depthwise convolutions only (groups = C = O: one filter per channel, MobileNet's and
+  ConvNeXt's), any kernel size, stride, padding and dilation, contiguous or channels-last, read in
+  place. Forward and input gradient gather the taps of each output (no atomics); the weight and
+  bias gradients sum over N x OH x OW in programs that write float32 partials, added in a fixed
+  order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
+  rounded once. Other convolutions raise UnsupportedError on this backend.
+
+Choice (``choose_backend``): cuDNN for every problem on CUDA for now, the CPU kernels on the CPU:
+the Triton kernels are not yet measured against cuDNN on a GPU (benchmarks/NOTES.md, "The
+convolution registry"), so no shape is claimed for them; ``trainops.backend("triton")`` runs them.
+
+Bytes (the fewest a depthwise convolution must move, for the Triton plans): forward reads x and
+writes y (the weight is small); the input gradient reads dy, writes dx; the weight gradient reads
+dy and x.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
+from ..layout import next_pow2
+from ..library import custom_op
+from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
+                        triton_available)
+from ._common import float_dtype
+
+FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics, problem, descriptor
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvHeuristics:
+    """The Triton depthwise kernels' tunables (trainops.heuristics(...) overrides them).
+
+    block_positions: output positions (input positions for the input gradient; summed positions a
+    step for the weight gradient) of a program's tile; block_channels: its channels; warps: its
+    warps; programs_per_sm: programs wanted per SM before the weight gradient's positions are split
+    among programs; reduce_block / reduce_parts: the partial sums' adding kernel (``column_sum``).
+    Chosen, not yet measured on a GPU.
+    """
+
+    block_positions: int = 64
+    block_channels: int = 32
+    warps: int = 4
+    programs_per_sm: int = 4
+    reduce_block: int = 128
+    reduce_parts: int = 32
+
+
+def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """torch's convolution output size along one axis."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides torch gives a channels-last (N, C, H, W) tensor of ``shape``."""
+    n, c, h, w = (max(s, 1) for s in shape)
+    return (h * w * c, 1, w * c, c)
+
+
+def contiguous_strides4(shape: Sequence[int]) -> tuple[int, ...]:
+    n, c, h, w = (max(s, 1) for s in shape)
+    return (c * h * w, h * w, w, 1)
+
+
+def is_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a 4-D tensor is laid out channels-last (as torch's ``suggest_memory_format`` says:
+    channels-last strides, and not also contiguous, which size-1 axes can make it)."""
+    return tuple(strides) == channels_last_strides(shape) and tuple(strides) != contiguous_strides4(shape)
+
+
+@dataclass(frozen=True)
+class Conv2dProblem:
+    """One conv2d problem. Forward ("conv2d"): inputs (x, weight, bias or None) -> y. Backward
+    ("conv2d_backward"): inputs (dy, x, weight) -> (dx, dweight, dbias), each empty unless ``mask``
+    asks for it. ``channels_last``: y's and dx's memory format (x's)."""
+
+    op: str
+    x_shape: tuple[int, int, int, int]
+    weight_shape: tuple[int, int, int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    dtype: torch.dtype
+    device: torch.device
+    bias: bool
+    mask: tuple[bool, bool, bool]
+    channels_last: bool
+    deterministic: bool
+    heuristics: ConvHeuristics
+    index_dtype = None
+
+    @property
+    def backward(self) -> bool:
+        return self.op == BACKWARD_OP
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        n, _, h, w = self.x_shape
+        o, _, kh, kw = self.weight_shape
+        return (n, o, output_size(h, kh, self.stride[0], self.padding[0], self.dilation[0]),
+                output_size(w, kw, self.stride[1], self.padding[1], self.dilation[1]))
+
+    @property
+    def depthwise(self) -> bool:
+        """One filter per channel: groups = C = O, one input channel a filter."""
+        c, o = self.x_shape[1], self.weight_shape[0]
+        return self.groups == c == o and self.weight_shape[1] == 1
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return accumulator_dtype(self.dtype)
+
+    def _like_x(self, shape) -> Tensor:
+        strides = channels_last_strides(shape) if self.channels_last else contiguous_strides4(shape)
+        return torch.empty_strided(shape, strides, dtype=self.dtype, device=self.device)
+
+    def check(self, tensors: Sequence, out) -> None:
+        """Cheap checks of concrete arguments against the plan (shapes, dtypes, device)."""
+        names = ("dy", "x", "weight") if self.backward else ("x", "weight", "bias")
+        if len(tensors) != len(names):
+            raise InvalidProblemError(f"trainops.{self.op}: expected {len(names)} arguments ({', '.join(names)}), "
+                                      f"got {len(tensors)}")
+        shapes = (self.out_shape, self.x_shape, self.weight_shape) if self.backward else \
+            (self.x_shape, self.weight_shape, (self.weight_shape[0],))
+        for name, t, shape in zip(names, tensors, shapes):
+            if name == "bias" and not self.bias:
+                if t is not None:
+                    raise argument_error(InvalidProblemError, self.op, "bias", "is given; the plan is for no bias")
+                continue
+            check_tensor(self.op, name, t, shape, self.dtype, self.device)
+        if out is not None:
+            raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
+
+    def new_output(self):
+        """Forward: y (x's memory format); backward: (dx, dweight, dbias), empty where not asked."""
+        if not self.backward:
+            return self._like_x(self.out_shape)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        dx = self._like_x(self.x_shape) if self.mask[0] else empty
+        dw = torch.empty(self.weight_shape, dtype=self.dtype, device=self.device) if self.mask[1] else empty.clone()
+        db = torch.empty((self.weight_shape[0],), dtype=self.dtype, device=self.device) if self.mask[2] else empty.clone()
+        return dx, dw, db
+
+
+def pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
+    """An int or a pair of ints, each >= minimum, as a pair; InvalidProblemError naming ``name``."""
+    pair = (value, value) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        pair = tuple(pair)
+        ok = len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in pair)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise argument_error(InvalidProblemError, op, name, f"must be an int or a pair of ints >= {minimum}, "
+                             f"got {value!r}")
+    return pair
+
+
+def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1, padding=0, dilation=1, groups=1,
+              bias=False, mask=(True, True, False), channels_last=False, deterministic=None,
+              heuristics=None) -> Conv2dProblem:
+    """Validate a conv2d descriptor.
+
+    x_shape: (N, C, H, W); weight_shape: (O, C / groups, KH, KW); dtype: x's, weight's and bias's
+    (float32, float16, bfloat16, float64). stride (>= 1), padding (>= 0), dilation (>= 1): ints or
+    pairs. groups: divides C and O. bias: the forward adds one (the backward's bias gradient is
+    ``mask[2]``). mask: (input, weight, bias) gradients the backward makes. channels_last: y's and
+    dx's memory format. deterministic: None (torch's switch: ``torch.use_deterministic_algorithms``
+    or ``torch.backends.cudnn.deterministic``), True or False. heuristics: a ConvHeuristics.
+    """
+    x_shape = checked_shape(op, "x_shape", x_shape)
+    weight_shape = checked_shape(op, "weight_shape", weight_shape)
+    if len(x_shape) != 4:
+        raise argument_error(InvalidProblemError, op, "x_shape", f"must be (N, C, H, W), got {x_shape}")
+    if len(weight_shape) != 4:
+        raise argument_error(InvalidProblemError, op, "weight_shape", f"must be (O, C / groups, KH, KW), got {weight_shape}")
+    dtype = float_dtype(op, "x", dtype)
+    try:
+        device = normalize_device(device)
+    except (RuntimeError, TypeError) as e:
+        raise argument_error(InvalidProblemError, op, "device", f"is not a device: {e}") from None
+    stride, padding, dilation = (pair(op, "stride", stride, 1), pair(op, "padding", padding, 0),
+                                 pair(op, "dilation", dilation, 1))
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise argument_error(InvalidProblemError, op, "groups", f"must be an int >= 1, got {groups!r}")
+    n, c, h, w = x_shape
+    o, cg, kh, kw = weight_shape
+    if c % groups or o % groups:
+        raise argument_error(InvalidProblemError, op, "groups", f"{groups} does not divide the input's {c} and the "
+                             f"output's {o} channels")
+    if cg * groups != c:
+        raise argument_error(InvalidProblemError, op, "weight_shape", f"{weight_shape} expects {cg * groups} input "
+                             f"channels (groups {groups}); x has {c}")
+    if min(kh, kw) < 1 or o < 1:
+        raise argument_error(InvalidProblemError, op, "weight_shape", f"{weight_shape} has an empty filter")
+    for axis, size, k in ((0, h, kh), (1, w, kw)):
+        if size + 2 * padding[axis] < dilation[axis] * (k - 1) + 1:
+            raise argument_error(InvalidProblemError, op, "x_shape", f"{x_shape}: the padded input "
+                                 f"({size + 2 * padding[axis]}) is smaller than the dilated kernel "
+                                 f"({dilation[axis] * (k - 1) + 1})")
+    try:
+        mask = tuple(bool(m) for m in mask)
+    except TypeError:
+        mask = ()
+    if len(mask) != 3:
+        raise argument_error(InvalidProblemError, op, "mask", f"must be three bools (input, weight, bias), got {mask!r}")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic
+    if heuristics is None:
+        heuristics = heuristics_for(ConvHeuristics)
+    elif not isinstance(heuristics, ConvHeuristics):
+        raise argument_error(InvalidProblemError, op, "heuristics", f"must be a ConvHeuristics, got "
+                             f"{type(heuristics).__name__}")
+    for field_name in ("block_positions", "block_channels"):
+        value = getattr(heuristics, field_name)
+        if value < 1 or value & (value - 1):
+            raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
+    return Conv2dProblem(op, x_shape, weight_shape, stride, padding, dilation, groups, dtype, device, bool(bias),
+                         mask if op == BACKWARD_OP else (False, False, False), bool(channels_last), bool(deterministic),
+                         heuristics)
+
+
+def _describer(op: str):
+    def describe(x_shape, weight_shape, dtype, device="cuda", *, stride=1, padding=0, dilation=1, groups=1,
+                 bias=False, mask=(True, True, False), channels_last=False, deterministic=None,
+                 heuristics=None) -> Conv2dProblem:
+        return _describe(op, x_shape, weight_shape, dtype, device, stride=stride, padding=padding, dilation=dilation,
+                         groups=groups, bias=bias, mask=mask, channels_last=channels_last, deterministic=deterministic,
+                         heuristics=heuristics)
+    describe.__doc__ = _describe.__doc__
+    return describe
+
+
+def choose_backend(problem: Conv2dProblem) -> str | None:
+    """cuDNN for every problem on CUDA (the Triton kernels are not yet measured against it: see the
+    module docstring); None elsewhere (the device type's default backend)."""
+    return "cudnn" if problem.device.type == "cuda" else None
+
+
+Conv2dDescriptor, Conv2dBackwardDescriptor = (register_op(op, _describer(op), choose_backend=choose_backend)
+                                              for op in (FORWARD_OP, BACKWARD_OP))
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's own kernels: the cudnn backend (CUDA) and the cpu backend
+# ----------------------------------------------------------------------------------------------
+
+def _prepare_torch(problem: Conv2dProblem, deterministic: bool) -> Launch:
+    """aten.convolution / aten.convolution_backward, under cuDNN's deterministic switch for a
+    deterministic plan on CUDA."""
+    stride, padding, dilation, groups = list(problem.stride), list(problem.padding), list(problem.dilation), problem.groups
+    pin_cudnn = deterministic and problem.device.type == "cuda"
+    empty = (problem.dtype, problem.device)
+
+    def run_forward(tensors, out):
+        x, weight, bias = tensors
+        return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+
+    def run_backward(tensors, out):
+        dy, x, weight = tensors
+        bias_sizes = [problem.weight_shape[0]] if problem.mask[2] else None
+        grads = torch.ops.aten.convolution_backward(dy, x, weight, bias_sizes, stride, padding, dilation, False,
+                                                    [0, 0], groups, list(problem.mask))
+        return tuple(torch.empty(0, dtype=empty[0], device=empty[1]) if g is None else g for g in grads)
+
+    run = run_backward if problem.backward else run_forward
+    if pin_cudnn:
+        inner = run
+
+        def run(tensors, out):
+            previous = torch.backends.cudnn.deterministic
+            torch.backends.cudnn.deterministic = True
+            try:
+                return inner(tensors, out)
+            finally:
+                torch.backends.cudnn.deterministic = previous
+
+    backend = "cudnn" if problem.device.type == "cuda" else "cpu"
+    name = f"{problem.op}_{backend}{'' if deterministic or backend == 'cpu' else '_nondeterministic'}"
+    return Launch(run, KernelChoice(name, backend, ()), problem.acc_dtype, allocates=True)
+
+
+for _op in (FORWARD_OP, BACKWARD_OP):
+    register(_op, backend="cpu", dtypes=FLOATS, deterministic=True, accumulator="torch's (ATen / oneDNN)",
+             name=f"{_op}_cpu")(lambda problem: _prepare_torch(problem, True))
+    register(_op, backend="cudnn", dtypes=FLOATS, deterministic=True,
+             accumulator="cuDNN's (float32 for half; TF32 for float32 while cudnn.allow_tf32)",
+             name=f"{_op}_cudnn")(lambda problem: _prepare_torch(problem, True))
+    register(_op, backend="cudnn", dtypes=FLOATS, deterministic=False,
+             accumulator="cuDNN's (float32 for half; TF32 for float32 while cudnn.allow_tf32)",
+             name=f"{_op}_cudnn_nondeterministic")(lambda problem: _prepare_torch(problem, False))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels: depthwise convolutions
+# ----------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from ._common import column_sum
+
+    @triton.jit
+    def _dw_forward(X, Wt, B, Y, C, H, W, OH, OW, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w, ws_c, ws_h, ws_w,
+                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+        """y[n, c, oh, ow] = bias[c] + sum over taps (i, j), in order, of x[n, c, oh s - p + i d,
+        ow s - p + j d] * w[c, 0, i, j] (zeros outside x). Programs: (position block, channel block, n)."""
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        n = tl.program_id(2).to(tl.int64)
+        oh, ow = p // OW, p % OW
+        p_ok = p < OH * OW
+        c_ok = c < C
+        x_base = X + n * xs_n + c.to(tl.int64)[None, :] * xs_c
+        acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        for i in tl.static_range(KH):
+            ih = oh * stride_h - pad_h + i * dil_h
+            for j in tl.static_range(KW):
+                iw = ow * stride_w - pad_w + j * dil_w
+                ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                off = ih.to(tl.int64) * xs_h + iw.to(tl.int64) * xs_w
+                xv = tl.load(x_base + off[:, None], mask=ok[:, None] & c_ok[None, :], other=0.0)
+                wv = tl.load(Wt + c * ws_c + i * ws_h + j * ws_w, mask=c_ok, other=0.0)
+                acc += xv.to(ACC) * wv.to(ACC)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(B + c, mask=c_ok, other=0.0).to(ACC)[None, :]
+        y_off = n * ys_n + c.to(tl.int64)[None, :] * ys_c + (oh.to(tl.int64) * ys_h + ow.to(tl.int64) * ys_w)[:, None]
+        tl.store(Y + y_off, acc.to(Y.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _dw_input_grad(DY, Wt, DX, C, H, W, OH, OW, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w, ws_c, ws_h, ws_w,
+                       stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                       KH: tl.constexpr, KW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                       ACC: tl.constexpr):
+        """dx[n, c, h, w] = sum over taps (i, j), in order, of dy[n, c, oh, ow] * w[c, 0, i, j] for
+        the outputs (oh, ow) that read (h, w) through that tap: oh s - p + i d = h. Programs:
+        (input position block, channel block, n); each dx element is written once (no atomics)."""
+        q = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        n = tl.program_id(2).to(tl.int64)
+        h, w = q // W, q % W
+        q_ok = q < H * W
+        c_ok = c < C
+        dy_base = DY + n * ds_n + c.to(tl.int64)[None, :] * ds_c
+        acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+        for i in tl.static_range(KH):
+            th = h + pad_h - i * dil_h
+            th_ok = th >= 0
+            th = tl.where(th_ok, th, 0)
+            oh = th // stride_h
+            h_ok = th_ok & (oh * stride_h == th) & (oh < OH)
+            for j in tl.static_range(KW):
+                tw = w + pad_w - j * dil_w
+                tw_ok = tw >= 0
+                tw = tl.where(tw_ok, tw, 0)
+                ow = tw // stride_w
+                ok = q_ok & h_ok & tw_ok & (ow * stride_w == tw) & (ow < OW)
+                off = oh.to(tl.int64) * ds_h + ow.to(tl.int64) * ds_w
+                dyv = tl.load(dy_base + off[:, None], mask=ok[:, None] & c_ok[None, :], other=0.0)
+                wv = tl.load(Wt + c * ws_c + i * ws_h + j * ws_w, mask=c_ok, other=0.0)
+                acc += dyv.to(ACC) * wv.to(ACC)[None, :]
+        dx_off = n * xs_n + c.to(tl.int64)[None, :] * xs_c + (h.to(tl.int64) * xs_h + w.to(tl.int64) * xs_w)[:, None]
+        tl.store(DX + dx_off, acc.to(DX.dtype.element_ty), mask=q_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _dw_weight_grad(DY, X, PART, C, H, W, OH, OW, total, chunk, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w,
+                        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                        KH: tl.constexpr, KW: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+        """PART[split, c, t] = sum over this program's chunk of the N x OH x OW output positions of
+        dy[n, c, oh, ow] * x[n, c, oh s - p + i d, ow s - p + j d] for tap t = i KW + j < TAPS, and
+        of dy itself for t = TAPS (the bias gradient). Programs: (channel block, split). Fixed
+        order: BLOCK_P positions a step, each tap's products summed over them, the steps added in order."""
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        split = tl.program_id(1)
+        c_ok = c < C
+        start = split * chunk
+        stop = tl.minimum(start + chunk, total)
+        taps = tl.arange(0, BLOCK_T)[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_C], ACC)
+        c_dy = c.to(tl.int64)[None, :] * ds_c
+        c_x = c.to(tl.int64)[None, :] * xs_c
+        for q0 in range(start, stop, BLOCK_P):
+            q = q0 + tl.arange(0, BLOCK_P)
+            q_ok = q < stop
+            n = (q // (OH * OW)).to(tl.int64)
+            p = q % (OH * OW)
+            oh, ow = p // OW, p % OW
+            dy_off = n * ds_n + oh.to(tl.int64) * ds_h + ow.to(tl.int64) * ds_w
+            dyv = tl.load(DY + dy_off[:, None] + c_dy, mask=q_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+            acc += tl.where(taps == TAPS, tl.sum(dyv, 0)[None, :], 0.0)
+            for i in tl.static_range(KH):
+                ih = oh * stride_h - pad_h + i * dil_h
+                for j in tl.static_range(KW):
+                    iw = ow * stride_w - pad_w + j * dil_w
+                    ok = q_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                    x_off = n * xs_n + ih.to(tl.int64) * xs_h + iw.to(tl.int64) * xs_w
+                    xv = tl.load(X + x_off[:, None] + c_x, mask=ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+                    acc += tl.where(taps == i * KW + j, tl.sum(dyv * xv, 0)[None, :], 0.0)
+        row = split.to(tl.int64) * C * (TAPS + 1) + c.to(tl.int64)[None, :] * (TAPS + 1) + taps
+        tl.store(PART + row, acc, mask=(taps <= TAPS) & c_ok[None, :])
+
+
+def _depthwise_tiles(problem: Conv2dProblem) -> tuple[int, int]:
+    h = problem.heuristics
+    c = problem.x_shape[1]
+    block_c = min(h.block_channels, next_pow2(max(c, 1)))
+    return h.block_positions, block_c
+
+
+def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> tuple[int, int]:
+    """(splits, chunk): the N x OH x OW positions split among programs in whole BLOCK_P steps so
+    that channel blocks x splits reach ``programs_per_sm`` per SM."""
+    n, o, oh, ow = problem.out_shape
+    total = n * oh * ow
+    c_blocks = -(-problem.x_shape[1] // block_c)
+    wanted = max(1, sm_count(problem.device) * problem.heuristics.programs_per_sm // c_blocks)
+    steps = -(-total // block_p)
+    splits = max(1, min(wanted, steps))
+    chunk = -(-steps // splits) * block_p
+    return (-(-total // chunk) if total else 1), chunk
+
+
+def _prepare_triton(problem: Conv2dProblem) -> Launch:
+    if not problem.depthwise:
+        raise UnsupportedError(f"trainops.{problem.op}: the triton backend runs depthwise convolutions only (groups = "
+                               f"channels = filters, one input channel a filter); got weight {problem.weight_shape} with "
+                               f"groups {problem.groups} on x {problem.x_shape}; use the cudnn or cpu backend")
+    h = problem.heuristics
+    n, c, height, width = problem.x_shape
+    _, _, kh, kw = problem.weight_shape
+    _, _, oh, ow = problem.out_shape
+    block_p, block_c = _depthwise_tiles(problem)
+    acc = problem.acc_dtype
+    acc_tl = tl.float64 if acc == torch.float64 else tl.float32
+    geometry = (problem.stride[0], problem.stride[1], problem.padding[0], problem.padding[1], problem.dilation[0],
+                problem.dilation[1])
+    meta = dict(KH=kh, KW=kw, BLOCK_P=block_p, BLOCK_C=block_c, ACC=acc_tl, num_warps=h.warps)
+    c_blocks = -(-c // block_c)
+    params = (("BLOCK_P", block_p), ("BLOCK_C", block_c), ("num_warps", h.warps))
+
+    if not problem.backward:
+        forward = launcher(_dw_forward, (max(1, -(-oh * ow // block_p)), c_blocks, max(n, 1)),
+                           HAS_BIAS=problem.bias, **meta)
+
+        def run(tensors, y):
+            x, weight, bias = tensors
+            if y.numel() == 0:
+                return
+            forward(x, weight, bias if bias is not None else weight, y, c, height, width, oh, ow, *x.stride(),
+                    *y.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *geometry)
+
+        return Launch(run, KernelChoice("conv2d_depthwise_triton", "triton", params), acc)
+
+    want_dx, want_dw, want_db = problem.mask
+    input_grad = launcher(_dw_input_grad, (max(1, -(-height * width // block_p)), c_blocks, max(n, 1)), **meta)
+    splits, chunk = _weight_grad_splits(problem, block_p, block_c)
+    taps = kh * kw
+    total = n * oh * ow
+    weight_grad = launcher(_dw_weight_grad, (c_blocks, splits), TAPS=taps, BLOCK_T=next_pow2(taps + 1), **meta)
+    finish = column_sum(splits, c * (taps + 1), h.reduce_block, h.reduce_parts)
+
+    def run(tensors, outputs):
+        dy, x, weight = tensors
+        dx, dw, db = outputs
+        if want_dx and dx.numel():
+            if dy.numel() == 0:
+                dx.zero_()
+            else:
+                input_grad(dy, weight, dx, c, height, width, oh, ow, *dy.stride(), *dx.stride(), weight.stride(0),
+                           weight.stride(2), weight.stride(3), *geometry)
+        if want_dw or want_db:
+            sums = torch.empty((c, taps + 1), dtype=acc, device=dy.device)
+            if total == 0:
+                sums.zero_()
+            else:
+                part = torch.empty((splits, c, taps + 1), dtype=acc, device=dy.device)
+                weight_grad(dy, x, part, c, height, width, oh, ow, total, chunk, *dy.stride(), *x.stride(), *geometry)
+                finish(part, sums)
+            if want_dw:
+                dw.copy_(sums[:, :taps].reshape(dw.shape))
+            if want_db:
+                db.copy_(sums[:, taps])
+
+    params = params + (("splits", splits),)
+    workspace = (splits + 1) * c * (taps + 1) * acc.itemsize
+    return Launch(run, KernelChoice("conv2d_backward_depthwise_triton", "triton", params), acc, workspace_bytes=workspace)
+
+
+if triton_available():
+    for _op in (FORWARD_OP, BACKWARD_OP):
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
+                 name=f"{_op}_depthwise_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: torch.ops.trainops.conv2d / conv2d_backward, with autograd
+# ----------------------------------------------------------------------------------------------
+
+def _layout(x: Tensor) -> tuple[Tensor, bool]:
+    """(x, channels_last): x itself when contiguous or channels-last, else a contiguous copy (a
+    view of other strides; the Triton kernels read strides, torch's pick their own layout: one
+    layout rule for both)."""
+    if x.is_contiguous():
+        return x, False
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return x, True
+    return x.contiguous(), False
+
+
+def _descriptor(op: str, x: Tensor, weight: Tensor, stride, padding, dilation, groups, bias: bool,
+                mask=(False, False, False), channels_last=False):
+    descriptor_type = Conv2dBackwardDescriptor if op == BACKWARD_OP else Conv2dDescriptor
+    return descriptor_type(tuple(x.shape), tuple(weight.shape), x.dtype, x.device, stride=tuple(stride),
+                           padding=tuple(padding), dilation=tuple(dilation), groups=groups, bias=bias, mask=tuple(mask),
+                           channels_last=channels_last,
+                           deterministic=torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
+                           heuristics=heuristics_for(ConvHeuristics))
+
+
+def _conv2d_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
+                 dilation: list[int], groups: int) -> Tensor:
+    x, channels_last = _layout(x)
+    plan = cached_plan(_descriptor(FORWARD_OP, x, weight, stride, padding, dilation, groups, bias is not None,
+                                   channels_last=channels_last))
+    plan.problem.check((x, weight, bias), None)
+    return plan.run_unchecked((x, weight, bias))
+
+
+def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups):
+    problem = _describe(FORWARD_OP, x.shape, weight.shape, x.dtype, x.device, stride=stride, padding=padding,
+                        dilation=dilation, groups=groups, bias=bias is not None,
+                        channels_last=x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+    shape = problem.out_shape
+    strides = channels_last_strides(shape) if problem.channels_last else contiguous_strides4(shape)
+    return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+
+
+def _conv2d_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
+                          dilation: list[int], groups: int, mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    x, channels_last = _layout(x)
+    plan = cached_plan(_descriptor(BACKWARD_OP, x, weight, stride, padding, dilation, groups, mask[2], mask,
+                                   channels_last))
+    plan.problem.check((dy, x, weight), None)
+    return plan.run_unchecked((dy, x, weight))
+
+
+def _conv2d_backward_fake(dy, x, weight, stride, padding, dilation, groups, mask):
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    empty = x.new_empty(0)
+    strides = channels_last_strides(x.shape) if channels_last else contiguous_strides4(x.shape)
+    dx = torch.empty_strided(tuple(x.shape), strides, dtype=x.dtype, device=x.device) if mask[0] else empty
+    dw = weight.new_empty(weight.shape) if mask[1] else x.new_empty(0)
+    db = weight.new_empty((weight.shape[0],)) if mask[2] else x.new_empty(0)
+    return dx, dw, db
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(inputs.x, inputs.weight)
+    ctx.geometry = (list(inputs.stride), list(inputs.padding), list(inputs.dilation), inputs.groups)
+    ctx.has_bias = inputs.bias is not None
+    ctx.heuristics = heuristics_for(ConvHeuristics)   # autograd may run the backward on another thread
+
+
+def _grad(ctx, dy) -> dict:
+    if dy is None:
+        return {}
+    if torch.is_grad_enabled():   # create_graph=True: the backward op records no graph of its own
+        raise UnsupportedError("trainops.conv2d: double backward (create_graph=True) is not supported")
+    x, weight = ctx.saved_tensors
+    mask = [ctx.needs_grad.x, ctx.needs_grad.weight, ctx.has_bias and ctx.needs_grad.bias]
+    if not any(mask):
+        return {}
+    with heuristics(ctx.heuristics):
+        dx, dw, db = conv2d_backward_op(dy, x, weight, *ctx.geometry, mask)
+    names = ("x", "weight", "bias")
+    return {name: g for name, g, wanted in zip(names, (dx, dw, db), mask) if wanted}
+
+
+conv2d_backward_op = custom_op(BACKWARD_OP, _conv2d_backward_impl, _conv2d_backward_fake)
+conv2d_op = custom_op(FORWARD_OP, _conv2d_impl, _conv2d_fake, backward=_grad, save=_save)

@@ -1,0 +1,222 @@
+"""sum_to_shape (broadcast gradients): every backend against float64 torch ``sum_to_size``; the
+shapes broadcasting backwards produce (bias, per-channel, attention bias, scalar), layouts
+(channels-last, transposed, sliced, expanded, too many runs copied), plans forced to split the
+summed elements, empty and length-1 shapes, determinism, autograd, torch.compile, errors."""
+
+import pytest
+import torch
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops import broadcast as B
+from trainops.ops.broadcast import BroadcastSumHeuristics
+from trainops.plan import clear_plan_cache
+
+from numerics import FLOATS, assert_sum_close, stable_seed
+
+# tiny tiles, many programs wanted: the summed elements split among programs (partials added by
+# column_sum), several output blocks, steps that do not divide the summed count
+SPLIT = BroadcastSumHeuristics(tile=16, kept_block=4, programs_per_sm=64, reduce_block=4, reduce_parts=2)
+PLANS = {"default": BroadcastSumHeuristics(), "split": SPLIT}
+
+# (grad shape, target shape): bias of a linear layer, per-channel scale (NCHW and NLC), attention
+# bias over heads, a scalar, a row vector, leading axes only, a middle axis, two kept runs
+SHAPES = [((6, 5, 7), (7,)), ((4, 3, 5, 6), (3, 1, 1)), ((4, 3, 5, 6), (1, 3, 1, 1)), ((2, 3, 4, 4), (2, 1, 4, 4)),
+          ((5, 9), ()), ((5, 9), (5, 1)), ((3, 4, 5), (4, 5)), ((3, 4, 5), (3, 1, 5)), ((2, 3, 4, 5, 6), (3, 1, 5, 1)),
+          ((1, 37), (1,)), ((7,), (1,))]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
+    original = B.SumToShapeProblem.new_output
+    monkeypatch.setattr(B.SumToShapeProblem, "new_output", lambda self: original(self).fill_(float("nan")))
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def _grad(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def _check(out, grad, shape, dtype):
+    """out against float64 torch, held to the summed terms' absolute sums (assert_sum_close); the
+    interpreter truncates float32 -> bfloat16 where the GPU rounds, so a bf16 result there is
+    allowed its one-ulp difference by the tolerance (1e-2) already."""
+    assert out.shape == torch.Size(shape) and out.dtype == dtype and out.is_contiguous()
+    ref = grad.double().cpu().sum_to_size(shape) if shape != () else grad.double().cpu().sum()
+    scale = grad.double().cpu().abs().sum_to_size(shape) if shape != () else grad.double().cpu().abs().sum()
+    assert_sum_close(out, ref.reshape(shape), scale.reshape(shape), dtype, f"{tuple(grad.shape)} -> {shape}")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_matches_float64(backend, device, dtype, plan):
+    gen = torch.Generator().manual_seed(stable_seed(str(dtype), plan))
+    with trainops.heuristics(PLANS[plan]):
+        for grad_shape, shape in SHAPES:
+            grad = _grad(grad_shape, dtype, device, gen)
+            _check(trainops.sum_to_shape(grad, shape), grad, shape, dtype)
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_layouts(backend, device, plan):
+    """channels-last, a transpose, a slice with a step, an expanded grad (stride 0), a permutation
+    that leaves more runs than the kernel walks (copied first): read where they lie."""
+    gen = torch.Generator().manual_seed(stable_seed("layouts", plan))
+    cl = _grad((4, 3, 5, 6), torch.float32, device, gen).to(memory_format=torch.channels_last)
+    transposed = _grad((7, 6, 5), torch.float32, device, gen).transpose(0, 2)
+    sliced = _grad((6, 10, 8), torch.float32, device, gen)[:, 1::3, ::2]
+    expanded = _grad((1, 5, 1), torch.float32, device, gen).expand(4, 5, 3)
+    # eight axes in pairs of one kind whose strides do not merge (each pair swapped): eight runs,
+    # one more than the kernel's seven slots; contiguous, they merge into four
+    base = _grad((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device, gen)
+    swapped = base.permute(1, 0, 3, 2, 5, 4, 7, 6)
+    cases = [(cl, (3, 1, 1)), (cl, (1, 1, 6)), (cl, (4, 1, 1, 6)), (transposed, (6, 1)), (transposed, (5, 1, 1)),
+             (sliced, (4,)), (sliced, (6, 1, 1)), (expanded, (5, 1)), (expanded, (4, 1, 3)),
+             (swapped, (1, 1, 3, 2, 1, 1, 3, 2))]
+    assert B.walk_of(B.runs(swapped.shape, swapped.stride(), B.summed_axes(swapped.shape, cases[-1][1]))) is None
+    with trainops.heuristics(PLANS[plan]):
+        for grad, shape in cases:
+            _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
+
+
+def test_walk_groups_axes_into_runs():
+    """The kernel's view of grad: size-1 axes dropped, mergeable neighbours of one kind merged, runs
+    placed in the slots R0 K0 R1 K1 R2 K2 R3 in order."""
+    summed = B.summed_axes((4, 3, 5, 6), (3, 1, 1))
+    assert summed == (True, False, True, True)
+    assert B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed) == [(True, 4, 90), (False, 3, 30), (True, 30, 1)]
+    walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed))
+    assert walk.summed == ((4, 90), (30, 1), (1, 0), (1, 0)) and walk.kept == ((3, 30), (1, 0), (1, 0))
+    assert walk.inner == "summed" and walk.kept_count == 3 and walk.summed_count == 120
+    # channels-last: C has stride 1, H and W merge behind it
+    walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 1, 18, 3), summed))
+    assert walk.summed == ((4, 90), (30, 3), (1, 0), (1, 0)) and walk.inner == "kept"
+    # two kept runs that do not merge (a transpose): the summed slot between them stays size 1
+    walk = B.walk_of(B.runs((5, 6), (1, 5), (False, False)))
+    assert walk.kept == ((5, 1), (6, 5), (1, 0)) and walk.summed == ((1, 0),) * 4
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_empty_and_length_one(backend, device, plan):
+    gen = torch.Generator().manual_seed(7)
+    with trainops.heuristics(PLANS[plan]):
+        zero_summed = trainops.sum_to_shape(torch.empty(0, 4, device=device), (4,))
+        assert torch.equal(zero_summed, torch.zeros(4, device=device))   # an empty sum is 0, as torch's
+        assert trainops.sum_to_shape(torch.empty(3, 0, device=device), (1, 0)).shape == (1, 0)
+        assert trainops.sum_to_shape(torch.empty(3, 0, device=device), (1, 1)).tolist() == [[0.0]]
+        one = _grad((1, 1), torch.float32, device, gen)
+        assert torch.equal(trainops.sum_to_shape(one, ()), one.reshape(()))
+        x = _grad((5,), torch.float32, device, gen)
+        assert trainops.sum_to_shape(x, (5,)) is x   # nothing summed: grad itself, as torch's sum_to_size
+
+
+def test_huge_and_special_values(backend, device):
+    """inf and NaN propagate as in a float64 sum; float32 values near the top of its range sum as
+    torch's float32 sum does."""
+    x = torch.tensor([[1.0, float("inf")], [2.0, 3.0], [float("nan"), 1.0]], device=device)
+    out = trainops.sum_to_shape(x, (2,))
+    assert out[0].isnan() and out[1] == float("inf")
+    big = torch.full((2, 3), 1e38, device=device)
+    assert torch.equal(trainops.sum_to_shape(big, (3,)), big.sum(0))
+
+
+def test_deterministic(backend, device):
+    gen = torch.Generator().manual_seed(8)
+    grad = _grad((64, 6, 33), torch.float32, device, gen, scale=1e3)
+    with trainops.heuristics(SPLIT):
+        first = trainops.sum_to_shape(grad, (6, 1))
+        for _ in range(3):
+            assert torch.equal(trainops.sum_to_shape(grad, (6, 1)), first)
+
+
+def test_split_plan_splits(backend):
+    """The SPLIT plan reaches the partial sums (more than one split) on these tests' shapes."""
+    problem = trainops.plan("sum_to_shape", grad_shape=(64, 6, 33), dtype=torch.float32,
+                            device="cpu", shape=(6, 1), heuristics=SPLIT).problem
+    assert B.tiles(problem)[3] > 1
+
+
+def test_autograd_and_gradcheck(backend, device):
+    gen = torch.Generator().manual_seed(9)
+    grad = _grad((3, 4, 5), torch.float64, device, gen).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: trainops.sum_to_shape(t, (4, 1)), (grad,))
+    out = trainops.sum_to_shape(grad, (4, 1))
+    dout = _grad((4, 1), torch.float64, device, gen)
+    (dgrad,) = torch.autograd.grad(out, grad, dout)
+    assert torch.equal(dgrad, dout.expand(3, 4, 5))
+
+
+def test_broadcasting_backward_end_to_end(backend, device):
+    """The use it exists for: the gradient of a / b with b broadcast, reduced to b's shape, equals
+    autograd's for b (torch's own sum_to_size inside its DivBackward)."""
+    gen = torch.Generator().manual_seed(10)
+    a = _grad((8, 4, 6), torch.float64, device, gen).requires_grad_()
+    b = (_grad((4, 1), torch.float64, device, gen).abs() + 1).requires_grad_()
+    dy = _grad((8, 4, 6), torch.float64, device, gen)
+    (db,) = torch.autograd.grad(a / b, b, dy)
+    ours = trainops.sum_to_shape(-dy * a.detach() / b.detach() ** 2, b.shape)
+    assert torch.allclose(ours, db, rtol=1e-12, atol=0)
+
+
+def test_compile_fullgraph(backend, device):
+    gen = torch.Generator().manual_seed(11)
+    grad = _grad((6, 4, 5), torch.float32, device, gen).requires_grad_()
+
+    def f(t):
+        return trainops.sum_to_shape(t * 2.0, (4, 1)) + 1.0
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    out = compiled(grad)
+    _check(out - 1.0, grad.detach() * 2.0, (4, 1), torch.float32)
+    (dgrad,) = torch.autograd.grad(out.sum(), grad)
+    assert torch.equal(dgrad, torch.full_like(grad, 2.0))
+
+
+def test_registry_reports_the_kernel(backend, device):
+    with trainops.track_kernels() as used:
+        trainops.sum_to_shape(torch.ones(4, 3, device=device), (3,))
+    assert [k[:3] for k in used] == [("sum_to_shape", backend, f"sum_to_shape_{backend}")]
+
+
+def test_errors(backend, device):
+    x = torch.ones(2, 3, device=device)
+    with pytest.raises(InvalidProblemError, match="shape"):
+        trainops.sum_to_shape(x, (2,))          # right-aligned: 2 against 3
+    with pytest.raises(InvalidProblemError, match="shape"):
+        trainops.sum_to_shape(x, (1, 2, 3))     # more axes than grad
+    with pytest.raises(InvalidProblemError, match="shape"):
+        trainops.sum_to_shape(x, 3)
+    with pytest.raises(InvalidProblemError, match="shape"):
+        trainops.sum_to_shape(x, ("a",))
+    with pytest.raises(InvalidProblemError, match="shape"):
+        trainops.sum_to_shape(x, torch.tensor([3]))
+    with pytest.raises(InvalidProblemError, match="grad"):
+        trainops.sum_to_shape([1.0, 2.0], (1,))
+    with pytest.raises(UnsupportedError, match="grad"):
+        trainops.sum_to_shape(torch.ones(2, 3, dtype=torch.int64, device=device), (3,))
+    # more runs than the kernel walks even when contiguous: said, not silently copied again
+    alternating = torch.ones((2,) * 8, device=device)
+    with pytest.raises(UnsupportedError, match="runs"):
+        trainops.sum_to_shape(alternating, (2, 1) * 4)
+    with pytest.raises(InvalidProblemError, match="heuristics"):
+        with trainops.heuristics(BroadcastSumHeuristics(tile=12)):
+            trainops.sum_to_shape(x, (3,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_real_sizes(dtype):
+    """The shapes of a transformer's and a CNN's broadcasting backwards, at training sizes."""
+    gen = torch.Generator().manual_seed(12)
+    for grad_shape, shape, layout in [((8, 1024, 4096), (4096,), None), ((32, 256, 56, 56), (256, 1, 1), None),
+                                      ((32, 256, 56, 56), (256, 1, 1), torch.channels_last),
+                                      ((8, 32, 1024, 1024), (8, 1, 1024, 1024), None), ((4096, 4096), (4096, 1), None)]:
+        grad = _grad(grad_shape, dtype, "cuda", gen)
+        if layout is not None:
+            grad = grad.to(memory_format=layout)
+        out = trainops.sum_to_shape(grad, shape)
+        _check(out, grad, shape, dtype)
+        assert torch.equal(trainops.sum_to_shape(grad, shape), out)

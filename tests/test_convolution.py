@@ -1,0 +1,329 @@
+"""The convolution registry: conv2d and its backward against float64 torch on every backend (torch's
+kernels on the CPU, Triton's depthwise kernels under the interpreter); geometries (kernel sizes,
+strides, padding, dilation, groups), layouts, plans forced to split the weight gradient, masks
+(frozen weights, inputs without a gradient), empty batches, determinism, the backend choice and
+what the registry reports, the module and patch, gradcheck, torch.compile, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+import trainops
+from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.ops import convolution as conv_ops
+from trainops.ops.convolution import ConvHeuristics
+from trainops.plan import clear_plan_cache
+
+from numerics import FLOATS, assert_sum_close, stable_seed
+
+# tiny tiles and many programs: several position and channel blocks, the weight gradient's
+# positions split among programs (partials added by column_sum), steps that do not divide them
+SPLIT = ConvHeuristics(block_positions=16, block_channels=4, programs_per_sm=8, reduce_block=4, reduce_parts=2)
+PLANS = {"default": ConvHeuristics(), "split": SPLIT}
+
+# (x shape, kernel (KH, KW), stride, padding, dilation): 3x3 and 1x1, 5x3 / 7x7, strided, dilated,
+# padding beyond the dilated kernel's reach, odd sizes
+GEOMETRIES = [((2, 6, 9, 8), (3, 3), 1, 1, 1), ((2, 6, 9, 8), (3, 3), 2, 1, 1), ((1, 4, 7, 10), (5, 3), (2, 1), (2, 1), 1),
+              ((3, 5, 8, 8), (3, 3), 1, 2, 2), ((2, 3, 11, 6), (7, 7), 2, (3, 4), (1, 2)), ((2, 4, 5, 5), (1, 1), 1, 0, 1),
+              ((1, 2, 4, 4), (3, 3), 3, 4, 1)]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
+    original = conv_ops.Conv2dProblem.new_output
+
+    def new_output(self):
+        out = original(self)
+        return out.fill_(float("nan")) if isinstance(out, torch.Tensor) else tuple(t.fill_(float("nan")) for t in out)
+    monkeypatch.setattr(conv_ops.Conv2dProblem, "new_output", new_output)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def _randn(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+
+def _run(x, w, b, dy, **geometry):
+    """(y, dx, dweight, dbias) of trainops.conv2d for the leaves that need a gradient."""
+    x, w = x.detach().clone().requires_grad_(x.requires_grad), w.detach().clone().requires_grad_(w.requires_grad)
+    b = None if b is None else b.detach().clone().requires_grad_(b.requires_grad)
+    y = trainops.conv2d(x, w, b, **geometry)
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(y, leaves, dy) if leaves else ()
+    return y, grads
+
+
+def _check(x, w, b, dy, y, grads, dtype, what, **geometry):
+    """y and each gradient against float64 torch on the CPU, each held to the same sums of absolute
+    values (the convolution of |x| and |w|, and so on: assert_sum_close), since each output element
+    is a sum of products (a weight gradient's over N x OH x OW of them)."""
+    def ref(xx, ww, bb, dd):
+        xr = xx.detach().double().cpu().requires_grad_()
+        wr = ww.detach().double().cpu().requires_grad_()
+        br = None if bb is None else bb.detach().double().cpu().requires_grad_()
+        yr = torch_F.conv2d(xr, wr, br, **geometry)
+        leaves = [r for r, t in ((xr, x), (wr, w), (br, b)) if t is not None and t.requires_grad]
+        return yr, (torch.autograd.grad(yr, leaves, dd.double().cpu()) if leaves else ())
+    yr, gr = ref(x, w, b, dy)
+    ya, ga = ref(x.abs(), w.abs(), None if b is None else b.abs(), dy.abs())
+    assert y.dtype == dtype and y.shape == yr.shape
+    assert_sum_close(y, yr, ya, dtype, f"{what} y")
+    for i, (g, r, a) in enumerate(zip(grads, gr, ga)):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_sum_close(g, r, a, dtype, f"{what} grad {i}")
+
+
+def _case(shape, kernel, groups, dtype, device, gen, bias=True, channels_last=False):
+    n, c, h, w_ = shape
+    out_channels = c if groups == c else 2 * c
+    x = _randn(shape, dtype, device, gen).requires_grad_()
+    if channels_last:
+        x = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+    w = _randn((out_channels, c // groups) + tuple(kernel), dtype, device, gen).requires_grad_()
+    b = _randn((out_channels,), dtype, device, gen).requires_grad_() if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_depthwise_matches_float64(backend, device, plan, channels_last):
+    gen = torch.Generator().manual_seed(stable_seed("depthwise", plan, channels_last))
+    with trainops.heuristics(PLANS[plan]):
+        for shape, kernel, stride, padding, dilation in GEOMETRIES:
+            geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=shape[1])
+            x, w, b = _case(shape, kernel, shape[1], torch.float32, device, gen, channels_last=channels_last)
+            y = trainops.conv2d(x, w, b, **geometry)
+            dy = _randn(y.shape, torch.float32, device, gen)
+            y, grads = _run(x, w, b, dy, **geometry)
+            _check(x, w, b, dy, y, grads, torch.float32, f"{shape} {kernel} s{stride} p{padding} d{dilation}", **geometry)
+            assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            assert grads[0].stride() == x.stride()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dtypes(backend, device, dtype):
+    gen = torch.Generator().manual_seed(stable_seed("dtypes", str(dtype)))
+    shape, kernel, stride, padding, dilation = GEOMETRIES[1]
+    geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=shape[1])
+    x, w, b = _case(shape, kernel, shape[1], dtype, device, gen)
+    dy = _randn(trainops.conv2d(x, w, b, **geometry).shape, dtype, device, gen)
+    y, grads = _run(x, w, b, dy, **geometry)
+    _check(x, w, b, dy, y, grads, dtype, str(dtype), **geometry)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_dense_and_grouped(backend, device, groups):
+    """Convolutions other than depthwise: torch's kernels; the Triton backend refuses them by name."""
+    gen = torch.Generator().manual_seed(stable_seed("grouped", groups))
+    x, w, b = _case((2, 4, 7, 6), (3, 3), groups, torch.float32, device, gen)
+    geometry = dict(stride=(1, 2), padding=1, dilation=1, groups=groups)
+    if backend == "triton":
+        with pytest.raises(UnsupportedError, match="depthwise"):
+            trainops.conv2d(x, w, b, **geometry)
+        return
+    dy = _randn(trainops.conv2d(x, w, b, **geometry).shape, torch.float32, device, gen)
+    y, grads = _run(x, w, b, dy, **geometry)
+    _check(x, w, b, dy, y, grads, torch.float32, f"groups {groups}", **geometry)
+
+
+def test_masks_frozen_weight_and_input_without_gradient(backend, device):
+    """Only the gradients autograd asks for are made (the backward's mask), each right."""
+    gen = torch.Generator().manual_seed(3)
+    geometry = dict(stride=1, padding=1, groups=4)
+    for x_grad, w_grad, bias in ((True, False, True), (False, True, True), (False, False, True), (True, True, False),
+                                 (False, True, False)):
+        x, w, b = _case((2, 4, 5, 6), (3, 3), 4, torch.float32, device, gen, bias=bias)
+        x.requires_grad_(x_grad)
+        w.requires_grad_(w_grad)
+        dy = _randn((2, 4, 5, 6), torch.float32, device, gen)
+        y, grads = _run(x, w, b, dy, **geometry)
+        assert len(grads) == x_grad + w_grad + bias
+        _check(x, w, b, dy, y, grads, torch.float32, f"mask {x_grad, w_grad, bias}", **geometry)
+
+
+def test_layouts_read_or_copied(backend, device):
+    """A non-dense input (a slice) is copied to a contiguous one; an unbatched input works."""
+    gen = torch.Generator().manual_seed(4)
+    wide = _randn((2, 3, 6, 14), torch.float32, device, gen)
+    x = wide[..., ::2].requires_grad_()
+    w = _randn((3, 1, 3, 3), torch.float32, device, gen).requires_grad_()
+    dy = _randn((2, 3, 6, 7), torch.float32, device, gen)
+    y, grads = _run(x, w, None, dy, padding=1, groups=3)
+    _check(x, w, None, dy, y, grads, torch.float32, "sliced", padding=1, groups=3)
+    single = _randn((3, 5, 5), torch.float32, device, gen)
+    y = trainops.conv2d(single, w, None, padding=1, groups=3)
+    assert y.shape == (3, 5, 5)
+    assert torch.allclose(y, torch_F.conv2d(single, w, None, padding=1, groups=3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel,dilation", [((4, 4), 1), ((3, 2), (1, 3)), ((3, 3), 2)])
+def test_padding_same_and_valid(backend, device, kernel, dilation):
+    """'same' (an odd total padding puts the extra row / column at the bottom / right, as torch's)
+    and 'valid', values and gradients."""
+    gen = torch.Generator().manual_seed(stable_seed("same", kernel, dilation))
+    x, w, _ = _case((2, 3, 7, 6), kernel, 3, torch.float64, device, gen, bias=False)
+    for padding in ("same", "valid"):
+        y = trainops.conv2d(x, w, None, padding=padding, dilation=dilation, groups=3)
+        ref = torch_F.conv2d(x.detach().cpu(), w.detach().cpu(), None, padding=padding, dilation=dilation, groups=3)
+        assert y.shape == ref.shape and torch.allclose(y.cpu(), ref, rtol=1e-12, atol=1e-12), padding
+        dy = _randn(y.shape, torch.float64, device, gen)
+        ours = torch.autograd.grad(y, (x, w), dy)
+        xr, wr = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()
+        theirs = torch.autograd.grad(torch_F.conv2d(xr, wr, None, padding=padding, dilation=dilation, groups=3),
+                                     (xr, wr), dy.cpu())
+        for a, r in zip(ours, theirs):
+            assert torch.allclose(a.cpu(), r, rtol=1e-12, atol=1e-12), padding
+
+
+def test_empty_batch(backend, device):
+    """N = 0: an empty output, and zero weight and bias gradients (sums of nothing), as torch's."""
+    x = torch.empty(0, 3, 5, 5, device=device, requires_grad=True)
+    w = torch.ones(3, 1, 3, 3, device=device, requires_grad=True)
+    b = torch.ones(3, device=device, requires_grad=True)
+    y = trainops.conv2d(x, w, b, padding=1, groups=3)
+    assert y.shape == (0, 3, 5, 5)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), torch.empty_like(y))
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+def test_deterministic_weight_gradient(backend, device):
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = _case((2, 6, 7, 7), (3, 3), 6, torch.float32, device, gen)
+    dy = _randn((2, 6, 7, 7), torch.float32, device, gen) * 1e3
+    with trainops.heuristics(SPLIT):
+        first = _run(x, w, b, dy, padding=1, groups=6)[1]
+        again = _run(x, w, b, dy, padding=1, groups=6)[1]
+    assert all(torch.equal(a, f) for a, f in zip(again, first))
+
+
+def test_split_plan_splits():
+    """The SPLIT plan splits the weight gradient's positions among programs on these tests' shapes."""
+    for shape in ((2, 6, 7, 7), (2, 6, 9, 8)):
+        problem = trainops.plan("conv2d_backward", x_shape=shape, weight_shape=(6, 1, 3, 3), dtype=torch.float32,
+                                device="cpu", padding=1, groups=6, heuristics=SPLIT).problem
+        assert conv_ops._weight_grad_splits(problem, *conv_ops._depthwise_tiles(problem))[0] > 1
+
+
+def test_backend_choice_and_report():
+    """On CUDA the registry picks cuDNN (Triton's kernels are not yet measured against it): the
+    deterministic kernel under torch's deterministic switch, else cuDNN's own choice; a pinned
+    backend wins. Planning needs no GPU."""
+    desc = dict(x_shape=(8, 32, 56, 56), weight_shape=(32, 1, 3, 3), dtype=torch.float16, device="cuda", padding=1,
+                groups=32)
+    assert trainops.plan("conv2d", **desc, deterministic=False).kernel.name == "conv2d_cudnn_nondeterministic"
+    assert trainops.plan("conv2d", **desc, deterministic=True).kernel.name == "conv2d_cudnn"
+    assert trainops.plan("conv2d_backward", **desc, deterministic=True).info.backend == "cudnn"
+    with trainops.backend("triton"):
+        if trainops.registry.triton_available():
+            assert trainops.plan("conv2d", **desc).kernel.name == "conv2d_depthwise_triton"
+    with trainops.backend("cudnn"):
+        with pytest.raises(UnsupportedError, match="cudnn"):
+            trainops.plan("conv2d", **{**desc, "device": "cpu"})
+    rows = [(k.op, k.backend, k.deterministic) for k in trainops.kernels() if k.op.startswith("conv2d")]
+    assert ("conv2d", "cudnn", True) in rows and ("conv2d", "cudnn", False) in rows and ("conv2d", "cpu", True) in rows
+
+
+def test_registry_reports_the_kernels(backend, device):
+    x = torch.ones(1, 2, 4, 4, device=device, requires_grad=True)
+    w = torch.ones(2, 1, 3, 3, device=device, requires_grad=True)
+    with trainops.track_kernels() as used:
+        trainops.conv2d(x, w, padding=1, groups=2).sum().backward()
+    suffix = "depthwise_triton" if backend == "triton" else "cpu"
+    assert sorted(k[:3] for k in used) == [("conv2d", backend, f"conv2d_{suffix}"),
+                                           ("conv2d_backward", backend, f"conv2d_backward_{suffix}")]
+
+
+def test_gradcheck(backend, device):
+    gen = torch.Generator().manual_seed(6)
+    x, w, b = _case((1, 2, 5, 4), (3, 2), 2, torch.float64, device, gen)
+    assert torch.autograd.gradcheck(lambda *t: trainops.conv2d(*t, stride=(2, 1), padding=1, groups=2), (x, w, b))
+
+
+def test_compile_fullgraph(backend, device):
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = _case((2, 3, 6, 6), (3, 3), 3, torch.float32, device, gen)
+
+    def f(x, w, b):
+        return torch.relu(trainops.conv2d(x * 2.0, w, b, padding=1, groups=3))
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    y = compiled(x, w, b)
+    dy = _randn(y.shape, torch.float32, device, gen)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    xr, wr, br = (t.detach().double().cpu().requires_grad_() for t in (x, w, b))
+    yr = torch.relu(torch_F.conv2d(xr * 2.0, wr, br, padding=1, groups=3))
+    ref = torch.autograd.grad(yr, (xr, wr, br), dy.double().cpu())
+    assert torch.allclose(y.double().cpu(), yr, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref):
+        assert torch.allclose(g.double().cpu(), r, rtol=1e-4, atol=1e-4)
+
+
+def test_module_and_patch(backend, device):
+    """trainops.nn.Conv2d is torch's module (state dict, padding modes) on the registry; patch swaps
+    Conv2d only when asked."""
+    torch.manual_seed(8)
+    for mode in ("zeros", "reflect", "circular"):
+        ref = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, padding_mode=mode).to(device)
+        ours = trainops.nn.Conv2d(4, 4, 3, padding=1, groups=4, padding_mode=mode).to(device)
+        ours.load_state_dict(ref.state_dict())
+        assert ours.state_dict().keys() == ref.state_dict().keys()
+        x = torch.randn(2, 4, 6, 5, device=device)
+        assert torch.allclose(ours(x), ref(x), rtol=1e-5, atol=1e-5), mode
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, groups=3), torch.nn.ReLU())
+    assert not any("Conv2d" in row[1] for row in trainops.patch(model).swapped)
+    report = trainops.patch(model, convolution=True)
+    assert [row[1:] for row in report.swapped] == [("torch.nn.Conv2d", "trainops.nn.Conv2d")]
+    assert type(model[0]) is trainops.nn.Conv2d
+    with pytest.raises(InvalidProblemError, match="convolution"):
+        trainops.patch(model, convolution="yes")
+
+
+def test_errors(backend, device):
+    x = torch.ones(2, 4, 5, 5, device=device)
+    w = torch.ones(4, 1, 3, 3, device=device)
+    cases = [(dict(weight=torch.ones(4, 2, 3, 3, device=device), groups=4), InvalidProblemError, "weight_shape"),
+             (dict(groups=3), InvalidProblemError, "groups"),
+             (dict(weight=torch.ones(4, 1, 9, 9, device=device), groups=4), InvalidProblemError, "kernel"),
+             (dict(groups=4, stride=0), InvalidProblemError, "stride"),
+             (dict(groups=4, padding=-1), InvalidProblemError, "padding"),
+             (dict(groups=4, padding="full"), InvalidProblemError, "padding"),
+             (dict(groups=4, padding="same", stride=2), InvalidProblemError, "padding"),
+             (dict(groups=4, dilation=(1, 2, 3)), InvalidProblemError, "dilation"),
+             (dict(weight=torch.ones(4, 1, 3, 3, dtype=torch.float64, device=device), groups=4), InvalidProblemError,
+              "weight"),
+             (dict(bias=torch.ones(3, device=device), groups=4), InvalidProblemError, "bias"),
+             (dict(input=torch.ones(4, 5, 5, 5, 5, device=device), groups=4), InvalidProblemError, "input"),
+             (dict(input=torch.ones(2, 4, 5, 5, dtype=torch.int32, device=device), groups=4), UnsupportedError, "input")]
+    for overrides, error, says in cases:
+        args = dict(input=x, weight=w, bias=None, stride=1, padding=0, dilation=1, groups=1, **{})
+        args.update(overrides)
+        with pytest.raises(error, match=says):
+            trainops.conv2d(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_real_sizes(dtype):
+    """MobileNet / ConvNeXt depthwise layers at training sizes on each backend, and a ResNet 3x3
+    on cuDNN, against float64 (TF32 off for the float32 cuDNN rows)."""
+    gen = torch.Generator().manual_seed(9)
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for shape, kernel, stride, groups, channels_last in [((32, 144, 56, 56), (3, 3), 1, 144, True),
+                                                             ((32, 240, 28, 28), (5, 5), 2, 240, True),
+                                                             ((16, 384, 28, 28), (7, 7), 1, 384, False),
+                                                             ((32, 64, 56, 56), (3, 3), 1, 1, True)]:
+            for backend in (("cudnn", "triton") if groups == shape[1] else ("cudnn",)):
+                x, w, b = _case(shape, kernel, groups, dtype, "cuda", gen, channels_last=channels_last)
+                geometry = dict(stride=stride, padding=kernel[0] // 2, groups=groups)
+                with trainops.backend(backend):
+                    y = trainops.conv2d(x, w, b, **geometry)
+                    dy = _randn(y.shape, dtype, "cuda", gen)
+                    y, grads = _run(x, w, b, dy, **geometry)
+                _check(x, w, b, dy, y, grads, dtype, f"{backend} {shape} {kernel}", **geometry)
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
