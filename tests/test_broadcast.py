@@ -69,34 +69,37 @@ def test_layouts(backend, device, plan):
     transposed = _grad((7, 6, 5), torch.float32, device, gen).transpose(0, 2)
     sliced = _grad((6, 10, 8), torch.float32, device, gen)[:, 1::3, ::2]
     expanded = _grad((1, 5, 1), torch.float32, device, gen).expand(4, 5, 3)
-    # eight axes in pairs of one kind whose strides do not merge (each pair swapped): eight runs,
-    # one more than the kernel's seven slots; contiguous, they merge into four
-    base = _grad((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device, gen)
-    swapped = base.permute(1, 0, 3, 2, 5, 4, 7, 6)
+    # six summed axes in pairs whose strides do not merge (each pair swapped): six summed runs, two
+    # more than the kernel's four slots; contiguous, they merge into one (copied first)
+    swapped = _grad((2, 3, 2, 3, 2, 3), torch.float32, device, gen).permute(1, 0, 3, 2, 5, 4)
+    # rank 7, kept and summed axes alternating from a kept one: four kept runs, three summed
+    alternating = _grad((2, 3, 2, 3, 2, 3, 2), torch.float32, device, gen)
     cases = [(cl, (3, 1, 1)), (cl, (1, 1, 6)), (cl, (4, 1, 1, 6)), (transposed, (6, 1)), (transposed, (5, 1, 1)),
              (sliced, (4,)), (sliced, (6, 1, 1)), (expanded, (5, 1)), (expanded, (4, 1, 3)),
-             (swapped, (1, 1, 3, 2, 1, 1, 3, 2))]
-    assert B.walk_of(B.runs(swapped.shape, swapped.stride(), B.summed_axes(swapped.shape, cases[-1][1]))) is None
+             (swapped, (1, 1, 1, 1, 1, 1)), (swapped, ()), (alternating, (2, 1, 2, 1, 2, 1, 2))]
+    assert B.walk_of(B.runs(swapped.shape, swapped.stride(), B.summed_axes(swapped.shape, ()))) is None
     with trainops.heuristics(PLANS[plan]):
         for grad, shape in cases:
             _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
 
 
 def test_walk_groups_axes_into_runs():
-    """The kernel's view of grad: size-1 axes dropped, mergeable neighbours of one kind merged, runs
-    placed in the slots R0 K0 R1 K1 R2 K2 R3 in order."""
+    """The kernel's view of grad: size-1 axes dropped, mergeable neighbours of one kind merged,
+    summed runs in R0..R3 and kept runs in K0..K3, each kind in order."""
     summed = B.summed_axes((4, 3, 5, 6), (3, 1, 1))
     assert summed == (True, False, True, True)
     assert B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed) == [(True, 4, 90), (False, 3, 30), (True, 30, 1)]
     walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed))
-    assert walk.summed == ((4, 90), (30, 1), (1, 0), (1, 0)) and walk.kept == ((3, 30), (1, 0), (1, 0))
+    assert walk.summed == ((4, 90), (30, 1), (1, 0), (1, 0)) and walk.kept == ((3, 30), (1, 0), (1, 0), (1, 0))
     assert walk.inner == "summed" and walk.kept_count == 3 and walk.summed_count == 120
     # channels-last: C has stride 1, H and W merge behind it
     walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 1, 18, 3), summed))
     assert walk.summed == ((4, 90), (30, 3), (1, 0), (1, 0)) and walk.inner == "kept"
-    # two kept runs that do not merge (a transpose): the summed slot between them stays size 1
+    # two kept runs that do not merge (a transpose)
     walk = B.walk_of(B.runs((5, 6), (1, 5), (False, False)))
-    assert walk.kept == ((5, 1), (6, 5), (1, 0)) and walk.summed == ((1, 0),) * 4
+    assert walk.kept == ((5, 1), (6, 5), (1, 0), (1, 0)) and walk.summed == ((1, 0),) * 4
+    # five runs of one kind: more than the slots
+    assert B.walk_of([(True, 2, 1)] * 5) is None and B.walk_of([(False, 2, 1)] * 5) is None
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -175,6 +178,20 @@ def test_compile_fullgraph(backend, device):
     assert torch.equal(dgrad, torch.full_like(grad, 2.0))
 
 
+def test_compile_dynamic_shapes(backend, device):
+    """Under torch.compile with symbolic sizes (a recompile for a second shape, or dynamic=True) the
+    shape check decides on symbols, as torch's sum_to_size does."""
+    def f(t, b):
+        return trainops.sum_to_shape(t * b, b.shape)
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+        for cols in (8, 10, 13):
+            t, b = torch.randn(4, cols, device=device), torch.randn(cols, device=device)
+            _check(compiled(t, b), t * b, (cols,), torch.float32)
+
+
 def test_registry_reports_the_kernel(backend, device):
     with trainops.track_kernels() as used:
         trainops.sum_to_shape(torch.ones(4, 3, device=device), (3,))
@@ -197,13 +214,22 @@ def test_errors(backend, device):
         trainops.sum_to_shape([1.0, 2.0], (1,))
     with pytest.raises(UnsupportedError, match="grad"):
         trainops.sum_to_shape(torch.ones(2, 3, dtype=torch.int64, device=device), (3,))
-    # more runs than the kernel walks even when contiguous: said, not silently copied again
-    alternating = torch.ones((2,) * 8, device=device)
-    with pytest.raises(UnsupportedError, match="runs"):
-        trainops.sum_to_shape(alternating, (2, 1) * 4)
-    with pytest.raises(InvalidProblemError, match="heuristics"):
-        with trainops.heuristics(BroadcastSumHeuristics(tile=12)):
-            trainops.sum_to_shape(x, (3,))
+    for bad in (BroadcastSumHeuristics(tile=12), BroadcastSumHeuristics(reduce_block=48),
+                BroadcastSumHeuristics(programs_per_sm=0)):
+        with pytest.raises(InvalidProblemError, match="heuristics"):
+            with trainops.heuristics(bad):
+                trainops.sum_to_shape(x, (3,))
+
+
+def test_more_runs_than_the_kernel_walks(backend, device):
+    """Rank 10, kept and summed axes alternating: five runs of each kind even when contiguous. The
+    Triton backend says so by name (no silent fallback); the CPU backend takes it."""
+    alternating = torch.randn((2,) * 10, device=device)
+    if backend == "triton":
+        with pytest.raises(UnsupportedError, match="runs"):
+            trainops.sum_to_shape(alternating, (2, 1) * 5)
+    else:
+        _check(trainops.sum_to_shape(alternating, (2, 1) * 5), alternating, (2, 1) * 5, torch.float32)
 
 
 @pytest.mark.gpu

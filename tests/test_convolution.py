@@ -178,6 +178,54 @@ def test_padding_same_and_valid(backend, device, kernel, dilation):
             assert torch.allclose(a.cpu(), r, rtol=1e-12, atol=1e-12), padding
 
 
+def test_memory_formats_follow_torch(backend, device):
+    """y and dx channels-last when x or the weight is, dweight in the weight's format, as torch's
+    convolution gives them (torch.compile's fakes declare the same)."""
+    gen = torch.Generator().manual_seed(12)
+    for x_cl, w_cl in ((True, False), (False, True), (True, True), (False, False)):
+        x, w, b = _case((2, 4, 5, 6), (3, 3), 4, torch.float32, device, gen, channels_last=x_cl)
+        if w_cl:
+            w = w.detach().to(memory_format=torch.channels_last).requires_grad_()
+        y, (dx, dw, db) = _run(x, w, b, _randn((2, 4, 5, 6), torch.float32, device, gen), padding=1, groups=4)
+        xr, wr = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()
+        yr = torch_F.conv2d(xr, wr, None, padding=1, groups=4)
+        dxr, dwr = torch.autograd.grad(yr, (xr, wr), torch.ones_like(yr))
+        cl = x_cl or w_cl
+        y_format, w_format = (torch.channels_last if f else torch.contiguous_format for f in (cl, w_cl))
+        assert y.stride() == yr.stride() == dx.stride() == dxr.stride(), (x_cl, w_cl)
+        assert y.is_contiguous(memory_format=y_format) and dw.is_contiguous(memory_format=w_format), (x_cl, w_cl)
+
+
+def test_strided_bias(backend, device):
+    """A bias that is a view with a step is read as its values (copied to a dense one first)."""
+    gen = torch.Generator().manual_seed(13)
+    x, w, _ = _case((2, 4, 5, 6), (3, 3), 4, torch.float32, device, gen)
+    b = _randn((8,), torch.float32, device, gen)[::2].requires_grad_()
+    dy = _randn((2, 4, 5, 6), torch.float32, device, gen)
+    y, grads = _run(x, w, b, dy, padding=1, groups=4)
+    _check(x, w, b, dy, y, grads, torch.float32, "strided bias", padding=1, groups=4)
+
+
+def test_autocast(backend, device):
+    """Under torch.autocast the convolution runs in autocast's dtype, as torch's does (a float32
+    weight meeting a bf16 activation is cast, not refused)."""
+    gen = torch.Generator().manual_seed(14)
+    torch.manual_seed(14)
+    ours = trainops.nn.Conv2d(4, 4, 3, padding=1, groups=4).to(device)
+    ref = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4).to(device)
+    ref.load_state_dict(ours.state_dict())
+    x = _randn((2, 4, 6, 5), torch.float32, device, gen)
+    with torch.autocast(device.type if isinstance(device, torch.device) else torch.device(device).type,
+                        dtype=torch.bfloat16):
+        y = ours(x)
+        y2 = ours(y)                        # a bf16 activation into a float32 weight
+        yr = ref(x)
+    assert y.dtype == yr.dtype == torch.bfloat16 and y2.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), yr.float(), rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    assert ours.weight.grad.dtype == torch.float32
+
+
 def test_empty_batch(backend, device):
     """N = 0: an empty output, and zero weight and bias gradients (sums of nothing), as torch's."""
     x = torch.empty(0, 3, 5, 5, device=device, requires_grad=True)
@@ -242,6 +290,44 @@ def test_gradcheck(backend, device):
     assert torch.autograd.gradcheck(lambda *t: trainops.conv2d(*t, stride=(2, 1), padding=1, groups=2), (x, w, b))
 
 
+def test_compile_channels_last_model(backend, device):
+    """The usual recipe: a patched model moved to channels-last, compiled, trained: the fakes declare
+    the formats the kernels return."""
+    torch.manual_seed(15)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)).to(device)
+    reference = torch.nn.Sequential(*(m for m in [torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), torch.nn.ReLU(),
+                                                  torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)])).to(device)
+    reference.load_state_dict(model.state_dict())
+    trainops.patch(model, convolution=True)
+    model, reference = (m.to(memory_format=torch.channels_last) for m in (model, reference))
+    x = torch.randn(2, 4, 6, 6, device=device).to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    compiled(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_fakes_match_the_kernels_in_every_format(backend, device):
+    """opcheck (schema, fake tensors against the real outputs' shapes and strides) of both ops with
+    channels-last inputs and weights, depthwise (every backend) and dense (torch's kernels)."""
+    gen = torch.Generator().manual_seed(16)
+    groups_cases = (3,) if backend == "triton" else (3, 1)
+    for groups in groups_cases:
+        for x_cl, w_cl in ((True, False), (False, True), (True, True)):
+            x = _randn((2, 3, 5, 4), torch.float32, device, gen)
+            w = _randn((3, 3 // groups, 3, 3), torch.float32, device, gen)
+            x = x.to(memory_format=torch.channels_last) if x_cl else x
+            w = w.to(memory_format=torch.channels_last) if w_cl else w
+            args = (x, w, None, [1, 1], [1, 1], [1, 1], groups)
+            torch.library.opcheck(torch.ops.trainops.conv2d.default, args, test_utils=("test_schema", "test_faketensor"))
+            dy = torch.ops.trainops.conv2d.default(*args)
+            torch.library.opcheck(torch.ops.trainops.conv2d_backward.default,
+                                  (dy, x, w, [1, 1], [1, 1], [1, 1], groups, [True, True, False]),
+                                  test_utils=("test_schema", "test_faketensor"))
+
+
 def test_compile_fullgraph(backend, device):
     gen = torch.Generator().manual_seed(7)
     x, w, b = _case((2, 3, 6, 6), (3, 3), 3, torch.float32, device, gen)
@@ -297,6 +383,9 @@ def test_errors(backend, device):
              (dict(bias=torch.ones(3, device=device), groups=4), InvalidProblemError, "bias"),
              (dict(input=torch.ones(4, 5, 5, 5, 5, device=device), groups=4), InvalidProblemError, "input"),
              (dict(input=torch.ones(2, 4, 5, 5, dtype=torch.int32, device=device), groups=4), UnsupportedError, "input")]
+    for bad in (ConvHeuristics(block_positions=12), ConvHeuristics(reduce_block=48), ConvHeuristics(programs_per_sm=0)):
+        with trainops.heuristics(bad), pytest.raises(InvalidProblemError, match="heuristics"):
+            trainops.conv2d(x, w, None, groups=4)
     for overrides, error, says in cases:
         args = dict(input=x, weight=w, bias=None, stride=1, padding=0, dilation=1, groups=1, **{})
         args.update(overrides)

@@ -872,9 +872,11 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
     the CPU; ``trainops.track_kernels`` names the kernel that ran.
 
     input: (N, C, H, W) or unbatched (C, H, W); weight: (O, C / groups, KH, KW); bias: (O,) or None;
-    all of one dtype (float32, float16, bfloat16, float64). stride, dilation: int or pair (>= 1);
+    all of one dtype (float32, float16, bfloat16, float64; under torch.autocast each is cast to its
+    dtype but float64 ones, as torch's convolution). stride, dilation: int or pair (>= 1);
     padding: int, pair (>= 0), "valid" or "same" (stride 1; an odd total padding puts the extra
-    row / column at the bottom / right, as torch's). Returns (N, O, OH, OW) in input's memory format.
+    row / column at the bottom / right, as torch's). Returns (N, O, OH, OW), channels-last when the
+    input or the weight is (as torch's).
     Errors: InvalidProblemError naming the argument (shapes, groups, geometry), UnsupportedError
     for another dtype.
     """
@@ -891,6 +893,10 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
                              f"{tuple(weight.shape)}")
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
+    if torch.is_autocast_enabled(x.device.type):   # as torch's autocast casts a convolution's tensors
+        autocast_dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = (t if t is None or t.dtype == torch.float64 else t.to(autocast_dtype)
+                           for t in (x, weight, bias))
     stride = convolution_ops.pair(op, "stride", stride, 1)
     dilation = convolution_ops.pair(op, "dilation", dilation, 1)
     if isinstance(padding, str):

@@ -47,7 +47,7 @@ class CustomOp:
 
     def __init__(self, name: str, impl: Callable, fake: Callable, backward: Callable | None = None,
                  save: Callable | None = None, mutates_args: tuple[str, ...] = (),
-                 inline_triton: bool | Callable = False):
+                 inline_triton: bool | Callable = False, tags: tuple = ()):
         if (backward is None) != (save is None):
             raise TypeError(f"trainops.library.custom_op({name!r}): pass both backward and save, or neither")
         params = list(inspect.signature(impl).parameters.values())
@@ -61,7 +61,7 @@ class CustomOp:
         self._defaults = tuple(p.default for p in params)
         self._required = sum(p.default is inspect.Parameter.empty for p in params)
         self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
-        self.op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args)
+        self.op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args, tags=tags)
         self.op.register_fake(fake)
         # impl as the CPU and CUDA kernels themselves: the dispatcher then calls it directly instead of
         # through custom_op's backend wrapper, which took 155 us of host time a call inside a
@@ -150,7 +150,7 @@ def _symbolic(t: Tensor) -> bool:
 
 def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable | None = None,
               save: Callable | None = None, mutates_args: tuple[str, ...] = (),
-              inline_triton: bool | Callable = False) -> CustomOp:
+              inline_triton: bool | Callable = False, tags: tuple = ()) -> CustomOp:
     """Declare ``torch.ops.trainops.<name>`` (see the module docstring).
 
     impl(*args): the op (annotated arguments: the schema). fake(*args): outputs of the right
@@ -162,9 +162,10 @@ def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable |
     no data-dependent Python), launch through trainops.launch.launcher, and never pass one output
     tensor for two pointer arguments; a callable ``inline_triton(arguments)`` (the call's
     arguments by name) decides per call. Calls with a CPU tensor among their arguments (a dropout
-    seed) stay whole.
+    seed) stay whole. tags: torch.Tag values of the op (``needs_exact_strides`` where the outputs'
+    layout follows the inputs' strides, so that Inductor passes the inputs as traced).
     """
-    return CustomOp(name, impl, fake, backward, save, mutates_args, inline_triton)
+    return CustomOp(name, impl, fake, backward, save, mutates_args, inline_triton, tags)
 
 
 __all__ = ["CustomOp", "custom_op"]

@@ -14,10 +14,11 @@ and plan; a plan of other tiles or another GPU's SM count may round differently)
 reduction writes zeros. The backward of out with respect to grad is ``dout.expand(grad.shape)``.
 
 Layout: grad is read in place in any strides. Its axes (size-1 axes dropped) are grouped into runs
-of summed and kept axes, adjacent axes of a run merged where their strides allow; the kernel walks
-up to four summed runs and three kept runs (R0 K0 R1 K1 R2 K2 R3), which covers every tensor of
-rank 7 or less. A grad of more runs is copied to a contiguous tensor first (one more read and write
-of it) and, if that still has more, raises UnsupportedError.
+of summed and kept axes, adjacent axes of a run merged where their strides allow; the Triton kernel
+walks up to four summed and four kept runs (each kind numbered in its own order: the summed index
+and the output index are independent), which covers every tensor of rank 8 or less. A grad of more
+runs is copied to a contiguous tensor first (one more read and write of it) and, if that still has
+more, the Triton backend raises UnsupportedError (the CPU backend takes any).
 
 Bytes (the fewest the op must move): grad read once, out written once. Triton plan
 (``BroadcastSumHeuristics``): a program owns a block of outputs and walks a share of the summed
@@ -40,12 +41,12 @@ from ..launch import launcher
 from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
-                        triton_available)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
+                        register_op, sm_count, triton_available)
 from ._common import contiguous_strides, float_dtype
 
 OP = "sum_to_shape"
-SUMMED_RUNS, KEPT_RUNS = 4, 3   # the kernel's walk: R0 K0 R1 K1 R2 K2 R3
+SUMMED_RUNS, KEPT_RUNS = 4, 4   # the Triton kernel's slots: R0..R3 and K0..K3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ SUMMED_RUNS, KEPT_RUNS = 4, 3   # the kernel's walk: R0 K0 R1 K1 R2 K2 R3
 
 @dataclass(frozen=True)
 class BroadcastSumHeuristics:
-    """The sum_to_shape kernels' tunables (trainops.heuristics(...) overrides them).
+    """The sum_to_shape Triton kernels' tunables (trainops.heuristics(...) overrides them).
 
     tile: elements of one (summed, kept) tile a program adds per step; kept_block: outputs a program
     owns when the kept axis has stride 1 (the rest of the tile walks summed elements), or when the
@@ -74,9 +75,8 @@ class BroadcastSumHeuristics:
 
 @dataclass(frozen=True)
 class Walk:
-    """grad's axes as the kernel walks them: sizes and strides of the summed runs R0..R3 and the
-    kept runs K0..K2 (absent runs: size 1, stride 0), and which axis has stride 1 (``inner``:
-    "kept", "summed" or None)."""
+    """grad's axes as the Triton kernel walks them: sizes and strides of the summed runs R0..R3 and
+    the kept runs K0..K3, each kind outermost first (absent runs: size 1, stride 0)."""
 
     summed: tuple[tuple[int, int], ...]
     kept: tuple[tuple[int, int], ...]
@@ -126,18 +126,13 @@ def runs(grad_shape: Sequence[int], strides: Sequence[int], summed: Sequence[boo
 
 
 def walk_of(grad_runs: Sequence[tuple[bool, int, int]]) -> Walk | None:
-    """The runs placed in order in the kernel's slots R0 K0 R1 K1 R2 K2 R3 (a run takes the next
-    slot of its kind; skipped slots stay size 1), or None when they need more slots."""
-    slots: list[tuple[int, int]] = [(1, 0)] * (SUMMED_RUNS + KEPT_RUNS)   # even indices summed, odd kept
-    at = 0
-    for is_summed, size, stride in grad_runs:
-        if (at % 2 == 0) != is_summed:
-            at += 1
-        if at >= len(slots):
-            return None
-        slots[at] = (size, stride)
-        at += 1
-    return Walk(tuple(slots[0::2]), tuple(slots[1::2]))
+    """The runs in the kernel's slots, summed runs in R0..R3 and kept runs in K0..K3, each kind in
+    its order (outermost first; unused slots size 1), or None when a kind has more runs than slots."""
+    summed = [(size, stride) for is_summed, size, stride in grad_runs if is_summed]
+    kept = [(size, stride) for is_summed, size, stride in grad_runs if not is_summed]
+    if len(summed) > SUMMED_RUNS or len(kept) > KEPT_RUNS:
+        return None
+    return Walk(tuple(summed + [(1, 0)] * (SUMMED_RUNS - len(summed))), tuple(kept + [(1, 0)] * (KEPT_RUNS - len(kept))))
 
 
 @dataclass(frozen=True)
@@ -152,7 +147,7 @@ class SumToShapeProblem:
     dtype: torch.dtype
     device: torch.device
     heuristics: BroadcastSumHeuristics
-    walk: Walk
+    walk: Walk | None   # None: more runs than the Triton kernel's slots (the CPU backend needs none)
     index_dtype = None
 
     @property
@@ -177,7 +172,8 @@ def check_expandable(op: str, grad_shape: Sequence[int], shape) -> tuple[int, ..
     shape = checked_shape(op, "shape", shape)
     grad_shape = tuple(grad_shape)
     lead = len(grad_shape) - len(shape)
-    if lead < 0 or any(s not in (1, g) for s, g in zip(shape, grad_shape[lead:])):
+    # == (not "in"): sizes may be torch.compile's symbols, which a membership test cannot decide
+    if lead < 0 or any(not (s == 1 or s == g) for s, g in zip(shape, grad_shape[lead:])):
         raise argument_error(InvalidProblemError, op, "shape", f"{shape} is not expandable to grad's shape {grad_shape}")
     return shape
 
@@ -210,15 +206,12 @@ def _describe(grad_shape, dtype, device="cuda", *, strides=None, shape=None, heu
     elif not isinstance(heuristics, BroadcastSumHeuristics):
         raise argument_error(InvalidProblemError, OP, "heuristics",
                              f"must be a BroadcastSumHeuristics, got {type(heuristics).__name__}")
-    if min(heuristics.tile, heuristics.kept_block) < 1 or heuristics.tile & (heuristics.tile - 1) \
-            or heuristics.kept_block & (heuristics.kept_block - 1) or heuristics.kept_block > heuristics.tile:
-        raise argument_error(InvalidProblemError, OP, "heuristics", "tile and kept_block must be powers of two, "
-                             f"kept_block <= tile; got {heuristics.tile}, {heuristics.kept_block}")
+    powers = {name: getattr(heuristics, name) for name in ("tile", "kept_block", "warps", "reduce_block")}
+    if any(v < 1 or v & (v - 1) for v in powers.values()) or heuristics.kept_block > heuristics.tile \
+            or heuristics.programs_per_sm < 1 or heuristics.reduce_parts < 1:
+        raise argument_error(InvalidProblemError, OP, "heuristics", f"{powers} must be powers of two (kept_block <= "
+                             f"tile), programs_per_sm and reduce_parts >= 1; got {heuristics}")
     walk = walk_of(runs(grad_shape, strides, summed_axes(grad_shape, shape)))
-    if walk is None:
-        raise argument_error(UnsupportedError, OP, "strides",
-                             f"grad of shape {grad_shape} and strides {strides} does not walk as "
-                             f"{SUMMED_RUNS} summed and {KEPT_RUNS} kept runs; copy it first (the custom op does)")
     return SumToShapeProblem(OP, grad_shape, strides, shape, dtype, device, heuristics, walk)
 
 
@@ -256,11 +249,14 @@ if triton_available():
     from ._common import column_sum
 
     @triton.jit
-    def _kept_offsets(k, K1, K2, sk0, sk1, sk2):
+    def _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3):
         """Element offsets (int64) of outputs ``k`` (numbered in the output's order) in grad."""
-        k2 = k % K2
-        t = k // K2
-        return (t // K1).to(tl.int64) * sk0 + (t % K1).to(tl.int64) * sk1 + k2.to(tl.int64) * sk2
+        k3 = k % K3
+        t = k // K3
+        k2 = t % K2
+        t = t // K2
+        return (t // K1).to(tl.int64) * sk0 + (t % K1).to(tl.int64) * sk1 + k2.to(tl.int64) * sk2 \
+            + k3.to(tl.int64) * sk3
 
     @triton.jit
     def _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3):
@@ -273,20 +269,22 @@ if triton_available():
             + r3.to(tl.int64) * sr3
 
     @triton.jit
-    def _sum_to_shape(G, OUT, K, R, chunk, K1, K2, sk0, sk1, sk2, R1, R2, R3, sr0, sr1, sr2, sr3,
+    def _sum_to_shape(G, OUT, K, R, chunk, K1, K2, K3, sk0, sk1, sk2, sk3, R1, R2, R3, sr0, sr1, sr2, sr3,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUMMED_INNER: tl.constexpr,
-                      ACC: tl.constexpr):
+                      INDEX: tl.constexpr, ACC: tl.constexpr):
         """OUT[split, k] = sum over r in this program's chunk of the summed elements of grad at
         (r, k), in ACC; programs (output block, split). The tile is (BLOCK_K, BLOCK_R) with the
         summed elements along the lanes when SUMMED_INNER (their stride-1 axis), else (BLOCK_R,
         BLOCK_K) with the outputs along them. Fixed order: BLOCK_R-wide steps added elementwise in
-        order, then the tile reduced by tl.sum."""
+        order, then the tile reduced by tl.sum. INDEX: the indices' integer type (int64 when the
+        outputs or the summed elements reach 2**31)."""
         split = tl.program_id(1)
-        start = split * chunk
+        start = split.to(INDEX) * chunk
         stop = tl.minimum(start + chunk, R)
+        k_first = tl.program_id(0).to(INDEX) * BLOCK_K
         if SUMMED_INNER:
-            k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]
-            k_off = _kept_offsets(k, K1, K2, sk0, sk1, sk2)
+            k = k_first + tl.arange(0, BLOCK_K)[:, None]
+            k_off = _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
             acc = tl.zeros([BLOCK_K, BLOCK_R], ACC)
             for r0 in range(start, stop, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)[None, :]
@@ -294,10 +292,10 @@ if triton_available():
                 r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
                 acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
             total = tl.sum(acc, 1)
-            kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+            kk = k_first + tl.arange(0, BLOCK_K)
         else:
-            k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            k_off = _kept_offsets(k, K1, K2, sk0, sk1, sk2)
+            k = k_first + tl.arange(0, BLOCK_K)[None, :]
+            k_off = _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
             acc = tl.zeros([BLOCK_R, BLOCK_K], ACC)
             for r0 in range(start, stop, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)[:, None]
@@ -305,8 +303,8 @@ if triton_available():
                 r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
                 acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
             total = tl.sum(acc, 0)
-            kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(OUT + split.to(tl.int64) * K + kk, total.to(OUT.dtype.element_ty), mask=kk < K)
+            kk = k_first + tl.arange(0, BLOCK_K)
+        tl.store(OUT + split.to(tl.int64) * K + kk.to(tl.int64), total.to(OUT.dtype.element_ty), mask=kk < K)
 
 
 def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
@@ -334,14 +332,20 @@ def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
 
 def _prepare_triton(problem: SumToShapeProblem) -> Launch:
     h, w = problem.heuristics, problem.walk
+    if w is None:
+        raise UnsupportedError(f"trainops.{OP}: grad of shape {problem.grad_shape} and strides {problem.strides} has "
+                               f"more than {SUMMED_RUNS} summed or {KEPT_RUNS} kept runs of axes (alternating axes of "
+                               "rank 9 or more); the Triton kernel walks no more; the cpu backend takes it")
     K, R = w.kept_count, w.summed_count
     block_k, block_r, summed_inner, splits, chunk = tiles(problem)
     acc = problem.acc_dtype
     (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = w.summed
-    (K0, sk0), (K1, sk1), (K2, sk2) = w.kept
+    (K0, sk0), (K1, sk1), (K2, sk2), (K3, sk3) = w.kept
     grid = (max(1, -(-K // block_k)), splits)
-    main = launcher(_sum_to_shape, grid, trailing=(K, R, chunk, K1, K2, sk0, sk1, sk2, R1, R2, R3, sr0, sr1, sr2, sr3),
-                    BLOCK_K=block_k, BLOCK_R=block_r, SUMMED_INNER=summed_inner,
+    index = tl.int64 if max(K + block_k, R + chunk) >= 2 ** 31 else tl.int32
+    main = launcher(_sum_to_shape, grid,
+                    trailing=(K, R, chunk, K1, K2, K3, sk0, sk1, sk2, sk3, R1, R2, R3, sr0, sr1, sr2, sr3),
+                    BLOCK_K=block_k, BLOCK_R=block_r, SUMMED_INNER=summed_inner, INDEX=index,
                     ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=h.warps)
     finish = column_sum(splits, K, h.reduce_block, h.reduce_parts) if splits > 1 else None
     workspace = splits * K * acc.itemsize if finish else 0
@@ -375,8 +379,10 @@ if triton_available():
 # ----------------------------------------------------------------------------------------------
 
 def walkable(grad: Tensor, shape: Sequence[int]) -> Tensor:
-    """``grad`` itself when the kernel walks its strides, else a contiguous copy (the one copy, said
-    in the module docstring)."""
+    """``grad`` itself when the Triton kernel walks its strides (or the CPU backend runs it), else a
+    contiguous copy (the one copy, said in the module docstring)."""
+    if grad.device.type == "cpu" and (pinned_backend() or "cpu") == "cpu":
+        return grad
     if walk_of(runs(grad.shape, grad.stride(), summed_axes(grad.shape, shape))) is not None:
         return grad
     return grad.contiguous()

@@ -7,8 +7,10 @@ weight and bias gradients, each with the kernels of two backends, and the choice
 Shapes: x (N, C, H, W), weight (O, C / groups, KH, KW), bias (O,), y (N, O, OH, OW) with
 OH = (H + 2 padding - dilation (KH - 1) - 1) // stride + 1 (and so for OW); stride, padding and
 dilation are pairs of ints (padding zeros). Dtypes: float32, float16, bfloat16, float64, x,
-weight and bias alike (as torch requires). y and dx have x's memory format (channels-last stays
-channels-last); dweight is contiguous. An absent output (not asked for by the mask) is empty.
+weight and bias alike (as torch requires; ``functional.conv2d`` casts them to autocast's dtype
+under torch.autocast, as torch's convolution does). Memory formats, as torch's convolution picks
+them: y and dx channels-last when x or the weight is (``output_channels_last``), else contiguous;
+dweight in the weight's format. An absent output (not asked for by the mask) is empty.
 
 Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernels`` name them):
 
@@ -18,14 +20,15 @@ Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernel
   inputs; cuDNN runs float32 convolutions in TF32 while ``torch.backends.cudnn.allow_tf32`` is
   True, torch's default). Determinism: a problem's ``deterministic`` is torch's own switch
   (``torch.use_deterministic_algorithms`` or ``torch.backends.cudnn.deterministic``) unless the
-  descriptor sets it; the deterministic cuDNN kernel runs under ``cudnn.deterministic`` for the
-  call, the other takes cuDNN's choice (its weight gradient may then differ in the last bits from
-  run to run, as torch's does).
+  descriptor sets it; the deterministic cuDNN kernel runs with torch's switch on (turned on for
+  the call, under a lock, only where a plan asked for determinism that torch's switch does not
+  give), the other takes cuDNN's choice (its weight gradient may then differ in the last bits from
+  run to run, as torch's does). Both run with autocast off: the plan's dtype is the one computed.
 - ``triton``: depthwise convolutions only (groups = C = O: one filter per channel, MobileNet's and
   ConvNeXt's), any kernel size, stride, padding and dilation, contiguous or channels-last, read in
   place. Forward and input gradient gather the taps of each output (no atomics); the weight and
-  bias gradients sum over N x OH x OW in programs that write float32 partials, added in a fixed
-  order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
+  bias gradients sum over N x OH x OW in programs that write float32 partials (one tap at a time
+  over the program's positions), added in a fixed order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
   rounded once. Other convolutions raise UnsupportedError on this backend.
 
 Choice (``choose_backend``): cuDNN for every problem on CUDA for now, the CPU kernels on the CPU:
@@ -40,6 +43,7 @@ dy and x.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -97,17 +101,11 @@ def contiguous_strides4(shape: Sequence[int]) -> tuple[int, ...]:
     return (c * h * w, h * w, w, 1)
 
 
-def is_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a 4-D tensor is laid out channels-last (as torch's ``suggest_memory_format`` says:
-    channels-last strides, and not also contiguous, which size-1 axes can make it)."""
-    return tuple(strides) == channels_last_strides(shape) and tuple(strides) != contiguous_strides4(shape)
-
-
 @dataclass(frozen=True)
 class Conv2dProblem:
     """One conv2d problem. Forward ("conv2d"): inputs (x, weight, bias or None) -> y. Backward
     ("conv2d_backward"): inputs (dy, x, weight) -> (dx, dweight, dbias), each empty unless ``mask``
-    asks for it. ``channels_last``: y's and dx's memory format (x's)."""
+    asks for it. ``channels_last``: y's and dx's memory format; ``weight_channels_last``: dweight's."""
 
     op: str
     x_shape: tuple[int, int, int, int]
@@ -121,6 +119,7 @@ class Conv2dProblem:
     bias: bool
     mask: tuple[bool, bool, bool]
     channels_last: bool
+    weight_channels_last: bool
     deterministic: bool
     heuristics: ConvHeuristics
     index_dtype = None
@@ -145,6 +144,11 @@ class Conv2dProblem:
     @property
     def acc_dtype(self) -> torch.dtype:
         return accumulator_dtype(self.dtype)
+
+    @property
+    def weight_strides(self) -> tuple[int, ...]:
+        return channels_last_strides(self.weight_shape) if self.weight_channels_last else \
+            contiguous_strides4(self.weight_shape)
 
     def _like_x(self, shape) -> Tensor:
         strides = channels_last_strides(shape) if self.channels_last else contiguous_strides4(shape)
@@ -173,7 +177,8 @@ class Conv2dProblem:
             return self._like_x(self.out_shape)
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         dx = self._like_x(self.x_shape) if self.mask[0] else empty
-        dw = torch.empty(self.weight_shape, dtype=self.dtype, device=self.device) if self.mask[1] else empty.clone()
+        dw = torch.empty_strided(self.weight_shape, self.weight_strides, dtype=self.dtype, device=self.device) \
+            if self.mask[1] else empty.clone()
         db = torch.empty((self.weight_shape[0],), dtype=self.dtype, device=self.device) if self.mask[2] else empty.clone()
         return dx, dw, db
 
@@ -193,15 +198,15 @@ def pair(op: str, name: str, value, minimum: int) -> tuple[int, int]:
 
 
 def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1, padding=0, dilation=1, groups=1,
-              bias=False, mask=(True, True, False), channels_last=False, deterministic=None,
-              heuristics=None) -> Conv2dProblem:
+              bias=False, mask=(True, True, False), channels_last=False, weight_channels_last=False,
+              deterministic=None, heuristics=None) -> Conv2dProblem:
     """Validate a conv2d descriptor.
 
     x_shape: (N, C, H, W); weight_shape: (O, C / groups, KH, KW); dtype: x's, weight's and bias's
     (float32, float16, bfloat16, float64). stride (>= 1), padding (>= 0), dilation (>= 1): ints or
     pairs. groups: divides C and O. bias: the forward adds one (the backward's bias gradient is
     ``mask[2]``). mask: (input, weight, bias) gradients the backward makes. channels_last: y's and
-    dx's memory format. deterministic: None (torch's switch: ``torch.use_deterministic_algorithms``
+    dx's memory format; weight_channels_last: dweight's. deterministic: None (torch's switch: ``torch.use_deterministic_algorithms``
     or ``torch.backends.cudnn.deterministic``), True or False. heuristics: a ConvHeuristics.
     """
     x_shape = checked_shape(op, "x_shape", x_shape)
@@ -247,22 +252,24 @@ def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1,
     elif not isinstance(heuristics, ConvHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics", f"must be a ConvHeuristics, got "
                              f"{type(heuristics).__name__}")
-    for field_name in ("block_positions", "block_channels"):
+    for field_name in ("block_positions", "block_channels", "reduce_block", "warps"):
         value = getattr(heuristics, field_name)
         if value < 1 or value & (value - 1):
             raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
+    if heuristics.programs_per_sm < 1 or heuristics.reduce_parts < 1:
+        raise argument_error(InvalidProblemError, op, "heuristics", "programs_per_sm and reduce_parts must be >= 1")
     return Conv2dProblem(op, x_shape, weight_shape, stride, padding, dilation, groups, dtype, device, bool(bias),
-                         mask if op == BACKWARD_OP else (False, False, False), bool(channels_last), bool(deterministic),
-                         heuristics)
+                         mask if op == BACKWARD_OP else (False, False, False), bool(channels_last),
+                         bool(weight_channels_last), bool(deterministic), heuristics)
 
 
 def _describer(op: str):
     def describe(x_shape, weight_shape, dtype, device="cuda", *, stride=1, padding=0, dilation=1, groups=1,
-                 bias=False, mask=(True, True, False), channels_last=False, deterministic=None,
-                 heuristics=None) -> Conv2dProblem:
+                 bias=False, mask=(True, True, False), channels_last=False, weight_channels_last=False,
+                 deterministic=None, heuristics=None) -> Conv2dProblem:
         return _describe(op, x_shape, weight_shape, dtype, device, stride=stride, padding=padding, dilation=dilation,
-                         groups=groups, bias=bias, mask=mask, channels_last=channels_last, deterministic=deterministic,
-                         heuristics=heuristics)
+                         groups=groups, bias=bias, mask=mask, channels_last=channels_last,
+                         weight_channels_last=weight_channels_last, deterministic=deterministic, heuristics=heuristics)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -281,35 +288,54 @@ Conv2dDescriptor, Conv2dBackwardDescriptor = (register_op(op, _describer(op), ch
 # torch's own kernels: the cudnn backend (CUDA) and the cpu backend
 # ----------------------------------------------------------------------------------------------
 
+_CUDNN_SWITCH = threading.Lock()   # held while a call turns cudnn.deterministic on for itself
+
+
+def _torch_determinism() -> bool:
+    return torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic
+
+
 def _prepare_torch(problem: Conv2dProblem, deterministic: bool) -> Launch:
-    """aten.convolution / aten.convolution_backward, under cuDNN's deterministic switch for a
-    deterministic plan on CUDA."""
+    """aten.convolution / aten.convolution_backward with autocast off (the plan's dtype), their
+    outputs in the formats the problem declares (torch's own choice but for rare mixes, such as a
+    channels-last weight's gradient from a contiguous x: then one copy), under cuDNN's deterministic
+    switch for a deterministic plan on CUDA where torch's own switch is off."""
     stride, padding, dilation, groups = list(problem.stride), list(problem.padding), list(problem.dilation), problem.groups
-    pin_cudnn = deterministic and problem.device.type == "cuda"
-    empty = (problem.dtype, problem.device)
+    device_type = problem.device.type
+    switch_cudnn = deterministic and device_type == "cuda"
+    y_format = torch.channels_last if problem.channels_last else torch.contiguous_format
+    w_format = torch.channels_last if problem.weight_channels_last else torch.contiguous_format
 
-    def run_forward(tensors, out):
-        x, weight, bias = tensors
-        return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    def call_forward(x, weight, bias):
+        y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+        return y.contiguous(memory_format=y_format)
 
-    def run_backward(tensors, out):
-        dy, x, weight = tensors
+    def call_backward(dy, x, weight):
         bias_sizes = [problem.weight_shape[0]] if problem.mask[2] else None
-        grads = torch.ops.aten.convolution_backward(dy, x, weight, bias_sizes, stride, padding, dilation, False,
-                                                    [0, 0], groups, list(problem.mask))
-        return tuple(torch.empty(0, dtype=empty[0], device=empty[1]) if g is None else g for g in grads)
+        dx, dw, db = torch.ops.aten.convolution_backward(dy, x, weight, bias_sizes, stride, padding, dilation, False,
+                                                         [0, 0], groups, list(problem.mask))
+        empty = torch.empty(0, dtype=problem.dtype, device=problem.device)
+        return (empty if dx is None else dx.contiguous(memory_format=y_format),
+                empty.clone() if dw is None else dw.contiguous(memory_format=w_format),
+                empty.clone() if db is None else db)
 
-    run = run_backward if problem.backward else run_forward
-    if pin_cudnn:
-        inner = run
+    call = call_backward if problem.backward else call_forward
 
-        def run(tensors, out):
-            previous = torch.backends.cudnn.deterministic
+    def run(tensors, out):
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return switched(tensors)
+        return switched(tensors)
+
+    def switched(tensors):
+        if not switch_cudnn or _torch_determinism():
+            return call(*tensors)
+        with _CUDNN_SWITCH:
             torch.backends.cudnn.deterministic = True
             try:
-                return inner(tensors, out)
+                return call(*tensors)
             finally:
-                torch.backends.cudnn.deterministic = previous
+                torch.backends.cudnn.deterministic = False
 
     backend = "cudnn" if problem.device.type == "cuda" else "cpu"
     name = f"{problem.op}_{backend}{'' if deterministic or backend == 'cpu' else '_nondeterministic'}"
@@ -338,15 +364,17 @@ if triton_available():
     from ._common import column_sum
 
     @triton.jit
-    def _dw_forward(X, Wt, B, Y, C, H, W, OH, OW, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w, ws_c, ws_h, ws_w,
-                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+    def _dw_forward(X, Wt, B, Y, C, H, W, OH, OW, P_BLOCKS, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w,
+                    ws_c, ws_h, ws_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                     KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
         """y[n, c, oh, ow] = bias[c] + sum over taps (i, j), in order, of x[n, c, oh s - p + i d,
-        ow s - p + j d] * w[c, 0, i, j] (zeros outside x). Programs: (position block, channel block, n)."""
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ow s - p + j d] * w[c, 0, i, j] (zeros outside x). Programs: (n x position block, channel
+        block); n rides on the first grid axis (the others allow 65535 programs)."""
+        pid = tl.program_id(0)
+        n = (pid // P_BLOCKS).to(tl.int64)
+        p = (pid % P_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        n = tl.program_id(2).to(tl.int64)
         oh, ow = p // OW, p % OW
         p_ok = p < OH * OW
         c_ok = c < C
@@ -367,16 +395,17 @@ if triton_available():
         tl.store(Y + y_off, acc.to(Y.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _dw_input_grad(DY, Wt, DX, C, H, W, OH, OW, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w, ws_c, ws_h, ws_w,
-                       stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+    def _dw_input_grad(DY, Wt, DX, C, H, W, OH, OW, P_BLOCKS, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w,
+                       ws_c, ws_h, ws_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                        KH: tl.constexpr, KW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                        ACC: tl.constexpr):
         """dx[n, c, h, w] = sum over taps (i, j), in order, of dy[n, c, oh, ow] * w[c, 0, i, j] for
         the outputs (oh, ow) that read (h, w) through that tap: oh s - p + i d = h. Programs:
-        (input position block, channel block, n); each dx element is written once (no atomics)."""
-        q = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        (n x input position block, channel block); each dx element is written once (no atomics)."""
+        pid = tl.program_id(0)
+        n = (pid // P_BLOCKS).to(tl.int64)
+        q = (pid % P_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        n = tl.program_id(2).to(tl.int64)
         h, w = q // W, q % W
         q_ok = q < H * W
         c_ok = c < C
@@ -404,40 +433,42 @@ if triton_available():
     @triton.jit
     def _dw_weight_grad(DY, X, PART, C, H, W, OH, OW, total, chunk, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w,
                         stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                        KH: tl.constexpr, KW: tl.constexpr, TAPS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        KH: tl.constexpr, KW: tl.constexpr, BIAS_GRAD: tl.constexpr, INDEX: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
         """PART[split, c, t] = sum over this program's chunk of the N x OH x OW output positions of
-        dy[n, c, oh, ow] * x[n, c, oh s - p + i d, ow s - p + j d] for tap t = i KW + j < TAPS, and
-        of dy itself for t = TAPS (the bias gradient). Programs: (channel block, split). Fixed
-        order: BLOCK_P positions a step, each tap's products summed over them, the steps added in order."""
+        dy[n, c, oh, ow] * x[n, c, oh s - p + i d, ow s - p + j d] for tap t = i KW + j, and of dy
+        itself for t = KH KW (the bias gradient; 0 unless BIAS_GRAD). Programs: (channel block,
+        split). One tap at a time: BLOCK_P positions a step added elementwise in order, then summed
+        over the positions once (fixed order; the chunk's dy is read again for each tap, from cache).
+        INDEX: the positions' integer type (int64 when they reach 2**31)."""
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        split = tl.program_id(1)
         c_ok = c < C
-        start = split * chunk
+        start = tl.program_id(1).to(INDEX) * chunk
         stop = tl.minimum(start + chunk, total)
-        taps = tl.arange(0, BLOCK_T)[:, None]
-        acc = tl.zeros([BLOCK_T, BLOCK_C], ACC)
         c_dy = c.to(tl.int64)[None, :] * ds_c
         c_x = c.to(tl.int64)[None, :] * xs_c
-        for q0 in range(start, stop, BLOCK_P):
-            q = q0 + tl.arange(0, BLOCK_P)
-            q_ok = q < stop
-            n = (q // (OH * OW)).to(tl.int64)
-            p = q % (OH * OW)
-            oh, ow = p // OW, p % OW
-            dy_off = n * ds_n + oh.to(tl.int64) * ds_h + ow.to(tl.int64) * ds_w
-            dyv = tl.load(DY + dy_off[:, None] + c_dy, mask=q_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
-            acc += tl.where(taps == TAPS, tl.sum(dyv, 0)[None, :], 0.0)
-            for i in tl.static_range(KH):
-                ih = oh * stride_h - pad_h + i * dil_h
-                for j in tl.static_range(KW):
-                    iw = ow * stride_w - pad_w + j * dil_w
-                    ok = q_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                    x_off = n * xs_n + ih.to(tl.int64) * xs_h + iw.to(tl.int64) * xs_w
-                    xv = tl.load(X + x_off[:, None] + c_x, mask=ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
-                    acc += tl.where(taps == i * KW + j, tl.sum(dyv * xv, 0)[None, :], 0.0)
-        row = split.to(tl.int64) * C * (TAPS + 1) + c.to(tl.int64)[None, :] * (TAPS + 1) + taps
-        tl.store(PART + row, acc, mask=(taps <= TAPS) & c_ok[None, :])
+        row = PART + tl.program_id(1).to(tl.int64) * C * (KH * KW + 1) + c.to(tl.int64) * (KH * KW + 1)
+        for t in tl.static_range(KH * KW + 1):
+            acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
+            if t < KH * KW or BIAS_GRAD:
+                for q0 in range(start, stop, BLOCK_P):
+                    q = q0 + tl.arange(0, BLOCK_P)
+                    q_ok = q < stop
+                    n = (q // (OH * OW)).to(tl.int64)
+                    p = (q % (OH * OW)).to(tl.int32)
+                    oh, ow = p // OW, p % OW
+                    dy_off = n * ds_n + oh.to(tl.int64) * ds_h + ow.to(tl.int64) * ds_w
+                    dyv = tl.load(DY + dy_off[:, None] + c_dy, mask=q_ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+                    if t < KH * KW:
+                        ih = oh * stride_h - pad_h + (t // KW) * dil_h
+                        iw = ow * stride_w - pad_w + (t % KW) * dil_w
+                        ok = q_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                        x_off = n * xs_n + ih.to(tl.int64) * xs_h + iw.to(tl.int64) * xs_w
+                        xv = tl.load(X + x_off[:, None] + c_x, mask=ok[:, None] & c_ok[None, :], other=0.0).to(ACC)
+                        acc += dyv * xv
+                    else:
+                        acc += dyv
+            tl.store(row + t, tl.sum(acc, 0), mask=c_ok)
 
 
 def _depthwise_tiles(problem: Conv2dProblem) -> tuple[int, int]:
@@ -479,24 +510,26 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
     params = (("BLOCK_P", block_p), ("BLOCK_C", block_c), ("num_warps", h.warps))
 
     if not problem.backward:
-        forward = launcher(_dw_forward, (max(1, -(-oh * ow // block_p)), c_blocks, max(n, 1)),
-                           HAS_BIAS=problem.bias, **meta)
+        p_blocks = max(1, -(-oh * ow // block_p))
+        forward = launcher(_dw_forward, (p_blocks * max(n, 1), c_blocks), HAS_BIAS=problem.bias, **meta)
 
         def run(tensors, y):
             x, weight, bias = tensors
             if y.numel() == 0:
                 return
-            forward(x, weight, bias if bias is not None else weight, y, c, height, width, oh, ow, *x.stride(),
+            forward(x, weight, bias if bias is not None else weight, y, c, height, width, oh, ow, p_blocks, *x.stride(),
                     *y.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *geometry)
 
         return Launch(run, KernelChoice("conv2d_depthwise_triton", "triton", params), acc)
 
     want_dx, want_dw, want_db = problem.mask
-    input_grad = launcher(_dw_input_grad, (max(1, -(-height * width // block_p)), c_blocks, max(n, 1)), **meta)
+    p_blocks = max(1, -(-height * width // block_p))
+    input_grad = launcher(_dw_input_grad, (p_blocks * max(n, 1), c_blocks), **meta)
     splits, chunk = _weight_grad_splits(problem, block_p, block_c)
     taps = kh * kw
     total = n * oh * ow
-    weight_grad = launcher(_dw_weight_grad, (c_blocks, splits), TAPS=taps, BLOCK_T=next_pow2(taps + 1), **meta)
+    weight_grad = launcher(_dw_weight_grad, (c_blocks, splits), BIAS_GRAD=want_db,
+                           INDEX=tl.int64 if total + chunk >= 2 ** 31 else tl.int32, **meta)
     finish = column_sum(splits, c * (taps + 1), h.reduce_block, h.reduce_parts)
 
     def run(tensors, outputs):
@@ -506,7 +539,7 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
             if dy.numel() == 0:
                 dx.zero_()
             else:
-                input_grad(dy, weight, dx, c, height, width, oh, ow, *dy.stride(), *dx.stride(), weight.stride(0),
+                input_grad(dy, weight, dx, c, height, width, oh, ow, p_blocks, *dy.stride(), *dx.stride(), weight.stride(0),
                            weight.stride(2), weight.stride(3), *geometry)
         if want_dw or want_db:
             sums = torch.empty((c, taps + 1), dtype=acc, device=dy.device)
@@ -536,32 +569,45 @@ if triton_available():
 # Custom ops: torch.ops.trainops.conv2d / conv2d_backward, with autograd
 # ----------------------------------------------------------------------------------------------
 
-def _layout(x: Tensor) -> tuple[Tensor, bool]:
-    """(x, channels_last): x itself when contiguous or channels-last, else a contiguous copy (a
-    view of other strides; the Triton kernels read strides, torch's pick their own layout: one
-    layout rule for both)."""
-    if x.is_contiguous():
-        return x, False
-    if x.is_contiguous(memory_format=torch.channels_last):
-        return x, True
-    return x.contiguous(), False
+def is_channels_last_tensor(t: Tensor) -> bool:
+    """Whether torch's ``suggest_memory_format`` calls ``t`` channels-last (its strides ordered as
+    channels-last's; a (C, 1, KH, KW) depthwise weight moved to channels-last is, although it is
+    also contiguous): the test torch's convolution makes of its input and weight."""
+    from torch._prims_common import suggest_memory_format
+
+    return t.dim() == 4 and suggest_memory_format(t) == torch.channels_last
+
+
+def output_channels_last(x: Tensor, weight: Tensor) -> bool:
+    """y's and dx's format, as torch's convolution picks it: channels-last when x or the weight is."""
+    return is_channels_last_tensor(x) or is_channels_last_tensor(weight)
+
+
+def _dense(x: Tensor) -> Tensor:
+    """x itself when contiguous or channels-last, else a contiguous copy (a view of other strides:
+    the Triton kernels read strides, torch's pick their own layout; one rule for both)."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.contiguous()
 
 
 def _descriptor(op: str, x: Tensor, weight: Tensor, stride, padding, dilation, groups, bias: bool,
-                mask=(False, False, False), channels_last=False):
+                mask=(False, False, False)):
     descriptor_type = Conv2dBackwardDescriptor if op == BACKWARD_OP else Conv2dDescriptor
     return descriptor_type(tuple(x.shape), tuple(weight.shape), x.dtype, x.device, stride=tuple(stride),
                            padding=tuple(padding), dilation=tuple(dilation), groups=groups, bias=bias, mask=tuple(mask),
-                           channels_last=channels_last,
+                           channels_last=output_channels_last(x, weight),
+                           weight_channels_last=is_channels_last_tensor(weight),
                            deterministic=torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
                            heuristics=heuristics_for(ConvHeuristics))
 
 
 def _conv2d_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
                  dilation: list[int], groups: int) -> Tensor:
-    x, channels_last = _layout(x)
-    plan = cached_plan(_descriptor(FORWARD_OP, x, weight, stride, padding, dilation, groups, bias is not None,
-                                   channels_last=channels_last))
+    x = _dense(x)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    plan = cached_plan(_descriptor(FORWARD_OP, x, weight, stride, padding, dilation, groups, bias is not None))
     plan.problem.check((x, weight, bias), None)
     return plan.run_unchecked((x, weight, bias))
 
@@ -569,7 +615,7 @@ def _conv2d_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list
 def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups):
     problem = _describe(FORWARD_OP, x.shape, weight.shape, x.dtype, x.device, stride=stride, padding=padding,
                         dilation=dilation, groups=groups, bias=bias is not None,
-                        channels_last=x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+                        channels_last=output_channels_last(_dense(x), weight))
     shape = problem.out_shape
     strides = channels_last_strides(shape) if problem.channels_last else contiguous_strides4(shape)
     return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
@@ -577,19 +623,21 @@ def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups):
 
 def _conv2d_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
                           dilation: list[int], groups: int, mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    x, channels_last = _layout(x)
-    plan = cached_plan(_descriptor(BACKWARD_OP, x, weight, stride, padding, dilation, groups, mask[2], mask,
-                                   channels_last))
+    x = _dense(x)
+    plan = cached_plan(_descriptor(BACKWARD_OP, x, weight, stride, padding, dilation, groups, mask[2], mask))
     plan.problem.check((dy, x, weight), None)
     return plan.run_unchecked((dy, x, weight))
 
 
 def _conv2d_backward_fake(dy, x, weight, stride, padding, dilation, groups, mask):
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    channels_last = output_channels_last(_dense(x), weight)
     empty = x.new_empty(0)
     strides = channels_last_strides(x.shape) if channels_last else contiguous_strides4(x.shape)
     dx = torch.empty_strided(tuple(x.shape), strides, dtype=x.dtype, device=x.device) if mask[0] else empty
-    dw = weight.new_empty(weight.shape) if mask[1] else x.new_empty(0)
+    w_strides = channels_last_strides(weight.shape) if is_channels_last_tensor(weight) else \
+        contiguous_strides4(weight.shape)
+    dw = torch.empty_strided(tuple(weight.shape), w_strides, dtype=weight.dtype, device=weight.device) if mask[1] \
+        else x.new_empty(0)
     db = weight.new_empty((weight.shape[0],)) if mask[2] else x.new_empty(0)
     return dx, dw, db
 
@@ -617,5 +665,9 @@ def _grad(ctx, dy) -> dict:
     return {name: g for name, g, wanted in zip(names, (dx, dw, db), mask) if wanted}
 
 
-conv2d_backward_op = custom_op(BACKWARD_OP, _conv2d_backward_impl, _conv2d_backward_fake)
-conv2d_op = custom_op(FORWARD_OP, _conv2d_impl, _conv2d_fake, backward=_grad, save=_save)
+# the outputs' formats follow the inputs' (channels-last in, channels-last out): Inductor must pass
+# the inputs in the strides it traced, not a layout of its choosing
+conv2d_backward_op = custom_op(BACKWARD_OP, _conv2d_backward_impl, _conv2d_backward_fake,
+                               tags=(torch.Tag.needs_exact_strides,))
+conv2d_op = custom_op(FORWARD_OP, _conv2d_impl, _conv2d_fake, backward=_grad, save=_save,
+                      tags=(torch.Tag.needs_exact_strides,))
