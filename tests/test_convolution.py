@@ -26,6 +26,9 @@ PLANS = {"default": ConvHeuristics(), "split": SPLIT}
 GEOMETRIES = [((2, 6, 9, 8), (3, 3), 1, 1, 1), ((2, 6, 9, 8), (3, 3), 2, 1, 1), ((1, 4, 7, 10), (5, 3), (2, 1), (2, 1), 1),
               ((3, 5, 8, 8), (3, 3), 1, 2, 2), ((2, 3, 11, 6), (7, 7), 2, (3, 4), (1, 2)), ((2, 4, 5, 5), (1, 1), 1, 0, 1),
               ((1, 2, 4, 4), (3, 3), 3, 4, 1)]
+# the split plan on the cases that reach its splits and channel blocks (CI time): strided 3x3, 5x3
+# with stride and padding per axis, dilated 7x7
+PLAN_GEOMETRIES = {"default": GEOMETRIES, "split": [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[4]]}
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +95,7 @@ def _case(shape, kernel, groups, dtype, device, gen, bias=True, channels_last=Fa
 def test_depthwise_matches_float64(backend, device, plan, channels_last):
     gen = torch.Generator().manual_seed(stable_seed("depthwise", plan, channels_last))
     with trainops.heuristics(PLANS[plan]):
-        for shape, kernel, stride, padding, dilation in GEOMETRIES:
+        for shape, kernel, stride, padding, dilation in PLAN_GEOMETRIES[plan]:
             geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=shape[1])
             x, w, b = _case(shape, kernel, shape[1], torch.float32, device, gen, channels_last=channels_last)
             y = trainops.conv2d(x, w, b, **geometry)
@@ -286,7 +289,7 @@ def test_registry_reports_the_kernels(backend, device):
 
 def test_gradcheck(backend, device):
     gen = torch.Generator().manual_seed(6)
-    x, w, b = _case((1, 2, 5, 4), (3, 2), 2, torch.float64, device, gen)
+    x, w, b = _case((1, 2, 4, 3), (3, 2), 2, torch.float64, device, gen)
     assert torch.autograd.gradcheck(lambda *t: trainops.conv2d(*t, stride=(2, 1), padding=1, groups=2), (x, w, b))
 
 
