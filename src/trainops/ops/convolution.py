@@ -573,9 +573,14 @@ def is_channels_last_tensor(t: Tensor) -> bool:
     """Whether torch's ``suggest_memory_format`` calls ``t`` channels-last (its strides ordered as
     channels-last's; a (C, 1, KH, KW) depthwise weight moved to channels-last is, although it is
     also contiguous): the test torch's convolution makes of its input and weight."""
-    from torch._prims_common import suggest_memory_format
+    if t.dim() != 4:
+        return False
+    contiguous, channels_last = t.is_contiguous(), t.is_contiguous(memory_format=torch.channels_last)
+    if contiguous != channels_last:   # the usual cases, decided by two cheap queries
+        return channels_last
+    from torch._prims_common import suggest_memory_format   # both (size-1 axes) or neither: torch's rule
 
-    return t.dim() == 4 and suggest_memory_format(t) == torch.channels_last
+    return suggest_memory_format(t) == torch.channels_last
 
 
 def output_channels_last(x: Tensor, weight: Tensor) -> bool:
