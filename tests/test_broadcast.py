@@ -69,32 +69,39 @@ def test_layouts(backend, device, plan):
     transposed = _grad((7, 6, 5), torch.float32, device, gen).transpose(0, 2)
     sliced = _grad((6, 10, 8), torch.float32, device, gen)[:, 1::3, ::2]
     expanded = _grad((1, 5, 1), torch.float32, device, gen).expand(4, 5, 3)
-    # six summed axes in pairs whose strides do not merge (each pair swapped): six summed runs, two
-    # more than the kernel's four slots; contiguous, they merge into one (copied first)
+    # six summed axes in swapped pairs: sorted by stride, they walk as one run (read in place)
     swapped = _grad((2, 3, 2, 3, 2, 3), torch.float32, device, gen).permute(1, 0, 3, 2, 5, 4)
+    # five summed axes that no order merges (a step of 2 on each): one more run than the kernel's
+    # four slots, copied to a contiguous tensor first (where they merge into one)
+    gapped = _grad((4, 4, 4, 4, 4), torch.float32, device, gen)[::2, ::2, ::2, ::2, ::2]
+    reversed_ = _grad((7, 6, 5, 4, 3), torch.float32, device, gen).permute(4, 3, 2, 1, 0)
     # rank 7, kept and summed axes alternating from a kept one: four kept runs, three summed
     alternating = _grad((2, 3, 2, 3, 2, 3, 2), torch.float32, device, gen)
     cases = [(cl, (3, 1, 1)), (cl, (1, 1, 6)), (cl, (4, 1, 1, 6)), (transposed, (6, 1)), (transposed, (5, 1, 1)),
              (sliced, (4,)), (sliced, (6, 1, 1)), (expanded, (5, 1)), (expanded, (4, 1, 3)),
-             (swapped, (1, 1, 1, 1, 1, 1)), (swapped, ()), (alternating, (2, 1, 2, 1, 2, 1, 2))]
-    assert B.walk_of(B.runs(swapped.shape, swapped.stride(), B.summed_axes(swapped.shape, ()))) is None
+             (swapped, (1, 1, 1, 1, 1, 1)), (swapped, ()), (alternating, (2, 1, 2, 1, 2, 1, 2)), (gapped, ()),
+             (reversed_, (1, 1, 1, 1, 1)), (reversed_, (3, 1, 1, 1, 7))]
+    assert B.walk_of(B.runs(swapped.shape, swapped.stride(), B.summed_axes(swapped.shape, ()))) is not None
+    assert B.walk_of(B.runs(gapped.shape, gapped.stride(), B.summed_axes(gapped.shape, ()))) is None
     with trainops.heuristics(PLANS[plan]):
         for grad, shape in cases:
             _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
 
 
 def test_walk_groups_axes_into_runs():
-    """The kernel's view of grad: size-1 axes dropped, mergeable neighbours of one kind merged,
-    summed runs in R0..R3 and kept runs in K0..K3, each kind in order."""
+    """The kernel's view of grad: size-1 axes dropped; summed axes sorted by stride and merged where
+    they walk as one, in R0..R3; kept axes in the output's order, merged likewise, in K0..K3."""
     summed = B.summed_axes((4, 3, 5, 6), (3, 1, 1))
     assert summed == (True, False, True, True)
-    assert B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed) == [(True, 4, 90), (False, 3, 30), (True, 30, 1)]
+    assert B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed) == [(True, 4, 90), (True, 30, 1), (False, 3, 30)]
     walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 30, 6, 1), summed))
     assert walk.summed == ((4, 90), (30, 1), (1, 0), (1, 0)) and walk.kept == ((3, 30), (1, 0), (1, 0), (1, 0))
     assert walk.inner == "summed" and walk.kept_count == 3 and walk.summed_count == 120
-    # channels-last: C has stride 1, H and W merge behind it
+    # channels-last: C has stride 1; N, H and W walk as one summed run (strides 90 = 18 x 5, 18 = 3 x 6)
     walk = B.walk_of(B.runs((4, 3, 5, 6), (90, 1, 18, 3), summed))
-    assert walk.summed == ((4, 90), (30, 3), (1, 0), (1, 0)) and walk.inner == "kept"
+    assert walk.summed == ((120, 3), (1, 0), (1, 0), (1, 0)) and walk.inner == "kept"
+    # a reversed (transposed) rank-5 tensor summed whole: sorted, its axes merge into one run
+    assert B.runs((3, 4, 5, 6, 7), (1, 3, 12, 60, 360), (True,) * 5) == [(True, 2520, 1)]
     # two kept runs that do not merge (a transpose)
     walk = B.walk_of(B.runs((5, 6), (1, 5), (False, False)))
     assert walk.kept == ((5, 1), (6, 5), (1, 0), (1, 0)) and walk.summed == ((1, 0),) * 4
@@ -191,6 +198,20 @@ def test_compile_dynamic_shapes(backend, device):
             _check(compiled(t, b), t * b, (cols,), torch.float32)
 
 
+def test_compile_dynamic_shapes_compile_once(backend, device):
+    """With dynamic=True, three sizes make one graph (the shape check does not fix the sizes), as
+    torch's sum_to_size does."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t, b: trainops.sum_to_shape(t * b, b.shape), backend=counter, dynamic=True)
+    for cols in (8, 10, 13):
+        t, b = torch.randn(4, cols, device=device), torch.randn(cols, device=device)
+        _check(compiled(t, b), t * b, (cols,), torch.float32)
+    assert counter.frame_count == 1
+
+
 def test_registry_reports_the_kernel(backend, device):
     with trainops.track_kernels() as used:
         trainops.sum_to_shape(torch.ones(4, 3, device=device), (3,))
@@ -214,7 +235,8 @@ def test_errors(backend, device):
     with pytest.raises(UnsupportedError, match="grad"):
         trainops.sum_to_shape(torch.ones(2, 3, dtype=torch.int64, device=device), (3,))
     for bad in (BroadcastSumHeuristics(tile=12), BroadcastSumHeuristics(reduce_block=48),
-                BroadcastSumHeuristics(programs_per_sm=0)):
+                BroadcastSumHeuristics(programs_per_sm=0), BroadcastSumHeuristics(reduce_parts=3),
+                BroadcastSumHeuristics(warps=64)):
         with pytest.raises(InvalidProblemError, match="heuristics"):
             with trainops.heuristics(bad):
                 trainops.sum_to_shape(x, (3,))

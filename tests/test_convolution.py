@@ -209,6 +209,41 @@ def test_strided_bias(backend, device):
     _check(x, w, b, dy, y, grads, torch.float32, "strided bias", padding=1, groups=4)
 
 
+def test_plan_refuses_a_strided_bias(backend, device):
+    """The plan API (which copies nothing) names a strided bias instead of reading it as dense."""
+    x = torch.ones(1, 4, 5, 5, device=device)
+    w = torch.ones(4, 1, 3, 3, device=device)
+    plan = trainops.plan("conv2d", x_shape=x.shape, weight_shape=w.shape, dtype=torch.float32, device=device,
+                         groups=4, bias=True)
+    with pytest.raises(InvalidProblemError, match="bias"):
+        plan.run(x, w, torch.ones(8, device=device)[::2])
+
+
+def test_backward_on_another_thread_keeps_the_pinned_backend(backend, device):
+    """Autograd runs a CUDA backward on its own thread, where the forward's pinned backend is not in
+    force: the backward still runs on the forward's backend (here a thread of our own stands in,
+    whose context starts empty as autograd's does)."""
+    import threading
+
+    x = torch.randn(1, 2, 4, 4, device=device, requires_grad=True)
+    w = torch.randn(2, 1, 3, 3, device=device, requires_grad=True)
+    y = trainops.conv2d(x, w, padding=1, groups=2)
+    with trainops.track_kernels() as used:
+        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker.start()
+        worker.join()
+    assert [k[:2] for k in used] == [("conv2d_backward", backend)]
+    assert x.grad is not None and w.grad is not None
+
+
+def test_double_backward_raises(backend, device):
+    x = torch.randn(1, 2, 4, 4, device=device, requires_grad=True)
+    w = torch.randn(2, 1, 3, 3, device=device, requires_grad=True)
+    y = trainops.conv2d(x, w, padding=1, groups=2)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
 def test_autocast(backend, device):
     """Under torch.autocast the convolution runs in autocast's dtype, as torch's does (a float32
     weight meeting a bf16 activation is cast, not refused)."""
@@ -386,7 +421,8 @@ def test_errors(backend, device):
              (dict(bias=torch.ones(3, device=device), groups=4), InvalidProblemError, "bias"),
              (dict(input=torch.ones(4, 5, 5, 5, 5, device=device), groups=4), InvalidProblemError, "input"),
              (dict(input=torch.ones(2, 4, 5, 5, dtype=torch.int32, device=device), groups=4), UnsupportedError, "input")]
-    for bad in (ConvHeuristics(block_positions=12), ConvHeuristics(reduce_block=48), ConvHeuristics(programs_per_sm=0)):
+    for bad in (ConvHeuristics(block_positions=12), ConvHeuristics(reduce_block=48), ConvHeuristics(programs_per_sm=0),
+                ConvHeuristics(reduce_parts=3), ConvHeuristics(warps=64)):
         with trainops.heuristics(bad), pytest.raises(InvalidProblemError, match="heuristics"):
             trainops.conv2d(x, w, None, groups=4)
     for overrides, error, says in cases:

@@ -878,7 +878,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
     row / column at the bottom / right, as torch's). Returns (N, O, OH, OW), channels-last when the
     input or the weight is (as torch's).
     Errors: InvalidProblemError naming the argument (shapes, groups, geometry), UnsupportedError
-    for another dtype.
+    for another dtype, and in a double backward (``create_graph=True``).
     """
     op = "conv2d"
     _float_tensor(op, "input", input)

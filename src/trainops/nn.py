@@ -185,7 +185,8 @@ class Dropout(torch.nn.Dropout):
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` on ``trainops.functional.conv2d`` (the convolution registry): same
     constructor, parameters and state dict; every ``padding_mode`` ("zeros", or the input padded by
-    ``F.pad`` first, as torch's own module does)."""
+    ``F.pad`` first, as torch's own module does). Unlike torch's, no double backward
+    (``create_graph=True`` through it raises UnsupportedError: gradient penalties need torch's)."""
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.padding_mode != "zeros":

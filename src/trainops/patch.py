@@ -43,8 +43,9 @@ neither swapped nor listed in the report.
 
 With ``convolution=True``, torch.nn.Conv2d -> trainops.nn.Conv2d (the convolution registry:
 cuDNN on CUDA as torch's, so the same kernels; Triton's depthwise kernels under
-``trainops.backend("triton")``). Not swapped by default: it adds a call's host time to torch's and,
-until the Triton kernels are measured against cuDNN, changes no kernel.
+``trainops.backend("triton")``). Not swapped by default: it adds a call's host time to torch's,
+has no double backward (gradient penalties), and, until the Triton kernels are measured against
+cuDNN, changes no kernel.
 
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module

@@ -13,12 +13,14 @@ each output is summed in a fixed order set by the plan (bit-stable from run to r
 and plan; a plan of other tiles or another GPU's SM count may round differently). An empty
 reduction writes zeros. The backward of out with respect to grad is ``dout.expand(grad.shape)``.
 
-Layout: grad is read in place in any strides. Its axes (size-1 axes dropped) are grouped into runs
-of summed and kept axes, adjacent axes of a run merged where their strides allow; the Triton kernel
-walks up to four summed and four kept runs (each kind numbered in its own order: the summed index
-and the output index are independent), which covers every tensor of rank 8 or less. A grad of more
-runs is copied to a contiguous tensor first (one more read and write of it) and, if that still has
-more, the Triton backend raises UnsupportedError (the CPU backend takes any).
+Layout: grad is read in place in any strides. Its axes (size-1 axes dropped) are grouped into runs:
+the summed axes sorted by stride (the order they are added in is the plan's choice) and merged
+where their strides make one walk, the kept axes in the output's order, merged likewise. The
+Triton kernel walks up to four summed and four kept runs (the summed index and the output index
+are independent), which covers every contiguous tensor of rank 8 or less and most permuted or
+sliced ones. A grad of more runs is copied to a contiguous tensor first by the op (one more read and
+write of it) and, if that still has more, the Triton backend raises UnsupportedError (the CPU
+backend takes any).
 
 Bytes (the fewest the op must move): grad read once, out written once. Triton plan
 (``BroadcastSumHeuristics``): a program owns a block of outputs and walks a share of the summed
@@ -109,20 +111,29 @@ def summed_axes(grad_shape: Sequence[int], shape: Sequence[int]) -> tuple[bool, 
     return tuple(d < lead or (shape[d - lead] == 1 and grad_shape[d] != 1) for d in range(len(grad_shape)))
 
 
-def runs(grad_shape: Sequence[int], strides: Sequence[int], summed: Sequence[bool]) -> list[tuple[bool, int, int]]:
-    """grad's axes as (summed?, size, stride) runs, outermost first: size-1 axes dropped, an axis
-    merged into the previous one of the same kind when the previous one's stride is its stride
-    times its size (the two walk as one axis)."""
-    out: list[list] = []
-    for size, stride, is_summed in zip(grad_shape, strides, summed):
+def _merged(axes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(size, stride) axes, outermost first, size-1 ones dropped, each merged into the previous one
+    when the previous one's stride is its stride times its size (the two walk as one axis)."""
+    out: list[list[int]] = []
+    for size, stride in axes:
         if size == 1:
             continue
-        if out and out[-1][0] == is_summed and out[-1][2] == stride * size:
-            out[-1][1] *= size
-            out[-1][2] = stride
+        if out and out[-1][1] == stride * size:
+            out[-1][0] *= size
+            out[-1][1] = stride
         else:
-            out.append([is_summed, size, stride])
-    return [tuple(r) for r in out]
+            out.append([size, stride])
+    return [tuple(a) for a in out]
+
+
+def runs(grad_shape: Sequence[int], strides: Sequence[int], summed: Sequence[bool]) -> list[tuple[bool, int, int]]:
+    """grad's axes as (summed?, size, stride) runs: the summed runs first, their axes sorted by
+    stride, largest first (any order sums the same terms; this one merges every pair that walks as
+    one), then the kept runs in the output's order (which their index must follow)."""
+    summed_list = sorted(((size, stride) for size, stride, s in zip(grad_shape, strides, summed) if s),
+                          key=lambda axis: -axis[1])
+    kept_axes = [(size, stride) for size, stride, s in zip(grad_shape, strides, summed) if not s]
+    return [(True, *r) for r in _merged(summed_list)] + [(False, *r) for r in _merged(kept_axes)]
 
 
 def walk_of(grad_runs: Sequence[tuple[bool, int, int]]) -> Walk | None:
@@ -169,7 +180,10 @@ class SumToShapeProblem:
 def check_expandable(op: str, grad_shape: Sequence[int], shape) -> tuple[int, ...]:
     """``shape`` as a tuple of ints when it expands to ``grad_shape`` (torch's rules, right-aligned),
     else InvalidProblemError naming ``shape``."""
-    shape = checked_shape(op, "shape", shape)
+    if torch.compiler.is_compiling():   # sizes may be symbols: index() would fix them to this call's values
+        shape = tuple(shape)
+    else:
+        shape = checked_shape(op, "shape", shape)
     grad_shape = tuple(grad_shape)
     lead = len(grad_shape) - len(shape)
     # == (not "in"): sizes may be torch.compile's symbols, which a membership test cannot decide
@@ -206,11 +220,12 @@ def _describe(grad_shape, dtype, device="cuda", *, strides=None, shape=None, heu
     elif not isinstance(heuristics, BroadcastSumHeuristics):
         raise argument_error(InvalidProblemError, OP, "heuristics",
                              f"must be a BroadcastSumHeuristics, got {type(heuristics).__name__}")
-    powers = {name: getattr(heuristics, name) for name in ("tile", "kept_block", "warps", "reduce_block")}
+    powers = {name: getattr(heuristics, name) for name in ("tile", "kept_block", "warps", "reduce_block",
+                                                           "reduce_parts")}
     if any(v < 1 or v & (v - 1) for v in powers.values()) or heuristics.kept_block > heuristics.tile \
-            or heuristics.programs_per_sm < 1 or heuristics.reduce_parts < 1:
+            or heuristics.programs_per_sm < 1 or heuristics.warps > 32:
         raise argument_error(InvalidProblemError, OP, "heuristics", f"{powers} must be powers of two (kept_block <= "
-                             f"tile), programs_per_sm and reduce_parts >= 1; got {heuristics}")
+                             f"tile, warps <= 32), programs_per_sm >= 1; got {heuristics}")
     walk = walk_of(runs(grad_shape, strides, summed_axes(grad_shape, shape)))
     return SumToShapeProblem(OP, grad_shape, strides, shape, dtype, device, heuristics, walk)
 
@@ -324,7 +339,7 @@ def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
     k_blocks = -(-K // block_k)
     wanted = max(1, sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1))
     steps = -(-R // block_r)
-    splits = max(1, min(wanted, steps))
+    splits = max(1, min(wanted, steps, 65535))   # splits ride on the grid's second axis (CUDA: 65535 at most)
     chunk = -(-steps // splits) * block_r
     splits = -(-R // chunk) if R else 1
     return block_k, block_r, summed_inner, splits, chunk
@@ -334,8 +349,9 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
     h, w = problem.heuristics, problem.walk
     if w is None:
         raise UnsupportedError(f"trainops.{OP}: grad of shape {problem.grad_shape} and strides {problem.strides} has "
-                               f"more than {SUMMED_RUNS} summed or {KEPT_RUNS} kept runs of axes (alternating axes of "
-                               "rank 9 or more); the Triton kernel walks no more; the cpu backend takes it")
+                               f"more than {SUMMED_RUNS} summed or {KEPT_RUNS} kept runs of axes, more than the Triton "
+                               "kernel walks (trainops.sum_to_shape copies such a grad to a contiguous one first); the "
+                               "cpu backend takes it")
     K, R = w.kept_count, w.summed_count
     block_k, block_r, summed_inner, splits, chunk = tiles(problem)
     acc = problem.acc_dtype

@@ -9,8 +9,10 @@ OH = (H + 2 padding - dilation (KH - 1) - 1) // stride + 1 (and so for OW); stri
 dilation are pairs of ints (padding zeros). Dtypes: float32, float16, bfloat16, float64, x,
 weight and bias alike (as torch requires; ``functional.conv2d`` casts them to autocast's dtype
 under torch.autocast, as torch's convolution does). Memory formats, as torch's convolution picks
-them: y and dx channels-last when x or the weight is (``output_channels_last``), else contiguous;
-dweight in the weight's format. An absent output (not asked for by the mask) is empty.
+them: y and dx channels-last when x or the weight is (``output_channels_last``), else contiguous.
+dweight takes the weight's format (torch's own makes it channels-last whenever x is; where that
+differs from the weight's, it is copied once, so that the gradient matches its parameter). An
+absent output (not asked for by the mask) is empty.
 
 Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernels`` name them):
 
@@ -25,7 +27,8 @@ Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernel
   give), the other takes cuDNN's choice (its weight gradient may then differ in the last bits from
   run to run, as torch's does). Both run with autocast off: the plan's dtype is the one computed.
 - ``triton``: depthwise convolutions only (groups = C = O: one filter per channel, MobileNet's and
-  ConvNeXt's), any kernel size, stride, padding and dilation, contiguous or channels-last, read in
+  ConvNeXt's), any stride, padding and dilation, kernel sizes unrolled at compile time (compile
+  time grows with KH x KW; tested up to 7 x 7, under the interpreter), contiguous or channels-last, read in
   place. Forward and input gradient gather the taps of each output (no atomics); the weight and
   bias gradients sum over N x OH x OW in programs that write float32 partials (one tap at a time
   over the program's positions), added in a fixed order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
@@ -42,6 +45,7 @@ dy and x.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -55,11 +59,13 @@ from ..launch import launcher
 from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
-                        triton_available)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
+                        register_op, sm_count, triton_available)
+from ..registry import backend as pin_backend
 from ._common import float_dtype
 
 FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
+MAX_GRID_Y = 65535   # CUDA's limit on a grid's second axis (splits ride there)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,6 +174,9 @@ class Conv2dProblem:
                     raise argument_error(InvalidProblemError, self.op, "bias", "is given; the plan is for no bias")
                 continue
             check_tensor(self.op, name, t, shape, self.dtype, self.device)
+            if name == "bias" and not t.is_contiguous():
+                raise argument_error(InvalidProblemError, self.op, "bias", "must be contiguous (the functional op "
+                                     "copies a strided one)")
         if out is not None:
             raise argument_error(InvalidProblemError, self.op, "out", "is not supported (the op allocates its outputs)")
 
@@ -252,12 +261,12 @@ def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1,
     elif not isinstance(heuristics, ConvHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics", f"must be a ConvHeuristics, got "
                              f"{type(heuristics).__name__}")
-    for field_name in ("block_positions", "block_channels", "reduce_block", "warps"):
+    for field_name in ("block_positions", "block_channels", "reduce_block", "reduce_parts", "warps"):
         value = getattr(heuristics, field_name)
         if value < 1 or value & (value - 1):
             raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
-    if heuristics.programs_per_sm < 1 or heuristics.reduce_parts < 1:
-        raise argument_error(InvalidProblemError, op, "heuristics", "programs_per_sm and reduce_parts must be >= 1")
+    if heuristics.programs_per_sm < 1 or heuristics.warps > 32:
+        raise argument_error(InvalidProblemError, op, "heuristics", "programs_per_sm must be >= 1 and warps <= 32")
     return Conv2dProblem(op, x_shape, weight_shape, stride, padding, dilation, groups, dtype, device, bool(bias),
                          mask if op == BACKWARD_OP else (False, False, False), bool(channels_last),
                          bool(weight_channels_last), bool(deterministic), heuristics)
@@ -297,8 +306,8 @@ def _torch_determinism() -> bool:
 
 def _prepare_torch(problem: Conv2dProblem, deterministic: bool) -> Launch:
     """aten.convolution / aten.convolution_backward with autocast off (the plan's dtype), their
-    outputs in the formats the problem declares (torch's own choice but for rare mixes, such as a
-    channels-last weight's gradient from a contiguous x: then one copy), under cuDNN's deterministic
+    outputs in the formats the problem declares (torch's own choice but for dweight of a contiguous
+    weight with a channels-last x: then one copy of it), under cuDNN's deterministic
     switch for a deterministic plan on CUDA where torch's own switch is off."""
     stride, padding, dilation, groups = list(problem.stride), list(problem.padding), list(problem.dilation), problem.groups
     device_type = problem.device.type
@@ -433,11 +442,13 @@ if triton_available():
     @triton.jit
     def _dw_weight_grad(DY, X, PART, C, H, W, OH, OW, total, chunk, ds_n, ds_c, ds_h, ds_w, xs_n, xs_c, xs_h, xs_w,
                         stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                        KH: tl.constexpr, KW: tl.constexpr, BIAS_GRAD: tl.constexpr, INDEX: tl.constexpr,
+                        KH: tl.constexpr, KW: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                        INDEX: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
         """PART[split, c, t] = sum over this program's chunk of the N x OH x OW output positions of
         dy[n, c, oh, ow] * x[n, c, oh s - p + i d, ow s - p + j d] for tap t = i KW + j, and of dy
-        itself for t = KH KW (the bias gradient; 0 unless BIAS_GRAD). Programs: (channel block,
+        itself for t = KH KW (the bias gradient); a row not asked for (WEIGHT_GRAD, BIAS_GRAD) is 0,
+        its positions not read. Programs: (channel block,
         split). One tap at a time: BLOCK_P positions a step added elementwise in order, then summed
         over the positions once (fixed order; the chunk's dy is read again for each tap, from cache).
         INDEX: the positions' integer type (int64 when they reach 2**31)."""
@@ -450,7 +461,7 @@ if triton_available():
         row = PART + tl.program_id(1).to(tl.int64) * C * (KH * KW + 1) + c.to(tl.int64) * (KH * KW + 1)
         for t in tl.static_range(KH * KW + 1):
             acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
-            if t < KH * KW or BIAS_GRAD:
+            if (t < KH * KW and WEIGHT_GRAD) or (t == KH * KW and BIAS_GRAD):
                 for q0 in range(start, stop, BLOCK_P):
                     q = q0 + tl.arange(0, BLOCK_P)
                     q_ok = q < stop
@@ -486,7 +497,7 @@ def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> t
     c_blocks = -(-problem.x_shape[1] // block_c)
     wanted = max(1, sm_count(problem.device) * problem.heuristics.programs_per_sm // c_blocks)
     steps = -(-total // block_p)
-    splits = max(1, min(wanted, steps))
+    splits = max(1, min(wanted, steps, MAX_GRID_Y))
     chunk = -(-steps // splits) * block_p
     return (-(-total // chunk) if total else 1), chunk
 
@@ -528,7 +539,7 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
     splits, chunk = _weight_grad_splits(problem, block_p, block_c)
     taps = kh * kw
     total = n * oh * ow
-    weight_grad = launcher(_dw_weight_grad, (c_blocks, splits), BIAS_GRAD=want_db,
+    weight_grad = launcher(_dw_weight_grad, (c_blocks, splits), WEIGHT_GRAD=want_dw, BIAS_GRAD=want_db,
                            INDEX=tl.int64 if total + chunk >= 2 ** 31 else tl.int32, **meta)
     finish = column_sum(splits, c * (taps + 1), h.reduce_block, h.reduce_parts)
 
@@ -575,10 +586,11 @@ def is_channels_last_tensor(t: Tensor) -> bool:
     also contiguous): the test torch's convolution makes of its input and weight."""
     if t.dim() != 4:
         return False
-    contiguous, channels_last = t.is_contiguous(), t.is_contiguous(memory_format=torch.channels_last)
-    if contiguous != channels_last:   # the usual cases, decided by two cheap queries
-        return channels_last
-    from torch._prims_common import suggest_memory_format   # both (size-1 axes) or neither: torch's rule
+    if 1 not in t.shape:   # the usual cases, decided by two cheap queries (torch's rule agrees there)
+        contiguous, channels_last = t.is_contiguous(), t.is_contiguous(memory_format=torch.channels_last)
+        if contiguous != channels_last:
+            return channels_last
+    from torch._prims_common import suggest_memory_format   # size-1 axes, or neither layout: torch's rule
 
     return suggest_memory_format(t) == torch.channels_last
 
@@ -652,7 +664,10 @@ def _save(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs.x, inputs.weight)
     ctx.geometry = (list(inputs.stride), list(inputs.padding), list(inputs.dilation), inputs.groups)
     ctx.has_bias = inputs.bias is not None
-    ctx.heuristics = heuristics_for(ConvHeuristics)   # autograd may run the backward on another thread
+    # autograd runs a CUDA backward on its own thread, where the forward's context (heuristics in
+    # force, a pinned backend) is not: both are kept for it
+    ctx.heuristics = heuristics_for(ConvHeuristics)
+    ctx.backend = pinned_backend()
 
 
 def _grad(ctx, dy) -> dict:
@@ -664,7 +679,7 @@ def _grad(ctx, dy) -> dict:
     mask = [ctx.needs_grad.x, ctx.needs_grad.weight, ctx.has_bias and ctx.needs_grad.bias]
     if not any(mask):
         return {}
-    with heuristics(ctx.heuristics):
+    with heuristics(ctx.heuristics), (pin_backend(ctx.backend) if ctx.backend else contextlib.nullcontext()):
         dx, dw, db = conv2d_backward_op(dy, x, weight, *ctx.geometry, mask)
     names = ("x", "weight", "bias")
     return {name: g for name, g, wanted in zip(names, (dx, dw, db), mask) if wanted}
