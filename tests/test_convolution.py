@@ -199,6 +199,19 @@ def test_memory_formats_follow_torch(backend, device):
         assert y.is_contiguous(memory_format=y_format) and dw.is_contiguous(memory_format=w_format), (x_cl, w_cl)
 
 
+def test_memory_format_with_size_one_axes_follows_torch(backend, device):
+    """Size-1 axes make a tensor both contiguous and channels-last, or give it strides of neither:
+    the format is then torch's rule's (a width-1 channels-last tensor transposed is contiguous to
+    torch)."""
+    gen = torch.Generator().manual_seed(17)
+    w = _randn((3, 1, 1, 3), torch.float32, device, gen)
+    for x in (_randn((2, 3, 7, 1), torch.float32, device, gen).to(memory_format=torch.channels_last).transpose(2, 3),
+              _randn((2, 3, 1, 7), torch.float32, device, gen).to(memory_format=torch.channels_last),
+              _randn((1, 3, 4, 5), torch.float32, device, gen).to(memory_format=torch.channels_last)):
+        y = trainops.conv2d(x, w, None, padding=(0, 1), groups=3)
+        assert y.stride() == torch_F.conv2d(x.cpu(), w.cpu(), None, padding=(0, 1), groups=3).stride(), x.stride()
+
+
 def test_strided_bias(backend, device):
     """A bias that is a view with a step is read as its values (copied to a dense one first)."""
     gen = torch.Generator().manual_seed(13)
