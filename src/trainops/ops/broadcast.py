@@ -264,24 +264,16 @@ if triton_available():
     from ._common import column_sum
 
     @triton.jit
-    def _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3):
-        """Element offsets (int64) of outputs ``k`` (numbered in the output's order) in grad."""
-        k3 = k % K3
-        t = k // K3
-        k2 = t % K2
-        t = t // K2
-        return (t // K1).to(tl.int64) * sk0 + (t % K1).to(tl.int64) * sk1 + k2.to(tl.int64) * sk2 \
-            + k3.to(tl.int64) * sk3
-
-    @triton.jit
-    def _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3):
-        """Element offsets (int64) of summed elements ``r`` (numbered R0-major) in grad."""
-        r3 = r % R3
-        t = r // R3
-        r2 = t % R2
-        t = t // R2
-        return (t // R1).to(tl.int64) * sr0 + (t % R1).to(tl.int64) * sr1 + r2.to(tl.int64) * sr2 \
-            + r3.to(tl.int64) * sr3
+    def _offsets(i, N1, N2, N3, s0, s1, s2, s3):
+        """Element offsets (int64) in grad of indices ``i`` over four runs of sizes (N0,) N1, N2, N3
+        (numbered with the first run outermost) and strides s0..s3: the kept runs' outputs and the
+        summed runs' elements alike."""
+        i3 = i % N3
+        t = i // N3
+        i2 = t % N2
+        t = t // N2
+        return (t // N1).to(tl.int64) * s0 + (t % N1).to(tl.int64) * s1 + i2.to(tl.int64) * s2 \
+            + i3.to(tl.int64) * s3
 
     @triton.jit
     def _sum_to_shape(G, OUT, K, R, chunk, K1, K2, K3, sk0, sk1, sk2, sk3, R1, R2, R3, sr0, sr1, sr2, sr3,
@@ -299,23 +291,23 @@ if triton_available():
         k_first = tl.program_id(0).to(INDEX) * BLOCK_K
         if SUMMED_INNER:
             k = k_first + tl.arange(0, BLOCK_K)[:, None]
-            k_off = _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
+            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
             acc = tl.zeros([BLOCK_K, BLOCK_R], ACC)
             for r0 in range(start, stop, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)[None, :]
                 mask = (k < K) & (r < stop)
-                r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
+                r_off = _offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
                 acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
             total = tl.sum(acc, 1)
             kk = k_first + tl.arange(0, BLOCK_K)
         else:
             k = k_first + tl.arange(0, BLOCK_K)[None, :]
-            k_off = _kept_offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
+            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
             acc = tl.zeros([BLOCK_R, BLOCK_K], ACC)
             for r0 in range(start, stop, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)[:, None]
                 mask = (k < K) & (r < stop)
-                r_off = _summed_offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
+                r_off = _offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
                 acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
             total = tl.sum(acc, 0)
             kk = k_first + tl.arange(0, BLOCK_K)
