@@ -13,6 +13,17 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
+def poison_new_output(monkeypatch, problem_cls) -> None:
+    """Make every output ``problem_cls.new_output`` allocates (a tensor or a tuple of them) start
+    as NaN, so that an element a kernel leaves unwritten fails the test."""
+    original = problem_cls.new_output
+
+    def new_output(self):
+        out = original(self)
+        return out.fill_(float("nan")) if isinstance(out, torch.Tensor) else tuple(t.fill_(float("nan")) for t in out)
+    monkeypatch.setattr(problem_cls, "new_output", new_output)
+
+
 def stable_seed(*parts) -> int:
     """A generator seed from a test's parameters, the same in every process (``hash`` of a string is
     salted per process, so a seed taken from it changes from run to run)."""

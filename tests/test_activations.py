@@ -20,7 +20,7 @@ from trainops.plan import clear_plan_cache
 PLAN_CACHE = importlib.import_module("trainops.plan")._PLANS  # (op, backend, descriptor) -> Plan
 
 from conftest import HAS_CUDA
-from numerics import FLOATS, TOLERANCE, assert_close, relative_error
+from numerics import FLOATS, TOLERANCE, assert_close, poison_new_output, relative_error
 
 # small shapes that still force many programs, tiles of several rows and column blocks, int64 offsets
 SMALL = ActivationHeuristics(block=64, bias_programs_per_sm=1, reduce_block=8, reduce_parts=2)
@@ -39,12 +39,7 @@ INF = float("inf")
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = act_ops.ActivationProblem.new_output
-
-    def new_output(self):
-        out = original(self)
-        return tuple(t.fill_(float("nan")) for t in out) if isinstance(out, tuple) else out.fill_(float("nan"))
-    monkeypatch.setattr(act_ops.ActivationProblem, "new_output", new_output)
+    poison_new_output(monkeypatch, act_ops.ActivationProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()

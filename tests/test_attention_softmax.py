@@ -15,7 +15,7 @@ from trainops.ops.attention_softmax import AttentionSoftmaxHeuristics
 from trainops.ops.dropout import draw_seed, keep_mask
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_close, interpreter_rounding
+from numerics import FLOATS, assert_close, interpreter_rounding, poison_new_output
 
 # fully masked rows: the interpreter evaluates 1 / 0 before where() discards it
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
@@ -29,11 +29,7 @@ PLANS = {"default": AttentionSoftmaxHeuristics(), "looped": LOOPED, "many": MANY
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = attn_ops.AttentionSoftmaxProblem.new_output
-
-    def new_output(self):
-        return tuple(t.fill_(float("nan")) for t in original(self))
-    monkeypatch.setattr(attn_ops.AttentionSoftmaxProblem, "new_output", new_output)
+    poison_new_output(monkeypatch, attn_ops.AttentionSoftmaxProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()

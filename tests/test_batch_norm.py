@@ -12,7 +12,7 @@ from trainops.ops import batch_norm as bn_ops
 from trainops.ops.batch_norm import BatchNormHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_close, assert_sum_close, stable_seed
+from numerics import FLOATS, assert_close, assert_sum_close, poison_new_output, stable_seed
 
 # small tiles and many reduction programs: partials of several programs (some with no tile) merged,
 # several channel blocks, spatial blocks that do not divide the spatial size
@@ -23,12 +23,7 @@ PLANS = {"default": BatchNormHeuristics(), "small": SMALL}
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = bn_ops.BatchNormProblem.new_output
-
-    def new_output(self):
-        out = original(self)
-        return out.fill_(float("nan")) if isinstance(out, torch.Tensor) else tuple(t.fill_(float("nan")) for t in out)
-    monkeypatch.setattr(bn_ops.BatchNormProblem, "new_output", new_output)
+    poison_new_output(monkeypatch, bn_ops.BatchNormProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()

@@ -12,7 +12,7 @@ from trainops.ops import broadcast as B
 from trainops.ops.broadcast import BroadcastSumHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_sum_close, stable_seed
+from numerics import FLOATS, assert_sum_close, poison_new_output, stable_seed
 
 # tiny tiles, many programs wanted: the summed elements split among programs (partials added by
 # column_sum), several output blocks, steps that do not divide the summed count
@@ -29,8 +29,7 @@ SHAPES = [((6, 5, 7), (7,)), ((4, 3, 5, 6), (3, 1, 1)), ((4, 3, 5, 6), (1, 3, 1,
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = B.SumToShapeProblem.new_output
-    monkeypatch.setattr(B.SumToShapeProblem, "new_output", lambda self: original(self).fill_(float("nan")))
+    poison_new_output(monkeypatch, B.SumToShapeProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()

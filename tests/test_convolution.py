@@ -14,7 +14,7 @@ from trainops.ops import convolution as conv_ops
 from trainops.ops.convolution import ConvHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_sum_close, stable_seed
+from numerics import FLOATS, assert_sum_close, poison_new_output, stable_seed
 
 # tiny tiles and many programs: several position and channel blocks, the weight gradient's
 # positions split among programs (partials added by column_sum), steps that do not divide them
@@ -34,12 +34,7 @@ PLAN_GEOMETRIES = {"default": GEOMETRIES, "split": [GEOMETRIES[1], GEOMETRIES[2]
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = conv_ops.Conv2dProblem.new_output
-
-    def new_output(self):
-        out = original(self)
-        return out.fill_(float("nan")) if isinstance(out, torch.Tensor) else tuple(t.fill_(float("nan")) for t in out)
-    monkeypatch.setattr(conv_ops.Conv2dProblem, "new_output", new_output)
+    poison_new_output(monkeypatch, conv_ops.Conv2dProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()

@@ -12,17 +12,13 @@ from trainops.ops import rotary as rotary_ops
 from trainops.ops.rotary import RotaryHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_close, stable_seed
+from numerics import FLOATS, assert_close, poison_new_output, stable_seed
 
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every output trainops allocates starts as NaN, so an element left unwritten fails the test."""
-    original = rotary_ops.RotaryProblem.new_output
-
-    def new_output(self):
-        return tuple(t.fill_(float("nan")) for t in original(self))
-    monkeypatch.setattr(rotary_ops.RotaryProblem, "new_output", new_output)
+    poison_new_output(monkeypatch, rotary_ops.RotaryProblem)
     clear_plan_cache()
     yield
     clear_plan_cache()
