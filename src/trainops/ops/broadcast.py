@@ -391,7 +391,10 @@ def walkable(grad: Tensor, shape: Sequence[int]) -> Tensor:
     contiguous copy (the one copy, said in the module docstring)."""
     if grad.device.type == "cpu" and (pinned_backend() or "cpu") == "cpu":
         return grad
-    if walk_of(runs(grad.shape, grad.stride(), summed_axes(grad.shape, shape))) is not None:
+    # contiguous, rank <= 8: kept and summed axes alternate in at most 8 runs, at most 4 of a kind,
+    # so the walk fits without being worked out on every call
+    if (grad.dim() <= SUMMED_RUNS + KEPT_RUNS and grad.is_contiguous()) \
+            or walk_of(runs(grad.shape, grad.stride(), summed_axes(grad.shape, shape))) is not None:
         return grad
     return grad.contiguous()
 
