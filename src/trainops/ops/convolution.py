@@ -62,7 +62,7 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shap
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
                         register_op, sm_count, triton_available)
 from ..registry import backend as pin_backend
-from ._common import float_dtype
+from ._common import contiguous_strides, float_dtype
 
 FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
 MAX_GRID_Y = 65535   # CUDA's limit on a grid's second axis (splits ride there)
@@ -100,11 +100,6 @@ def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """The strides torch gives a channels-last (N, C, H, W) tensor of ``shape``."""
     n, c, h, w = (max(s, 1) for s in shape)
     return (h * w * c, 1, w * c, c)
-
-
-def contiguous_strides4(shape: Sequence[int]) -> tuple[int, ...]:
-    n, c, h, w = (max(s, 1) for s in shape)
-    return (c * h * w, h * w, w, 1)
 
 
 @dataclass(frozen=True)
@@ -154,10 +149,10 @@ class Conv2dProblem:
     @property
     def weight_strides(self) -> tuple[int, ...]:
         return channels_last_strides(self.weight_shape) if self.weight_channels_last else \
-            contiguous_strides4(self.weight_shape)
+            contiguous_strides(self.weight_shape)
 
     def _like_x(self, shape) -> Tensor:
-        strides = channels_last_strides(shape) if self.channels_last else contiguous_strides4(shape)
+        strides = channels_last_strides(shape) if self.channels_last else contiguous_strides(shape)
         return torch.empty_strided(shape, strides, dtype=self.dtype, device=self.device)
 
     def check(self, tensors: Sequence, out) -> None:
@@ -634,7 +629,7 @@ def _conv2d_fake(x, weight, bias, stride, padding, dilation, groups):
                         dilation=dilation, groups=groups, bias=bias is not None,
                         channels_last=output_channels_last(_dense(x), weight))
     shape = problem.out_shape
-    strides = channels_last_strides(shape) if problem.channels_last else contiguous_strides4(shape)
+    strides = channels_last_strides(shape) if problem.channels_last else contiguous_strides(shape)
     return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
 
 
@@ -649,10 +644,10 @@ def _conv2d_backward_impl(dy: Tensor, x: Tensor, weight: Tensor, stride: list[in
 def _conv2d_backward_fake(dy, x, weight, stride, padding, dilation, groups, mask):
     channels_last = output_channels_last(_dense(x), weight)
     empty = x.new_empty(0)
-    strides = channels_last_strides(x.shape) if channels_last else contiguous_strides4(x.shape)
+    strides = channels_last_strides(x.shape) if channels_last else contiguous_strides(x.shape)
     dx = torch.empty_strided(tuple(x.shape), strides, dtype=x.dtype, device=x.device) if mask[0] else empty
     w_strides = channels_last_strides(weight.shape) if is_channels_last_tensor(weight) else \
-        contiguous_strides4(weight.shape)
+        contiguous_strides(weight.shape)
     dw = torch.empty_strided(tuple(weight.shape), w_strides, dtype=weight.dtype, device=weight.device) if mask[1] \
         else x.new_empty(0)
     db = weight.new_empty((weight.shape[0],)) if mask[2] else x.new_empty(0)
