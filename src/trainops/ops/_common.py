@@ -22,6 +22,7 @@ from ..plan import check_tensor
 from ..registry import FLOATS, triton_available
 
 FLOAT_NAMES = "float32, float16, bfloat16, float64"
+MAX_GRID_Y = 65535   # CUDA's limit on a grid's second (and third) axis
 
 # Deferred checks of eager CUDA calls: (flag copied to pinned memory without waiting, its copy's
 # event, the error message); checked (flag, event) pairs are reused (an event costs ~10 us to create).

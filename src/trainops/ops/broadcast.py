@@ -45,7 +45,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
                         register_op, sm_count, triton_available)
-from ._common import contiguous_strides, float_dtype
+from ._common import MAX_GRID_Y, contiguous_strides, float_dtype
 
 OP = "sum_to_shape"
 SUMMED_RUNS, KEPT_RUNS = 4, 4   # the Triton kernel's slots: R0..R3 and K0..K3
@@ -331,7 +331,7 @@ def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
     k_blocks = -(-K // block_k)
     wanted = max(1, sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1))
     steps = -(-R // block_r)
-    splits = max(1, min(wanted, steps, 65535))   # splits ride on the grid's second axis (CUDA: 65535 at most)
+    splits = max(1, min(wanted, steps, MAX_GRID_Y))   # splits ride on the grid's second axis
     chunk = -(-steps // splits) * block_r
     splits = -(-R // chunk) if R else 1
     return block_k, block_r, summed_inner, splits, chunk

@@ -62,10 +62,9 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shap
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
                         register_op, sm_count, triton_available)
 from ..registry import backend as pin_backend
-from ._common import contiguous_strides, float_dtype
+from ._common import MAX_GRID_Y, contiguous_strides, float_dtype
 
 FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
-MAX_GRID_Y = 65535   # CUDA's limit on a grid's second axis (splits ride there)
 
 
 # ----------------------------------------------------------------------------------------------
