@@ -87,6 +87,36 @@ def test_layouts(backend, device, plan):
             _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
 
 
+# (grad shape, target shape): tiles of 4-wide lanes blocks (widened where the other axis is short)
+# over a kept innermost axis (one run; two runs whose inner one the block divides, or not) and a
+# summed innermost axis (one run; inner runs of 32, 24 and 5)
+NARROW = BroadcastSumHeuristics(tile=16, kept_block=4, programs_per_sm=64, reduce_block=4, reduce_parts=2)
+INNER_RUNS = [((6, 5, 8), (8,)), ((6, 4, 8), (4, 8)), ((4, 3, 8), (4, 1, 8)), ((4, 3, 6), (4, 1, 6)), ((8, 12), (8, 1)),
+              ((3, 8, 4, 8), (1, 8, 1, 1)), ((3, 8, 4, 6), (1, 8, 1, 1)), ((3, 8, 5), (1, 8, 1)), ((2, 40), (40,))]
+
+
+def test_narrow_tiles_over_inner_runs(backend, device):
+    gen = torch.Generator().manual_seed(stable_seed("inner runs"))
+    with trainops.heuristics(NARROW):
+        for grad_shape, shape in INNER_RUNS:
+            grad = _grad(grad_shape, torch.float32, device, gen)
+            _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
+
+
+def test_tiles_fill_the_tile():
+    """A short axis across the lanes' widens the lanes' block (the tile stays full), and the split
+    gives at least programs_per_sm programs per SM where the summed elements allow."""
+    problem = trainops.plan("sum_to_shape", grad_shape=(32, 4096), dtype=torch.bfloat16, device="cpu", shape=(4096,),
+                            heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64)).problem
+    block_k, block_r, summed_inner, splits, _ = B.tiles(problem)
+    assert (block_k, block_r, summed_inner) == (128, 32, False)
+    problem = trainops.plan("sum_to_shape", grad_shape=(8192, 32001), dtype=torch.bfloat16, device="cpu",
+                            shape=(32001,), heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64,
+                                                                              programs_per_sm=4)).problem
+    block_k, block_r, _, splits, _ = B.tiles(problem)
+    assert -(-32001 // block_k) * splits >= B.sm_count(problem.device) * 4
+
+
 def test_walk_groups_axes_into_runs():
     """The kernel's view of grad: size-1 axes dropped; summed axes sorted by stride and merged where
     they walk as one, in R0..R3; kept axes in the output's order, merged likewise, in K0..K3."""
@@ -140,7 +170,7 @@ def test_deterministic(backend, device):
         assert torch.equal(trainops.sum_to_shape(grad, (6, 1)), first)
 
 
-def test_split_plan_splits(backend):
+def test_split_plan_splits():
     """The SPLIT plan reaches the partial sums (more than one split) on these tests' shapes."""
     problem = trainops.plan("sum_to_shape", grad_shape=(24, 6, 17), dtype=torch.float32,
                             device="cpu", shape=(6, 1), heuristics=SPLIT).problem

@@ -302,7 +302,7 @@ def test_split_plan_splits():
 
 
 def test_backend_choice_and_report():
-    """On CUDA the registry picks cuDNN (Triton's kernels are not yet measured against it): the
+    """On CUDA the registry picks cuDNN where the Triton kernels were not measured faster: the
     deterministic kernel under torch's deterministic switch, else cuDNN's own choice; a pinned
     backend wins. Planning needs no GPU."""
     desc = dict(x_shape=(8, 32, 56, 56), weight_shape=(32, 1, 3, 3), dtype=torch.float16, device="cuda", padding=1,
@@ -318,6 +318,43 @@ def test_backend_choice_and_report():
             trainops.plan("conv2d", **{**desc, "device": "cpu"})
     rows = [(k.op, k.backend, k.deterministic) for k in trainops.kernels() if k.op.startswith("conv2d")]
     assert ("conv2d", "cudnn", True) in rows and ("conv2d", "cudnn", False) in rows and ("conv2d", "cpu", True) in rows
+
+
+@pytest.mark.skipif(not trainops.registry.triton_available(), reason="the choice needs the Triton backend")
+def test_triton_chosen_where_measured_faster():
+    """choose_backend follows the measured table (conv_ops.triton_beats_cudnn): bf16 and float32
+    depthwise on contiguous x, up to 5 x 5 taps; forward from 14 x 14 output positions; input and weight gradients
+    from 56 x 56 input positions with at most 3 x 3 taps; the input gradient alone from 14 x 14;
+    cuDNN for the rest (channels-last, float16, grouped, the weight gradient alone)."""
+    def kernel(op, x_shape, k=3, stride=1, dtype=torch.bfloat16, groups=None, **extra):
+        c = x_shape[1]
+        groups = c if groups is None else groups
+        desc = dict(x_shape=x_shape, weight_shape=(c, c // groups, k, k), dtype=dtype, device="cuda", padding=k // 2,
+                    stride=stride, groups=groups, deterministic=False, **extra)
+        return trainops.plan(op, **desc).info.backend
+
+    mobilenet = (32, 144, 56, 56)
+    assert kernel("conv2d", mobilenet) == "triton"
+    assert kernel("conv2d_backward", mobilenet) == "triton"
+    assert kernel("conv2d_backward", mobilenet, mask=(True, True, True)) == "triton"
+    assert kernel("conv2d", (32, 960, 7, 7)) == "cudnn"                   # 7 x 7 outputs
+    assert kernel("conv2d", (32, 576, 14, 14), stride=2) == "cudnn"       # 7 x 7 outputs
+    assert kernel("conv2d", (32, 384, 14, 14)) == "triton"
+    assert kernel("conv2d", (32, 240, 28, 28), k=5) == "triton"
+    assert kernel("conv2d", (32, 96, 56, 56), k=7) == "cudnn"              # 7 x 7: not measured on contiguous x
+    assert kernel("conv2d_backward", (32, 192, 28, 28)) == "cudnn"        # below 56 x 56
+    assert kernel("conv2d_backward", (32, 144, 56, 56), k=5, stride=2) == "cudnn"   # 5 x 5 taps
+    assert kernel("conv2d_backward", (32, 192, 28, 28), mask=(True, False, False)) == "triton"
+    assert kernel("conv2d_backward", (32, 960, 7, 7), mask=(True, False, False)) == "cudnn"
+    assert kernel("conv2d_backward", mobilenet, mask=(False, True, False)) == "cudnn"
+    assert kernel("conv2d", mobilenet, channels_last=True) == "cudnn"
+    assert kernel("conv2d", mobilenet, dtype=torch.float32) == "triton"
+    assert kernel("conv2d_backward", mobilenet, dtype=torch.float32) == "triton"
+    assert kernel("conv2d", mobilenet, dtype=torch.float16) == "cudnn"
+    assert kernel("conv2d_backward", mobilenet, dtype=torch.float16) == "cudnn"
+    assert kernel("conv2d", mobilenet, groups=72) == "cudnn"              # grouped, not depthwise
+    with trainops.backend("cudnn"):
+        assert kernel("conv2d", mobilenet) == "cudnn"
 
 
 def test_registry_reports_the_kernels(backend, device):

@@ -42,10 +42,10 @@ batch norm's kernels around one collective each). With ``batch_norm=False`` thes
 neither swapped nor listed in the report.
 
 With ``convolution=True``, torch.nn.Conv2d -> trainops.nn.Conv2d (the convolution registry:
-cuDNN on CUDA as torch's, so the same kernels; Triton's depthwise kernels under
-``trainops.backend("triton")``). Not swapped by default: it adds a call's host time to torch's,
-has no double backward (gradient penalties), and, until the Triton kernels are measured against
-cuDNN, changes no kernel.
+cuDNN on CUDA as torch's, except the bf16 and float32 depthwise convolutions of contiguous (NCHW)
+input where its Triton kernels were measured faster; ``ops/convolution.py``, ``choose_backend``).
+Not swapped by default: it adds a call's host time to torch's and has no double backward
+(gradient penalties).
 
 A module is left as it is, and reported with the reason, when swapping it could change what it
 does: an Embedding with ``max_norm`` or ``sparse=True`` (trainops does not support them), a module

@@ -11,9 +11,9 @@ The model (``CNN_CONFIGS``): a CIFAR-style ResNet: a 3x3 stem convolution, batch
 then stages of basic blocks (two 3x3 convolutions with batch norms, ReLUs, an identity or a strided
 1x1 convolution shortcut; each stage after the first halves the resolution and doubles the
 width), global average pooling and a linear head. The trainops run's convolutions go through
-trainops's convolution registry (``trainops.nn.Conv2d``: cuDNN on CUDA, as torch's, since its
-Triton kernels are depthwise only and not yet measured against cuDNN; torch's CPU kernels on the
-CPU), the other runs' are torch's.
+trainops's convolution registry (``trainops.nn.Conv2d``: cuDNN on CUDA, as torch's, since this
+network has no depthwise convolution, where alone the registry's Triton kernels run; torch's CPU
+kernels on the CPU), the other runs' are torch's.
 
 Runs (``CNN_RUNS``), from the same initial weights (same seed) on the same batches, SGD with
 Nesterov momentum 0.9, weight decay 5e-4 (not on batch norms and biases), warm-up then cosine

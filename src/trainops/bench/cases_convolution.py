@@ -1,7 +1,9 @@
 """Benchmark cases of the convolution registry: depthwise convolutions (MobileNet-V2's 3x3 and 5x5,
-ConvNeXt's 7x7) forward + backward in bf16, channels-last, through ``trainops.conv2d`` as the
-registry chooses (cuDNN on CUDA), with its Triton kernels pinned (``trainops.backend("triton")``),
-and torch's own ``F.conv2d`` (and torch.compile of it). The rows decide ``choose_backend``.
+ConvNeXt's 7x7) forward + backward in bf16, channels-last and contiguous, through
+``trainops.conv2d`` as the registry chooses (``choose_backend``: Triton for the contiguous row,
+cuDNN for the channels-last ones), with its Triton kernels pinned (``trainops.backend("triton")``),
+and torch's own ``F.conv2d`` (and torch.compile of it). The per-direction measurements behind
+``choose_backend`` come from ``benchmarks/probe_conv.py``.
 
 Each timed call is a training step's convolution: forward, then the backward of a fixed random
 upstream gradient into x's and the weight's gradients (returned, checked against float64 torch).
@@ -21,15 +23,16 @@ import trainops
 from .cases import Case, _dt, _randn
 
 
-def _depthwise_case(shape, kernel: int, stride: int, dtype, device) -> Case:
+def _depthwise_case(shape, kernel: int, stride: int, dtype, device, channels_last: bool = True) -> Case:
     n, c, h, w = shape
     padding = kernel // 2
     oh, ow = (h + 2 * padding - kernel) // stride + 1, (w + 2 * padding - kernel) // stride + 1
 
     def build(peers):
-        x = _randn(shape, dtype, device, 60).to(memory_format=torch.channels_last).requires_grad_()
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        x = _randn(shape, dtype, device, 60).to(memory_format=layout).requires_grad_()
         weight = (_randn((c, 1, kernel, kernel), dtype, device, 61) * 0.2).requires_grad_()
-        dy = _randn((n, c, oh, ow), dtype, device, 62).to(memory_format=torch.channels_last)
+        dy = _randn((n, c, oh, ow), dtype, device, 62).to(memory_format=layout)
 
         def conv(fn):
             def factory():
@@ -59,14 +62,17 @@ def _depthwise_case(shape, kernel: int, stride: int, dtype, device) -> Case:
 
     size = dtype.itemsize
     nbytes = (math.prod(shape) * 3 + n * c * oh * ow * 2) * size
-    label = f"{'x'.join(map(str, shape))} {kernel}x{kernel} s{stride} depthwise {_dt(dtype)} channels_last fwd+bwd"
+    label = (f"{'x'.join(map(str, shape))} {kernel}x{kernel} s{stride} depthwise {_dt(dtype)}"
+             f"{' channels_last' if channels_last else ''} fwd+bwd")
     return Case("conv2d", label, nbytes, build)
 
 
 def convolution_cases(device, quick: bool) -> list[Case]:
-    """MobileNet-V2's depthwise layers at batch 32 (144 channels at 56 x 56, 3x3; 240 at 28 x 28, 5x5
-    stride 2) and ConvNeXt-T's first stage (96 channels at 56 x 56, 7x7), bf16, channels-last."""
-    cases = [_depthwise_case((32, 144, 56, 56), 3, 1, torch.bfloat16, device)]
+    """MobileNet-V2's depthwise layers at batch 32 (144 channels at 56 x 56, 3x3, channels-last and
+    contiguous (where the registry picks Triton); 240 at 28 x 28, 5x5 stride 2) and ConvNeXt-T's
+    first stage (96 channels at 56 x 56, 7x7), bf16."""
+    cases = [_depthwise_case((32, 144, 56, 56), 3, 1, torch.bfloat16, device),
+             _depthwise_case((32, 144, 56, 56), 3, 1, torch.bfloat16, device, channels_last=False)]
     if quick:
         return cases
     return cases + [_depthwise_case((32, 240, 28, 28), 5, 2, torch.bfloat16, device),

@@ -64,7 +64,9 @@ class BroadcastSumHeuristics:
     summed axis has stride 1, the summed elements a step takes along it (the rest: outputs);
     programs_per_sm: programs wanted per SM before the summed elements are split among programs;
     warps: each program's warps; reduce_block / reduce_parts: the partial sums' adding kernel
-    (``column_sum``). Chosen, not yet measured on a GPU (benchmarks/NOTES.md, "sum_to_shape").
+    (``column_sum``). The defaults won 10 of 15 broadcast shapes against ``grad.sum`` in GPU time
+    (H200, benchmarks/probe_sum_to_shape.py; NOTES, "sum_to_shape on the GPU"); no tile of five
+    won the other five (row sums, a head-shared attention bias, a vocabulary-sized bias).
     """
 
     tile: int = 4096
@@ -284,7 +286,9 @@ if triton_available():
         summed elements along the lanes when SUMMED_INNER (their stride-1 axis), else (BLOCK_R,
         BLOCK_K) with the outputs along them. Fixed order: BLOCK_R-wide steps added elementwise in
         order, then the tile reduced by tl.sum. INDEX: the indices' integer type (int64 when the
-        outputs or the summed elements reach 2**31)."""
+        outputs or the summed elements reach 2**31). The offsets are div / mod of the index vectors,
+        which the compiler cannot prove contiguous; a variant that gave it contiguous offsets (the
+        block's first offset + 0..BLOCK-1) ran slower on the H200 (NOTES, "sum_to_shape on the GPU")."""
         split = tl.program_id(1)
         start = split.to(INDEX) * chunk
         stop = tl.minimum(start + chunk, R)
@@ -316,20 +320,20 @@ if triton_available():
 
 def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
     """(BLOCK_K, BLOCK_R, summed_inner, splits, chunk) of the Triton plan: the tile's orientation
-    follows the stride-1 axis; outputs are split into blocks, and when those blocks make fewer than
-    ``programs_per_sm`` programs per SM, the summed elements are split among programs in chunks of
-    whole BLOCK_R steps."""
+    follows the stride-1 axis, whose block along the lanes is ``kept_block`` wide, widened (up to
+    ``tile`` elements) when the other axis is too short to fill the tile; outputs are split into
+    blocks, and when those blocks make fewer than ``programs_per_sm`` programs per SM, the summed
+    elements are split among programs in chunks of whole BLOCK_R steps, enough for that many."""
     h, w = problem.heuristics, problem.walk
     K, R = w.kept_count, w.summed_count
     summed_inner = w.inner == "summed"
-    if summed_inner:
-        block_r = min(h.kept_block, next_pow2(max(R, 1)))   # kept_block: the lanes' share, here summed
-        block_k = max(1, min(h.tile // block_r, next_pow2(max(K, 1))))
-    else:
-        block_k = min(h.kept_block, next_pow2(max(K, 1)))
-        block_r = max(1, min(h.tile // block_k, next_pow2(max(R, 1))))
+    lanes, other = (R, K) if summed_inner else (K, R)
+    lane_block = min(h.kept_block, next_pow2(max(lanes, 1)))
+    other_block = max(1, min(h.tile // lane_block, next_pow2(max(other, 1))))
+    lane_block = max(lane_block, min(h.tile // other_block, next_pow2(max(lanes, 1))))
+    block_r, block_k = (lane_block, other_block) if summed_inner else (other_block, lane_block)
     k_blocks = -(-K // block_k)
-    wanted = max(1, sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1))
+    wanted = max(1, -(-sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1)))
     steps = -(-R // block_r)
     splits = max(1, min(wanted, steps, MAX_GRID_Y))   # splits ride on the grid's second axis
     chunk = -(-steps // splits) * block_r

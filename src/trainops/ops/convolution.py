@@ -34,9 +34,11 @@ Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernel
   over the program's positions), added in a fixed order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
   rounded once. Other convolutions raise UnsupportedError on this backend.
 
-Choice (``choose_backend``): cuDNN for every problem on CUDA for now, the CPU kernels on the CPU:
-the Triton kernels are not yet measured against cuDNN on a GPU (benchmarks/NOTES.md, "The
-convolution registry"), so no shape is claimed for them; ``trainops.backend("triton")`` runs them.
+Choice (``choose_backend``): on CUDA, the Triton kernels for the bf16 and float32 depthwise problems
+of contiguous (NCHW) x, kernels up to 5 x 5, where they were measured faster than cuDNN
+(``triton_beats_cudnn``: forward from 14 x 14 output positions, backward from 56 x 56 input
+positions with at most 3 x 3 taps, the input gradient alone from 14 x 14), cuDNN for every other
+problem; the CPU kernels on the CPU. ``trainops.backend(...)`` pins either.
 
 Bytes (the fewest a depthwise convolution must move, for the Triton plans): forward reads x and
 writes y (the weight is small); the input gradient reads dy, writes dx; the weight gradient reads
@@ -76,18 +78,27 @@ class ConvHeuristics:
     """The Triton depthwise kernels' tunables (trainops.heuristics(...) overrides them).
 
     block_positions: output positions (input positions for the input gradient; summed positions a
-    step for the weight gradient) of a program's tile; block_channels: its channels; warps: its
-    warps; programs_per_sm: programs wanted per SM before the weight gradient's positions are split
-    among programs; reduce_block / reduce_parts: the partial sums' adding kernel (``column_sum``).
-    Chosen, not yet measured on a GPU.
+    step for the weight gradient) of a program's tile; block_channels: its channels; None: the
+    layout's tile: (256, 16) for contiguous x (positions along the lanes), the fastest of eight
+    tiles on four MobileNet-V2 / EfficientNet-B0 depthwise layers (H200, bf16,
+    benchmarks/probe_conv.py; NOTES "Depthwise convolutions on the GPU"); (64, 32) for
+    channels-last x, where none of the eight made these kernels faster than cuDNN (the registry
+    does not choose them there). warps: a program's warps; programs_per_sm: programs wanted per SM before the weight
+    gradient's positions are split among programs; reduce_block / reduce_parts: the partial sums'
+    adding kernel (``column_sum``).
     """
 
-    block_positions: int = 64
-    block_channels: int = 32
+    block_positions: Optional[int] = None
+    block_channels: Optional[int] = None
     warps: int = 4
     programs_per_sm: int = 4
     reduce_block: int = 128
     reduce_parts: int = 32
+
+    def tile(self, channels_last: bool) -> tuple[int, int]:
+        """(block_positions, block_channels) for x of this layout."""
+        positions, channels = (64, 32) if channels_last else (256, 16)
+        return (self.block_positions or positions, self.block_channels or channels)
 
 
 def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -257,6 +268,8 @@ def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1,
                              f"{type(heuristics).__name__}")
     for field_name in ("block_positions", "block_channels", "reduce_block", "reduce_parts", "warps"):
         value = getattr(heuristics, field_name)
+        if value is None and field_name in ("block_positions", "block_channels"):
+            continue
         if value < 1 or value & (value - 1):
             raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
     if heuristics.programs_per_sm < 1 or heuristics.warps > 32:
@@ -277,10 +290,46 @@ def _describer(op: str):
     return describe
 
 
+# Where the Triton depthwise kernels beat cuDNN, measured (benchmarks/probe_conv.py: MobileNet-V2,
+# EfficientNet-B0 and ConvNeXt-T depthwise layers at batch 32; H200, torch 2.11, cuDNN 9.19,
+# Triton 3.6; NOTES "Depthwise convolutions on the GPU"): contiguous (NCHW) x in bf16 and float32
+# only. cuDNN is faster on channels-last x in nearly every row, and on contiguous float16 x in all
+# but the stride-2 input gradients. Kernels up to 5 x 5 (7 x 7 was not measured on contiguous x).
+# Forward: from 14 x 14 output positions (bf16 1.05-1.9x, float32 1.1-1.9x; 0.5-0.7x at 7 x 7).
+# Input and weight gradients together: from 56 x 56 input positions with at most 3 x 3 taps
+# (1.55-2.1x; below that, up to 1.4x slower, where the weight gradient dominates). The input
+# gradient alone: from 14 x 14 input positions (1.15-3.5x). The weight gradient alone: cuDNN (our
+# split sums lose at most shapes).
+TRITON_MAX_TAPS = 25
+TRITON_FORWARD_MIN_POSITIONS = 14 * 14
+TRITON_BACKWARD_MIN_POSITIONS = 56 * 56
+TRITON_BACKWARD_MAX_TAPS = 9
+TRITON_INPUT_GRAD_MIN_POSITIONS = 14 * 14
+TRITON_MEASURED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def triton_beats_cudnn(problem: Conv2dProblem) -> bool:
+    """Whether the measured table above puts this CUDA problem on the Triton depthwise kernels."""
+    _, _, height, width = problem.x_shape
+    _, _, kh, kw = problem.weight_shape
+    if not problem.depthwise or problem.channels_last or problem.dtype not in TRITON_MEASURED_DTYPES \
+            or kh * kw > TRITON_MAX_TAPS:
+        return False
+    if not problem.backward:
+        _, _, oh, ow = problem.out_shape
+        return oh * ow >= TRITON_FORWARD_MIN_POSITIONS
+    want_dx, want_dw, want_db = problem.mask
+    if want_dw or want_db:
+        return want_dx and height * width >= TRITON_BACKWARD_MIN_POSITIONS and kh * kw <= TRITON_BACKWARD_MAX_TAPS
+    return height * width >= TRITON_INPUT_GRAD_MIN_POSITIONS
+
+
 def choose_backend(problem: Conv2dProblem) -> str | None:
-    """cuDNN for every problem on CUDA (the Triton kernels are not yet measured against it: see the
-    module docstring); None elsewhere (the device type's default backend)."""
-    return "cudnn" if problem.device.type == "cuda" else None
+    """On CUDA: the Triton depthwise kernels where they were measured faster than cuDNN
+    (``triton_beats_cudnn``), cuDNN elsewhere; None on other devices (the device type's default)."""
+    if problem.device.type != "cuda":
+        return None
+    return "triton" if triton_available() and triton_beats_cudnn(problem) else "cudnn"
 
 
 Conv2dDescriptor, Conv2dBackwardDescriptor = (register_op(op, _describer(op), choose_backend=choose_backend)
@@ -477,10 +526,8 @@ if triton_available():
 
 
 def _depthwise_tiles(problem: Conv2dProblem) -> tuple[int, int]:
-    h = problem.heuristics
-    c = problem.x_shape[1]
-    block_c = min(h.block_channels, next_pow2(max(c, 1)))
-    return h.block_positions, block_c
+    block_p, block_c = problem.heuristics.tile(problem.channels_last)
+    return block_p, min(block_c, next_pow2(max(problem.x_shape[1], 1)))
 
 
 def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> tuple[int, int]:
