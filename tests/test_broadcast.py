@@ -103,18 +103,21 @@ def test_narrow_tiles_over_inner_runs(backend, device):
             _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
 
 
-def test_tiles_fill_the_tile():
+def test_tiles_fill_the_tile(monkeypatch):
     """A short axis across the lanes' widens the lanes' block (the tile stays full), and the split
     gives at least programs_per_sm programs per SM where the summed elements allow."""
     problem = trainops.plan("sum_to_shape", grad_shape=(32, 4096), dtype=torch.bfloat16, device="cpu", shape=(4096,),
                             heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64)).problem
     block_k, block_r, summed_inner, splits, _ = B.tiles(problem)
     assert (block_k, block_r, summed_inner) == (128, 32, False)
+    # an H100's 132 SMs: 501 output blocks of 64 are fewer than 4 programs per SM, so the summed
+    # rows are split in two (rounded down, as before, one split: 501 programs)
+    monkeypatch.setattr(B, "sm_count", lambda device: 132)
     problem = trainops.plan("sum_to_shape", grad_shape=(8192, 32001), dtype=torch.bfloat16, device="cpu",
                             shape=(32001,), heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64,
                                                                               programs_per_sm=4)).problem
     block_k, block_r, _, splits, _ = B.tiles(problem)
-    assert -(-32001 // block_k) * splits >= B.sm_count(problem.device) * 4
+    assert (block_k, splits) == (64, 2) and -(-32001 // block_k) * splits >= 132 * 4
 
 
 def test_walk_groups_axes_into_runs():

@@ -323,14 +323,16 @@ def test_backend_choice_and_report():
 @pytest.mark.skipif(not trainops.registry.triton_available(), reason="the choice needs the Triton backend")
 def test_triton_chosen_where_measured_faster():
     """choose_backend follows the measured table (conv_ops.triton_beats_cudnn): bf16 and float32
-    depthwise on contiguous x, up to 5 x 5 taps; forward from 14 x 14 output positions; input and weight gradients
+    depthwise on contiguous x like the measured problems (square kernels up to 5 x 5, padding k // 2,
+    strides 1 and 2, batches from 32); forward from 14 x 14 output positions (28 x 28 at stride 2); input and weight gradients
     from 56 x 56 input positions with at most 3 x 3 taps; the input gradient alone from 14 x 14;
     cuDNN for the rest (channels-last, float16, grouped, the weight gradient alone)."""
-    def kernel(op, x_shape, k=3, stride=1, dtype=torch.bfloat16, groups=None, **extra):
+    def kernel(op, x_shape, k=3, stride=1, dtype=torch.bfloat16, groups=None, padding=None, **extra):
         c = x_shape[1]
         groups = c if groups is None else groups
-        desc = dict(x_shape=x_shape, weight_shape=(c, c // groups, k, k), dtype=dtype, device="cuda", padding=k // 2,
-                    stride=stride, groups=groups, deterministic=False, **extra)
+        desc = dict(x_shape=x_shape, weight_shape=(c, c // groups, k, k), dtype=dtype, device="cuda",
+                    padding=k // 2 if padding is None else padding, stride=stride, groups=groups, deterministic=False,
+                    **extra)
         return trainops.plan(op, **desc).info.backend
 
     mobilenet = (32, 144, 56, 56)
@@ -353,6 +355,16 @@ def test_triton_chosen_where_measured_faster():
     assert kernel("conv2d", mobilenet, dtype=torch.float16) == "cudnn"
     assert kernel("conv2d_backward", mobilenet, dtype=torch.float16) == "cudnn"
     assert kernel("conv2d", mobilenet, groups=72) == "cudnn"              # grouped, not depthwise
+    assert kernel("conv2d", (32, 144, 56, 56), stride=2) == "triton"       # 28 x 28 outputs at stride 2
+    assert kernel("conv2d", (32, 192, 28, 28), stride=2) == "cudnn"        # 14 x 14 outputs at stride 2
+    assert kernel("conv2d", (32, 144, 56, 56), stride=3) == "cudnn"        # strides 1 and 2 measured
+    assert kernel("conv2d", (16, 144, 56, 56)) == "cudnn"                  # batches from 32 measured
+    assert kernel("conv2d", mobilenet, padding=0) == "cudnn"               # padding k // 2 measured
+    assert kernel("conv2d", mobilenet, dilation=2, padding=2) == "cudnn"   # no dilation measured
+    wide = (32, 16 * 65535 + 16, 14, 14)                                    # more channel blocks than the grid takes
+    assert kernel("conv2d", wide) == "cudnn"
+    with trainops.backend("triton"), pytest.raises(UnsupportedError, match="channel blocks"):
+        kernel("conv2d", wide)
     with trainops.backend("cudnn"):
         assert kernel("conv2d", mobilenet) == "cudnn"
 

@@ -867,9 +867,11 @@ def sum_to_shape(grad: Tensor, shape) -> Tensor:
 
 def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
            groups: int = 1) -> Tensor:
-    """torch.nn.functional.conv2d through the convolution registry (ops/convolution.py): cuDNN on
-    CUDA (Triton's depthwise kernels under ``trainops.backend("triton")``), torch's CPU kernels on
-    the CPU; ``trainops.track_kernels`` names the kernel that ran.
+    """torch.nn.functional.conv2d through the convolution registry (ops/convolution.py): on CUDA,
+    Triton's depthwise kernels where they were measured faster than cuDNN (bf16 / float32 NCHW
+    depthwise layers of many positions: ``convolution.choose_backend``), cuDNN elsewhere; torch's
+    CPU kernels on the CPU; ``trainops.backend`` pins one, ``trainops.track_kernels`` names the
+    kernel that ran.
 
     input: (N, C, H, W) or unbatched (C, H, W); weight: (O, C / groups, KH, KW); bias: (O,) or None;
     all of one dtype (float32, float16, bfloat16, float64; under torch.autocast each is cast to its

@@ -65,8 +65,9 @@ class BroadcastSumHeuristics:
     programs_per_sm: programs wanted per SM before the summed elements are split among programs;
     warps: each program's warps; reduce_block / reduce_parts: the partial sums' adding kernel
     (``column_sum``). The defaults won 10 of 15 broadcast shapes against ``grad.sum`` in GPU time
-    (H200, benchmarks/probe_sum_to_shape.py; NOTES, "sum_to_shape on the GPU"); no tile of five
-    won the other five (row sums, a head-shared attention bias, a vocabulary-sized bias).
+    (H200, benchmarks/probe_sum_to_shape.py; NOTES, "sum_to_shape on the GPU"); behind on row sums,
+    a head-shared attention bias and a vocabulary-sized bias. Other tiles were timed only on a
+    kernel variant since dropped, so these defaults are not a sweep's winners.
     """
 
     tile: int = 4096

@@ -35,10 +35,11 @@ Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernel
   rounded once. Other convolutions raise UnsupportedError on this backend.
 
 Choice (``choose_backend``): on CUDA, the Triton kernels for the bf16 and float32 depthwise problems
-of contiguous (NCHW) x, kernels up to 5 x 5, where they were measured faster than cuDNN
-(``triton_beats_cudnn``: forward from 14 x 14 output positions, backward from 56 x 56 input
-positions with at most 3 x 3 taps, the input gradient alone from 14 x 14), cuDNN for every other
-problem; the CPU kernels on the CPU. ``trainops.backend(...)`` pins either.
+of contiguous (NCHW) x like the measured ones (square kernels up to 5 x 5, padding k // 2, strides
+1 or 2, batches from 32) where they were measured faster than cuDNN (``triton_beats_cudnn``:
+forward from 14 x 14 output positions (28 x 28 at stride 2), backward from 56 x 56 input positions
+with at most 3 x 3 taps, the input gradient alone from 14 x 14), cuDNN for every other problem;
+the CPU kernels on the CPU. ``trainops.backend(...)`` pins either.
 
 Bytes (the fewest a depthwise convolution must move, for the Triton plans): forward reads x and
 writes y (the weight is small); the input gradient reads dy, writes dx; the weight gradient reads
@@ -291,17 +292,19 @@ def _describer(op: str):
 
 
 # Where the Triton depthwise kernels beat cuDNN, measured (benchmarks/probe_conv.py: MobileNet-V2,
-# EfficientNet-B0 and ConvNeXt-T depthwise layers at batch 32; H200, torch 2.11, cuDNN 9.19,
-# Triton 3.6; NOTES "Depthwise convolutions on the GPU"): contiguous (NCHW) x in bf16 and float32
-# only. cuDNN is faster on channels-last x in nearly every row, and on contiguous float16 x in all
-# but the stride-2 input gradients. Kernels up to 5 x 5 (7 x 7 was not measured on contiguous x).
-# Forward: from 14 x 14 output positions (bf16 1.05-1.9x, float32 1.1-1.9x; 0.5-0.7x at 7 x 7).
-# Input and weight gradients together: from 56 x 56 input positions with at most 3 x 3 taps
-# (1.55-2.1x; below that, up to 1.4x slower, where the weight gradient dominates). The input
-# gradient alone: from 14 x 14 input positions (1.15-3.5x). The weight gradient alone: cuDNN (our
-# split sums lose at most shapes).
+# EfficientNet-B0 and ConvNeXt-T depthwise layers at batch 32, square kernels, padding k // 2, no
+# dilation, strides 1 and 2; H200, torch 2.11, cuDNN 9.19, Triton 3.6; NOTES "Depthwise
+# convolutions on the GPU"). Contiguous (NCHW) x in bf16 and float32 only: cuDNN is faster on
+# channels-last x in nearly every row, and on contiguous float16 x in all rows but the stride-2
+# ones. Kernels up to 5 x 5 (7 x 7 was not measured on contiguous x); batches from 32 (smaller
+# ones were not measured). Forward: from 14 x 14 output positions at stride 1, 28 x 28 at stride 2
+# (bf16 1.05-1.9x, float32 1.1-1.9x; 0.38-0.7x at 7 x 7). Input and weight gradients together:
+# from 56 x 56 input positions with at most 3 x 3 taps (1.55-2.1x; below that, up to 1.4x slower,
+# where the weight gradient dominates). The input gradient alone: from 14 x 14 input positions
+# (1.15-3.5x). The weight gradient alone: cuDNN (our split sums lose at most shapes).
 TRITON_MAX_TAPS = 25
-TRITON_FORWARD_MIN_POSITIONS = 14 * 14
+TRITON_MIN_BATCH = 32
+TRITON_FORWARD_MIN_POSITIONS = {1: 14 * 14, 2: 28 * 28}   # by stride
 TRITON_BACKWARD_MIN_POSITIONS = 56 * 56
 TRITON_BACKWARD_MAX_TAPS = 9
 TRITON_INPUT_GRAD_MIN_POSITIONS = 14 * 14
@@ -309,15 +312,21 @@ TRITON_MEASURED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def triton_beats_cudnn(problem: Conv2dProblem) -> bool:
-    """Whether the measured table above puts this CUDA problem on the Triton depthwise kernels."""
-    _, _, height, width = problem.x_shape
+    """Whether the measured table above puts this CUDA problem on the Triton depthwise kernels:
+    only problems like the measured ones (square kernel, padding k // 2, no dilation, equal strides
+    of 1 or 2, a batch of at least 32) and within the grid the kernels launch."""
+    n, c, height, width = problem.x_shape
     _, _, kh, kw = problem.weight_shape
+    stride = problem.stride[0]
     if not problem.depthwise or problem.channels_last or problem.dtype not in TRITON_MEASURED_DTYPES \
-            or kh * kw > TRITON_MAX_TAPS:
+            or kh != kw or kh * kw > TRITON_MAX_TAPS or problem.padding != (kh // 2, kw // 2) \
+            or problem.dilation != (1, 1) or problem.stride != (stride, stride) \
+            or stride not in TRITON_FORWARD_MIN_POSITIONS or n < TRITON_MIN_BATCH \
+            or -(-c // _depthwise_tiles(problem)[1]) > MAX_GRID_Y:
         return False
     if not problem.backward:
         _, _, oh, ow = problem.out_shape
-        return oh * ow >= TRITON_FORWARD_MIN_POSITIONS
+        return oh * ow >= TRITON_FORWARD_MIN_POSITIONS[stride]
     want_dx, want_dw, want_db = problem.mask
     if want_dw or want_db:
         return want_dx and height * width >= TRITON_BACKWARD_MIN_POSITIONS and kh * kw <= TRITON_BACKWARD_MAX_TAPS
@@ -559,6 +568,10 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
                 problem.dilation[1])
     meta = dict(KH=kh, KW=kw, BLOCK_P=block_p, BLOCK_C=block_c, ACC=acc_tl, num_warps=h.warps)
     c_blocks = -(-c // block_c)
+    if c_blocks > MAX_GRID_Y:
+        raise UnsupportedError(f"trainops.{problem.op}: {c} channels make {c_blocks} channel blocks of {block_c}, more than "
+                               f"the {MAX_GRID_Y} programs the Triton kernels' grid takes on that axis; use the cudnn "
+                               "backend or larger block_channels (ConvHeuristics)")
     params = (("BLOCK_P", block_p), ("BLOCK_C", block_c), ("num_warps", h.warps))
 
     if not problem.backward:
