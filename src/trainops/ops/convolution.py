@@ -80,13 +80,14 @@ class ConvHeuristics:
 
     block_positions: output positions (input positions for the input gradient; summed positions a
     step for the weight gradient) of a program's tile; block_channels: its channels; None: the
-    layout's tile: (256, 16) for contiguous x (positions along the lanes), the fastest of eight
-    tiles on four MobileNet-V2 / EfficientNet-B0 depthwise layers (H200, bf16,
-    benchmarks/probe_conv.py; NOTES "Depthwise convolutions on the GPU"); (64, 32) for
-    channels-last x, where none of the eight made these kernels faster than cuDNN (the registry
-    does not choose them there). warps: a program's warps; programs_per_sm: programs wanted per SM before the weight
-    gradient's positions are split among programs; reduce_block / reduce_parts: the partial sums'
-    adding kernel (``column_sum``).
+    layout's tile. Contiguous x: (256, 16), positions along the lanes; of three tiles timed on
+    MobileNet-V2 / EfficientNet-B0 depthwise layers (H200, bf16, benchmarks/probe_conv.py; NOTES
+    "Depthwise convolutions on the GPU") the old (64, 32) won no direction, and (256, 16) won both
+    gradients on three of the four shapes the registry sends to Triton, (128, 16) the fourth.
+    Channels-last x: (64, 32); none of eight tiles made these kernels faster than cuDNN there (the
+    registry does not choose them). warps: a program's warps; programs_per_sm: programs wanted per
+    SM before the weight gradient's positions are split among programs; reduce_block /
+    reduce_parts: the partial sums' adding kernel (``column_sum``).
     """
 
     block_positions: Optional[int] = None
