@@ -323,10 +323,11 @@ def test_backend_choice_and_report():
 @pytest.mark.skipif(not trainops.registry.triton_available(), reason="the choice needs the Triton backend")
 def test_triton_chosen_where_measured_faster():
     """choose_backend follows the measured table (conv_ops.triton_beats_cudnn): bf16 and float32
-    depthwise on contiguous x like the measured problems (square kernels up to 5 x 5, padding k // 2,
-    strides 1 and 2, batches from 32); forward from 14 x 14 output positions (28 x 28 at stride 2); input and weight gradients
-    from 56 x 56 input positions with at most 3 x 3 taps; the input gradient alone from 14 x 14;
-    cuDNN for the rest (channels-last, float16, grouped, the weight gradient alone)."""
+    depthwise on contiguous x like the measured problems (square kernels up to 5 x 5, padding
+    k // 2, strides 1 and 2, batches from 32); forward from 14 x 14 output positions (28 x 28 at
+    stride 2); input and weight gradients from 56 x 56 input positions with at most 3 x 3 taps; the
+    input gradient alone from 14 x 14; cuDNN for the rest (channels-last, float16, grouped, the
+    weight gradient alone, more channel blocks than the grid takes)."""
     def kernel(op, x_shape, k=3, stride=1, dtype=torch.bfloat16, groups=None, padding=None, **extra):
         c = x_shape[1]
         groups = c if groups is None else groups
