@@ -316,14 +316,14 @@ def triton_beats_cudnn(problem: Conv2dProblem) -> bool:
     """Whether the measured table above puts this CUDA problem on the Triton depthwise kernels:
     only problems like the measured ones (square kernel, padding k // 2, no dilation, equal strides
     of 1 or 2, a batch of at least 32) and within the grid the kernels launch."""
-    n, c, height, width = problem.x_shape
+    n, _, height, width = problem.x_shape
     _, _, kh, kw = problem.weight_shape
     stride = problem.stride[0]
     if not problem.depthwise or problem.channels_last or problem.dtype not in TRITON_MEASURED_DTYPES \
             or kh != kw or kh * kw > TRITON_MAX_TAPS or problem.padding != (kh // 2, kw // 2) \
             or problem.dilation != (1, 1) or problem.stride != (stride, stride) \
             or stride not in TRITON_FORWARD_MIN_POSITIONS or n < TRITON_MIN_BATCH \
-            or -(-c // _depthwise_tiles(problem)[1]) > MAX_GRID_Y:
+            or _channel_blocks(problem) > MAX_GRID_Y:
         return False
     if not problem.backward:
         _, _, oh, ow = problem.out_shape
@@ -540,6 +540,12 @@ def _depthwise_tiles(problem: Conv2dProblem) -> tuple[int, int]:
     return block_p, min(block_c, next_pow2(max(problem.x_shape[1], 1)))
 
 
+def _channel_blocks(problem: Conv2dProblem) -> int:
+    """Programs along the channels: the forward's and input gradient's second grid axis (at most
+    MAX_GRID_Y), the weight gradient's first."""
+    return -(-problem.x_shape[1] // _depthwise_tiles(problem)[1])
+
+
 def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> tuple[int, int]:
     """(splits, chunk): the N x OH x OW positions split among programs in whole BLOCK_P steps so
     that channel blocks x splits reach ``programs_per_sm`` per SM."""
@@ -568,7 +574,7 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
     geometry = (problem.stride[0], problem.stride[1], problem.padding[0], problem.padding[1], problem.dilation[0],
                 problem.dilation[1])
     meta = dict(KH=kh, KW=kw, BLOCK_P=block_p, BLOCK_C=block_c, ACC=acc_tl, num_warps=h.warps)
-    c_blocks = -(-c // block_c)
+    c_blocks = _channel_blocks(problem)
     if c_blocks > MAX_GRID_Y:
         raise UnsupportedError(f"trainops.{problem.op}: {c} channels make {c_blocks} channel blocks of {block_c}, more than "
                                f"the {MAX_GRID_Y} programs the Triton kernels' grid takes on that axis; use the cudnn "
