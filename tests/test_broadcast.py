@@ -108,7 +108,7 @@ def test_tiles_fill_the_tile(monkeypatch):
     gives at least programs_per_sm programs per SM where the summed elements allow."""
     problem = trainops.plan("sum_to_shape", grad_shape=(32, 4096), dtype=torch.bfloat16, device="cpu", shape=(4096,),
                             heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64)).problem
-    block_k, block_r, summed_inner, splits, _ = B.tiles(problem)
+    block_k, block_r, summed_inner, splits = B.tiles(problem)[:4]
     assert (block_k, block_r, summed_inner) == (128, 32, False)
     # an H100's 132 SMs: 501 output blocks of 64 are fewer than 4 programs per SM, so the summed
     # rows are split in two (rounded down, as before, one split: 501 programs)
@@ -116,7 +116,7 @@ def test_tiles_fill_the_tile(monkeypatch):
     problem = trainops.plan("sum_to_shape", grad_shape=(8192, 32001), dtype=torch.bfloat16, device="cpu",
                             shape=(32001,), heuristics=BroadcastSumHeuristics(tile=4096, kept_block=64,
                                                                               programs_per_sm=4)).problem
-    block_k, block_r, _, splits, _ = B.tiles(problem)
+    block_k, block_r, _, splits = B.tiles(problem)[:4]
     assert (block_k, splits) == (64, 2) and -(-32001 // block_k) * splits >= 132 * 4
 
 
@@ -268,7 +268,9 @@ def test_errors(backend, device):
         trainops.sum_to_shape(torch.ones(2, 3, dtype=torch.int64, device=device), (3,))
     for bad in (BroadcastSumHeuristics(tile=12), BroadcastSumHeuristics(reduce_block=48),
                 BroadcastSumHeuristics(programs_per_sm=0), BroadcastSumHeuristics(reduce_parts=3),
-                BroadcastSumHeuristics(warps=64)):
+                BroadcastSumHeuristics(warps=64), BroadcastSumHeuristics(tile=64, kept_block=128),
+                BroadcastSumHeuristics(kept_block=2.0), BroadcastSumHeuristics(programs_per_sm=1.5),
+                BroadcastSumHeuristics(reduce_block=None)):
         with pytest.raises(InvalidProblemError, match="heuristics"):
             with trainops.heuristics(bad):
                 trainops.sum_to_shape(x, (3,))
@@ -299,3 +301,45 @@ def test_gpu_real_sizes(dtype):
         out = trainops.sum_to_shape(grad, shape)
         _check(out, grad, shape, dtype)
         assert torch.equal(trainops.sum_to_shape(grad, shape), out)
+
+
+def test_rule_picks_the_measured_tiles(monkeypatch):
+    """The default tiles (every heuristics field None) follow the sweep's winners on 132 SMs: row
+    sums and NCHW per-channel sums along 1024-wide summed lanes; kept lanes as wide as two output
+    blocks per SM allow, 32 below that (256-row tiles in bf16, 64-row ones in float32), 1024
+    where grad's rows are not 16-byte aligned."""
+    monkeypatch.setattr(B, "sm_count", lambda device: 132)
+
+    def rule_of(grad_shape, shape, dtype=torch.bfloat16, channels_last=False):
+        strides = torch.empty(grad_shape, dtype=dtype).to(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format).stride()
+        problem = trainops.plan("sum_to_shape", grad_shape=grad_shape, dtype=dtype, device="cpu", shape=shape,
+                                strides=strides, heuristics=BroadcastSumHeuristics()).problem
+        return B.rule(problem), B.tiles(problem)
+
+    assert rule_of((8192, 4096), (8192, 1))[0] == (1024, 2048, 2, 8)
+    assert rule_of((32, 2048, 7, 7), (2048, 1, 1))[1][:3] == (32, 64, True)   # lanes capped by the 49 positions
+    assert rule_of((8, 1024, 4096), (4096,))[0] == (32, 8192, 2, 8)
+    assert rule_of((8, 1024, 4096), (4096,))[1][:2] == (32, 256)
+    assert rule_of((8, 1024, 4096), (4096,), torch.float32)[0] == (32, 2048, 8, 4)
+    assert rule_of((32, 256, 56, 56), (256, 1, 1), channels_last=True)[0] == (32, 8192, 2, 8)
+    assert rule_of((8, 1024, 4096), (8, 1, 4096))[0] == (64, 8192, 2, 4)           # 32768 outputs: 512 blocks of 64
+    assert rule_of((4, 32, 1024, 1024), (4, 1, 1024, 1024))[0] == (1024, 2048, 2, 4)
+    assert rule_of((4, 2047, 32001), (32001,))[0] == (1024, 2048, 8, 4)             # rows of 64002 bytes
+    # a field given overrides the rule's value, the others stay the rule's
+    problem = trainops.plan("sum_to_shape", grad_shape=(8192, 4096), dtype=torch.bfloat16, device="cpu",
+                            shape=(8192, 1), heuristics=BroadcastSumHeuristics(warps=2)).problem
+    assert B.tiles(problem).warps == 2 and B.tiles(problem)[:2] == (2, 1024)
+
+
+def test_summed_lanes_split_across_and_within_the_inner_run(backend, device):
+    """Summed along the lanes, the summed elements split over the outer summed index and within the
+    innermost summed run at once (3 outer indices, 8 splits of a 32-long run)."""
+    gen = torch.Generator().manual_seed(stable_seed("summed lanes splits"))
+    with trainops.heuristics(NARROW):
+        problem = trainops.plan("sum_to_shape", grad_shape=(3, 8, 4, 8), dtype=torch.float32, device=device,
+                                shape=(1, 8, 1, 1)).problem
+        t = B.tiles(problem)
+        assert t.summed_inner and t.splits3 > 1 and t.splits > t.splits3, t
+        grad = _grad((3, 8, 4, 8), torch.float32, device, gen)
+        _check(trainops.sum_to_shape(grad, (1, 8, 1, 1)), grad, (1, 8, 1, 1), torch.float32)

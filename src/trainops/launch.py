@@ -24,6 +24,12 @@ traced on functional or fake tensors: a call with such tensors goes through
 call must not pass one output tensor for two pointer arguments (functionalization clones each
 mutated argument on its own): absent pointers are None.
 
+Launches on the tensors' device (the first tensor argument's), made current for the launch when
+another device is current: Triton itself launches on the current device, so a model spread over
+several GPUs (Hugging Face's ``device_map="auto"``) would otherwise launch its layers on cuda:1
+tensors on cuda:0, which Triton refuses ("cannot be accessed from Triton"), and which a direct
+launch must never do.
+
 Falls back to ``kernel[grid]`` (always correct) under Triton's interpreter, when a launch hook is
 installed (profilers such as proton), and for argument lists it does not handle (another argument
 count, other argument types than the first call's, objects that are neither tensors nor numbers).
@@ -113,9 +119,21 @@ class _DirectLaunch:
                 or _installed(hooks.launch_enter_hook) or _installed(hooks.launch_exit_hook)):
             if _traced(args):
                 return self._traced_launch(args)
-            return self.jit(*args, *self.trailing, **self.meta)
-        device = self.driver.active.get_current_device()
+            device = next((a.get_device() for a in args if isinstance(a, torch.Tensor)), -1)
+            if device < 0 or device == self.driver.active.get_current_device():
+                return self.jit(*args, *self.trailing, **self.meta)
+            with torch.cuda.device(device):
+                return self.jit(*args, *self.trailing, **self.meta)
         tensors = [args[k] for k in self.tensor_at]
+        device = self.driver.active.get_current_device()
+        own = tensors[0].get_device() if tensors else -1
+        if own >= 0 and own != device:
+            with torch.cuda.device(own):
+                return self._launch(args, tensors, own)
+        return self._launch(args, tensors, device)
+
+    def _launch(self, args, tensors, device: int):
+        """The direct launch on ``device``, the current CUDA device (the tensors' own)."""
         ints = [args[k] for k in self.int_at]
         key = (device, tuple([t.data_ptr() & 15 == 0 for t in tensors]), tuple([t.dtype for t in tensors]),
                tuple([(a == 1, a & 15 == 0, _I32[0] <= a <= _I32[1], a >= _U64, a) if type(a) is bool else

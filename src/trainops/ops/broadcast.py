@@ -23,17 +23,19 @@ write of it) and, if that still has more, the Triton backend raises UnsupportedE
 backend takes any).
 
 Bytes (the fewest the op must move): grad read once, out written once. Triton plan
-(``BroadcastSumHeuristics``): a program owns a block of outputs and walks a share of the summed
-elements in (summed, kept) tiles oriented so that the axis of stride 1 runs along a warp's lanes;
-when the outputs are too few to fill the GPU, the summed elements are split among programs that
-write float32 partial sums, added in a fixed order by a second kernel (``_common.column_sum``).
+(``BroadcastSumHeuristics``, defaults from ``rule``, measured): a program owns a block of outputs
+and walks a share of the summed elements in (summed, kept) tiles oriented so that the axis of
+stride 1 runs along a warp's lanes (summed along the lanes, as (outer index, innermost summed run)
+so that the loads are contiguous); when the outputs are too few to fill the GPU, the summed
+elements are split among programs that write float32 partial sums, added in a fixed order by a
+second kernel (``_common.column_sum``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -57,23 +59,21 @@ SUMMED_RUNS, KEPT_RUNS = 4, 4   # the Triton kernel's slots: R0..R3 and K0..K3
 
 @dataclass(frozen=True)
 class BroadcastSumHeuristics:
-    """The sum_to_shape Triton kernels' tunables (trainops.heuristics(...) overrides them).
+    """The sum_to_shape Triton kernels' tunables (trainops.heuristics(...) overrides them); a field
+    left None takes the measured rule's value for the problem (``rule``).
 
-    tile: elements of one (summed, kept) tile a program adds per step; kept_block: outputs a program
-    owns when the kept axis has stride 1 (the rest of the tile walks summed elements), or when the
-    summed axis has stride 1, the summed elements a step takes along it (the rest: outputs);
+    kept_block: the tile's extent along the lanes (the outputs when the kept axis has stride 1, else
+    the summed elements), capped by that axis; tile: elements of one (summed, kept) tile a program
+    adds per step (the lanes' block widens when the other axis is too short to fill it);
     programs_per_sm: programs wanted per SM before the summed elements are split among programs;
     warps: each program's warps; reduce_block / reduce_parts: the partial sums' adding kernel
-    (``column_sum``). The defaults won 10 of 15 broadcast shapes against ``grad.sum`` in GPU time
-    (H200, benchmarks/probe_sum_to_shape.py; NOTES, "sum_to_shape on the GPU"); behind on row sums,
-    a head-shared attention bias and a vocabulary-sized bias. Other tiles were timed only on a
-    kernel variant since dropped, so these defaults are not a sweep's winners.
+    (``column_sum``).
     """
 
-    tile: int = 4096
-    kept_block: int = 64
-    programs_per_sm: int = 4
-    warps: int = 4
+    tile: int | None = None
+    kept_block: int | None = None
+    programs_per_sm: int | None = None
+    warps: int | None = None
     reduce_block: int = 128
     reduce_parts: int = 32
 
@@ -225,10 +225,13 @@ def _describe(grad_shape, dtype, device="cuda", *, strides=None, shape=None, heu
                              f"must be a BroadcastSumHeuristics, got {type(heuristics).__name__}")
     powers = {name: getattr(heuristics, name) for name in ("tile", "kept_block", "warps", "reduce_block",
                                                            "reduce_parts")}
-    if any(v < 1 or v & (v - 1) for v in powers.values()) or heuristics.kept_block > heuristics.tile \
-            or heuristics.programs_per_sm < 1 or heuristics.warps > 32:
-        raise argument_error(InvalidProblemError, OP, "heuristics", f"{powers} must be powers of two (kept_block <= "
-                             f"tile, warps <= 32), programs_per_sm >= 1; got {heuristics}")
+    given = {name: v for name, v in powers.items() if v is not None or name.startswith("reduce")}
+    per_sm = heuristics.programs_per_sm
+    if any(type(v) is not int or v < 1 or v & (v - 1) for v in given.values()) or given.get("warps", 1) > 32 \
+            or given.get("kept_block", 1) > given.get("tile", 2 ** 62) \
+            or (per_sm is not None and (type(per_sm) is not int or per_sm < 1)):
+        raise argument_error(InvalidProblemError, OP, "heuristics", f"{powers} must be powers of two or None "
+                             f"(kept_block <= tile, warps <= 32), programs_per_sm an int >= 1 or None; got {heuristics}")
     walk = walk_of(runs(grad_shape, strides, summed_axes(grad_shape, shape)))
     return SumToShapeProblem(OP, grad_shape, strides, shape, dtype, device, heuristics, walk)
 
@@ -279,67 +282,140 @@ if triton_available():
             + i3.to(tl.int64) * s3
 
     @triton.jit
-    def _sum_to_shape(G, OUT, K, R, chunk, K1, K2, K3, sk0, sk1, sk2, sk3, R1, R2, R3, sr0, sr1, sr2, sr3,
+    def _sum_to_shape(G, OUT, K, R, chunk, chunk3, splits3, K1, K2, K3, sk0, sk1, sk2, sk3,
+                      R0, R1, R2, R3, sr0, sr1, sr2, sr3,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUMMED_INNER: tl.constexpr,
                       INDEX: tl.constexpr, ACC: tl.constexpr):
-        """OUT[split, k] = sum over r in this program's chunk of the summed elements of grad at
-        (r, k), in ACC; programs (output block, split). The tile is (BLOCK_K, BLOCK_R) with the
-        summed elements along the lanes when SUMMED_INNER (their stride-1 axis), else (BLOCK_R,
-        BLOCK_K) with the outputs along them. Fixed order: BLOCK_R-wide steps added elementwise in
-        order, then the tile reduced by tl.sum. INDEX: the indices' integer type (int64 when the
-        outputs or the summed elements reach 2**31). The offsets are div / mod of the index vectors,
-        which the compiler cannot prove contiguous; a variant that gave it contiguous offsets (the
-        block's first offset + 0..BLOCK-1) ran slower on the H200 (NOTES, "sum_to_shape on the GPU")."""
-        split = tl.program_id(1)
-        start = split.to(INDEX) * chunk
-        stop = tl.minimum(start + chunk, R)
-        k_first = tl.program_id(0).to(INDEX) * BLOCK_K
+        """OUT[split, k] = sum over this program's share of the summed elements of grad at (r, k), in
+        ACC; programs: axis 0 blocks of BLOCK_K outputs, axis 1 the splits of the summed elements.
+
+        Kept along the lanes (their stride-1 axis): the outputs' flat index k and the summed index
+        r are mapped to offsets by div / mod over the four runs of each kind; a split adds
+        ``chunk`` consecutive summed elements (whole BLOCK_R steps). Summed along the lanes: the
+        summed elements are walked as (outer index, index in the innermost summed run R3), the
+        lanes taking BLOCK_R consecutive indices of that run, so that with stride 1 there (Triton
+        specialises a stride of 1) the compiler sees the loads contiguous and vectorizes them; split
+        = outer split * splits3 + inner split adds ``chunk`` outer indices times ``chunk3``
+        elements of the run. (The same (outer, run) walk of kept lanes measured no faster than the
+        flat one: NOTES, "sum_to_shape: every probe shape ahead".) Fixed order: steps added
+        elementwise in order into the tile, then the tile reduced by tl.sum. INDEX: the indices'
+        integer type (int64 when an index reaches 2**31)."""
+        split = tl.program_id(1).to(INDEX)
         if SUMMED_INNER:
-            k = k_first + tl.arange(0, BLOCK_K)[:, None]
-            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
+            k = tl.program_id(0).to(INDEX) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)[:, None]
+            outer = split // splits3
+            o_first = outer * chunk
+            o_stop = tl.minimum(o_first + chunk, R // R3)
+            r3_first = (split % splits3) * chunk3
+            r3_stop = tl.minimum(r3_first + chunk3, R3)
             acc = tl.zeros([BLOCK_K, BLOCK_R], ACC)
-            for r0 in range(start, stop, BLOCK_R):
-                r = r0 + tl.arange(0, BLOCK_R)[None, :]
-                mask = (k < K) & (r < stop)
-                r_off = _offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
-                acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
+            for o in range(o_first, o_stop):
+                o_off = _offsets(o, R0, R1, R2, 0, sr0, sr1, sr2)
+                for r0 in range(r3_first, r3_stop, BLOCK_R):
+                    r3 = r0 + tl.arange(0, BLOCK_R)
+                    mask = (k < K)[:, None] & (r3 < r3_stop)[None, :]
+                    acc += tl.load(G + o_off + k_off + (r3.to(tl.int64) * sr3)[None, :], mask=mask,
+                                   other=0.0).to(ACC)
             total = tl.sum(acc, 1)
-            kk = k_first + tl.arange(0, BLOCK_K)
         else:
-            k = k_first + tl.arange(0, BLOCK_K)[None, :]
-            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)
+            k = tl.program_id(0).to(INDEX) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_off = _offsets(k, K1, K2, K3, sk0, sk1, sk2, sk3)[None, :]
+            start = split * chunk
+            stop = tl.minimum(start + chunk, R)
             acc = tl.zeros([BLOCK_R, BLOCK_K], ACC)
             for r0 in range(start, stop, BLOCK_R):
-                r = r0 + tl.arange(0, BLOCK_R)[:, None]
-                mask = (k < K) & (r < stop)
-                r_off = _offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)
-                acc += tl.load(G + k_off + r_off, mask=mask, other=0.0).to(ACC)
+                r = r0 + tl.arange(0, BLOCK_R)
+                mask = (r < stop)[:, None] & (k < K)[None, :]
+                r_off = _offsets(r, R1, R2, R3, sr0, sr1, sr2, sr3)[:, None]
+                acc += tl.load(G + r_off + k_off, mask=mask, other=0.0).to(ACC)
             total = tl.sum(acc, 0)
-            kk = k_first + tl.arange(0, BLOCK_K)
-        tl.store(OUT + split.to(tl.int64) * K + kk.to(tl.int64), total.to(OUT.dtype.element_ty), mask=kk < K)
+        tl.store(OUT + split.to(tl.int64) * K + k.to(tl.int64), total.to(OUT.dtype.element_ty), mask=k < K)
 
 
-def tiles(problem: SumToShapeProblem) -> tuple[int, int, bool, int, int]:
-    """(BLOCK_K, BLOCK_R, summed_inner, splits, chunk) of the Triton plan: the tile's orientation
-    follows the stride-1 axis, whose block along the lanes is ``kept_block`` wide, widened (up to
-    ``tile`` elements) when the other axis is too short to fill the tile; outputs are split into
-    blocks, and when those blocks make fewer than ``programs_per_sm`` programs per SM, the summed
-    elements are split among programs in chunks of whole BLOCK_R steps, enough for that many."""
+def _slots(walk_runs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """A kind's runs (from a Walk: outermost first, padded with (1, 0) after) as the kernel's four
+    slots with the innermost run last: the outer runs in slots 0-2, padded with (1, 0) before."""
+    real = [r for r in walk_runs if r[0] > 1] or [(1, 0)]
+    return tuple([(1, 0)] * (4 - len(real)) + real)
+
+
+class Tiles(NamedTuple):
+    """The Triton plan's launch shape (see ``tiles``)."""
+
+    block_k: int        # outputs a program owns
+    block_r: int        # summed elements a step adds per output
+    summed_inner: bool  # the lanes walk the summed elements (their innermost run has stride 1)
+    splits: int         # programs along grid axis 1: the summed elements' splits
+    chunk: int          # kept along the lanes: summed elements a split adds; else outer summed indices
+    splits3: int        # summed along the lanes: splits within the innermost summed run
+    chunk3: int         # summed along the lanes: elements of that run a split adds
+    warps: int
+
+
+def rule(problem: SumToShapeProblem) -> tuple[int, int, int, int]:
+    """(kept_block, tile, programs_per_sm, warps) for a problem: the winners of a sweep on the H200
+    (benchmarks/probe_sum_to_shape.py, 15 broadcast shapes x 64 tilings, GPU time; NOTES,
+    "sum_to_shape: every probe shape ahead"). Summed along the lanes (row sums, per-channel sums of
+    NCHW): 1024-wide lanes, 2048-element tiles, 2 programs an SM, 8 warps. Kept along the lanes:
+    rows of grad not 16-byte aligned (a vocabulary of 32001): 1024-wide lanes, 8 programs an SM;
+    else the widest lanes (up to 1024) that still give two blocks of outputs per SM, 32 when none
+    does: 32-wide lanes take 256-row tiles in 2-byte dtypes (8 warps) and 64-row ones, 8 programs an
+    SM, in wider dtypes; 64-512 wide ones 8192-element tiles; 1024-wide ones 2-row tiles."""
+    w = problem.walk
+    if w.inner == "summed":
+        return 1024, 2048, 2, 8
+    itemsize = problem.dtype.itemsize
+    if any(stride * itemsize % 16 for size, stride in w.summed if size > 1):
+        return 1024, 2048, 8, 4
+    blocks_wanted = 2 * sm_count(problem.device)
+    lanes = next((b for b in (1024, 512, 256, 128, 64) if -(-w.kept_count // b) >= blocks_wanted), 32)
+    if lanes == 1024:
+        return 1024, 2048, 2, 4
+    if lanes > 32:
+        return lanes, 8192, 2, 4
+    return (32, 8192, 2, 8) if itemsize <= 2 else (32, 2048, 8, 4)
+
+
+def tiles(problem: SumToShapeProblem) -> Tiles:
+    """The Triton plan's tiles. The tile's orientation follows the stride-1 axis: the lanes walk
+    it in blocks ``kept_block`` wide (capped by its extent: the innermost summed run when summed
+    along the lanes), widened (up to ``tile`` elements) when the other axis is too short to fill
+    the tile. When the output blocks make fewer than ``programs_per_sm`` programs per SM, the summed
+    elements are split among programs, enough for that many: kept along the lanes, in chunks of
+    whole BLOCK_R steps; summed along the lanes, first over the outer summed index (``chunk``
+    indices a split), then, if that is not enough, within the innermost summed run (``splits3``
+    splits of ``chunk3`` elements, whole BLOCK_R steps). Fields of the heuristics left None come
+    from ``rule``."""
     h, w = problem.heuristics, problem.walk
+    measured = rule(problem)
+    kept_block, tile, per_sm, warps = (given if given is not None else default for given, default in
+                                       zip((h.kept_block, h.tile, h.programs_per_sm, h.warps), measured))
     K, R = w.kept_count, w.summed_count
     summed_inner = w.inner == "summed"
-    lanes, other = (R, K) if summed_inner else (K, R)
-    lane_block = min(h.kept_block, next_pow2(max(lanes, 1)))
-    other_block = max(1, min(h.tile // lane_block, next_pow2(max(other, 1))))
-    lane_block = max(lane_block, min(h.tile // other_block, next_pow2(max(lanes, 1))))
+    R3 = _slots(w.summed)[3][0]
+    lanes, other = (R3, K) if summed_inner else (K, R)
+    lane_block = min(kept_block, next_pow2(max(lanes, 1)))
+    other_block = max(1, min(tile // lane_block, next_pow2(max(other, 1))))
+    lane_block = max(lane_block, min(tile // other_block, next_pow2(max(lanes, 1))))
     block_r, block_k = (lane_block, other_block) if summed_inner else (other_block, lane_block)
     k_blocks = -(-K // block_k)
-    wanted = max(1, -(-sm_count(problem.device) * h.programs_per_sm // max(k_blocks, 1)))
-    steps = -(-R // block_r)
-    splits = max(1, min(wanted, steps, MAX_GRID_Y))   # splits ride on the grid's second axis
-    chunk = -(-steps // splits) * block_r
-    splits = -(-R // chunk) if R else 1
-    return block_k, block_r, summed_inner, splits, chunk
+    wanted = max(1, -(-sm_count(problem.device) * per_sm // max(k_blocks, 1)))
+    if not summed_inner:
+        steps = -(-R // block_r)
+        splits = max(1, min(wanted, steps, MAX_GRID_Y))   # splits ride on the grid's second axis
+        chunk = -(-steps // splits) * block_r
+        splits = -(-R // chunk) if R else 1
+        return Tiles(block_k, block_r, summed_inner, splits, chunk, 1, R3, warps)
+    outer = R // max(R3, 1)
+    splits_o = max(1, min(wanted, outer, MAX_GRID_Y))
+    chunk = -(-outer // splits_o)
+    splits_o = -(-outer // chunk) if outer else 1
+    steps3 = -(-R3 // block_r)
+    splits3 = max(1, min(-(-wanted // splits_o), steps3, MAX_GRID_Y // splits_o))
+    chunk3 = -(-steps3 // splits3) * block_r
+    splits3 = -(-R3 // chunk3) if R3 else 1
+    return Tiles(block_k, block_r, summed_inner, splits_o * splits3, chunk, splits3, chunk3, warps)
 
 
 def _prepare_triton(problem: SumToShapeProblem) -> Launch:
@@ -350,16 +426,17 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
                                "kernel walks (trainops.sum_to_shape copies such a grad to a contiguous one first); the "
                                "cpu backend takes it")
     K, R = w.kept_count, w.summed_count
-    block_k, block_r, summed_inner, splits, chunk = tiles(problem)
+    block_k, block_r, summed_inner, splits, chunk, splits3, chunk3, warps = tiles(problem)
     acc = problem.acc_dtype
-    (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = w.summed
-    (K0, sk0), (K1, sk1), (K2, sk2), (K3, sk3) = w.kept
+    (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = _slots(w.summed)
+    (K0, sk0), (K1, sk1), (K2, sk2), (K3, sk3) = _slots(w.kept)
     grid = (max(1, -(-K // block_k)), splits)
-    index = tl.int64 if max(K + block_k, R + chunk) >= 2 ** 31 else tl.int32
+    index = tl.int64 if max(K + block_k, R + chunk + chunk3 + block_r) >= 2 ** 31 else tl.int32
     main = launcher(_sum_to_shape, grid,
-                    trailing=(K, R, chunk, K1, K2, K3, sk0, sk1, sk2, sk3, R1, R2, R3, sr0, sr1, sr2, sr3),
+                    trailing=(K, R, chunk, chunk3, splits3, K1, K2, K3, sk0, sk1, sk2, sk3,
+                              R0, R1, R2, R3, sr0, sr1, sr2, sr3),
                     BLOCK_K=block_k, BLOCK_R=block_r, SUMMED_INNER=summed_inner, INDEX=index,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=h.warps)
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=warps)
     finish = column_sum(splits, K, h.reduce_block, h.reduce_parts) if splits > 1 else None
     workspace = splits * K * acc.itemsize if finish else 0
 
@@ -378,7 +455,7 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
         finish(part, out)
 
     params = (("BLOCK_K", block_k), ("BLOCK_R", block_r), ("summed_inner", summed_inner), ("splits", splits),
-              ("num_warps", h.warps))
+              ("inner_splits", splits3), ("num_warps", warps))
     return Launch(run, KernelChoice("sum_to_shape_triton", "triton", params), acc, workspace_bytes=workspace)
 
 

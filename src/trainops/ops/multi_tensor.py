@@ -20,6 +20,7 @@ be dense (no gaps, no overlap), so that one flat offset addresses the same eleme
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -259,9 +260,31 @@ class MultiTensorLaunch:
 
 
 def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **options) -> MultiTensorLaunch:
-    """The launch of a multi-tensor op for (device, dtype, options), planned once (plan cache)."""
-    return cached_plan(op_spec(op).descriptor(dtype, device, tuple(sorted(options.items())),
-                                              heuristics_for(MultiTensorHeuristics))).launch
+    """The launch of a multi-tensor op for (device, dtype, options), planned once (plan cache). On a
+    CUDA device its ``run`` makes that device current while it launches (Triton launches on the
+    current device; the tensors' device may be another, as in a model spread over several GPUs)."""
+    launch = cached_plan(op_spec(op).descriptor(dtype, device, tuple(sorted(options.items())),
+                                                heuristics_for(MultiTensorHeuristics))).launch
+    if device.type != "cuda" or device.index is None:
+        return launch
+    kept = _ON_DEVICE.get((id(launch), device.index))
+    if kept is None or kept[0] is not launch:
+        kept = _ON_DEVICE[(id(launch), device.index)] = (
+            launch, dataclasses.replace(launch, run=_run_on_device(launch.run, device.index)))
+    return kept[1]
+
+
+_ON_DEVICE: dict = {}  # (id(launch), CUDA device index) -> (launch, the launch run with that device current)
+
+
+def _run_on_device(run: Callable[..., None], index: int) -> Callable[..., None]:
+    def run_on_device(*args, **kwargs):
+        if torch.cuda.current_device() == index:
+            return run(*args, **kwargs)
+        with torch.cuda.device(index):
+            return run(*args, **kwargs)
+
+    return run_on_device
 
 
 def prepared_launches(op: str, names: Sequence[str], buckets, cache: TableCache) -> list:
