@@ -40,8 +40,9 @@ CASES = [
     ((64, 1000), (1000,), torch.float32, False),                  # small
     ((4, 2047, 32001), (32001,), torch.bfloat16, False),          # vocabulary bias, odd sizes
 ]
-TILES = [None, (8192, 32, 2, 8), (2048, 1024, 2, 8), (2048, 1024, 8, 4), (2048, 32, 8, 4), (8192, 64, 2, 4)]
-# (tile, kept_block, programs_per_sm, warps); None: the measured rule (ops/broadcast.py, ``rule``)
+TILES = [None, (8192, 32, 2, 8), (2048, 1024, 2, 8), (2048, 1024, 8, 4, False), (2048, 1024, 8, 4, True),
+         (2048, 32, 8, 4), (8192, 64, 2, 4)]
+# (tile, kept_block, programs_per_sm, warps[, kept_run_walk]); None: the measured rule (ops/broadcast.py, ``rule``)
 
 
 def bench(fn) -> float:
@@ -79,7 +80,8 @@ def main(argv=None):
                         f"{' cl' if channels_last else ''}", "bytes": nbytes, "torch_ms": torch_ms,
                "torch_gpu_ms": torch_gpu, "trainops": {}}
         for tiling in TILES:
-            h = BroadcastSumHeuristics(**dict(zip(("tile", "kept_block", "programs_per_sm", "warps"), tiling or ())))
+            h = BroadcastSumHeuristics(**dict(zip(("tile", "kept_block", "programs_per_sm", "warps", "kept_run_walk"),
+                                                  tiling or ())))
             key = "/".join(map(str, tiling)) if tiling else "rule"
             try:
                 with trainops.heuristics(h):

@@ -270,7 +270,7 @@ def test_errors(backend, device):
                 BroadcastSumHeuristics(programs_per_sm=0), BroadcastSumHeuristics(reduce_parts=3),
                 BroadcastSumHeuristics(warps=64), BroadcastSumHeuristics(tile=64, kept_block=128),
                 BroadcastSumHeuristics(kept_block=2.0), BroadcastSumHeuristics(programs_per_sm=1.5),
-                BroadcastSumHeuristics(reduce_block=None)):
+                BroadcastSumHeuristics(reduce_block=None), BroadcastSumHeuristics(kept_run_walk=1)):
         with pytest.raises(InvalidProblemError, match="heuristics"):
             with trainops.heuristics(bad):
                 trainops.sum_to_shape(x, (3,))
@@ -307,7 +307,7 @@ def test_rule_picks_the_measured_tiles(monkeypatch):
     """The default tiles (every heuristics field None) follow the sweep's winners on 132 SMs: row
     sums and NCHW per-channel sums along 1024-wide summed lanes; kept lanes as wide as two output
     blocks per SM allow, 32 below that (256-row tiles in bf16, 64-row ones in float32), 1024
-    where grad's rows are not 16-byte aligned."""
+    where grad's rows are not 16-byte aligned (those walked as (outer index, innermost run))."""
     monkeypatch.setattr(B, "sm_count", lambda device: 132)
 
     def rule_of(grad_shape, shape, dtype=torch.bfloat16, channels_last=False):
@@ -317,19 +317,40 @@ def test_rule_picks_the_measured_tiles(monkeypatch):
                                 strides=strides, heuristics=BroadcastSumHeuristics()).problem
         return B.rule(problem), B.tiles(problem)
 
-    assert rule_of((8192, 4096), (8192, 1))[0] == (1024, 2048, 2, 8)
+    assert rule_of((8192, 4096), (8192, 1))[0] == (1024, 2048, 2, 8, False)
     assert rule_of((32, 2048, 7, 7), (2048, 1, 1))[1][:3] == (32, 64, True)   # lanes capped by the 49 positions
-    assert rule_of((8, 1024, 4096), (4096,))[0] == (32, 8192, 2, 8)
+    assert rule_of((8, 1024, 4096), (4096,))[0] == (32, 8192, 2, 8, False)
     assert rule_of((8, 1024, 4096), (4096,))[1][:2] == (32, 256)
-    assert rule_of((8, 1024, 4096), (4096,), torch.float32)[0] == (32, 2048, 8, 4)
-    assert rule_of((32, 256, 56, 56), (256, 1, 1), channels_last=True)[0] == (32, 8192, 2, 8)
-    assert rule_of((8, 1024, 4096), (8, 1, 4096))[0] == (64, 8192, 2, 4)           # 32768 outputs: 512 blocks of 64
-    assert rule_of((4, 32, 1024, 1024), (4, 1, 1024, 1024))[0] == (1024, 2048, 2, 4)
-    assert rule_of((4, 2047, 32001), (32001,))[0] == (1024, 2048, 8, 4)             # rows of 64002 bytes
+    assert rule_of((8, 1024, 4096), (4096,), torch.float32)[0] == (32, 2048, 8, 4, False)
+    assert rule_of((32, 256, 56, 56), (256, 1, 1), channels_last=True)[0] == (32, 8192, 2, 8, False)
+    assert rule_of((8, 1024, 4096), (8, 1, 4096))[0] == (64, 8192, 2, 4, False)    # 32768 outputs: 512 blocks of 64
+    assert rule_of((4, 32, 1024, 1024), (4, 1, 1024, 1024))[0] == (1024, 2048, 2, 4, False)
+    assert rule_of((4, 2047, 32001), (32001,))[0] == (1024, 2048, 8, 4, True)       # rows of 64002 bytes
     # a field given overrides the rule's value, the others stay the rule's
     problem = trainops.plan("sum_to_shape", grad_shape=(8192, 4096), dtype=torch.bfloat16, device="cpu",
                             shape=(8192, 1), heuristics=BroadcastSumHeuristics(warps=2)).problem
     assert B.tiles(problem).warps == 2 and B.tiles(problem)[:2] == (2, 1024)
+
+
+@pytest.mark.parametrize("run_walk", [True, False])
+def test_both_walks_of_kept_lanes(backend, device, run_walk):
+    """Kept runs along the lanes walked as one flat index or as (outer index, innermost run): the
+    same sums, with blocks that do not divide the innermost run (6 outputs in 4-wide blocks) and
+    with the summed elements split."""
+    gen = torch.Generator().manual_seed(stable_seed("kept lanes walks"))
+    with trainops.heuristics(BroadcastSumHeuristics(tile=16, kept_block=4, programs_per_sm=64, reduce_block=4,
+                                                    reduce_parts=2, kept_run_walk=run_walk)):
+        for grad_shape, shape in [((5, 3, 6), (3, 6)), ((4, 3, 6), (4, 1, 6)), ((2, 3, 4, 6), (3, 1, 6)),
+                                  ((7, 2, 3, 6), (2, 3, 1))]:
+            grad = _grad(grad_shape, torch.float32, device, gen)
+            problem = trainops.plan("sum_to_shape", grad_shape=grad_shape, dtype=torch.float32, device=device,
+                                    shape=shape, strides=grad.stride()).problem
+            t = B.tiles(problem)
+            assert t.kept_run_walk == (run_walk and not t.summed_inner)
+            _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
+            swapped = grad.transpose(-1, -2)   # grad's last two axes swapped in a strided view
+            target = (*shape[:-2], shape[-1], shape[-2])
+            _check(trainops.sum_to_shape(swapped, target), swapped, target, torch.float32)
 
 
 def test_summed_lanes_split_across_and_within_the_inner_run(backend, device):
