@@ -353,6 +353,21 @@ def test_both_walks_of_kept_lanes(backend, device, run_walk):
             _check(trainops.sum_to_shape(swapped, target), swapped, target, torch.float32)
 
 
+def test_short_summed_runs_take_kept_lanes(backend, device, monkeypatch):
+    """A stride-1 summed run of 2-3 elements over few outputs would leave a summed-lanes tile of a
+    few elements: the kept runs take the lanes instead (the tile stays full), same sums."""
+    monkeypatch.setattr(B, "sm_count", lambda device: 132)
+    for grad_shape, shape in [((262144, 8, 2), (1, 8, 1)), ((4096, 16, 2, 2), (16, 1, 1)), ((8192, 64, 3), (64, 1))]:
+        problem = trainops.plan("sum_to_shape", grad_shape=grad_shape, dtype=torch.bfloat16, device="cpu",
+                                shape=shape, heuristics=BroadcastSumHeuristics()).problem
+        t = B.tiles(problem)
+        assert problem.walk.inner == "summed" and not t.summed_inner and t.block_k * t.block_r == 2048, t
+    gen = torch.Generator().manual_seed(stable_seed("short summed runs"))
+    for grad_shape, shape in [((64, 8, 2), (1, 8, 1)), ((16, 16, 2, 2), (16, 1, 1)), ((64, 64, 3), (64, 1))]:
+        grad = _grad(grad_shape, torch.float32, device, gen)
+        _check(trainops.sum_to_shape(grad, shape), grad, shape, torch.float32)
+
+
 def test_summed_lanes_split_across_and_within_the_inner_run(backend, device):
     """Summed along the lanes, the summed elements split over the outer summed index and within the
     innermost summed run at once (3 outer indices, 8 splits of a 32-long run)."""

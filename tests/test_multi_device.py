@@ -3,15 +3,22 @@
 that layer's device without making it current. Triton launches on the current device, so every
 trainops launch must make the tensors' device current for itself (launch.py, multi_tensor.py).
 
-Each case runs forward + backward (or an optimizer / scaler step) on cuda:1, once with cuda:1
-current and once with cuda:0 current: the results must be the same bits, and the current device
-must be left as it was. The Triton backend is pinned, so that no case passes on a torch fallback.
+Each case runs forward + backward (or an optimizer / scaler step) on cuda:1, first with cuda:0
+current on cold plan caches (the first-call paths: compiles, warm-ups, occupancy queries), then
+with cuda:1 current: the results must be the same bits, every kernel of the first run must have
+run on device 1 (the profiler's record, which does not rely on Triton refusing a pointer of
+another device: with peer access on it would not), and the current device must be left as it
+was. The Triton backend is pinned, so that no case passes on a torch fallback. The cases include
+the exchange kernels of long rows (a 32000-class loss, a 40000-wide softmax), which launch outside
+the launcher, and a loop alternating two devices whose deferred index and target checks share the
+flag pool.
 """
 
 import pytest
 import torch
 
 import trainops
+from trainops.plan import clear_plan_cache
 
 from conftest import HAS_CUDA
 
@@ -20,7 +27,7 @@ pytestmark = [pytest.mark.gpu,
 
 B, T, H, D, C, V = 2, 64, 4, 32, 256, 1000
 DIFFERENTIABLE = ("x", "r", "w", "b", "gate_up", "q", "k", "scores", "logits", "hidden", "head", "table", "image",
-                  "depthwise", "grad")
+                  "depthwise", "grad", "vocab_logits", "wide")
 
 
 def _values(device) -> dict:
@@ -34,7 +41,9 @@ def _values(device) -> dict:
                   scores=randn(B, H, T, T) * 3, logits=randn(B * T, V) * 2, hidden=randn(B * T, C),
                   head=randn(V, C) * 0.05, table=randn(V, C), image=randn(4, 16, 12, 12),
                   depthwise=randn(16, 1, 3, 3), grad=randn(4, T, C),
-                  targets=torch.randint(0, V, (B * T,), generator=g), ids=torch.randint(0, V, (B * T,), generator=g))
+                  targets=torch.randint(0, V, (B * T,), generator=g), ids=torch.randint(0, V, (B * T,), generator=g),
+                  vocab_logits=randn(16, 32000), vocab_targets=torch.randint(0, 32000, (16,), generator=g),
+                  wide=randn(4, 40000))
     return {k: v.to(device) for k, v in values.items()}
 
 
@@ -66,6 +75,8 @@ CASES = {
     "batch_norm": _batch_norm,
     "conv2d_depthwise": lambda t: _sq(trainops.conv2d(t["image"], t["depthwise"], padding=1, groups=16)),
     "gist_relu": lambda t: _sq(trainops.gist.relu(t["image"] * 1.0)),
+    "cross_entropy_32000_classes": lambda t: trainops.cross_entropy(t["vocab_logits"], t["vocab_targets"]),
+    "softmax_40000_wide": lambda t: (trainops.softmax(t["wide"], -1) * t["wide"]).sum(),
 }
 
 
@@ -78,15 +89,25 @@ def _run(fn, device) -> tuple:
     return loss.detach(), {k: v.grad for k, v in t.items() if v.grad is not None}
 
 
+def _kernel_devices(fn) -> set:
+    """The devices of the CUDA kernels ``fn()`` ran (torch.profiler's record)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+    devices = {e.device_index for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return result, devices
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_op_runs_on_its_tensors_device_whatever_device_is_current(name):
     fn = CASES[name]
     with trainops.backend("triton"):
+        clear_plan_cache()
+        with torch.cuda.device(0):
+            (got_loss, got_grads), devices = _kernel_devices(lambda: _run(fn, "cuda:1"))
+            assert torch.cuda.current_device() == 0
         with torch.cuda.device(1):
             want_loss, want_grads = _run(fn, "cuda:1")
-        with torch.cuda.device(0):
-            got_loss, got_grads = _run(fn, "cuda:1")
-            assert torch.cuda.current_device() == 0
+    assert devices == {1}, devices
     assert torch.isfinite(want_loss) and want_grads
     assert got_loss.device == torch.device("cuda:1")
     assert torch.equal(got_loss, want_loss), (got_loss.item(), want_loss.item())
@@ -94,6 +115,27 @@ def test_op_runs_on_its_tensors_device_whatever_device_is_current(name):
     for k in want_grads:
         assert got_grads[k].device == torch.device("cuda:1")
         assert torch.equal(got_grads[k], want_grads[k]), k
+
+
+def test_checks_deferred_on_two_devices_in_turn():
+    """An embedding (index check) on cuda:0 and a cross-entropy (target check) on cuda:1, in turn:
+    the deferred checks' events are kept per device (an event recorded on one device cannot be
+    recorded on another), and a bad target on cuda:1 is still reported."""
+    table0 = torch.randn(100, 8, device="cuda:0", requires_grad=True)
+    ids0 = torch.randint(0, 100, (32,), device="cuda:0")
+    logits1 = torch.randn(32, 50, device="cuda:1", requires_grad=True)
+    targets1 = torch.randint(0, 50, (32,), device="cuda:1")
+    with torch.cuda.device(0):
+        for _ in range(4):
+            trainops.embedding(ids0, table0).sum().backward()
+            trainops.cross_entropy(logits1, targets1).backward()
+            torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+        trainops.check_pending()
+        bad = targets1.clone()
+        bad[3] = 50
+        trainops.cross_entropy(logits1.detach(), bad)
+        with pytest.raises(trainops.IndexOutOfRangeError):
+            trainops.check_pending()
 
 
 OPTIMIZERS = {
@@ -123,11 +165,13 @@ def _steps(make, device) -> list:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_and_scaler_step_on_their_tensors_device(name):
     with trainops.backend("triton"):
+        clear_plan_cache()
+        with torch.cuda.device(0):
+            got, devices = _kernel_devices(lambda: _steps(OPTIMIZERS[name], "cuda:1"))
+            assert torch.cuda.current_device() == 0
         with torch.cuda.device(1):
             want = _steps(OPTIMIZERS[name], "cuda:1")
-        with torch.cuda.device(0):
-            got = _steps(OPTIMIZERS[name], "cuda:1")
-            assert torch.cuda.current_device() == 0
+    assert devices == {1}, devices
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a.cpu(), b.cpu()), (name, k)
     assert not torch.equal(want[0].cpu(), _initial_param()), "the steps changed nothing"

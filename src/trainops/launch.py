@@ -37,6 +37,7 @@ count, other argument types than the first call's, objects that are neither tens
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -61,6 +62,15 @@ def launcher(kernel, grid: tuple, trailing: tuple = (), **meta) -> Callable[...,
         jit = kernel[grid]
         return lambda *args: jit(*args, *trailing, **meta)
     return _DirectLaunch(kernel, grid, trailing, meta)
+
+
+def on_device(device: torch.device):
+    """A context that makes CUDA ``device`` current for the launches inside it when another device is
+    current (Triton launches on the current device); a no-op off CUDA and when it is current already
+    (one device query). For launches that do not go through a ``launcher``."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
 
 
 def _traced(args) -> bool:
@@ -164,4 +174,4 @@ def _installed(hook) -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
-__all__ = ["launcher"]
+__all__ = ["launcher", "on_device"]

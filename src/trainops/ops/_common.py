@@ -26,8 +26,9 @@ MAX_GRID_Y = 65535   # CUDA's limit on a grid's second (and third) axis
 
 # Deferred checks of eager CUDA calls: (flag copied to pinned memory without waiting, its copy's
 # event, the error message); checked (flag, event) pairs are reused (an event costs ~10 us to create).
-_PENDING_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event", str]] = []
-_FREE_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event"]] = []
+_PENDING_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event", str, int]] = []   # (host, event, message, device)
+# per CUDA device index: a recorded event belongs to its device and can be recorded on no other
+_FREE_FLAGS: dict[int, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -58,13 +59,15 @@ def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) 
     if in_capture if in_capture is not None else capturing(flag.device):
         assert_on_device(flag.reshape(-1)[:1] == 0)
         return
-    if _FREE_FLAGS:
-        host, done = _FREE_FLAGS.pop()
+    index = flag.get_device()
+    free = _FREE_FLAGS.get(index)
+    if free:
+        host, done = free.pop()
     else:
         host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
     host.copy_(flag if flag.shape == (1,) else flag.reshape(-1)[:1], non_blocking=True)
     done.record(current_stream(flag.device))   # the copy's stream, whichever device is current
-    _PENDING_FLAGS.append((host, done, message))
+    _PENDING_FLAGS.append((host, done, message, index))
 
 
 _STREAMS: dict = {}  # (stream id, device index, device type) -> its torch.cuda.Stream
@@ -113,8 +116,8 @@ def raise_flagged(in_capture: bool | None = None) -> None:
     if in_capture if in_capture is not None else torch.cuda.is_current_stream_capturing():
         return
     while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():
-        host, done, message = _PENDING_FLAGS.pop(0)
-        _FREE_FLAGS.append((host, done))
+        host, done, message, index = _PENDING_FLAGS.pop(0)
+        _FREE_FLAGS.setdefault(index, []).append((host, done))
         if host[0]:
             raise IndexOutOfRangeError(message)
 
@@ -124,9 +127,9 @@ def check_pending() -> None:
     first one set (``trainops.check_pending``: the end of an evaluation, before trusting its loss).
     One host synchronisation when something is pending; nothing otherwise."""
     while _PENDING_FLAGS:
-        host, done, message = _PENDING_FLAGS.pop(0)
+        host, done, message, index = _PENDING_FLAGS.pop(0)
         done.synchronize()
-        _FREE_FLAGS.append((host, done))
+        _FREE_FLAGS.setdefault(index, []).append((host, done))
         if host[0]:
             raise IndexOutOfRangeError(message)
 
@@ -230,10 +233,14 @@ if triton_available():
     @triton.jit
     def from_bits(bits, ACC: tl.constexpr):
         """A float constant passed as the int of its bits (``float_bits``), in the math dtype ACC."""
-        # tl.cast, not bits.to: Inductor's analysis of an inlined launch may pass the int as a constexpr
+        # tl.cast, not bits.to: Inductor's analysis of an inlined launch may pass the int as a constexpr.
+        # One return after an if / else: the compiler (not the interpreter) also generates the code after
+        # an `if ACC == ...: return`, and two returns of different types fail to compile (float64).
         if ACC == tl.float64:
-            return tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
-        return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
+            value = tl.cast(tl.cast(bits, tl.int64), tl.float64, bitcast=True)
+        else:
+            value = tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
+        return value
 
     @triton.jit
     def _row_offset(r, OUTER1, INNER, s_o0, s_o1, s_i):

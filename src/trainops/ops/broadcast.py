@@ -370,20 +370,36 @@ class Tiles(NamedTuple):
     kept_run_walk: bool  # kept along the lanes: outputs walked as (outer index, innermost kept run)
 
 
-def rule(problem: SumToShapeProblem) -> tuple[int, int, int, int, bool]:
-    """(kept_block, tile, programs_per_sm, warps, kept_run_walk) for a problem: the winners of a sweep on the H200
-    (benchmarks/probe_sum_to_shape.py, 15 broadcast shapes x 64 tilings, GPU time; NOTES,
-    "sum_to_shape: every probe shape ahead"). Summed along the lanes (row sums, per-channel sums of
-    NCHW): 1024-wide lanes, 2048-element tiles, 2 programs an SM, 8 warps. Kept along the lanes:
-    rows of grad not 16-byte aligned (a vocabulary of 32001): 1024-wide lanes, 8 programs an SM,
-    the outputs walked as (outer index, innermost run) (165 against 203 us flat); else the widest
-    lanes (up to 1024) that still give two blocks of outputs per SM, 32 when none
-    does: 32-wide lanes take 256-row tiles in 2-byte dtypes (8 warps) and 64-row ones, 8 programs an
-    SM, in wider dtypes; 64-512 wide ones 8192-element tiles; 1024-wide ones 2-row tiles; all of
-    these with the flat walk (within 6 % of the other on most rows, 9 % ahead on one)."""
+SUMMED_LANES_TILE = 2048   # the rule's tile when the summed elements take the lanes
+
+
+def summed_lanes(problem: SumToShapeProblem) -> bool:
+    """Whether the tile's lanes walk the summed elements: their innermost run has stride 1 and that
+    run times the outputs fill a tile (the heuristics' ``tile``, else the rule's 2048 elements).
+    Shorter (a few summed elements a row over a few outputs) would shrink the tile to a few
+    elements a step, and the kept runs take the lanes instead (strided loads)."""
     w = problem.walk
-    if w.inner == "summed":
-        return 1024, 2048, 2, 8, False
+    tile = problem.heuristics.tile or SUMMED_LANES_TILE
+    return w.inner == "summed" and _slots(w.summed)[3][0] * w.kept_count >= tile
+
+
+def rule(problem: SumToShapeProblem) -> tuple[int, int, int, int, bool]:
+    """(kept_block, tile, programs_per_sm, warps, kept_run_walk) for a problem: a rule fitted to the
+    winners of a sweep on the H200 (benchmarks/probe_sum_to_shape.py, 15 broadcast shapes x 64
+    tilings, GPU time; NOTES, "sum_to_shape: every probe shape level or ahead"), not each shape's
+    own winner (up to 12 % behind it on the summed-lane rows).
+
+    Summed along the lanes (row sums, NCHW per-channel sums): 1024-wide lanes, 2048-element tiles,
+    2 programs an SM, 8 warps. Kept along the lanes: rows of grad not 16-byte aligned (a vocabulary
+    of 32001): 1024-wide lanes, 8 programs an SM, the outputs walked as (outer index, innermost
+    run) (165 against 203 us flat); else the widest lanes (up to 1024) that still give two blocks of
+    outputs per SM, 32 when none does: 32-wide lanes take 256-row tiles in 2-byte dtypes (8 warps)
+    and 64-row ones, 8 programs an SM, in wider dtypes; 64-512-wide ones 8192-element tiles;
+    1024-wide ones 2-row tiles; all of these with the flat walk (within 6 % of the other on most
+    rows, 9 % ahead on one)."""
+    w = problem.walk
+    if summed_lanes(problem):
+        return 1024, SUMMED_LANES_TILE, 2, 8, False
     itemsize = problem.dtype.itemsize
     if any(stride * itemsize % 16 for size, stride in w.summed if size > 1):
         return 1024, 2048, 8, 4, True
@@ -412,7 +428,7 @@ def tiles(problem: SumToShapeProblem) -> Tiles:
         given if given is not None else default for given, default in
         zip((h.kept_block, h.tile, h.programs_per_sm, h.warps, h.kept_run_walk), measured))
     K, R = w.kept_count, w.summed_count
-    summed_inner = w.inner == "summed"
+    summed_inner = summed_lanes(problem)
     run_walk = run_walk and not summed_inner
     K3, R3 = _slots(w.kept)[3][0], _slots(w.summed)[3][0]
     lanes, other = (R3, K) if summed_inner else (K3 if run_walk else K, R)

@@ -38,6 +38,7 @@ from typing import Sequence
 
 import torch
 
+from ..launch import on_device
 from ..registry import sm_count, triton_available, triton_interpreting
 
 
@@ -123,9 +124,10 @@ def launch_exchange(fn, grid: ExchangeGrid, args: Sequence, meta: dict, device: 
     """Launch ``fn`` once (PHASE 0), or as its two interpreter phases; see the module docstring.
     With one chunk a row (``grid.splits == 1``) nothing is traded and nobody waits: one launch
     (PHASE 0) under the interpreter too."""
-    for phase in (0,) if grid.splits == 1 else exchange_phases():
-        kwargs = {**meta, "PHASE": phase}
-        fn[grid(args, kwargs, device)](*args, **kwargs)
+    with on_device(device):   # Triton compiles, warms up and launches on the current device
+        for phase in (0,) if grid.splits == 1 else exchange_phases():
+            kwargs = {**meta, "PHASE": phase}
+            fn[grid(args, kwargs, device)](*args, **kwargs)
 
 
 if triton_available():

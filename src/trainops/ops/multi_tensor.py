@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import on_device
 from ..plan import cached_plan, heuristics_for
 from ..registry import normalize_device, op_spec
 from ._common import capturing
@@ -269,19 +270,23 @@ def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **opt
         return launch
     kept = _ON_DEVICE.get((id(launch), device.index))
     if kept is None or kept[0] is not launch:
+        if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
+            _ON_DEVICE.clear()
         kept = _ON_DEVICE[(id(launch), device.index)] = (
-            launch, dataclasses.replace(launch, run=_run_on_device(launch.run, device.index)))
+            launch, dataclasses.replace(launch, run=_run_on_device(launch.run, device)))
     return kept[1]
 
 
-_ON_DEVICE: dict = {}  # (id(launch), CUDA device index) -> (launch, the launch run with that device current)
+# (id(launch), CUDA device index) -> (launch, the launch run with that device current); the launch is
+# kept so that its id is not reused while the entry lives; emptied when full (plans made anew after
+# trainops.plan's cache was cleared would otherwise add entries for as long as the process runs)
+_ON_DEVICE: dict = {}
+_ON_DEVICE_LIMIT = 256
 
 
-def _run_on_device(run: Callable[..., None], index: int) -> Callable[..., None]:
+def _run_on_device(run: Callable[..., None], device: torch.device) -> Callable[..., None]:
     def run_on_device(*args, **kwargs):
-        if torch.cuda.current_device() == index:
-            return run(*args, **kwargs)
-        with torch.cuda.device(index):
+        with on_device(device):
             return run(*args, **kwargs)
 
     return run_on_device
