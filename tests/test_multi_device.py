@@ -21,6 +21,7 @@ import trainops
 from trainops.plan import clear_plan_cache
 
 from conftest import HAS_CUDA
+from test_cuda_graphs import CASES as GRAPH_CASES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -57,19 +58,11 @@ def _batch_norm(t):
     return _sq(y) + running_mean.sum() + running_var.sum()
 
 
+SHARED = ("rms_norm", "layer_norm", "swiglu", "gelu", "rotary_embedding", "attention_softmax", "softmax",
+          "cross_entropy", "linear_cross_entropy", "embedding")
 CASES = {
-    "rms_norm": lambda t: _sq(*trainops.rms_norm(t["x"], t["w"], 1e-5, residual=t["r"])),
-    "layer_norm": lambda t: _sq(trainops.layer_norm(t["x"], (C,), t["w"], t["b"])),
-    "swiglu": lambda t: _sq(trainops.swiglu(t["gate_up"])),
-    "gelu": lambda t: _sq(trainops.gelu(t["x"], approximate="tanh")),
-    "rotary_embedding": lambda t: _sq(*trainops.rotary_embedding(t["q"], t["k"], t["cos"], t["sin"])),
-    "attention_softmax": lambda t: (trainops.attention_softmax(t["scores"], scale=0.125, causal=True)
-                                    * t["scores"]).sum(),
-    "softmax": lambda t: (trainops.softmax(t["x"], -1) * t["r"]).sum(),
+    **{name: GRAPH_CASES[name] for name in SHARED},   # the CUDA-graph tests' cases, the same inputs by name
     "log_softmax_bf16": lambda t: (trainops.log_softmax(t["x"].bfloat16(), 0).float() * t["r"]).sum(),
-    "cross_entropy": lambda t: trainops.cross_entropy(t["logits"], t["targets"]),
-    "linear_cross_entropy": lambda t: trainops.linear_cross_entropy(t["hidden"], t["head"], t["targets"]),
-    "embedding": lambda t: _sq(trainops.embedding(t["ids"], t["table"])),
     "dropout": lambda t: _sq(trainops.dropout(t["x"], 0.25, generator=torch.Generator().manual_seed(3))),
     "sum_to_shape": lambda t: _sq(trainops.sum_to_shape(t["grad"], (C,))),
     "batch_norm": _batch_norm,
