@@ -11,6 +11,7 @@ from trainops.errors import InvalidProblemError, UnsupportedError
 from trainops.ops import broadcast as B
 from trainops.ops.broadcast import BroadcastSumHeuristics
 from trainops.plan import clear_plan_cache
+from trainops.registry import triton_available
 
 from numerics import FLOATS, assert_sum_close, poison_new_output, stable_seed
 
@@ -351,6 +352,26 @@ def test_both_walks_of_kept_lanes(backend, device, run_walk):
             swapped = grad.transpose(-1, -2)   # grad's last two axes swapped in a strided view
             target = (*shape[:-2], shape[-1], shape[-2])
             _check(trainops.sum_to_shape(swapped, target), swapped, target, torch.float32)
+
+
+def test_kept_run_walk_writes_only_its_run():
+    """The run walk's last block of an innermost kept run (6 outputs, blocks of 4) writes that run's
+    outputs and nothing past it: the programs of the first run alone (a cut-down grid) into a
+    poisoned output leave the second run untouched. (With the whole grid the second run's programs
+    would overwrite a stray write under the interpreter, which runs programs in order.)"""
+    if not triton_available():
+        pytest.skip("needs Triton")
+    gen = torch.Generator().manual_seed(stable_seed("run walk bounds"))
+    grad = _grad((2, 5, 6), torch.float32, "cpu", gen)   # kept runs (2, stride 30) and (6, stride 1)
+    heuristics = BroadcastSumHeuristics(tile=16, kept_block=4, programs_per_sm=1, warps=1, kept_run_walk=True)
+    problem = trainops.plan("sum_to_shape", grad_shape=(2, 5, 6), dtype=torch.float32, device="cpu",
+                            shape=(2, 1, 6), heuristics=heuristics).problem
+    t, grid, trailing, meta = B.kernel_arguments(problem)
+    assert t.kept_run_walk and t.block_k == 4 and grid == (4, 1), (t, grid)
+    out = torch.full((12,), float("nan"))
+    B._sum_to_shape[(2, 1)](grad, out, *trailing, **meta)   # outer index 0 only: outputs 0-5
+    assert torch.isnan(out[6:]).all(), out
+    assert torch.allclose(out[:6], grad.sum(1).reshape(-1)[:6], rtol=1e-6, atol=1e-6)
 
 
 def test_short_summed_runs_take_kept_lanes(backend, device, monkeypatch):

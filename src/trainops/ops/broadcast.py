@@ -400,6 +400,8 @@ def rule(problem: SumToShapeProblem) -> tuple[int, int, int, int, bool]:
     w = problem.walk
     if summed_lanes(problem):
         return 1024, SUMMED_LANES_TILE, 2, 8, False
+    if w.inner == "summed":   # a short stride-1 summed run (summed_lanes): not measured; the tiles of
+        return 1024, 2048, 8, 4, True   # unaligned rows (its kept lanes are strided), which fill the tile
     itemsize = problem.dtype.itemsize
     if any(stride * itemsize % 16 for size, stride in w.summed if size > 1):
         return 1024, 2048, 8, 4, True
@@ -461,6 +463,24 @@ def output_blocks(K: int, K3: int, block_k: int, run_walk: bool) -> int:
     return (K // max(K3, 1)) * -(-K3 // block_k) if run_walk else -(-K // block_k)
 
 
+def kernel_arguments(problem: SumToShapeProblem) -> tuple[Tiles, tuple[int, int], tuple, dict]:
+    """(tiles, grid, the run-time arguments after grad and out, the constexprs and warps) of
+    ``_sum_to_shape`` for a problem the Triton kernel walks."""
+    w = problem.walk
+    K, R = w.kept_count, w.summed_count
+    t = tiles(problem)
+    (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = _slots(w.summed)
+    (K0, sk0), (K1, sk1), (K2, sk2), (K3, sk3) = _slots(w.kept)
+    grid = (max(1, output_blocks(K, K3, t.block_k, t.kept_run_walk)), t.splits)
+    index = tl.int64 if max(K + t.block_k, R + t.chunk + t.chunk3 + t.block_r) >= 2 ** 31 else tl.int32
+    trailing = (K, R, t.chunk, t.chunk3, t.splits3, K0, K1, K2, K3, sk0, sk1, sk2, sk3, R0, R1, R2, R3,
+                sr0, sr1, sr2, sr3)
+    meta = dict(BLOCK_K=t.block_k, BLOCK_R=t.block_r, SUMMED_INNER=t.summed_inner, KEPT_RUN_WALK=t.kept_run_walk,
+                INDEX=index, ACC=tl.float64 if problem.acc_dtype == torch.float64 else tl.float32,
+                num_warps=t.warps)
+    return t, grid, trailing, meta
+
+
 def _prepare_triton(problem: SumToShapeProblem) -> Launch:
     h, w = problem.heuristics, problem.walk
     if w is None:
@@ -469,17 +489,10 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
                                "kernel walks (trainops.sum_to_shape copies such a grad to a contiguous one first); the "
                                "cpu backend takes it")
     K, R = w.kept_count, w.summed_count
-    block_k, block_r, summed_inner, splits, chunk, splits3, chunk3, warps, run_walk = tiles(problem)
+    t, grid, trailing, meta = kernel_arguments(problem)
+    block_k, block_r, summed_inner, splits, chunk, splits3, chunk3, warps, run_walk = t
     acc = problem.acc_dtype
-    (R0, sr0), (R1, sr1), (R2, sr2), (R3, sr3) = _slots(w.summed)
-    (K0, sk0), (K1, sk1), (K2, sk2), (K3, sk3) = _slots(w.kept)
-    grid = (max(1, output_blocks(K, K3, block_k, run_walk)), splits)
-    index = tl.int64 if max(K + block_k, R + chunk + chunk3 + block_r) >= 2 ** 31 else tl.int32
-    main = launcher(_sum_to_shape, grid,
-                    trailing=(K, R, chunk, chunk3, splits3, K0, K1, K2, K3, sk0, sk1, sk2, sk3,
-                              R0, R1, R2, R3, sr0, sr1, sr2, sr3),
-                    BLOCK_K=block_k, BLOCK_R=block_r, SUMMED_INNER=summed_inner, KEPT_RUN_WALK=run_walk, INDEX=index,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=warps)
+    main = launcher(_sum_to_shape, grid, trailing=trailing, **meta)
     finish = column_sum(splits, K, h.reduce_block, h.reduce_parts) if splits > 1 else None
     workspace = splits * K * acc.itemsize if finish else 0
 

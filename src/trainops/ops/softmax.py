@@ -283,9 +283,13 @@ if triton_available():
     @triton.jit
     def _tile(i, n, s_i, s_n, WIDE: tl.constexpr):
         """Offsets inside a [BLOCK_I, BLOCK_N] tile (block-local rows i, positions n); 64-bit when WIDE."""
+        # one return after if / else: the compiler also generates code after an `if WIDE: return`,
+        # and int64 and int32 returns fail to compile (tests/test_compile_for_gpu.py)
         if WIDE:
-            return i.to(tl.int64)[:, None] * s_i + n.to(tl.int64)[None, :] * s_n
-        return i[:, None] * s_i + n[None, :] * s_n
+            offsets = i.to(tl.int64)[:, None] * s_i + n.to(tl.int64)[None, :] * s_n
+        else:
+            offsets = i[:, None] * s_i + n[None, :] * s_n
+        return offsets
 
     @triton.jit
     def _softmax_fwd_fused(
