@@ -7,8 +7,9 @@ cross-entropy did not compile on the GPU").
 
 Step 1 (this process, Triton's interpreter): run the cases of tests/test_multi_device.py (every
 family, forward + backward) in ``--dtype`` on CPU tensors with the Triton backend pinned, and
-record each distinct launch: kernel, argument kinds (pointer dtypes, integer widths) and
-constexprs. Step 2 (a subprocess without the interpreter): compile each recorded launch with
+record each distinct launch (``record_triton_launches.py``: kernel, argument kinds: pointer
+dtypes, integer widths, constexprs). That module also records over the test suite, as a pytest
+plugin (its docstring); step 2 then compiles those. Step 2 (a subprocess without the interpreter): compile each recorded launch with
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``. Integers are typed by width only (no
 ``== 1`` specialisation), so this checks compilation, not the exact binaries a GPU run makes.
 Prints the kernels that fail with the compiler's message; exit status 1 if any. Triton 3.6's
@@ -31,46 +32,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def record(dtype_name: str, path: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    import inspect
-
+    sys.path.insert(0, HERE)
     import torch
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
 
     import trainops
+    from record_triton_launches import install
     from test_multi_device import CASES, DIFFERENTIABLE, _values
 
     dtype = getattr(torch, dtype_name)
-
-    def kind(a):
-        if isinstance(a, torch.Tensor):
-            return ("ptr", str(a.dtype))
-        if a is None:
-            return ("none",)
-        if isinstance(a, bool):
-            return ("bool", a)
-        if isinstance(a, int):
-            return ("int", "i64" if not (-2**31 <= a < 2**31) else "i32", a)
-        if isinstance(a, float):
-            return ("float", a)
-        if isinstance(a, tl.dtype):
-            return ("dtype", str(a))
-        if isinstance(a, str):
-            return ("str", a)
-        return ("other", repr(a)[:80])
-
     launches: dict = {}
-    interpreted_run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        names = list(inspect.signature(self.fn).parameters)
-        bound = dict(zip(names, args))
-        bound.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "num_ctas", "maxnreg")})
-        key = (self.fn.__module__, self.fn.__name__, tuple((k, kind(v)) for k, v in sorted(bound.items())))
-        launches[key] = launches.get(key, 0) + 1
-        return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    InterpretedFunction.run = recording_run
+    install(launches)
     failed = {}
     with trainops.backend("triton"):
         for name, case in sorted(CASES.items()):
