@@ -400,9 +400,9 @@ def rule(problem: SumToShapeProblem) -> tuple[int, int, int, int, bool]:
     w = problem.walk
     if summed_lanes(problem):
         return 1024, SUMMED_LANES_TILE, 2, 8, False
-    if w.inner == "summed":   # a short stride-1 summed run (summed_lanes): not measured; the tiles of
-        return 1024, 2048, 8, 4, True   # unaligned rows (its kept lanes are strided), which fill the tile
     itemsize = problem.dtype.itemsize
+    # rows not 16-byte aligned; a short stride-1 summed run left off the lanes (summed_lanes) lands
+    # here too (stride 1 x itemsize), its tiles not measured but full
     if any(stride * itemsize % 16 for size, stride in w.summed if size > 1):
         return 1024, 2048, 8, 4, True
     blocks_wanted = 2 * sm_count(problem.device)
@@ -490,7 +490,7 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
                                "cpu backend takes it")
     K, R = w.kept_count, w.summed_count
     t, grid, trailing, meta = kernel_arguments(problem)
-    block_k, block_r, summed_inner, splits, chunk, splits3, chunk3, warps, run_walk = t
+    splits = t.splits
     acc = problem.acc_dtype
     main = launcher(_sum_to_shape, grid, trailing=trailing, **meta)
     finish = column_sum(splits, K, h.reduce_block, h.reduce_parts) if splits > 1 else None
@@ -510,8 +510,8 @@ def _prepare_triton(problem: SumToShapeProblem) -> Launch:
         main(grad, part)
         finish(part, out)
 
-    params = (("BLOCK_K", block_k), ("BLOCK_R", block_r), ("summed_inner", summed_inner), ("splits", splits),
-              ("inner_splits", splits3), ("kept_run_walk", run_walk), ("num_warps", warps))
+    params = (("BLOCK_K", t.block_k), ("BLOCK_R", t.block_r), ("summed_inner", t.summed_inner), ("splits", splits),
+              ("inner_splits", t.splits3), ("kept_run_walk", t.kept_run_walk), ("num_warps", t.warps))
     return Launch(run, KernelChoice("sum_to_shape_triton", "triton", params), acc, workspace_bytes=workspace)
 
 

@@ -269,7 +269,7 @@ def multi_tensor_launch(op: str, device: torch.device, dtype: torch.dtype, **opt
     if device.type != "cuda" or device.index is None:
         return launch
     kept = _ON_DEVICE.get((id(launch), device.index))
-    if kept is None or kept[0] is not launch:
+    if kept is None:
         if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
             _ON_DEVICE.clear()
         kept = _ON_DEVICE[(id(launch), device.index)] = (
