@@ -37,6 +37,9 @@ TILES = [(None, None, 4), (64, 32, 4), (32, 64, 4), (16, 128, 4), (128, 32, 4), 
 # ResNet-50's 1x1 convolutions: (in, out, size)
 POINTWISE = [(256, 64, 56), (64, 256, 56), (512, 128, 28), (128, 512, 28), (1024, 256, 14), (256, 1024, 14),
              (2048, 512, 7), (512, 2048, 7)]
+# the Triton 1x1 kernels' tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs_per_sm); None: the default
+POINTWISE_TILES = [None, (128, 128, 64, 8, 3, 4), (128, 64, 64, 4, 3, 4), (64, 64, 64, 4, 4, 4), (128, 128, 32, 4, 4, 4),
+                   (64, 256, 32, 8, 3, 4), (128, 256, 64, 8, 3, 2), (256, 128, 64, 8, 3, 2), (64, 128, 64, 4, 3, 2)]
 
 
 def bench(fn) -> float:
@@ -125,30 +128,87 @@ def report(row):
     print(" | ".join(parts), flush=True)
 
 
-def pointwise_rows(batch, dtype):
-    """1x1 convolution, channels-last, through cuDNN, against the matmuls it is: forward
-    [NHW, C] @ [C, O]; input gradient [NHW, O] @ [O, C]; weight gradient [O, NHW] @ [NHW, C]."""
+def pointwise_rows(batch, dtype, channels_last, tiles=POINTWISE_TILES):
+    """1x1 convolution through cuDNN against the matmuls it is. Channels-last x: forward
+    [NHW, C] @ [C, O]; input gradient [NHW, O] @ [O, C]; weight gradient [O, NHW] @ [NHW, C].
+    Contiguous (NCHW) x: forward [O, C] @ [N, C, HW] (a batched matmul, the weight broadcast);
+    input gradient [C, O] @ [N, O, HW]; weight gradient sum over n of [N, O, HW] @ [N, HW, C] (a
+    batched matmul then a sum over the batch: what cuBLAS can do without copying x). And the registry's
+    Triton 1x1 kernels over ``tiles``. Each matmul's and kernel's result is checked against the
+    float64 convolution first."""
     rows = []
+    layout = "cl" if channels_last else "nchw"
     for (cin, cout, size) in POINTWISE:
-        x = torch.randn(batch, cin, size, size, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+        x = torch.randn(batch, cin, size, size, device="cuda", dtype=dtype)
         w = torch.randn(cout, cin, 1, 1, device="cuda", dtype=dtype) * 0.05
-        dy = torch.randn(batch, cout, size, size, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
-        xm = x.permute(0, 2, 3, 1).reshape(-1, cin)
-        dym = dy.permute(0, 2, 3, 1).reshape(-1, cout)
+        dy = torch.randn(batch, cout, size, size, device="cuda", dtype=dtype)
+        if channels_last:
+            x, dy = (t.to(memory_format=torch.channels_last) for t in (x, dy))
         wm = w.reshape(cout, cin)
+        x64, w64, dy64 = x.double(), w.double(), dy.double()
+        y_ref = F.conv2d(x64, w64)
+        dx_ref, dw_ref, _ = torch.ops.aten.convolution_backward(
+            dy64, x64, w64, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+        if channels_last:
+            xm = x.permute(0, 2, 3, 1).reshape(-1, cin)
+            dym = dy.permute(0, 2, 3, 1).reshape(-1, cout)
+            mm_fns = {"forward": lambda: xm @ wm.t(), "input_grad": lambda: dym @ wm,
+                      "weight_grad": lambda: dym.t() @ xm}
+            as_nchw = {"forward": lambda r: r.view(batch, size, size, cout).permute(0, 3, 1, 2),
+                       "input_grad": lambda r: r.view(batch, size, size, cin).permute(0, 3, 1, 2),
+                       "weight_grad": lambda r: r}
+        else:
+            xb, dyb = x.view(batch, cin, -1), dy.view(batch, cout, -1)
+            mm_fns = {"forward": lambda: wm @ xb, "input_grad": lambda: wm.t() @ dyb,
+                      "weight_grad": lambda: torch.bmm(dyb, xb.transpose(1, 2)).sum(0)}
+            as_nchw = {"forward": lambda r: r.view(batch, cout, size, size),
+                       "input_grad": lambda r: r.view(batch, cin, size, size), "weight_grad": lambda r: r}
+        refs = {"forward": y_ref, "input_grad": dx_ref, "weight_grad": dw_ref.reshape(cout, cin)}
+        errors = {k: rel(as_nchw[k](fn()), refs[k]) for k, fn in mm_fns.items()}
+        triton_rows = {}
+        desc = dict(x_shape=x.shape, weight_shape=w.shape, dtype=dtype, device="cuda", channels_last=channels_last)
+        with trainops.backend("triton"):
+            for tile in tiles:
+                key = "default" if tile is None else "/".join(map(str, tile))
+                h = ConvHeuristics() if tile is None else ConvHeuristics(pointwise_tile=tile[:5],
+                                                                         programs_per_sm=tile[5])
+                try:
+                    fplan = trainops.plan("conv2d", **desc, heuristics=h)
+                    dxplan = trainops.plan("conv2d_backward", **desc, mask=(True, False, False), heuristics=h)
+                    dwplan = trainops.plan("conv2d_backward", **desc, mask=(False, True, False), heuristics=h)
+                    got = {"forward": fplan.run(x, w, None), "input_grad": dxplan.run(dy, x, w)[0],
+                           "weight_grad": dwplan.run(dy, x, w)[1].reshape(cout, cin)}
+                    entry = {"errors": {k: rel(v, refs[k]) for k, v in got.items()}}
+                    if max(entry["errors"].values()) > 1e-2:
+                        entry["failed"] = f"error {entry['errors']}"
+                    else:
+                        entry.update({"forward": bench(lambda: fplan.run(x, w, None)),
+                                      "input_grad": bench(lambda: dxplan.run(dy, x, w)),
+                                      "weight_grad": bench(lambda: dwplan.run(dy, x, w))})
+                except Exception as e:  # noqa: BLE001 - a probe: record and go on
+                    entry = {"failed": f"{type(e).__name__}: {e}"[:300]}
+                triton_rows[key] = entry
         conv = {"forward": bench(lambda: F.conv2d(x, w)),
                 "input_grad": bench(lambda: torch.ops.aten.convolution_backward(
                     dy, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, False, False])),
                 "weight_grad": bench(lambda: torch.ops.aten.convolution_backward(
                     dy, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False]))}
-        mm = {"forward": bench(lambda: xm @ wm.t()), "input_grad": bench(lambda: dym @ wm),
-              "weight_grad": bench(lambda: dym.t() @ xm)}
+        mm = {k: bench(fn) for k, fn in mm_fns.items()}
         flops = 2 * batch * size * size * cin * cout
-        row = {"label": f"1x1 {batch}x{cin}x{size}x{size} -> {cout} {str(dtype)[6:]} cl", "conv_ms": conv,
-               "matmul_ms": mm, "tflops_conv": {k: flops / v / 1e9 for k, v in conv.items()}}
+        row = {"label": f"1x1 {batch}x{cin}x{size}x{size} -> {cout} {str(dtype)[6:]} {layout}", "conv_ms": conv,
+               "matmul_ms": mm, "matmul_errors": errors, "tflops_conv": {k: flops / v / 1e9 for k, v in conv.items()},
+               "tflops_matmul": {k: flops / v / 1e9 for k, v in mm.items()}, "triton": triton_rows}
         rows.append(row)
-        print(row["label"] + " | " + " | ".join(f"{k}: conv {conv[k] * 1e3:.1f} us, matmul {mm[k] * 1e3:.1f} us "
-                                                 f"({mm[k] / conv[k]:.2f}x)" for k in conv), flush=True)
+        ok = {k: v for k, v in triton_rows.items() if "failed" not in v}
+        parts = []
+        for d in conv:
+            best = min(ok, key=lambda key: ok[key][d]) if ok else None
+            parts.append(f"{d}: conv {conv[d] * 1e3:.1f}, matmul {mm[d] * 1e3:.1f}" + (
+                f", triton default {ok['default'][d] * 1e3:.1f} ({conv[d] / ok['default'][d]:.2f}x)" if "default" in ok
+                else "") + (f", best {ok[best][d] * 1e3:.1f} [{best}] ({conv[d] / ok[best][d]:.2f}x)" if best else ""))
+        failed = [k for k, v in triton_rows.items() if "failed" in v]
+        print(row["label"] + " | " + " | ".join(parts) + (f" | failed {failed}: {triton_rows[failed[0]]['failed']}"
+                                                          if failed else ""), flush=True)
     return rows
 
 
@@ -161,7 +221,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default=None, help="comma-separated indices into DEPTHWISE (default: all)")
     parser.add_argument("--tiles", default=None, help="comma-separated indices into TILES (default: all for bf16, "
                                                       "the first three for fp32)")
-    parser.add_argument("--no-pointwise", action="store_true")
+    parser.add_argument("--pointwise", default="bf16-cl,bf16-nchw",
+                        help="comma-separated dtype-layout runs of ResNet-50's 1x1 convolutions ('' for none)")
     args = parser.parse_args(argv)
     shapes = DEPTHWISE[:3] if args.quick else DEPTHWISE
     if args.shapes:
@@ -176,13 +237,15 @@ def main(argv=None):
     def save():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    for run in args.runs.split(","):
+    for run in filter(None, args.runs.split(",")):
         name, layout = run.split("-")
         dtype = dtypes[name]
         depthwise_rows(32, dtype, layout == "cl", shapes, tiles if dtype == torch.bfloat16 or args.tiles else tiles[:3],
                        result["depthwise"], save)
-    if not args.no_pointwise:
-        result["pointwise"] = pointwise_rows(32, torch.bfloat16)
+    for run in filter(None, args.pointwise.split(",")):
+        name, layout = run.split("-")
+        result["pointwise"] += pointwise_rows(32, dtypes[name], layout == "cl")
+        save()
     save()
 
 

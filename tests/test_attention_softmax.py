@@ -358,29 +358,48 @@ def test_dropout_gradient_uses_the_forward_mask(backend, device):
 # ---- torch.compile, plans ------------------------------------------------------------------------------
 
 def test_torch_compile_fullgraph(backend, device):
+    """Compiled (fullgraph) against eager without dropout; with dropout, the compiled call repeats
+    under torch.manual_seed and matches the float64 reference with the mask it drew. On the CPU
+    compiled and eager calls draw the same seeds; on CUDA the compiled call draws its seed on the
+    device (ops.dropout.draw_seed), so its mask is not eager's, as torch's own dropout under
+    Inductor."""
     gen = torch.Generator().manual_seed(15)
     q = _randn((2, 2, 5, 8), torch.float32, device, gen).requires_grad_()
     k = _randn((2, 2, 7, 8), torch.float32, device, gen).requires_grad_()
     v = _randn((2, 2, 7, 8), torch.float32, device, gen)
     bias = _randn((1, 2, 1, 7), torch.float32, device, gen).requires_grad_()
     mask = (torch.rand(2, 1, 1, 7, generator=gen) > 0.2).to(device)
+    scale = 1 / math.sqrt(8)
 
     def attention(q, k, bias, p):
-        w = trainops.attention_softmax(q @ k.transpose(-1, -2), scale=1 / math.sqrt(8), mask=mask, bias=bias,
+        w = trainops.attention_softmax(q @ k.transpose(-1, -2), scale=scale, mask=mask, bias=bias,
                                        causal="lower_right", dropout_p=p)
-        return (w @ v).square().sum()
+        return (w @ v).square().sum(), w
 
     compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
     for p in (0.0, 0.25):
         torch.manual_seed(16)
-        loss = compiled(q, k, bias, p)
+        loss, w = compiled(q, k, bias, p)
         grads = torch.autograd.grad(loss, (q, k, bias))
         torch.manual_seed(16)
-        eager_loss = attention(q, k, bias, p)
+        eager_loss, _ = attention(q, k, bias, p)
         eager_grads = torch.autograd.grad(eager_loss, (q, k, bias))
-        assert_close(loss, eager_loss, torch.float32, f"loss p={p}")
-        for got, want in zip(grads, eager_grads):
-            assert_close(got, want, torch.float32, f"grad p={p}")
+        if p == 0 or device == "cpu":
+            assert_close(loss, eager_loss, torch.float32, f"loss p={p}")
+            for got, want in zip(grads, eager_grads):
+                assert_close(got, want, torch.float32, f"grad p={p}")
+        if p == 0:
+            continue
+        torch.manual_seed(16)
+        assert torch.equal(compiled(q, k, bias, p)[1], w), "torch.manual_seed repeats the compiled mask"
+        keep = w.detach() != 0
+        assert 0 < keep.float().mean() < 1, "some probabilities dropped, some kept"
+        q64, k64, b64 = (t.detach().double().requires_grad_() for t in (q, k, bias))
+        out, _ = reference(q64 @ k64.transpose(-1, -2), scale, mask, b64, 7 - 5, keep, p)
+        ref_loss = (out @ v.double()).square().sum()
+        assert_close(loss, ref_loss, torch.float32, f"loss p={p} against float64 with the compiled mask")
+        for got, want in zip(grads, torch.autograd.grad(ref_loss, (q64, k64, b64))):
+            assert_close(got, want, torch.float32, f"grad p={p} against float64 with the compiled mask")
     torch._dynamo.reset()
 
 

@@ -422,3 +422,33 @@ def test_inductor_compiled_module_matches_eager(layout):
         assert_close(q.grad, p.grad, torch.float32, name)
     for name in ("running_mean", "running_var"):
         assert_close(getattr(compiled[1], name), getattr(eager[1], name), torch.float32, name)
+
+
+def test_default_tiles_follow_the_measured_rule(monkeypatch):
+    """Fields left None take the measured rule's values (``batch_norm.rule``: by layout, channels and
+    positions); a field given overrides its rule value, the others keep theirs."""
+    monkeypatch.setattr(bn_ops, "sm_count", lambda device: 132)
+
+    def config(shape, channels_last=False, heuristics=None):
+        strides = None
+        if channels_last:
+            n, c, h, w = shape
+            strides = ((h * w * c, 1, w * c, c),)
+        problem = bn_ops._describe(bn_ops.STATS_OP, shape, torch.bfloat16, "cpu", strides=strides,
+                                   heuristics=heuristics)
+        return bn_ops._config(problem)
+    # channels-first: the spatial block first (1024 at most), channels fill the 2048-element tile;
+    # 8 reduction programs per SM from 14 x 14 positions, 2 below
+    big, small = config((32, 128, 28, 28)), config((64, 512, 7, 7))
+    assert (big.block_s, big.block_c) == (1024, 2) and (small.block_s, small.block_c) == (64, 32), (big, small)
+    assert big.programs == 132 * 8 // (128 // 2), big
+    assert small.programs <= 132 * 2 // (512 // 32), small
+    # channels-last: 128 channels a program from 256 channels and 14 x 14 positions, 32 below
+    wide, narrow, late = (config(s, True) for s in ((32, 256, 56, 56), (32, 128, 28, 28), (32, 2048, 7, 7)))
+    assert (wide.block_c, wide.block_s) == (128, 64) and (narrow.block_c, narrow.block_s) == (32, 256), (wide, narrow)
+    assert late.block_c == 32, late
+    assert config((4096, 512)).block_c == 64   # (N, C): the earlier values
+    forced = config((32, 256, 56, 56), True, BatchNormHeuristics(channel_block=16))
+    assert (forced.block_c, forced.block_s) == (16, 8192 // 16), forced
+    fewer = config((32, 256, 56, 56), True, BatchNormHeuristics(programs_per_sm=1))
+    assert fewer.programs < wide.programs and fewer.block_c == wide.block_c

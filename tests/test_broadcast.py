@@ -11,7 +11,7 @@ from trainops.errors import InvalidProblemError, UnsupportedError
 from trainops.ops import broadcast as B
 from trainops.ops.broadcast import BroadcastSumHeuristics
 from trainops.plan import clear_plan_cache
-from trainops.registry import triton_available
+from trainops.registry import triton_available, triton_interpreting
 
 from numerics import FLOATS, assert_sum_close, poison_new_output, stable_seed
 
@@ -354,21 +354,23 @@ def test_both_walks_of_kept_lanes(backend, device, run_walk):
             _check(trainops.sum_to_shape(swapped, target), swapped, target, torch.float32)
 
 
-def test_kept_run_walk_writes_only_its_run():
+def test_kept_run_walk_writes_only_its_run(monkeypatch):
     """The run walk's last block of an innermost kept run (6 outputs, blocks of 4) writes that run's
     outputs and nothing past it: the programs of the first run alone (a cut-down grid) into a
     poisoned output leave the second run untouched. (With the whole grid the second run's programs
     would overwrite a stray write under the interpreter, which runs programs in order.)"""
     if not triton_available():
         pytest.skip("needs Triton")
+    device = "cpu" if triton_interpreting() else "cuda"   # the kernel launched directly: where Triton runs
+    monkeypatch.setattr(B, "sm_count", lambda device: 1)     # the same plan on any machine
     gen = torch.Generator().manual_seed(stable_seed("run walk bounds"))
-    grad = _grad((2, 5, 6), torch.float32, "cpu", gen)   # kept runs (2, stride 30) and (6, stride 1)
+    grad = _grad((2, 5, 6), torch.float32, device, gen)   # kept runs (2, stride 30) and (6, stride 1)
     heuristics = BroadcastSumHeuristics(tile=16, kept_block=4, programs_per_sm=1, warps=1, kept_run_walk=True)
-    problem = trainops.plan("sum_to_shape", grad_shape=(2, 5, 6), dtype=torch.float32, device="cpu",
+    problem = trainops.plan("sum_to_shape", grad_shape=(2, 5, 6), dtype=torch.float32, device=device,
                             shape=(2, 1, 6), heuristics=heuristics).problem
     t, grid, trailing, meta = B.kernel_arguments(problem)
     assert t.kept_run_walk and t.block_k == 4 and grid == (4, 1), (t, grid)
-    out = torch.full((12,), float("nan"))
+    out = torch.full((12,), float("nan"), device=device)
     B._sum_to_shape[(2, 1)](grad, out, *trailing, **meta)   # outer index 0 only: outputs 0-5
     assert torch.isnan(out[6:]).all(), out
     assert torch.allclose(out[:6], grad.sum(1).reshape(-1)[:6], rtol=1e-6, atol=1e-6)
@@ -379,7 +381,7 @@ def test_short_summed_runs_take_kept_lanes(backend, device, monkeypatch):
     few elements: the kept runs take the lanes instead (the tile stays full), same sums."""
     monkeypatch.setattr(B, "sm_count", lambda device: 132)
     for grad_shape, shape in [((262144, 8, 2), (1, 8, 1)), ((4096, 16, 2, 2), (16, 1, 1)), ((8192, 64, 3), (64, 1))]:
-        problem = trainops.plan("sum_to_shape", grad_shape=grad_shape, dtype=torch.bfloat16, device="cpu",
+        problem = trainops.plan("sum_to_shape", grad_shape=grad_shape, dtype=torch.bfloat16, device=device,
                                 shape=shape, heuristics=BroadcastSumHeuristics()).problem
         t = B.tiles(problem)
         assert problem.walk.inner == "summed" and not t.summed_inner and t.block_k * t.block_r == 2048, t

@@ -293,6 +293,80 @@ def test_deterministic_weight_gradient(backend, device):
     assert all(torch.equal(a, f) for a, f in zip(again, first))
 
 
+# 1x1 tiles of the smallest size tl.dot takes and many programs: K in several steps, column blocks
+# spanning two images, the weight gradient's positions split (partials added by column_sum)
+POINTWISE_SMALL = ConvHeuristics(pointwise_tile=(16, 16, 16, 1, 1), programs_per_sm=8, reduce_block=4, reduce_parts=2)
+# (x shape, output channels): odd sizes, W = 1 (the positions' stride is H's), H = 1, one image
+POINTWISE_SHAPES = [((3, 20, 5, 7), 24), ((2, 33, 4, 1), 17), ((2, 5, 1, 9), 40), ((1, 48, 6, 6), 16)]
+
+
+@pytest.mark.parametrize("plan", ["default", "small"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_pointwise_matches_float64(backend, device, plan, channels_last):
+    """1x1 convolutions (the Triton backend's matmul kernels): y and every gradient, with and without
+    bias, a dilation (unused by a 1x1 kernel), against float64; the registry names the kernels."""
+    gen = torch.Generator().manual_seed(stable_seed("pointwise", plan, channels_last))
+    with trainops.heuristics(POINTWISE_SMALL if plan == "small" else ConvHeuristics()), \
+            trainops.track_kernels() as ran:
+        for i, (shape, out_channels) in enumerate(POINTWISE_SHAPES):
+            x = _randn(shape, torch.float32, device, gen)
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
+            x.requires_grad_()
+            w = _randn((out_channels, shape[1], 1, 1), torch.float32, device, gen).requires_grad_()
+            b = _randn((out_channels,), torch.float32, device, gen).requires_grad_() if i % 2 == 0 else None
+            geometry = dict(dilation=2 if i == 1 else 1)
+            dy = _randn((shape[0], out_channels) + shape[2:], torch.float32, device, gen)
+            y, grads = _run(x, w, b, dy, **geometry)
+            _check(x, w, b, dy, y, grads, torch.float32, f"{shape} -> {out_channels}", **geometry)
+            assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    if backend == "triton":
+        names = {kernel for (_, _, kernel, _) in ran}
+        assert names == {"conv2d_pointwise_triton", "conv2d_backward_pointwise_triton"}, names
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_pointwise_dtypes_and_masks(backend, device, dtype):
+    """Every dtype (the Triton 1x1 kernels refuse float64 by name), and each gradient alone."""
+    gen = torch.Generator().manual_seed(stable_seed("pointwise dtypes", str(dtype)))
+    x = _randn((2, 24, 3, 5), dtype, device, gen).requires_grad_()
+    w = _randn((20, 24, 1, 1), dtype, device, gen).requires_grad_()
+    b = _randn((20,), dtype, device, gen).requires_grad_()
+    if backend == "triton" and dtype == torch.float64:
+        with pytest.raises(UnsupportedError, match="float64"):
+            trainops.conv2d(x, w, b)
+        return
+    dy = _randn((2, 20, 3, 5), dtype, device, gen)
+    y, grads = _run(x, w, b, dy)
+    _check(x, w, b, dy, y, grads, dtype, str(dtype))
+    with trainops.heuristics(POINTWISE_SMALL):
+        for wanted in ((True, False, False), (False, True, False), (False, False, True)):
+            leaves = [t.detach().clone().requires_grad_(need) for t, need in zip((x, w, b), wanted)]
+            y = trainops.conv2d(*leaves)
+            (g,) = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], dy)
+            full = grads[wanted.index(True)]
+            assert_sum_close(g, full.double(), full.double().abs() + 1e-30, dtype, f"{wanted}")
+
+
+def test_pointwise_empty_batch_and_deterministic(backend, device):
+    """N = 0 (zero weight and bias gradients), and a weight gradient split among programs
+    bit-identical run to run."""
+    x = torch.empty(0, 3, 4, 4, device=device, requires_grad=True)
+    w = torch.ones(5, 3, 1, 1, device=device, requires_grad=True)
+    b = torch.ones(5, device=device, requires_grad=True)
+    y = trainops.conv2d(x, w, b)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), torch.empty_like(y))
+    assert y.shape == (0, 5, 4, 4) and torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+    gen = torch.Generator().manual_seed(6)
+    x = _randn((4, 40, 6, 6), torch.float32, device, gen).requires_grad_()
+    w = _randn((24, 40, 1, 1), torch.float32, device, gen).requires_grad_()
+    dy = _randn((4, 24, 6, 6), torch.float32, device, gen) * 1e3
+    with trainops.heuristics(POINTWISE_SMALL):
+        first = _run(x, w, None, dy)[1]
+        again = _run(x, w, None, dy)[1]
+    assert all(torch.equal(a, f) for a, f in zip(again, first))
+
+
 def test_split_plan_splits():
     """The SPLIT plan splits the weight gradient's positions among programs on these tests' shapes."""
     for shape in ((2, 6, 7, 7), (2, 6, 9, 8)):

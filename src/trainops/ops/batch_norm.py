@@ -55,7 +55,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -85,7 +85,8 @@ MAX_RANK = 8
 
 @dataclass(frozen=True)
 class BatchNormHeuristics:
-    """The batch-norm family's tunables (trainops.heuristics(...) overrides them).
+    """The batch-norm family's tunables (trainops.heuristics(...) overrides them); a field left None
+    takes the measured rule's value for the problem (``rule``: by layout, channels and positions).
 
     tile: elements of one (spatial block, channel block) tile a program loads per step.
     channel_block: channels a program owns when channels are the contiguous axis (channels-last);
@@ -93,15 +94,52 @@ class BatchNormHeuristics:
         block, at least 1. spatial_block: the largest spatial block.
     programs_per_sm: programs of the two reduction kernels (statistics, gradient sums) per SM; each
         writes one partial row per channel. warps: warps of every kernel.
-    Defaults chosen, not swept; the H100 figures measured with them: benchmarks/NOTES.md, "Batch
-    normalization" (statistics, y, gradient sums and dx together about 2.6 TB/s at 32x256x56x56 bf16).
     """
 
-    tile: int = 4096
-    channel_block: int = 64
-    spatial_block: int = 1024
-    programs_per_sm: int = 4
+    tile: int | None = None
+    channel_block: int | None = None
+    spatial_block: int | None = None
+    programs_per_sm: int | None = None
     warps: int = 4
+
+
+class BatchNormTiles(NamedTuple):
+    tile: int
+    channel_block: int
+    spatial_block: int
+    programs_per_sm: int
+
+
+# The defaults, fitted to a sweep of 27 tilings over ResNet-50's 14 batch-norm rows (7 shapes x 2
+# layouts, bf16, forward + backward, GPU time against torch's; benchmarks/probe_batch_norm.py, H200,
+# benchmarks/NOTES.md "Batch norm's tiles"), the rule with the best worst-row ratio, then the best
+# geometric mean:
+# - channels-first: tiles of 2048, 8 reduction programs per SM from 14 x 14 positions, 2 below (the
+#   spatial block 512-2048 made no difference): worst row 1.55x torch, geometric mean 2.75x; the
+#   earlier 4096 / 64 / 1024 / 4 lost at 64x512x7x7 (0.87x);
+# - channels-last: tiles of 8192, 128 channels a program from 256 channels and 14 x 14 positions, 32
+#   below, 2 programs per SM: worst 1.28x, mean 1.63x; the earlier tiling lost at 32x128x28x28 (0.90x).
+# Rows without spatial axes ((N, C), BatchNorm1d) were not swept: they keep the earlier values.
+MANY_POSITIONS = 14 * 14
+WIDE_CHANNELS = 256
+
+
+def rule(layout: str, channels: int, positions: int) -> BatchNormTiles:
+    """The measured default tiles of a problem: ``layout`` "channels_first", "channels_last" or
+    "no_spatial"; ``channels`` C; ``positions`` the spatial elements per channel and sample."""
+    if layout == "channels_first":
+        return BatchNormTiles(2048, 64, 1024, 8 if positions >= MANY_POSITIONS else 2)
+    if layout == "channels_last":
+        wide = channels >= WIDE_CHANNELS and positions >= MANY_POSITIONS
+        return BatchNormTiles(8192, 128 if wide else 32, 1024, 2)
+    return BatchNormTiles(4096, 64, 1024, 4)
+
+
+def tiles(h: BatchNormHeuristics, layout: str, channels: int, positions: int) -> BatchNormTiles:
+    """``h``'s fields, those left None from ``rule(layout, channels, positions)``."""
+    measured = rule(layout, channels, positions)
+    return BatchNormTiles(*(measured[i] if value is None else value
+                            for i, value in enumerate((h.tile, h.channel_block, h.spatial_block, h.programs_per_sm))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -742,22 +780,24 @@ def _config(problem: BatchNormProblem) -> BatchNormConfig:
     spatial block filling the tile; otherwise the spatial block first (up to ``spatial_block``),
     channels filling the tile. Reduction programs: about ``programs_per_sm`` per SM over all
     channel blocks, each a whole number of tiles."""
-    h = problem.heuristics
     n_prime, s, per = _problem_walks(problem)
     _, sc, ss = per[-2]   # x's
     c = problem.channels
-    if sc == 1 and ss != 1:
-        block_c = min(next_pow2(c), h.channel_block)
-        block_s = max(1, min(next_pow2(s), h.tile // block_c))
+    channels_inner = sc == 1 and ss != 1
+    layout = "no_spatial" if len(problem.shape) == 2 else "channels_last" if channels_inner else "channels_first"
+    t = tiles(problem.heuristics, layout, c, math.prod(problem.shape[2:]))
+    if channels_inner:
+        block_c = min(next_pow2(c), t.channel_block)
+        block_s = max(1, min(next_pow2(s), t.tile // block_c))
     else:
-        block_s = min(next_pow2(s), h.spatial_block)
-        block_c = max(1, min(next_pow2(c), h.tile // block_s))
+        block_s = min(next_pow2(s), t.spatial_block)
+        block_c = max(1, min(next_pow2(c), t.tile // block_s))
     n_units = -(-s // block_s) * n_prime
     c_blocks = -(-c // block_c)
-    wanted = max(1, (sm_count(problem.device) * h.programs_per_sm) // max(c_blocks, 1))
+    wanted = max(1, (sm_count(problem.device) * t.programs_per_sm) // max(c_blocks, 1))
     units_per_program = max(1, -(-n_units // wanted))
     programs = max(1, -(-n_units // units_per_program))
-    return BatchNormConfig(block_s, block_c, h.warps, programs, units_per_program)
+    return BatchNormConfig(block_s, block_c, problem.heuristics.warps, programs, units_per_program)
 
 
 def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = None) -> Launch:

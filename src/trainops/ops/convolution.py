@@ -26,20 +26,28 @@ Backends and kernels (``trainops.track_kernels`` and ``python -m trainops kernel
   the call, under a lock, only where a plan asked for determinism that torch's switch does not
   give), the other takes cuDNN's choice (its weight gradient may then differ in the last bits from
   run to run, as torch's does). Both run with autocast off: the plan's dtype is the one computed.
-- ``triton``: depthwise convolutions only (groups = C = O: one filter per channel, MobileNet's and
+- ``triton``: depthwise convolutions (groups = C = O: one filter per channel, MobileNet's and
   ConvNeXt's), any stride, padding and dilation, kernel sizes unrolled at compile time (compile
   time grows with KH x KW; tested up to 7 x 7, under the interpreter), contiguous or channels-last, read in
   place. Forward and input gradient gather the taps of each output (no atomics); the weight and
   bias gradients sum over N x OH x OW in programs that write float32 partials (one tap at a time
   over the program's positions), added in a fixed order (``_common.column_sum``): deterministic. Accumulated in float32 (float64 for float64),
-  rounded once. Other convolutions raise UnsupportedError on this backend.
+  rounded once. And 1x1 convolutions (one group, stride 1, no padding: ResNet's bottlenecks):
+  matmuls by tl.dot over the flattened N x H x W positions of either layout, read in place
+  (forward and input gradient: one kernel, ``_pw_matmul``; weight and bias gradients: the positions
+  split among programs, float32 partials added in a fixed order: deterministic); float32, float16
+  and bfloat16 (float32 multiplied exactly, not in TF32), accumulated in float32, rounded once.
+  Other convolutions raise UnsupportedError on this backend.
 
 Choice (``choose_backend``): on CUDA, the Triton kernels for the bf16 and float32 depthwise problems
 of contiguous (NCHW) x like the measured ones (square kernels up to 5 x 5, padding k // 2, strides
 1 or 2, batches from 32) where they were measured faster than cuDNN (``triton_beats_cudnn``:
 forward from 14 x 14 output positions (28 x 28 at stride 2), backward from 56 x 56 input positions
 with at most 3 x 3 taps, the input gradient alone from 14 x 14), cuDNN for every other problem;
-the CPU kernels on the CPU. ``trainops.backend(...)`` pins either.
+the CPU kernels on the CPU. The Triton 1x1 kernels are never chosen: at ResNet-50's 1x1 shapes the
+best of nine tiles reached 0.49x cuDNN's speed (geometric mean; benchmarks/NOTES.md, "1x1
+convolutions"). ``trainops.backend(...)``
+pins either.
 
 Bytes (the fewest a depthwise convolution must move, for the Triton plans): forward reads x and
 writes y (the weight is small); the input gradient reads dy, writes dx; the weight gradient reads
@@ -63,7 +71,7 @@ from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
-                        register_op, sm_count, triton_available)
+                        register_op, sm_count, triton_available, triton_interpreting)
 from ..registry import backend as pin_backend
 from ._common import MAX_GRID_Y, contiguous_strides, float_dtype
 
@@ -87,7 +95,9 @@ class ConvHeuristics:
     Channels-last x: (64, 32); none of eight tiles made these kernels faster than cuDNN there (the
     registry does not choose them). warps: a program's warps; programs_per_sm: programs wanted per
     SM before the weight gradient's positions are split among programs; reduce_block /
-    reduce_parts: the partial sums' adding kernel (``column_sum``).
+    reduce_parts: the partial sums' adding kernel (``column_sum``). pointwise_tile: the 1x1
+    kernels' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) (a matmul's tile; each block a power of two
+    >= 16); None: ``POINTWISE_TILE``.
     """
 
     block_positions: Optional[int] = None
@@ -96,6 +106,7 @@ class ConvHeuristics:
     programs_per_sm: int = 4
     reduce_block: int = 128
     reduce_parts: int = 32
+    pointwise_tile: Optional[tuple[int, int, int, int, int]] = None
 
     def tile(self, channels_last: bool) -> tuple[int, int]:
         """(block_positions, block_channels) for x of this layout."""
@@ -153,6 +164,13 @@ class Conv2dProblem:
         """One filter per channel: groups = C = O, one input channel a filter."""
         c, o = self.x_shape[1], self.weight_shape[0]
         return self.groups == c == o and self.weight_shape[1] == 1
+
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1 convolution of one group, stride 1, no padding (a matmul over the channels at each
+        position; any dilation, which a 1x1 kernel does not use)."""
+        return (self.groups == 1 and self.weight_shape[2:] == (1, 1) and self.stride == (1, 1)
+                and self.padding == (0, 0))
 
     @property
     def acc_dtype(self) -> torch.dtype:
@@ -276,6 +294,13 @@ def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1,
             raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
     if heuristics.programs_per_sm < 1 or heuristics.warps > 32:
         raise argument_error(InvalidProblemError, op, "heuristics", "programs_per_sm must be >= 1 and warps <= 32")
+    if heuristics.pointwise_tile is not None:
+        tile = heuristics.pointwise_tile
+        ok = isinstance(tile, tuple) and len(tile) == 5 and all(isinstance(v, int) and v >= 1 for v in tile)
+        if not ok or any(v < 16 or v & (v - 1) for v in tile[:3]) or tile[3] & (tile[3] - 1) or tile[3] > 32:
+            raise argument_error(InvalidProblemError, op, "heuristics", "pointwise_tile must be (BLOCK_M, BLOCK_N, "
+                                 "BLOCK_K, warps, stages): blocks powers of two >= 16, warps a power of two <= 32, "
+                                 f"stages >= 1; got {tile!r}")
     return Conv2dProblem(op, x_shape, weight_shape, stride, padding, dilation, groups, dtype, device, bool(bias),
                          mask if op == BACKWARD_OP else (False, False, False), bool(channels_last),
                          bool(weight_channels_last), bool(deterministic), heuristics)
@@ -534,6 +559,80 @@ if triton_available():
                         acc += dyv
             tl.store(row + t, tl.sum(acc, 0), mask=c_ok)
 
+    @triton.jit
+    def _pw_matmul(A, B, BIAS, Y, M, K, P, total, a_sm, a_sk, b_sn, b_sk, b_sp, y_sn, y_sm, y_sp,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+        """Y[n, m, p] = bias[m] + sum over k of A[m, k] B[n, k, p]: a 1x1 convolution's forward (A the
+        weight (O, C), B x) or input gradient (A the weight transposed, B dy). The columns are the N x P
+        positions (n, p) flattened, so a tile may span two images; P positions an image, each operand's
+        spatial axes one strided axis (dense x: contiguous or channels-last). Programs: (column block,
+        row block); K walked in BLOCK_K steps by tl.dot, accumulated in ACC."""
+        j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        j_ok = j < total
+        m_ok = m < M
+        n = j // P
+        p = j % P
+        b_col = n * b_sn + p * b_sp
+        acc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(A + m[:, None].to(tl.int64) * a_sm + k[None, :].to(tl.int64) * a_sk,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(B + k[:, None].to(tl.int64) * b_sk + b_col[None, :], mask=k_ok[:, None] & j_ok[None, :],
+                        other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + m, mask=m_ok, other=0.0).to(ACC)[:, None]
+        y_off = m[:, None].to(tl.int64) * y_sm + (n * y_sn + p * y_sp)[None, :]
+        tl.store(Y + y_off, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & j_ok[None, :])
+
+    @triton.jit
+    def _pw_weight_grad(DY, X, PART, O, C, P, total, chunk, dy_sn, dy_so, dy_sp, x_sn, x_sc, x_sp,
+                        WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                        ACC: tl.constexpr):
+        """PART[split, o, c] = sum over this split's chunk of the N x P positions q = (n, p) of
+        dy[n, o, p] x[n, c, p] (a 1x1 convolution's weight gradient: a matmul over the positions), and
+        PART[split, o, C] = the chunk's sum of dy[n, o, p] (the bias gradient; written by the column
+        block 0 programs). Programs: (column block, row block, split); each chunk a whole number of
+        BLOCK_K steps, added by tl.dot in order: deterministic."""
+        o = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_ok = o < O
+        c_ok = c < C
+        start = tl.program_id(2).to(tl.int64) * chunk
+        stop = tl.minimum(start + chunk, total)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        row_sum = tl.zeros([BLOCK_M], ACC)
+        for q0 in range(start, stop, BLOCK_K):
+            q = q0 + tl.arange(0, BLOCK_K)
+            q_ok = q < stop
+            n = q // P
+            p = q % P
+            a = tl.load(DY + o[:, None].to(tl.int64) * dy_so + (n * dy_sn + p * dy_sp)[None, :],
+                        mask=o_ok[:, None] & q_ok[None, :], other=0.0)
+            if WEIGHT_GRAD:
+                b = tl.load(X + (n * x_sn + p * x_sp)[:, None] + c[None, :].to(tl.int64) * x_sc,
+                            mask=q_ok[:, None] & c_ok[None, :], other=0.0)
+                if UPCAST:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION, out_dtype=ACC)
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+            if BIAS_GRAD:
+                row_sum += tl.sum(a.to(ACC), 1)
+        row = PART + tl.program_id(2).to(tl.int64) * O * (C + 1) + o[:, None].to(tl.int64) * (C + 1)
+        if WEIGHT_GRAD:
+            tl.store(row + c[None, :], acc, mask=o_ok[:, None] & c_ok[None, :])
+        if BIAS_GRAD:
+            if tl.program_id(0) == 0:
+                tl.store(row + C, row_sum[:, None], mask=o_ok[:, None])
+
 
 def _depthwise_tiles(problem: Conv2dProblem) -> tuple[int, int]:
     block_p, block_c = problem.heuristics.tile(problem.channels_last)
@@ -559,11 +658,131 @@ def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> t
     return (-(-total // chunk) if total else 1), chunk
 
 
+# The 1x1 kernels' tile, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): chosen, not tuned; of nine tiles
+# timed at ResNet-50's 1x1 shapes each reached 0.30-0.39x cuDNN's speed (geometric mean over the
+# rows; benchmarks/NOTES.md "1x1 convolutions"), so the registry does not choose these kernels.
+POINTWISE_TILE = (64, 128, 64, 4, 3)
+
+
+def _pointwise_tile(problem: Conv2dProblem) -> tuple[int, int, int, int, int]:
+    return problem.heuristics.pointwise_tile or POINTWISE_TILE
+
+
+def _pointwise_meta(dtype: torch.dtype) -> dict:
+    """The 1x1 kernels' tl.dot options: float32 operands multiplied exactly (PRECISION "ieee"; torch's
+    cuDNN runs them in TF32 only while ``torch.backends.cudnn.allow_tf32`` is on); under the
+    interpreter bfloat16 operands cast to float32 first (UPCAST: Triton 3.9's interpreter returned
+    garbage from a bfloat16 tl.dot; the products are exact either way)."""
+    return dict(PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                UPCAST=dtype == torch.bfloat16 and triton_interpreting())
+
+
+def _spatial_stride(t: Tensor) -> int:
+    """The stride of a dense (N, C, H, W) tensor's H x W positions walked as one axis: W's, or H's
+    where W is 1 (a size-1 axis's stride is free in a dense tensor)."""
+    return t.stride(3) if t.shape[3] > 1 else t.stride(2)
+
+
+def _pointwise_splits(problem: Conv2dProblem, block_m: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """(splits, chunk) of the weight gradient's N x OH x OW positions: whole BLOCK_K steps, enough
+    splits for (output tiles x splits) to reach ``programs_per_sm`` per SM."""
+    n, o, oh, ow = problem.out_shape
+    total = n * oh * ow
+    tiles = -(-o // block_m) * -(-problem.x_shape[1] // block_n)
+    wanted = max(1, sm_count(problem.device) * problem.heuristics.programs_per_sm // tiles)
+    steps = -(-total // block_k)
+    splits = max(1, min(wanted, steps, MAX_GRID_Y))
+    chunk = -(-steps // splits) * block_k
+    return (-(-total // chunk) if total else 1), chunk
+
+
+def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
+    """1x1 convolutions (``Conv2dProblem.pointwise``): the forward and the input gradient as one
+    matmul kernel over the flattened positions (``_pw_matmul``), the weight and bias gradients as a
+    matmul over the positions split among programs, float32 partials added in a fixed order."""
+    if problem.dtype == torch.float64:
+        raise UnsupportedError(f"trainops.{problem.op}: the triton backend's 1x1 kernels (tl.dot) take float32, "
+                               "float16 and bfloat16, not float64; use the cudnn or cpu backend")
+    block_m, block_n, block_k, warps, stages = _pointwise_tile(problem)
+    n, c, height, width = problem.x_shape
+    o = problem.weight_shape[0]
+    positions = height * width
+    total = n * positions
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACC=tl.float32, num_warps=warps,
+                num_stages=stages, **_pointwise_meta(problem.dtype))
+    params = (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", warps),
+              ("num_stages", stages))
+    column_blocks = max(1, -(-total // block_n))
+
+    def row_blocks(rows: int) -> int:
+        blocks = -(-rows // block_m)
+        if blocks > MAX_GRID_Y:
+            raise UnsupportedError(f"trainops.{problem.op}: {rows} channels make {blocks} blocks of {block_m}, more than "
+                                   f"the {MAX_GRID_Y} programs the Triton kernels' grid takes on that axis; use the "
+                                   "cudnn backend or a larger BLOCK_M (ConvHeuristics.pointwise_tile)")
+        return max(1, blocks)
+
+    if not problem.backward:
+        forward = launcher(_pw_matmul, (column_blocks, row_blocks(o)), HAS_BIAS=problem.bias, **meta)
+
+        def run(tensors, y):
+            x, weight, bias = tensors
+            if y.numel() == 0:
+                return
+            forward(weight, x, bias if bias is not None else weight, y, o, c, positions, total, weight.stride(0),
+                    weight.stride(1), x.stride(0), x.stride(1), _spatial_stride(x), y.stride(0), y.stride(1),
+                    _spatial_stride(y))
+
+        return Launch(run, KernelChoice("conv2d_pointwise_triton", "triton", params), torch.float32)
+
+    want_dx, want_dw, want_db = problem.mask
+    input_grad = launcher(_pw_matmul, (column_blocks, row_blocks(c)), HAS_BIAS=False, **meta)
+    splits, chunk = _pointwise_splits(problem, block_m, block_n, block_k)
+    # the bias gradient alone needs one column block (its row sums)
+    weight_grad = launcher(_pw_weight_grad, (max(1, -(-c // block_n)) if want_dw else 1, row_blocks(o), splits),
+                           WEIGHT_GRAD=want_dw,
+                           BIAS_GRAD=want_db, **meta)
+    h = problem.heuristics
+    finish = column_sum(splits, o * (c + 1), h.reduce_block, h.reduce_parts)
+
+    def run(tensors, outputs):
+        dy, x, weight = tensors
+        dx, dw, db = outputs
+        if want_dx and dx.numel():
+            if dy.numel() == 0:
+                dx.zero_()
+            else:
+                input_grad(weight, dy, weight, dx, c, o, positions, total, weight.stride(1), weight.stride(0),
+                           dy.stride(0), dy.stride(1), _spatial_stride(dy), dx.stride(0), dx.stride(1),
+                           _spatial_stride(dx))
+        if want_dw or want_db:
+            sums = torch.empty((o, c + 1), dtype=torch.float32, device=dy.device)
+            if total == 0:
+                sums.zero_()
+            else:
+                part = torch.empty((splits, o, c + 1), dtype=torch.float32, device=dy.device)
+                weight_grad(dy, x, part, o, c, positions, total, chunk, dy.stride(0), dy.stride(1),
+                            _spatial_stride(dy), x.stride(0), x.stride(1), _spatial_stride(x))
+                finish(part, sums.view(-1))
+            if want_dw:
+                dw.copy_(sums[:, :c].reshape(dw.shape))
+            if want_db:
+                db.copy_(sums[:, c])
+
+    params = params + (("splits", splits),)
+    workspace = (splits + 1) * o * (c + 1) * 4
+    return Launch(run, KernelChoice("conv2d_backward_pointwise_triton", "triton", params), torch.float32,
+                  workspace_bytes=workspace)
+
+
 def _prepare_triton(problem: Conv2dProblem) -> Launch:
+    if problem.pointwise and not problem.depthwise:
+        return _prepare_pointwise(problem)
     if not problem.depthwise:
-        raise UnsupportedError(f"trainops.{problem.op}: the triton backend runs depthwise convolutions only (groups = "
-                               f"channels = filters, one input channel a filter); got weight {problem.weight_shape} with "
-                               f"groups {problem.groups} on x {problem.x_shape}; use the cudnn or cpu backend")
+        raise UnsupportedError(f"trainops.{problem.op}: the triton backend runs depthwise convolutions and 1x1 "
+                               "convolutions (one group, stride 1, no padding) only; got weight "
+                               f"{problem.weight_shape} with groups {problem.groups}, stride {problem.stride}, padding "
+                               f"{problem.padding} on x {problem.x_shape}; use the cudnn or cpu backend")
     h = problem.heuristics
     n, c, height, width = problem.x_shape
     _, _, kh, kw = problem.weight_shape

@@ -40,8 +40,8 @@ Dtypes: x and residual float32 / float16 / bfloat16 / float64, one dtype; bias a
 gradient in its own dtype); y in x's dtype (no promotion, unlike torch's ``residual +
 dropout(x + bias)`` with a float32 bias). Math in float32 (float64 for float64): each output is
 rounded once (y = x * m exactly as torch's float32 x * scale, scale = float32(1 / (1 - p));
-bias_dropout_add rounds residual + (x + bias) * m once, where torch rounds x + bias and the dropout
-first). dbias is summed in float32 (float64) per program over a fixed block of rows, the programs'
+bias_dropout_add rounds residual + (x + bias) * m once (a fused multiply-add in the Triton kernel), where
+torch rounds x + bias and the dropout first). dbias is summed in float32 (float64) per program over a fixed block of rows, the programs'
 partial rows then summed in a fixed order by a second kernel: deterministic, bit-identical run to
 run on one device (the number of programs follows the device's SM count); no atomics.
 
@@ -575,21 +575,29 @@ if triton_available():
             else:
                 col = col % n_last
             v += tl.load(BIAS + col, mask=mask, other=0.0).to(ACC)
-        if MASKED:
-            counter = counter_base.to(tl.int64) + ((base + a * 8 + h * 4) >> 2).to(tl.int64)
-            keep = _keep(seed, counter, c, threshold)
-            v = v * tl.where(keep, from_bits(scale_bits, ACC), 0.0)
-            if STORE_BITS:
-                bit = tl.where(keep & mask, 1 << (h * 4 + c), 0)
-                byte = tl.sum(tl.sum(bit, 2), 1)
-                first_byte = base // 8
-                tl.store(BITS + first_byte + rows, byte.to(tl.uint8), mask=rows < (n + 7) // 8 - first_byte)
         if HAS_R:
             if STRIDED:
                 r = tl.load(RES + _strided(base + local, D1, D2, D3, rs0, rs1, rs2, rs3, RANK), mask=mask, other=0.0)
             else:
                 r = tl.load(RES + base + local, mask=mask, other=0.0)
-            v += r.to(ACC)
+            r = r.to(ACC)
+        if MASKED:
+            counter = counter_base.to(tl.int64) + ((base + a * 8 + h * 4) >> 2).to(tl.int64)
+            keep = _keep(seed, counter, c, threshold)
+            m = tl.where(keep, from_bits(scale_bits, ACC), 0.0)
+            # v * m + r as one fused multiply-add: the compiler contracted it in some specialisations
+            # and not in others (strided and contiguous x then differed in the last bit on the GPU)
+            if HAS_R:
+                v = tl.fma(v, m, r)
+            else:
+                v = v * m
+            if STORE_BITS:
+                bit = tl.where(keep & mask, 1 << (h * 4 + c), 0)
+                byte = tl.sum(tl.sum(bit, 2), 1)
+                first_byte = base // 8
+                tl.store(BITS + first_byte + rows, byte.to(tl.uint8), mask=rows < (n + 7) // 8 - first_byte)
+        elif HAS_R:
+            v += r
         tl.store(Y + base + local, v.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["seed", "counter_base", "threshold", "scale_bits"])
