@@ -57,7 +57,6 @@ dy and x.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -658,6 +657,39 @@ def _weight_grad_splits(problem: Conv2dProblem, block_p: int, block_c: int) -> t
     return (-(-total // chunk) if total else 1), chunk
 
 
+def _gradients_run(mask, rows: int, cols: int, splits: int, total: int, acc: torch.dtype, input_grad, weight_grad,
+                   finish):
+    """``run(tensors, outputs)`` of a backward plan (tensors (dy, x, weight), outputs (dx, dw, db),
+    each made only if ``mask`` asks): dx by ``input_grad(dy, x, weight, dx)`` (zeros when dy is
+    empty); the weight and bias gradients from (rows, cols) sums in ``acc``, the bias's in the last
+    column, which ``weight_grad(dy, x, weight, part)`` writes as (splits, rows, cols) partials and
+    ``finish`` (a ``column_sum``) adds in a fixed order (zeros when the ``total`` summed positions
+    are none)."""
+    want_dx, want_dw, want_db = mask
+
+    def run(tensors, outputs):
+        dy, x, weight = tensors
+        dx, dw, db = outputs
+        if want_dx and dx.numel():
+            if dy.numel() == 0:
+                dx.zero_()
+            else:
+                input_grad(dy, x, weight, dx)
+        if want_dw or want_db:
+            sums = torch.empty((rows, cols), dtype=acc, device=dy.device)
+            if total == 0:
+                sums.zero_()
+            else:
+                part = torch.empty((splits, rows, cols), dtype=acc, device=dy.device)
+                weight_grad(dy, x, weight, part)
+                finish(part, sums)
+            if want_dw:
+                dw.copy_(sums[:, :cols - 1].reshape(dw.shape))
+            if want_db:
+                db.copy_(sums[:, cols - 1])
+    return run
+
+
 # The 1x1 kernels' tile, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): chosen, not tuned; of nine tiles
 # timed at ResNet-50's 1x1 shapes each reached 0.30-0.39x cuDNN's speed (geometric mean over the
 # rows; benchmarks/NOTES.md "1x1 convolutions"), so the registry does not choose these kernels.
@@ -735,40 +767,24 @@ def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
 
         return Launch(run, KernelChoice("conv2d_pointwise_triton", "triton", params), torch.float32)
 
-    want_dx, want_dw, want_db = problem.mask
+    _, want_dw, want_db = problem.mask
     input_grad = launcher(_pw_matmul, (column_blocks, row_blocks(c)), HAS_BIAS=False, **meta)
     splits, chunk = _pointwise_splits(problem, block_m, block_n, block_k)
     # the bias gradient alone needs one column block (its row sums)
     weight_grad = launcher(_pw_weight_grad, (max(1, -(-c // block_n)) if want_dw else 1, row_blocks(o), splits),
-                           WEIGHT_GRAD=want_dw,
-                           BIAS_GRAD=want_db, **meta)
+                           WEIGHT_GRAD=want_dw, BIAS_GRAD=want_db, **meta)
     h = problem.heuristics
     finish = column_sum(splits, o * (c + 1), h.reduce_block, h.reduce_parts)
 
-    def run(tensors, outputs):
-        dy, x, weight = tensors
-        dx, dw, db = outputs
-        if want_dx and dx.numel():
-            if dy.numel() == 0:
-                dx.zero_()
-            else:
-                input_grad(weight, dy, weight, dx, c, o, positions, total, weight.stride(1), weight.stride(0),
-                           dy.stride(0), dy.stride(1), _spatial_stride(dy), dx.stride(0), dx.stride(1),
-                           _spatial_stride(dx))
-        if want_dw or want_db:
-            sums = torch.empty((o, c + 1), dtype=torch.float32, device=dy.device)
-            if total == 0:
-                sums.zero_()
-            else:
-                part = torch.empty((splits, o, c + 1), dtype=torch.float32, device=dy.device)
-                weight_grad(dy, x, part, o, c, positions, total, chunk, dy.stride(0), dy.stride(1),
-                            _spatial_stride(dy), x.stride(0), x.stride(1), _spatial_stride(x))
-                finish(part, sums.view(-1))
-            if want_dw:
-                dw.copy_(sums[:, :c].reshape(dw.shape))
-            if want_db:
-                db.copy_(sums[:, c])
+    def run_input_grad(dy, x, weight, dx):
+        input_grad(weight, dy, weight, dx, c, o, positions, total, weight.stride(1), weight.stride(0), dy.stride(0),
+                   dy.stride(1), _spatial_stride(dy), dx.stride(0), dx.stride(1), _spatial_stride(dx))
 
+    def run_weight_grad(dy, x, weight, part):
+        weight_grad(dy, x, part, o, c, positions, total, chunk, dy.stride(0), dy.stride(1), _spatial_stride(dy),
+                    x.stride(0), x.stride(1), _spatial_stride(x))
+
+    run = _gradients_run(problem.mask, o, c + 1, splits, total, torch.float32, run_input_grad, run_weight_grad, finish)
     params = params + (("splits", splits),)
     workspace = (splits + 1) * o * (c + 1) * 4
     return Launch(run, KernelChoice("conv2d_backward_pointwise_triton", "triton", params), torch.float32,
@@ -813,7 +829,7 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
 
         return Launch(run, KernelChoice("conv2d_depthwise_triton", "triton", params), acc)
 
-    want_dx, want_dw, want_db = problem.mask
+    _, want_dw, want_db = problem.mask
     p_blocks = max(1, -(-height * width // block_p))
     input_grad = launcher(_dw_input_grad, (p_blocks * max(n, 1), c_blocks), **meta)
     splits, chunk = _weight_grad_splits(problem, block_p, block_c)
@@ -823,28 +839,14 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
                            INDEX=tl.int64 if total + chunk >= 2 ** 31 else tl.int32, **meta)
     finish = column_sum(splits, c * (taps + 1), h.reduce_block, h.reduce_parts)
 
-    def run(tensors, outputs):
-        dy, x, weight = tensors
-        dx, dw, db = outputs
-        if want_dx and dx.numel():
-            if dy.numel() == 0:
-                dx.zero_()
-            else:
-                input_grad(dy, weight, dx, c, height, width, oh, ow, p_blocks, *dy.stride(), *dx.stride(), weight.stride(0),
-                           weight.stride(2), weight.stride(3), *geometry)
-        if want_dw or want_db:
-            sums = torch.empty((c, taps + 1), dtype=acc, device=dy.device)
-            if total == 0:
-                sums.zero_()
-            else:
-                part = torch.empty((splits, c, taps + 1), dtype=acc, device=dy.device)
-                weight_grad(dy, x, part, c, height, width, oh, ow, total, chunk, *dy.stride(), *x.stride(), *geometry)
-                finish(part, sums)
-            if want_dw:
-                dw.copy_(sums[:, :taps].reshape(dw.shape))
-            if want_db:
-                db.copy_(sums[:, taps])
+    def run_input_grad(dy, x, weight, dx):
+        input_grad(dy, weight, dx, c, height, width, oh, ow, p_blocks, *dy.stride(), *dx.stride(), weight.stride(0),
+                   weight.stride(2), weight.stride(3), *geometry)
 
+    def run_weight_grad(dy, x, weight, part):
+        weight_grad(dy, x, part, c, height, width, oh, ow, total, chunk, *dy.stride(), *x.stride(), *geometry)
+
+    run = _gradients_run(problem.mask, c, taps + 1, splits, total, acc, run_input_grad, run_weight_grad, finish)
     params = params + (("splits", splits),)
     workspace = (splits + 1) * c * (taps + 1) * acc.itemsize
     return Launch(run, KernelChoice("conv2d_backward_depthwise_triton", "triton", params), acc, workspace_bytes=workspace)
