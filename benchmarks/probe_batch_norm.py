@@ -55,7 +55,7 @@ def rel(a, b) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true", help="the defaults and four other configurations")
+    parser.add_argument("--quick", action="store_true", help="the defaults and five other configurations")
     parser.add_argument("--shapes", default=None, help="comma-separated indices into RESNET50_SHAPES")
     args = parser.parse_args(argv)
     grid = GRID[:1] + GRID[1::6] if args.quick else GRID

@@ -1,8 +1,8 @@
 """Where the convolution registry's Triton kernels win: each direction of a depthwise convolution
 (forward; input gradient; weight gradient) timed against torch's cuDNN at MobileNet-V2,
 EfficientNet-B0 and ConvNeXt-T depthwise shapes, both memory formats, over a grid of
-``ConvHeuristics``; and 1x1 convolutions (cuDNN) against the same matmul timed alone, which says
-whether a Triton 1x1 kernel has anything to win.
+``ConvHeuristics``; and ResNet-50's 1x1 convolutions: cuDNN against the same matmuls timed alone
+(cuBLAS), and against the registry's Triton 1x1 kernels over a grid of tiles.
 
     python benchmarks/probe_conv.py --out conv.json [--quick]
 

@@ -14,7 +14,7 @@ from trainops.ops import convolution as conv_ops
 from trainops.ops.convolution import ConvHeuristics
 from trainops.plan import clear_plan_cache
 
-from numerics import FLOATS, assert_sum_close, poison_new_output, stable_seed
+from numerics import FLOATS, assert_close, assert_sum_close, poison_new_output, stable_seed
 
 # tiny tiles and many programs: several position and channel blocks, the weight gradient's
 # positions split among programs (partials added by column_sum), steps that do not divide them
@@ -367,6 +367,66 @@ def test_pointwise_empty_batch_and_deterministic(backend, device):
     assert all(torch.equal(a, f) for a, f in zip(again, first))
 
 
+@pytest.mark.parametrize("loss", ["sum_over_h", "sum_over_w", "transposed", "cat_on_w"])
+def test_pointwise_gradients_of_any_strides(backend, device, loss):
+    """The upstream gradient in the strides autograd hands over (an expand from y.sum(2), a transpose,
+    a slice of a cat): the 1x1 kernels copy an operand whose positions do not walk as one axis."""
+    gen = torch.Generator().manual_seed(stable_seed("pointwise strides", loss))
+    x = _randn((2, 12, 5, 3), torch.float32, device, gen).requires_grad_()
+    w = _randn((20, 12, 1, 1), torch.float32, device, gen).requires_grad_()
+    r = _randn((2, 20, 5, 3), torch.float32, device, gen)
+
+    def scalar(y):
+        if loss == "sum_over_h":
+            return (y.sum(2) * r[:, :, 0]).sum()
+        if loss == "sum_over_w":
+            return (y.sum(3) * r[..., 0]).sum()
+        if loss == "transposed":   # dy = a contiguous tensor's transpose
+            return (y.transpose(2, 3) * r.transpose(2, 3).contiguous()).sum()
+        return (torch.cat([y, r], 3) * torch.cat([r, r], 3)).sum()
+    grads = torch.autograd.grad(scalar(trainops.conv2d(x, w)), (x, w))
+    x64, w64 = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    r = r.double().cpu()
+    want = torch.autograd.grad(scalar(torch_F.conv2d(x64, w64)), (x64, w64))
+    for got, ref, name in zip(grads, want, ("dx", "dweight")):
+        assert_close(got, ref, torch.float32, f"{loss} {name}")
+
+
+def test_pointwise_plan_reads_a_strided_x():
+    """The plan API hands x over as given: a transposed x is copied where its positions do not walk
+    as one axis (the depthwise kernels read every stride)."""
+    if not trainops.registry.triton_available():
+        pytest.skip("needs Triton")
+    device = "cpu" if trainops.registry.triton_interpreting() else "cuda"
+    gen = torch.Generator().manual_seed(8)
+    x = _randn((2, 6, 3, 5), torch.float32, device, gen).transpose(2, 3)   # (2, 6, 5, 3), H stride 1
+    w = _randn((4, 6, 1, 1), torch.float32, device, gen)
+    with trainops.backend("triton"):
+        y = trainops.plan("conv2d", x_shape=x.shape, weight_shape=w.shape, dtype=torch.float32, device=device).run(
+            x, w, None)
+    assert_close(y, torch_F.conv2d(x.double().cpu(), w.double().cpu()), torch.float32, "y")
+
+
+def test_pointwise_heuristics_and_no_input_channel(backend, device):
+    """pointwise_tile as a list works as its tuple; no input channel: y is the bias and the bias
+    gradient is dy's sums (the CPU backend's torch kernels disagree on y's shape there: skipped)."""
+    x = torch.ones(2, 3, 4, 4, device=device)
+    w = torch.ones(5, 3, 1, 1, device=device)
+    with trainops.heuristics(ConvHeuristics(pointwise_tile=[16, 16, 16, 1, 1])):
+        assert torch.equal(trainops.conv2d(x, w), torch.full((2, 5, 4, 4), 3.0, device=device))
+    with pytest.raises(InvalidProblemError, match="pointwise_tile"):
+        trainops.plan("conv2d", x_shape=(2, 3, 4, 4), weight_shape=(5, 3, 1, 1), dtype=torch.float32, device=device,
+                      heuristics=ConvHeuristics(pointwise_tile=(16, 16, 8, 1, 1)))
+    if backend != "triton":
+        return
+    x0 = torch.empty(2, 0, 3, 3, device=device)
+    b0 = torch.arange(4.0, device=device, requires_grad=True)
+    y0 = trainops.conv2d(x0, torch.empty(4, 0, 1, 1, device=device), b0)
+    assert torch.equal(y0, b0.detach().view(1, 4, 1, 1).expand(2, 4, 3, 3))
+    (db,) = torch.autograd.grad(y0, b0, torch.ones_like(y0))
+    assert torch.equal(db, torch.full((4,), 18.0, device=device))
+
+
 def test_split_plan_splits():
     """The SPLIT plan splits the weight gradient's positions among programs on these tests' shapes."""
     for shape in ((2, 6, 7, 7), (2, 6, 9, 8)):
@@ -442,6 +502,12 @@ def test_triton_chosen_where_measured_faster():
         kernel("conv2d", wide)
     with trainops.backend("cudnn"):
         assert kernel("conv2d", mobilenet) == "cudnn"
+    # 1x1 convolutions: the Triton kernels were measured slower than cuDNN (never chosen)
+    for dtype, channels_last in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
+        for op in ("conv2d", "conv2d_backward"):
+            desc = dict(x_shape=(32, 1024, 14, 14), weight_shape=(256, 1024, 1, 1), dtype=dtype, device="cuda",
+                        channels_last=channels_last)
+            assert trainops.plan(op, **desc).info.backend == "cudnn"
 
 
 def test_registry_reports_the_kernels(backend, device):

@@ -132,7 +132,9 @@ def rule(layout: str, channels: int, positions: int) -> BatchNormTiles:
     if layout == "channels_last":
         wide = channels >= WIDE_CHANNELS and positions >= MANY_POSITIONS
         return BatchNormTiles(8192, 128 if wide else 32, 1024, 2)
-    return BatchNormTiles(4096, 64, 1024, 4)
+    if layout == "no_spatial":
+        return BatchNormTiles(4096, 64, 1024, 4)
+    raise ValueError(f"batch_norm.rule: layout {layout!r} is not channels_first, channels_last or no_spatial")
 
 
 def tiles(h: BatchNormHeuristics, layout: str, channels: int, positions: int) -> BatchNormTiles:

@@ -69,7 +69,7 @@ from ..launch import launcher
 from ..layout import next_pow2
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
+from ..registry import (FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
                         register_op, sm_count, triton_available, triton_interpreting)
 from ..registry import backend as pin_backend
 from ._common import MAX_GRID_Y, contiguous_strides, float_dtype
@@ -83,7 +83,7 @@ FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
 
 @dataclass(frozen=True)
 class ConvHeuristics:
-    """The Triton depthwise kernels' tunables (trainops.heuristics(...) overrides them).
+    """The Triton kernels' tunables, depthwise and 1x1 (trainops.heuristics(...) overrides them).
 
     block_positions: output positions (input positions for the input gradient; summed positions a
     step for the weight gradient) of a program's tile; block_channels: its channels; None: the
@@ -106,6 +106,10 @@ class ConvHeuristics:
     reduce_block: int = 128
     reduce_parts: int = 32
     pointwise_tile: Optional[tuple[int, int, int, int, int]] = None
+
+    def __post_init__(self):
+        if isinstance(self.pointwise_tile, list):   # hashable (plans are cached by their heuristics)
+            object.__setattr__(self, "pointwise_tile", tuple(self.pointwise_tile))
 
     def tile(self, channels_last: bool) -> tuple[int, int]:
         """(block_positions, block_channels) for x of this layout."""
@@ -709,18 +713,30 @@ def _pointwise_meta(dtype: torch.dtype) -> dict:
                 UPCAST=dtype == torch.bfloat16 and triton_interpreting())
 
 
+def _positions_walkable(t: Tensor) -> Tensor:
+    """``t`` (N, C, H, W) itself when its H x W positions walk as one strided axis (H's stride W times
+    W's, or either axis of size 1: any dense layout, an expanded H of one-column images), else a
+    contiguous copy: the 1x1 kernels read one position stride (``_spatial_stride``). The autograd
+    engine may hand dy over in any strides (the gradient of y.sum(2) is an expand, of a transpose
+    a transpose)."""
+    h, w = t.shape[2], t.shape[3]
+    return t if h == 1 or w == 1 or t.stride(2) == w * t.stride(3) else t.contiguous()
+
+
 def _spatial_stride(t: Tensor) -> int:
-    """The stride of a dense (N, C, H, W) tensor's H x W positions walked as one axis: W's, or H's
-    where W is 1 (a size-1 axis's stride is free in a dense tensor)."""
+    """The stride of the H x W positions of ``t`` walked as one axis (``_positions_walkable``): W's,
+    or H's where W is 1 (a size-1 axis's stride is free)."""
     return t.stride(3) if t.shape[3] > 1 else t.stride(2)
 
 
 def _pointwise_splits(problem: Conv2dProblem, block_m: int, block_n: int, block_k: int) -> tuple[int, int]:
     """(splits, chunk) of the weight gradient's N x OH x OW positions: whole BLOCK_K steps, enough
-    splits for (output tiles x splits) to reach ``programs_per_sm`` per SM."""
+    splits for (output tiles x splits) to reach ``programs_per_sm`` per SM (the bias gradient alone:
+    one column block)."""
     n, o, oh, ow = problem.out_shape
     total = n * oh * ow
-    tiles = -(-o // block_m) * -(-problem.x_shape[1] // block_n)
+    column_blocks = -(-problem.x_shape[1] // block_n) if problem.mask[1] else 1
+    tiles = max(1, -(-o // block_m) * column_blocks)
     wanted = max(1, sm_count(problem.device) * problem.heuristics.programs_per_sm // tiles)
     steps = -(-total // block_k)
     splits = max(1, min(wanted, steps, MAX_GRID_Y))
@@ -761,6 +777,7 @@ def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
             x, weight, bias = tensors
             if y.numel() == 0:
                 return
+            x = _positions_walkable(x)
             forward(weight, x, bias if bias is not None else weight, y, o, c, positions, total, weight.stride(0),
                     weight.stride(1), x.stride(0), x.stride(1), _spatial_stride(x), y.stride(0), y.stride(1),
                     _spatial_stride(y))
@@ -777,10 +794,12 @@ def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
     finish = column_sum(splits, o * (c + 1), h.reduce_block, h.reduce_parts)
 
     def run_input_grad(dy, x, weight, dx):
+        dy = _positions_walkable(dy)
         input_grad(weight, dy, weight, dx, c, o, positions, total, weight.stride(1), weight.stride(0), dy.stride(0),
                    dy.stride(1), _spatial_stride(dy), dx.stride(0), dx.stride(1), _spatial_stride(dx))
 
     def run_weight_grad(dy, x, weight, part):
+        dy, x = _positions_walkable(dy), _positions_walkable(x)
         weight_grad(dy, x, part, o, c, positions, total, chunk, dy.stride(0), dy.stride(1), _spatial_stride(dy),
                     x.stride(0), x.stride(1), _spatial_stride(x))
 
@@ -792,6 +811,8 @@ def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
 
 
 def _prepare_triton(problem: Conv2dProblem) -> Launch:
+    """The Triton backend's plan: the 1x1 kernels for a pointwise problem (not depthwise), the
+    depthwise kernels for a depthwise one, UnsupportedError for any other."""
     if problem.pointwise and not problem.depthwise:
         return _prepare_pointwise(problem)
     if not problem.depthwise:
@@ -854,8 +875,8 @@ def _prepare_triton(problem: Conv2dProblem) -> Launch:
 
 if triton_available():
     for _op in (FORWARD_OP, BACKWARD_OP):
-        register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
-                 name=f"{_op}_depthwise_triton")(_prepare_triton)
+        register(_op, backend="triton", dtypes=FLOATS, deterministic=True,
+                 accumulator="float32 (float64 for float64); 1x1: no float64", name=f"{_op}_triton")(_prepare_triton)
 
 
 # ----------------------------------------------------------------------------------------------
