@@ -765,9 +765,9 @@ def _prepare_pointwise(problem: Conv2dProblem) -> Launch:
     def row_blocks(rows: int) -> int:
         blocks = -(-rows // block_m)
         if blocks > MAX_GRID_Y:
-            raise UnsupportedError(f"trainops.{problem.op}: {rows} channels make {blocks} blocks of {block_m}, more than "
-                                   f"the {MAX_GRID_Y} programs the Triton kernels' grid takes on that axis; use the "
-                                   "cudnn backend or a larger BLOCK_M (ConvHeuristics.pointwise_tile)")
+            raise UnsupportedError(f"trainops.{problem.op}: {rows} channels make {blocks} blocks of {block_m}, "
+                                   f"more than the {MAX_GRID_Y} programs the Triton kernels' grid takes on that axis; "
+                                   "use the cudnn backend or a larger BLOCK_M (ConvHeuristics.pointwise_tile)")
         return max(1, blocks)
 
     if not problem.backward:

@@ -40,10 +40,11 @@ Dtypes: x and residual float32 / float16 / bfloat16 / float64, one dtype; bias a
 gradient in its own dtype); y in x's dtype (no promotion, unlike torch's ``residual +
 dropout(x + bias)`` with a float32 bias). Math in float32 (float64 for float64): each output is
 rounded once (y = x * m exactly as torch's float32 x * scale, scale = float32(1 / (1 - p));
-bias_dropout_add rounds residual + (x + bias) * m once (a fused multiply-add in the Triton kernel), where
-torch rounds x + bias and the dropout first). dbias is summed in float32 (float64) per program over a fixed block of rows, the programs'
-partial rows then summed in a fixed order by a second kernel: deterministic, bit-identical run to
-run on one device (the number of programs follows the device's SM count); no atomics.
+bias_dropout_add rounds residual + (x + bias) * m once (a fused multiply-add in the Triton kernel),
+where torch rounds x + bias and the dropout first). dbias is summed in float32 (float64) per program
+over a fixed block of rows, the programs' partial rows then summed in a fixed order by a second
+kernel: deterministic, bit-identical run to run on one device (the number of programs follows the
+device's SM count); no atomics.
 
 Layouts: x, residual and dy with any strides, read in place: their axes are merged jointly
 (adjacent axes that walk as one in every operand) and up to four merged axes are walked by index
