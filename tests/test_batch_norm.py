@@ -452,3 +452,11 @@ def test_default_tiles_follow_the_measured_rule(monkeypatch):
     assert (forced.block_c, forced.block_s) == (16, 8192 // 16), forced
     fewer = config((32, 256, 56, 56), True, BatchNormHeuristics(programs_per_sm=1))
     assert fewer.programs < wide.programs and fewer.block_c == wide.block_c
+
+
+@pytest.mark.parametrize("field,value", [("tile", 0), ("tile", 3000), ("channel_block", 48), ("spatial_block", -4),
+                                         ("programs_per_sm", 0), ("warps", 3), ("tile", 4096.0)])
+def test_bad_heuristics_are_refused_by_name(field, value):
+    with pytest.raises(InvalidProblemError, match=f"heuristics.*{field}"):
+        trainops.plan("batch_norm_stats", shape=(4, 8, 5, 5), dtype=torch.float32, device="cpu",
+                      heuristics=BatchNormHeuristics(**{field: value}))

@@ -137,6 +137,19 @@ def rule(layout: str, channels: int, positions: int) -> BatchNormTiles:
     raise ValueError(f"batch_norm.rule: layout {layout!r} is not channels_first, channels_last or no_spatial")
 
 
+def _check_heuristics(op: str, h: BatchNormHeuristics) -> None:
+    """InvalidProblemError naming ``heuristics`` unless every block size given (tile, channel_block,
+    spatial_block) and warps are powers of two (the kernels' tile shapes) and programs_per_sm >= 1."""
+    for name in ("tile", "channel_block", "spatial_block", "programs_per_sm", "warps"):
+        value = getattr(h, name)
+        if value is None and name != "warps":
+            continue
+        power_of_two = name != "programs_per_sm"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (power_of_two and value & (value - 1)):
+            raise argument_error(InvalidProblemError, op, "heuristics",
+                                 f"{name} must be {'a power of two' if power_of_two else 'an int >= 1'}, got {value!r}")
+
+
 def tiles(h: BatchNormHeuristics, layout: str, channels: int, positions: int) -> BatchNormTiles:
     """``h``'s fields, those left None from ``rule(layout, channels, positions)``."""
     measured = rule(layout, channels, positions)
@@ -410,6 +423,7 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     elif not isinstance(heuristics, BatchNormHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a BatchNormHeuristics, got {type(heuristics).__name__}")
+    _check_heuristics(op, heuristics)
     if op in (STATS_OP, LOCAL_STATS_OP):
         weight_dtype = bias_dtype = None
     return BatchNormProblem(op, shape, dtype, device, tuple(checked), weight_dtype, bias_dtype,
