@@ -46,8 +46,7 @@ forward from 14 x 14 output positions (28 x 28 at stride 2), backward from 56 x 
 with at most 3 x 3 taps, the input gradient alone from 14 x 14), cuDNN for every other problem;
 the CPU kernels on the CPU. The Triton 1x1 kernels are never chosen: at ResNet-50's 1x1 shapes the
 best of nine tiles reached 0.49x cuDNN's speed (geometric mean; benchmarks/NOTES.md, "1x1
-convolutions"). ``trainops.backend(...)``
-pins either.
+convolutions"). ``trainops.backend(...)`` pins either.
 
 Bytes (the fewest a depthwise convolution must move, for the Triton plans): forward reads x and
 writes y (the weight is small); the input gradient reads dy, writes dx; the weight gradient reads
