@@ -164,6 +164,22 @@ def float_dtype(op: str, name: str, dtype, optional: bool = False) -> torch.dtyp
     return dtype
 
 
+def check_heuristic_fields(op: str, heuristics, powers_of_two: Sequence[str] = (), at_least_one: Sequence[str] = (),
+                           optional: Sequence[str] = ()) -> None:
+    """InvalidProblemError naming ``heuristics`` unless each field named in ``powers_of_two`` is a
+    power of two and each in ``at_least_one`` an int >= 1 (a field in ``optional`` may also be None:
+    the family's rule then decides). Block sizes become tile shapes, so a wrong one would fail
+    inside a kernel or divide by zero; checked once, when a plan is made."""
+    for name in (*powers_of_two, *at_least_one):
+        value = getattr(heuristics, name)
+        if value is None and name in optional:
+            continue
+        power = name in powers_of_two
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (power and value & (value - 1)):
+            raise argument_error(InvalidProblemError, op, "heuristics",
+                                 f"{name} must be {'a power of two' if power else 'an int >= 1'}, got {value!r}")
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides of ``shape``, as torch's (a size-0 or size-1 dim counts as 1)."""
     strides, step = [], 1

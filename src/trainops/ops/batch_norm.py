@@ -67,7 +67,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import float_dtype
+from ._common import check_heuristic_fields, float_dtype
 
 STATS_OP, FORWARD_OP, BACKWARD_OP = "batch_norm_stats", "batch_norm", "batch_norm_backward"
 # the synchronised variant's pieces (torch's names): this rank's statistics, this rank's gradient
@@ -135,19 +135,6 @@ def rule(layout: str, channels: int, positions: int) -> BatchNormTiles:
     if layout == "no_spatial":
         return BatchNormTiles(4096, 64, 1024, 4)
     raise ValueError(f"batch_norm.rule: layout {layout!r} is not channels_first, channels_last or no_spatial")
-
-
-def _check_heuristics(op: str, h: BatchNormHeuristics) -> None:
-    """InvalidProblemError naming ``heuristics`` unless every block size given (tile, channel_block,
-    spatial_block) and warps are powers of two (the kernels' tile shapes) and programs_per_sm >= 1."""
-    for name in ("tile", "channel_block", "spatial_block", "programs_per_sm", "warps"):
-        value = getattr(h, name)
-        if value is None and name != "warps":
-            continue
-        power_of_two = name != "programs_per_sm"
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (power_of_two and value & (value - 1)):
-            raise argument_error(InvalidProblemError, op, "heuristics",
-                                 f"{name} must be {'a power of two' if power_of_two else 'an int >= 1'}, got {value!r}")
 
 
 def tiles(h: BatchNormHeuristics, layout: str, channels: int, positions: int) -> BatchNormTiles:
@@ -423,7 +410,10 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     elif not isinstance(heuristics, BatchNormHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a BatchNormHeuristics, got {type(heuristics).__name__}")
-    _check_heuristics(op, heuristics)
+    # block sizes and warps powers of two (the kernels' tile shapes); None: the measured rule's
+    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "channel_block", "spatial_block", "warps"),
+                           at_least_one=("programs_per_sm",),
+                           optional=("tile", "channel_block", "spatial_block", "programs_per_sm"))
     if op in (STATS_OP, LOCAL_STATS_OP):
         weight_dtype = bias_dtype = None
     return BatchNormProblem(op, shape, dtype, device, tuple(checked), weight_dtype, bias_dtype,

@@ -71,7 +71,7 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shap
 from ..registry import (FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
                         register_op, sm_count, triton_available, triton_interpreting)
 from ..registry import backend as pin_backend
-from ._common import MAX_GRID_Y, contiguous_strides, float_dtype
+from ._common import MAX_GRID_Y, check_heuristic_fields, contiguous_strides, float_dtype
 
 FORWARD_OP, BACKWARD_OP = "conv2d", "conv2d_backward"
 
@@ -288,14 +288,11 @@ def _describe(op: str, x_shape, weight_shape, dtype, device="cuda", *, stride=1,
     elif not isinstance(heuristics, ConvHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics", f"must be a ConvHeuristics, got "
                              f"{type(heuristics).__name__}")
-    for field_name in ("block_positions", "block_channels", "reduce_block", "reduce_parts", "warps"):
-        value = getattr(heuristics, field_name)
-        if value is None and field_name in ("block_positions", "block_channels"):
-            continue
-        if value < 1 or value & (value - 1):
-            raise argument_error(InvalidProblemError, op, "heuristics", f"{field_name} must be a power of two, got {value}")
-    if heuristics.programs_per_sm < 1 or heuristics.warps > 32:
-        raise argument_error(InvalidProblemError, op, "heuristics", "programs_per_sm must be >= 1 and warps <= 32")
+    check_heuristic_fields(op, heuristics, powers_of_two=("block_positions", "block_channels", "reduce_block",
+                                                          "reduce_parts", "warps"),
+                           at_least_one=("programs_per_sm",), optional=("block_positions", "block_channels"))
+    if heuristics.warps > 32:
+        raise argument_error(InvalidProblemError, op, "heuristics", f"warps must be <= 32, got {heuristics.warps}")
     if heuristics.pointwise_tile is not None:
         tile = heuristics.pointwise_tile
         ok = isinstance(tile, tuple) and len(tile) == 5 and all(isinstance(v, int) and v >= 1 for v in tile)
