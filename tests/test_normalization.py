@@ -423,9 +423,44 @@ def test_backward_pipeline_stages_fit_the_staging_budget():
                                  has_residual=residual, strides=strides).kernel["stages"]
     if not HAS_CUDA and not trainops.registry.triton_interpreting():
         pytest.skip("no Triton kernels here")
-    assert stages(torch.bfloat16, 4096) == 3          # 2 tiles of 8 KB a step
-    assert stages(torch.float32, 4096, True) == 2     # 3 tiles of 16 KB
-    assert stages(torch.float32, 5120) == 1           # 2 tiles of 32 KB: 3 stages did not fit on the H100
+    # a step holds 2 rows of 4096 (the 8192-element tile): two 16 KB tiles a step
+    assert stages(torch.bfloat16, 4096) == 3
+    assert stages(torch.float32, 4096, True) == 1     # three 32 KB tiles: one 96 KB step
+    assert stages(torch.float32, 5120) == 2           # two 32 KB tiles (a row of 8192): 2 x 64 KB
+    assert stages(torch.bfloat16, 16384) == 1         # the stages table: one stage for rows of 16384
+
+
+def _row_offsets(t: torch.Tensor, k: int) -> set[int]:
+    """Element offsets (from the data pointer) of every row of ``t``'s trailing ``k`` axes."""
+    lead, strides = t.shape[:t.dim() - k], t.stride()[:t.dim() - k]
+    return {sum(i * st for i, st in zip(index, strides)) for index in
+            __import__("itertools").product(*(range(d) for d in lead))}
+
+
+@pytest.mark.parametrize("case", ["1000", "1001", "1000_offset_1", "1000_of_1008", "strided_row",
+                                  "transposed_batch", "two_axes", "float64"])
+def test_row_alignment_divides_the_row_length_and_every_row_start(case):
+    """The kernels tell the compiler that n and every row's offset are multiples of ``align``
+    (``tl.multiple_of``): a wrong claim would make misaligned vector accesses on the GPU. The plan's
+    align is checked here against every row start of the actual views."""
+    if not HAS_CUDA and not trainops.registry.triton_interpreting():
+        pytest.skip("no Triton kernels here")
+    dtype = torch.float64 if case == "float64" else torch.bfloat16
+    k = 2 if case == "two_axes" else 1
+    base = torch.zeros(6, 2016, dtype=dtype)
+    x = {"1000": base[:, :1000].contiguous(), "1001": base[:, :1001].contiguous(),
+         "1000_offset_1": base[:, 1:1001], "1000_of_1008": base[:, 8:1008],
+         "strided_row": base[:, :2000:2], "transposed_batch": base.reshape(2, 3, 2016).transpose(0, 1)[..., :1000],
+         "two_axes": base.reshape(6, 2, 1008), "float64": base[:, :1000].contiguous()}[case]
+    shape, n = tuple(x.shape), math.prod(x.shape[x.dim() - k:])
+    with trainops.backend("triton"):
+        plan = trainops.plan("rms_norm", shape=shape, dtype=dtype, device="cuda" if HAS_CUDA else "cpu",
+                             normalized_ndim=k, strides=(x.stride(), None))
+    align = plan.kernel["align"]
+    assert n % align == 0 and all(offset % align == 0 for offset in _row_offsets(x, k))
+    expected = {"1000": 8, "1001": 1, "1000_offset_1": 8, "1000_of_1008": 8, "strided_row": 1,
+                "transposed_batch": 8, "two_axes": 8, "float64": 2}[case]
+    assert align == expected
 
 
 def test_strided_weight_and_bias_are_read_correctly(backend, device):
@@ -568,3 +603,38 @@ def test_rms_norm_module_checks_its_shape_and_starts_at_scale_one(backend, devic
     assert torch.equal(gemma.weight.detach(), torch.zeros(8, device=device))
     with pytest.raises(InvalidProblemError, match="'weight' is \\(8,\\): trainops.rms_norm takes"):
         trainops.rms_norm(x, (8,), None)
+
+
+def _triton_plan(op, n, rows=4096, dtype=torch.bfloat16, heuristics=None):
+    if not HAS_CUDA and not trainops.registry.triton_interpreting():
+        pytest.skip("no Triton kernels here")
+    with trainops.backend("triton"):
+        return trainops.plan(op, shape=(rows, n), dtype=dtype, device="cuda" if HAS_CUDA else "cpu",
+                             weight_dtype=torch.float32, heuristics=heuristics)
+
+
+def test_default_plans_follow_the_measured_rule():
+    """NormHeuristics' defaults (measured on the H200, NOTES "Normalization's tiles and odd widths")."""
+    def kernel(op, n):
+        k = _triton_plan(op, n).kernel
+        return k["BLOCK_M"], k["num_warps"], (k["stages"] if op.endswith("backward") else None)
+    # forward: 8192-element tiles, at least 2 rows a program; 4 warps up to 2048 and at 8192
+    assert kernel("rms_norm", 768) == (8, 4, None)
+    assert kernel("rms_norm", 2048) == (4, 4, None)
+    assert kernel("rms_norm", 4096) == (2, 8, None)
+    assert kernel("rms_norm", 5120) == (2, 4, None)       # a row block of 8192
+    assert kernel("layer_norm", 16384) == (2, 8, None)
+    # backward: 8192-element tiles, 8 warps, 3 stages; rows of 16384: 32 warps, 1 stage
+    assert kernel("rms_norm_backward", 768) == (8, 8, 3)
+    assert kernel("rms_norm_backward", 4096) == (2, 8, 3)
+    assert kernel("layer_norm_backward", 8192) == (1, 8, 3)
+    assert kernel("layer_norm_backward", 16384) == (1, 32, 1)
+
+
+@pytest.mark.parametrize("field,value", [("forward_tile", 3000), ("forward_rows", 0), ("backward_programs_per_sm", 0),
+                                         ("warps", ((4096, 8),)), ("backward_warps", ((1 << 62, 3),)),
+                                         ("backward_stages", 3), ("backward_stages", ((1 << 62, 0),)),
+                                         ("warps", ((4096, 8.0), (1 << 62, 8)))])
+def test_bad_heuristics_are_refused_by_name(field, value):
+    with pytest.raises(InvalidProblemError, match=f"heuristics.*{field}"):
+        _triton_plan("rms_norm_backward", 64, rows=8, dtype=torch.float32, heuristics=NormHeuristics(**{field: value}))

@@ -1,6 +1,6 @@
 """Benchmark cases of the normalization family: ``trainops.rms_norm`` / ``trainops.layer_norm``,
 forward + backward, against torch eager (``F.rms_norm`` / ``F.layer_norm``, ATen's fused kernels),
-torch.compile of the same, and Liger-Kernel's RMSNorm / LayerNorm when installed.
+torch.compile of the same, Liger-Kernel's RMSNorm / LayerNorm and quack's RMSNorm when installed.
 
 Each timed call is a training step's norm: forward, then backward of a fixed random upstream
 gradient into x's and the weight's (and bias's) ``.grad`` (reset each call). With ``residual``
@@ -69,6 +69,10 @@ def _norm_case(op: str, shape, dtype, device, residual: bool = False) -> Case:
                         lambda x, r, w, b: liger_rms.apply(x, w, 1e-6, 0.0, "llama", False))
                 if op == "layer_norm" and liger_ln is not None:
                     impls["liger"] = lambda: step(lambda x, r, w, b: liger_ln.apply(x, w, b, 1e-5))
+            quack_rms = _peer("quack", "rmsnorm")
+            if op == "rms_norm" and quack_rms is not None:  # prenorm=True: returns (y, x + residual)
+                impls["quack"] = lambda: step(lambda x, r, w, b: quack_rms(x, w, residual=r, eps=1e-6, prenorm=True)
+                                              if residual else quack_rms(x, w, eps=1e-6))
 
         def reference():
             xd = x.detach().double().requires_grad_()

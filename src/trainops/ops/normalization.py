@@ -49,7 +49,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import checked_strides, contiguous_strides, float_dtype, raise_mismatch
+from ._common import check_heuristic_fields, checked_strides, contiguous_strides, float_dtype, raise_mismatch
 
 FORWARD_OPS = ("rms_norm", "layer_norm")
 BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
@@ -66,36 +66,49 @@ class NormHeuristics:
 
     fused_max: longest row (elements) held in registers; longer rows are looped in chunks of
         ``chunk`` elements. forward_tile / backward_tile: elements one program holds per step
-        (rows per program = tile // row block, at least 1). backward_programs_per_sm: programs of
+        (rows per program = tile // row block); forward_rows: at least this many rows a forward
+        program (the weight and bias read once for them). backward_programs_per_sm: programs of
         the backward kernel per SM; each sums its rows' weight gradient into one workspace row.
-        backward_stages: software-pipelining stages of the backward's loop over its rows, fewer
-        when stages x the bytes a step loads (dy, h, grad_h tiles) would pass pipeline_bytes (the
-        staging lives in shared memory: 3 stages of two 8192-element float32 tiles needed 262 KB
-        with the reductions' scratch, over the H100's 227 KB; 3 of two 4096-element bf16 tiles
-        ran).
+        backward_stages: (row block elements at most, software-pipelining stages of the
+        backward's loop over its rows) steps; fewer when stages x the bytes a step loads (dy, h,
+        grad_h tiles) would pass pipeline_bytes (the staging lives in shared memory: 3 stages of
+        two 8192-element float32 tiles needed 262 KB with the reductions' scratch, over the H100's
+        227 KB; one program a SM with 2 x 64 KB ran on the H200).
         reduce_block: columns one program of the partial-sum reduction owns.
-        warps: (row block elements at most, warps) steps, the first that fits (fused rows).
-        looped_warps: warps of the looped plan.
-    Defaults measured on the H100 (benchmarks/NOTES.md, "Normalization", CUDA-graph GPU times):
-    2 backward programs per SM beat 1, 4, 8 and 16 on every measured shape (RMSNorm 32768x768
-    fwd+bwd 0.111 ms against 0.122 at 4; LayerNorm 8192x4096 0.145 against 0.163); 3 pipeline
-    stages on the backward's row loop beat 1 and 2 on all six (RMSNorm 8192x4096 0.127 against
-    0.131; LayerNorm 32768x768 0.109 against 0.123).
+        warps / backward_warps: (row block elements at most, warps) steps of the forward and the
+        backward, the first that fits (fused rows). looped_warps: warps of the looped plan.
+    Defaults measured on the H200 (benchmarks/NOTES.md, "Normalization's tiles and odd widths",
+    GPU time of bf16 rows, float32 weight; probe_normalization.py), replacing the H100's 4096-
+    element tiles and 2 backward programs per SM: one backward program a SM with 8192-element
+    tiles and 8 warps were level or ahead on every Llama / GPT-2 row (LayerNorm 8192 x 4096
+    backward 59-62 us against 66.3; RMSNorm 1-3 % faster), and 2 rows a forward program with 4 warps at rows of
+    5120-8192 (LayerNorm 4096 x 5120 forward 40 us against 54.5); rows of 16384 want 32 backward
+    warps and one stage (LayerNorm backward 165 us against 466 with 16 warps: registers spilled).
     """
 
     fused_max: int = 16384
     chunk: int = 4096
-    forward_tile: int = 4096
-    backward_tile: int = 4096
-    backward_programs_per_sm: int = 2
-    backward_stages: int = 3
-    pipeline_bytes: int = 98304
+    forward_tile: int = 8192
+    forward_rows: int = 2
+    backward_tile: int = 8192
+    backward_programs_per_sm: int = 1
+    backward_stages: tuple[tuple[int, int], ...] = ((8192, 3), (1 << 62, 1))
+    pipeline_bytes: int = 147456
     reduce_block: int = 64
-    warps: tuple[tuple[int, int], ...] = ((1024, 4), (4096, 8), (1 << 62, 16))
+    warps: tuple[tuple[int, int], ...] = ((2048, 4), (4096, 8), (8192, 4), (1 << 62, 8))
+    backward_warps: tuple[tuple[int, int], ...] = ((8192, 8), (1 << 62, 32))
     looped_warps: int = 8
 
-    def num_warps(self, elements: int) -> int:
-        return next(w for limit, w in self.warps if elements <= limit)
+    def num_warps(self, elements: int, backward: bool = False) -> int:
+        return _step(self.backward_warps if backward else self.warps, elements)
+
+    def stages(self, elements: int) -> int:
+        return _step(self.backward_stages, elements)
+
+
+def _step(table: tuple[tuple[int, int], ...], elements: int) -> int:
+    """The value of the first (row block elements at most, value) step of ``table`` that fits."""
+    return next(value for limit, value in table if elements <= limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,21 +412,34 @@ if triton_available():
         return x.to(ACC)
 
     @triton.jit
+    def _weight_eff(W, c, n, w_offset, HAS_W: tl.constexpr, ACC: tl.constexpr):
+        """w_eff = weight + weight_offset over columns ``c`` as ACC (1 without a weight). The cast
+        keeps ACC where Inductor, launching an inlined kernel, passes the float scalars as fp64."""
+        if HAS_W:
+            return (tl.load(W + c, mask=c < n, other=0.0).to(ACC) + w_offset).to(ACC)
+        return tl.full(c.shape, 1.0, ACC)
+
+    @triton.jit
     def _norm_fwd(
         X, R, Y, H, W, B, STATS,                  # inputs x, residual; outputs y, h; weight, bias; stats (k, rows)
         x_base, x_s0, x_s1, x_si, x_sn,           # x: base offset, outer0 / outer1 / inner / row-axis strides
         r_base, r_s0, r_s1, r_si, r_sn,           # residual, likewise
         out_base, rows_total,                     # contiguous outputs: first row's offset; rows of the whole problem
-        rows, n, OUTER1, INNER, eps, w_offset,    # rows of this launch, row length, batch sizes, eps, w_eff - w
+        rows, n_units, OUTER1, INNER, eps, w_offset,  # rows of this launch, row length / ALIGN, batch sizes, eps, w_eff - w
         RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
-        """BLOCK_M rows a program: statistics, then y (and h) written once."""
+        """BLOCK_M rows a program: statistics, then y (and h) written once. ALIGN: a power of two
+        that divides n and every row's offset in every tensor (the plan's guarantee): rows of
+        1000 bf16 elements then load as 16-byte vectors, not element by element. The row length
+        comes as n_units = n / ALIGN: a hint on a scalar argument does not reach the compiler."""
+        n = n_units * ALIGN
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         r_mask = r < rows
-        x_row = x_base + _row_offset(r, OUTER1, INNER, x_s0, x_s1, x_si)
-        r_row = r_base + _row_offset(r, OUTER1, INNER, r_s0, r_s1, r_si)
-        out_row = out_base + r.to(tl.int64) * n
+        x_row = tl.multiple_of(x_base + _row_offset(r, OUTER1, INNER, x_s0, x_s1, x_si), ALIGN)
+        r_row = tl.multiple_of(r_base + _row_offset(r, OUTER1, INNER, r_s0, r_s1, r_si), ALIGN)
+        out_row = tl.multiple_of(out_base + r.to(tl.int64) * n, ALIGN)
         cols = tl.arange(0, BLOCK_N)
         if not LOOPED:
             mask = r_mask[:, None] & (cols < n)[None, :]
@@ -424,10 +450,10 @@ if triton_available():
             else:
                 mean = tl.sum(h, 1) / n
                 centered = tl.where(mask, h - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / n + eps)
+            rstd = (1.0 / tl.sqrt(tl.sum(centered * centered, 1) / n + eps)).to(ACC)  # eps: fp64 under Inductor
             y = centered * rstd[:, None]
             if HAS_W:
-                y = y * (tl.load(W + cols, mask=cols < n, other=0.0).to(ACC) + w_offset)[None, :]
+                y = y * _weight_eff(W, cols, n, w_offset, HAS_W, ACC)[None, :]
             if HAS_B:
                 y = y + tl.load(B + cols, mask=cols < n, other=0.0).to(ACC)[None, :]
             tl.store(Y + out_row[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -451,14 +477,14 @@ if triton_available():
                     mean += delta * (k / total)
                     m2 += tl.sum(d * d, 1) + delta * delta * (count * k / total)
                     count = total
-            rstd = 1.0 / tl.sqrt(m2 / n + eps)
+            rstd = (1.0 / tl.sqrt(m2 / n + eps)).to(ACC)
             for start in range(0, n, BLOCK_N):
                 c = start + cols
                 mask = r_mask[:, None] & (c < n)[None, :]
                 h = _load_h(X, R, H, x_row, r_row, out_row, c, mask, x_sn, r_sn, HAS_R, True, ACC)
                 y = (h - mean[:, None]) * rstd[:, None]
                 if HAS_W:
-                    y = y * (tl.load(W + c, mask=c < n, other=0.0).to(ACC) + w_offset)[None, :]
+                    y = y * _weight_eff(W, c, n, w_offset, HAS_W, ACC)[None, :]
                 if HAS_B:
                     y = y + tl.load(B + c, mask=c < n, other=0.0).to(ACC)[None, :]
                 tl.store(Y + out_row[:, None] + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -470,14 +496,14 @@ if triton_available():
             tl.store(STATS + rows_total + stats_row, rstd, mask=r_mask)
 
     @triton.jit
-    def _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n, w_offset,
+    def _norm_bwd_tile(DY, HX, w_eff, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn,
                        HAS_W: tl.constexpr, ACC: tl.constexpr):
-        """(dy, hh, g) of one tile: the row gradient's ingredients."""
+        """(dy, hh, g) of one tile: the row gradient's ingredients (w_eff: the tile's columns')."""
         dy = tl.load(DY + dy_row[:, None] + c[None, :].to(tl.int64) * dy_sn, mask=mask, other=0.0).to(ACC)
         h = tl.load(HX + h_row[:, None] + c[None, :].to(tl.int64) * h_sn, mask=mask, other=0.0).to(ACC)
         hh = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_W:
-            g = dy * (tl.load(W + c, mask=c < n, other=0.0).to(ACC) + w_offset)[None, :]
+            g = dy * w_eff[None, :]
         else:
             g = dy
         return dy, hh, g
@@ -489,13 +515,14 @@ if triton_available():
         h_base, h_s0, h_s1, h_si, h_sn,
         s_base, s_s0, s_s1, s_si, s_sn,
         out_base, rows_total, part_base,              # first row's offset in dx; rows in all; first partial row
-        rows, n, OUTER1, INNER, rows_per_program, w_offset,
+        rows, n_units, OUTER1, INNER, rows_per_program, w_offset,  # n_units: the row length / ALIGN
         RMS: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
-        STAGES: tl.constexpr,
+        STAGES: tl.constexpr, ALIGN: tl.constexpr,
     ):
         """dx of ``rows_per_program`` rows, BLOCK_M at a time; their dweight / dbias summed in registers
         (or in the program's own workspace row, looped) and written as one partial row."""
+        n = n_units * ALIGN  # as the forward's ALIGN and n_units
         pid = tl.program_id(0)
         first = pid * rows_per_program
         last = tl.minimum(first + rows_per_program, rows)
@@ -505,13 +532,16 @@ if triton_available():
         # reduced over the row slots once, after the loop (no cross-warp reduction per step)
         dw = tl.zeros([BLOCK_M, BLOCK_N], ACC)
         db = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        # fused: the weight read once a program, not once a step (the load inside the loop was 16-32
+        # scalar loads a thread a step in the sm_90 code, beside the rows' two vector loads)
+        w_fused = _weight_eff(W, cols, n, w_offset, HAS_W and not LOOPED, ACC)
         for start in tl.range(first, last, BLOCK_M, num_stages=STAGES):
             r = start + tl.arange(0, BLOCK_M)
             r_mask = r < last
-            dy_row = dy_base + _row_offset(r, OUTER1, INNER, dy_s0, dy_s1, dy_si)
-            h_row = h_base + _row_offset(r, OUTER1, INNER, h_s0, h_s1, h_si)
-            s_row = s_base + _row_offset(r, OUTER1, INNER, s_s0, s_s1, s_si)
-            out_row = out_base + r.to(tl.int64) * n
+            dy_row = tl.multiple_of(dy_base + _row_offset(r, OUTER1, INNER, dy_s0, dy_s1, dy_si), ALIGN)
+            h_row = tl.multiple_of(h_base + _row_offset(r, OUTER1, INNER, h_s0, h_s1, h_si), ALIGN)
+            s_row = tl.multiple_of(s_base + _row_offset(r, OUTER1, INNER, s_s0, s_s1, s_si), ALIGN)
+            out_row = tl.multiple_of(out_base + r.to(tl.int64) * n, ALIGN)
             stats_row = out_base // n + r
             rstd = tl.load(STATS + (rows_total if not RMS else 0) + stats_row, mask=r_mask, other=0.0)
             if RMS:
@@ -520,8 +550,8 @@ if triton_available():
                 mean = tl.load(STATS + stats_row, mask=r_mask, other=0.0)
             if not LOOPED:
                 mask = r_mask[:, None] & (cols < n)[None, :]
-                dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, cols, mask, mean, rstd, dy_sn, h_sn, n,
-                                           w_offset, HAS_W, ACC)
+                dy, hh, g = _norm_bwd_tile(DY, HX, w_fused, dy_row, h_row, cols, mask, mean, rstd, dy_sn, h_sn,
+                                           HAS_W, ACC)
                 c2 = tl.sum(g * hh, 1) / n
                 dh = g - hh * c2[:, None]
                 if not RMS:
@@ -541,16 +571,16 @@ if triton_available():
                 for cs in range(0, n, BLOCK_N):
                     c = cs + cols
                     mask = r_mask[:, None] & (c < n)[None, :]
-                    dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n,
-                                               w_offset, HAS_W, ACC)
+                    dy, hh, g = _norm_bwd_tile(DY, HX, _weight_eff(W, c, n, w_offset, HAS_W, ACC), dy_row, h_row,
+                                               c, mask, mean, rstd, dy_sn, h_sn, HAS_W, ACC)
                     c1 += tl.sum(g, 1)
                     c2 += tl.sum(g * hh, 1)
                 c1, c2 = c1 / n, c2 / n
                 for cs in range(0, n, BLOCK_N):
                     c = cs + cols
                     mask = r_mask[:, None] & (c < n)[None, :]
-                    dy, hh, g = _norm_bwd_tile(DY, HX, W, dy_row, h_row, c, mask, mean, rstd, dy_sn, h_sn, n,
-                                               w_offset, HAS_W, ACC)
+                    dy, hh, g = _norm_bwd_tile(DY, HX, _weight_eff(W, c, n, w_offset, HAS_W, ACC), dy_row, h_row,
+                                               c, mask, mean, rstd, dy_sn, h_sn, HAS_W, ACC)
                     dh = g - hh * c2[:, None]
                     if not RMS:
                         dh -= c1[:, None]
@@ -585,15 +615,17 @@ class NormConfig:
 
 def _choose_config(problem: NormProblem) -> NormConfig:
     """Fused rows up to ``fused_max`` elements (a program holds BLOCK_M rows, about ``*_tile``
-    elements); longer rows looped in ``chunk``-element blocks, one row a program."""
+    elements, at least ``forward_rows`` in the forward); longer rows looped in ``chunk``-element
+    blocks, one row a program."""
     h = problem.heuristics
     n = max(problem.n, 1)
     tile = h.backward_tile if problem.backward else h.forward_tile
     if n > h.fused_max:
         return NormConfig(1, next_pow2(min(h.chunk, n)), h.looped_warps, True)
     block_n = next_pow2(n)
-    block_m = max(1, min(tile // block_n, next_pow2(max(problem.rows, 1))))
-    return NormConfig(block_m, block_n, h.num_warps(block_n), False)
+    least = 1 if problem.backward else h.forward_rows
+    block_m = max(1, min(max(least, tile // block_n), next_pow2(max(problem.rows, 1))))
+    return NormConfig(block_m, block_n, h.num_warps(block_n, problem.backward), False)
 
 
 def _layout(problem: NormProblem) -> ReductionLayout:
@@ -611,14 +643,53 @@ def _layout(problem: NormProblem) -> ReductionLayout:
     return reduction_layout(lead + (problem.n,), len(lead), operands)
 
 
+def _row_alignment(problem: NormProblem, layout: ReductionLayout) -> int:
+    """The largest power of two of elements, up to 16 bytes' worth, that divides the row length and
+    every row's offset in every tensor (strides and launch bases); 1 where a row's elements are not
+    adjacent. The kernels pass it to the compiler (``tl.multiple_of``): Triton itself only knows
+    the values it specialises (multiples of 16), so rows of 1000 bf16 elements (2000 bytes, every
+    row 16-byte aligned) were loaded one element at a time."""
+    if any(s not in (0, 1) for s in layout.stride_n):
+        return 1
+    values = [problem.n, *layout.stride_outer0, *layout.stride_outer1, *layout.stride_inner,
+              *(b for bases in layout.host_bases for b in bases)]
+    align = 16 // problem.dtype.itemsize
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
+
+
+def _check_heuristics(problem: NormProblem) -> None:
+    """InvalidProblemError naming ``heuristics`` for a block size that is not a power of two, a
+    count below 1, or a steps table that is not ((limit, value), ...) of ints >= 1 reaching the
+    widest row block a plan makes. Checked when a plan is made, not per call."""
+    h = problem.heuristics
+    check_heuristic_fields(problem.op, h, powers_of_two=("chunk", "forward_tile", "backward_tile", "reduce_block",
+                                                         "looped_warps"),
+                           at_least_one=("fused_max", "forward_rows", "backward_programs_per_sm", "pipeline_bytes"))
+    widest = max(next_pow2(h.fused_max), h.chunk)
+    for name, powers in (("warps", True), ("backward_warps", True), ("backward_stages", False)):
+        table = getattr(h, name)
+        ok = isinstance(table, tuple) and len(table) > 0 and all(
+            isinstance(step, tuple) and len(step) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in step) for step in table)
+        ok = ok and table[-1][0] >= widest and all(not powers or v & (v - 1) == 0 for _, v in table)
+        if not ok:
+            raise argument_error(InvalidProblemError, problem.op, "heuristics",
+                                 f"{name} must be a tuple of (row block elements at most, "
+                                 f"{'warps, a power of two' if powers else 'stages'}) int pairs >= 1 whose last "
+                                 f"limit reaches {widest}, got {table!r}")
+
+
 def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> Launch:
+    _check_heuristics(problem)
     config = config or _choose_config(problem)
     layout = _layout(problem)
     acc = problem.acc_dtype
     n, rows_total = problem.n, problem.rows
     meta = dict(RMS=problem.rms, HAS_W=problem.weight_dtype is not None, ACC=tl.float64 if acc == torch.float64
                 else tl.float32, BLOCK_M=config.block_m, BLOCK_N=config.block_n, LOOPED=config.looped,
-                num_warps=config.num_warps)
+                ALIGN=_row_alignment(problem, layout), num_warps=config.num_warps)
     per_launch = layout.outer0 * layout.outer1 * layout.inner
     sizes = [layout.outer1, layout.inner]
 
@@ -634,8 +705,9 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         meta.update(HAS_R=problem.has_residual, HAS_B=problem.bias_dtype is not None)
 
         # every scalar argument is fixed by the plan: built once here, not per call
-        launches = [launcher(_norm_fwd, grid, trailing=(*operand_args(bases), bases[-1], rows_total, per_launch, n,
-                                                        *sizes, problem.eps, problem.weight_offset), **meta)
+        launches = [launcher(_norm_fwd, grid, trailing=(*operand_args(bases), bases[-1], rows_total, per_launch,
+                                                        n // meta["ALIGN"], *sizes, problem.eps, problem.weight_offset),
+                             **meta)
                     for bases in layout.host_bases]
 
         def run(tensors, outputs):
@@ -662,11 +734,11 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
         workspace = parts * n * (dw_wanted + has_bias) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
-        stages = max(1, min(problem.heuristics.backward_stages, problem.heuristics.pipeline_bytes // step_bytes))
+        stages = max(1, min(problem.heuristics.stages(config.block_n), problem.heuristics.pipeline_bytes // step_bytes))
         meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages)
 
         launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
-                                                               index * programs, per_launch, n, *sizes,
+                                                               index * programs, per_launch, n // meta["ALIGN"], *sizes,
                                                                rows_per_program, problem.weight_offset), **meta)
                     for index, bases in enumerate(layout.host_bases)]
         sum_columns = column_sum(parts, n, problem.heuristics.reduce_block, 64)
@@ -693,7 +765,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         kernel = "norm_bwd"
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
               ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
-              ("host_launches", len(layout.host_bases))) + ((("stages", meta["STAGES"]),) if problem.backward else ())
+              ("host_launches", len(layout.host_bases)), ("align", meta["ALIGN"])) + \
+        ((("stages", meta["STAGES"]),) if problem.backward else ())
     return Launch(run, KernelChoice(kernel, "triton", params), acc, workspace_bytes=workspace)
 
 
