@@ -20,7 +20,7 @@ and h written, then dy, h and the gradient of h read and dx written: 8.
 Every result is checked against float64 torch (relative-norm error of dx, and of dweight and
 dbias) before it is timed. ``--grid`` times the backward alone (the plan API, the forward's
 outputs made once) under each variant of GRIDS (backward_tile, backward warps, programs per SM,
-stages, pipeline_bytes); ``--forward-grid`` the forward alone under FORWARD_GRID (forward_tile,
+stages, pipeline_bytes; for every row block, small ones included; tiles in 2-byte units); ``--forward-grid`` the forward alone under FORWARD_GRID (forward_tile,
 warps), its y compared with the default plan's. The first variant of each is the defaults. The
 JSON is rewritten before every row, so a run cut short keeps what it measured.
 """
@@ -46,6 +46,7 @@ from trainops.ops import normalization as norm
 from trainops.plan import cached_plan
 
 DEVICE = "cuda"
+DTYPE = torch.bfloat16
 SHAPES = ((8192, 4096), (32768, 768), (16384, 2048))
 ROWS = [(op, s, False) for op in ("rms_norm", "layer_norm") for s in SHAPES] + \
        [("rms_norm", SHAPES[0], True), ("layer_norm", SHAPES[0], True)]
@@ -53,11 +54,14 @@ EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
 # backward variants: (backward_tile, warps, programs per SM, stages, pipeline_bytes)
 GRIDS = {
     "quick": [(t, w, p, s, 98304) for t, w, p, s in itertools.product((4096, 8192), (8, 16), (1, 2), (3, 4))],
+    "fp32": [(t, 8, p, 3, 147456) for t, p in itertools.product((2048, 4096, 8192), (1, 2))],
+    "stages": [(8192, 8, 1, s, 147456) for s in (1, 2, 3, 4)],
     "wide": [(8192, w, p, s, 147456) for w, p, s in itertools.product((8, 16, 32), (1, 2), (1, 2, 3))],
     "one-per-sm": [(t, w, 1, s, 196608) for t, w, s in itertools.product((4096, 8192, 16384), (4, 8, 16), (2, 3, 4, 5))],
 }
-# forward variants: (forward_tile, warps)
-FORWARD_GRID = list(itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32)))
+# forward variants: (forward_tile, warps, forward_rows)
+FORWARD_GRID = list(itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32), (2,)))
+FORWARD_GRID_ROWS = list(itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2)))
 
 
 def gpu_time(fn, steps: int = 20, windows: int = 3) -> float:
@@ -76,13 +80,14 @@ def gpu_time(fn, steps: int = 20, windows: int = 3) -> float:
             for _ in range(steps):
                 fn()
             torch.cuda.synchronize()
-        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not getattr(e, "is_user_annotation", False))  # kernels and copies, not ranges
         times.append(total_us / 1e3 / steps)
     return statistics.median(times)
 
 
 def rel(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -92,17 +97,17 @@ def make_inputs(op, shape, residual):
 
     def randn(*s, scale=1.0):
         return torch.randn(s, device=DEVICE, generator=gen) * scale
-    x = (randn(*shape, scale=2.0) + 0.5).bfloat16()
-    r = randn(*shape).bfloat16() if residual else None
+    x = (randn(*shape, scale=2.0) + 0.5).to(DTYPE)
+    r = randn(*shape).to(DTYPE) if residual else None
     w = randn(n, scale=0.1) + 1.0
     b = randn(n) if op == "layer_norm" else None
-    dy = randn(*shape).bfloat16()
-    dh = randn(*shape).bfloat16() if residual else None
+    dy = randn(*shape).to(DTYPE)
+    dh = randn(*shape).to(DTYPE) if residual else None
     return x, r, w, b, dy, dh
 
 
 def reference(op, x, r, w, b, dy, dh):
-    """float64 dx (of x; r's is the same), dweight, dbias."""
+    """float64 dx (of x; r's is the same), dweight, dbias, y and h (None without the residual)."""
     xd = x.double().requires_grad_()
     wd = w.double().requires_grad_()
     bd = b.double().requires_grad_() if b is not None else None
@@ -116,11 +121,13 @@ def reference(op, x, r, w, b, dy, dh):
         outs.append(h)
         grads.append(dh.double())
     torch.autograd.backward(outs, grads)
-    return xd.grad, wd.grad, (bd.grad if bd is not None else None)
+    return xd.grad, wd.grad, (bd.grad if bd is not None else None), y.detach(), (h.detach() if r is not None else None)
 
 
 def errors(got, want) -> dict:
-    return {name: rel(g, w) for name, g, w in zip(("dx", "dw", "db"), got, want) if w is not None}
+    """Relative-norm errors of (dx, dw, db[, y, h]) against the reference's, where both exist."""
+    return {name: rel(g, w) for name, g, w in zip(("dx", "dw", "db", "y", "h"), got, want)
+            if w is not None and g is not None}
 
 
 def step_fn(fn, leaves, dy, dh):
@@ -198,13 +205,14 @@ def forward_plan_run(op, x, r, w, b, heuristics):
 
 
 def timed(result, section, label, variant, ceiling, nbytes, want, make):
-    """Time one plan variant (``make() -> (run, plan)``); a backward's outputs are checked against
-    ``want``, a forward's y against the default plan's (the first variant's) y, exactly."""
+    """Time one plan variant (``make() -> (run, plan)``); a backward's dx, dweight and dbias are
+    checked against ``want`` (float64), a forward's y against the default plan's (the first
+    variant's) y; relative-norm errors, flagged WRONG from 2e-2."""
     try:
         run, plan = make()
         out = run()
         if want is not None:
-            err = errors((out[0], out[1], out[2] if want[2] is not None else None), want)
+            err = errors((out[0], out[1], out[2] if want[2] is not None else None), want[:3])
         else:
             if variant is None:
                 timed.first_y = out[0].clone()
@@ -227,14 +235,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--grid", choices=("none", *GRIDS), default="none")
-    parser.add_argument("--forward-grid", action="store_true", help="also time the forward over FORWARD_GRID")
+    parser.add_argument("--forward-grid", nargs="?", const="tiles", choices=("tiles", "rows"),
+                        help="also time the forward over FORWARD_GRID (tiles) or FORWARD_GRID_ROWS (rows)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"),
+                        help="x's (and dy's, the residual's) dtype")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--rows", default=None, help="comma-separated indices into ROWS")
     parser.add_argument("--shapes", default=None,
                         help="instead of ROWS: RMSNorm and LayerNorm over these comma-separated ROWSxN shapes")
     parser.add_argument("--cpu-smoke", action="store_true", help="run the script's logic on the CPU, tiny rows")
     args = parser.parse_args(argv)
-    global DEVICE, ROWS
+    global DEVICE, DTYPE, ROWS
+    DTYPE = getattr(torch, args.dtype)
     if args.cpu_smoke:
         DEVICE = "cpu"
         ROWS = [(op, (64, 96), res) for op, _, res in ROWS[::3]] + [("rms_norm", (64, 96), True)]
@@ -257,7 +269,7 @@ def main(argv=None):
         except importlib.metadata.PackageNotFoundError:
             return None
     peers = {p: version(p) for p in ("liger_kernel", "quack-kernels", "nvidia-cutlass-dsl")}
-    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "dtype": args.dtype, "torch": torch.__version__, "triton": triton.__version__,
               "copy_gbs": ceiling, "peers": peers, "rows": [],
               "grid": [], "forward_grid": []}
     print(f"{result['device']}, torch {torch.__version__}, triton {triton.__version__}, copy {ceiling:.0f} GB/s, "
@@ -268,15 +280,19 @@ def main(argv=None):
         x, r, w, b, dy, dh = make_inputs(op, shape, residual)
         want = reference(op, x, r, w, b, dy, dh)
         tensors = 8 if residual else 5
-        nbytes = math.prod(shape) * 2 * tensors
+        nbytes = math.prod(shape) * DTYPE.itemsize * tensors
         label = f"{op} {'x'.join(map(str, shape))}{' +residual' if residual else ''}"
         leaves = [t.requires_grad_() for t in (x, r, w, b) if t is not None]
         for name, fn in implementations(op, x, r, w, b, not args.no_peers).items():
             run = step_fn(fn, leaves, dy, dh)
             try:
                 run()
-                got = (x.grad, w.grad, b.grad if b is not None else None)
+                out = fn()  # the forward's outputs, checked too
+                y, h = (out[0], out[1]) if residual else (out, None)
+                got = (x.grad, w.grad, b.grad if b is not None else None, y, h)
                 err = errors(got, want)
+                if residual:
+                    err["dr"] = rel(r.grad, want[0])  # d residual = dx
                 ms = gpu_time(run)
             except Exception as e:  # noqa: BLE001 - a failing peer is reported, the rest still run
                 print(f"  {label:30s} {name:14s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -293,21 +309,22 @@ def main(argv=None):
             t.grad = None
         if args.grid == "none":
             continue
-        bwd_bytes = math.prod(shape) * 2 * (4 if residual else 3)
+        bwd_bytes = math.prod(shape) * DTYPE.itemsize * (4 if residual else 3)
         for variant in [None, *GRIDS[args.grid]]:
             if variant is None:
                 h = norm.NormHeuristics()
             else:
                 tile, warps, pps, stages, pipeline_bytes = variant
                 h = norm.NormHeuristics(backward_tile=tile, backward_warps=((1 << 62, warps),), backward_programs_per_sm=pps,
-                                        backward_stages=((1 << 62, stages),), pipeline_bytes=pipeline_bytes)
+                                        backward_stages=((1 << 62, stages),), pipeline_bytes=pipeline_bytes,
+                                        small_rows=1)  # the variant's values for every row block
             timed(result, "grid", label, variant, ceiling, bwd_bytes, want,
                   lambda: backward_plan_run(op, x, r, w, b, dy, dh, h))
         if args.forward_grid:
-            fwd_bytes = math.prod(shape) * 2 * (4 if residual else 2)
-            for variant in [None, *FORWARD_GRID]:
+            fwd_bytes = math.prod(shape) * DTYPE.itemsize * (4 if residual else 2)
+            for variant in [None, *(FORWARD_GRID_ROWS if args.forward_grid == "rows" else FORWARD_GRID)]:
                 h = norm.NormHeuristics() if variant is None else \
-                    norm.NormHeuristics(forward_tile=variant[0], warps=((1 << 62, variant[1]),))
+                    norm.NormHeuristics(forward_tile=variant[0], warps=((1 << 62, variant[1]),), forward_rows=variant[2])
                 timed(result, "forward_grid", label, variant, ceiling, fwd_bytes, None,
                       lambda: forward_plan_run(op, x, r, w, b, h))
     with open(args.out, "w") as f:

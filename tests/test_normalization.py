@@ -423,11 +423,16 @@ def test_backward_pipeline_stages_fit_the_staging_budget():
                                  has_residual=residual, strides=strides).kernel["stages"]
     if not HAS_CUDA and not trainops.registry.triton_interpreting():
         pytest.skip("no Triton kernels here")
-    # a step holds 2 rows of 4096 (the 8192-element tile): two 16 KB tiles a step
+    # a step holds 16 KB of x: 2 bf16 rows of 4096, or 1 float32 row
     assert stages(torch.bfloat16, 4096) == 3
-    assert stages(torch.float32, 4096, True) == 1     # three 32 KB tiles: one 96 KB step
-    assert stages(torch.float32, 5120) == 2           # two 32 KB tiles (a row of 8192): 2 x 64 KB
+    assert stages(torch.float32, 4096, True) == 3     # three 16 KB tiles a step: 3 x 48 KB
+    assert stages(torch.float32, 5120) == 1           # a row block of 8192 float32 is 16384 units: 1 stage
     assert stages(torch.bfloat16, 16384) == 1         # the stages table: one stage for rows of 16384
+    assert stages(torch.float32, 768) == 3            # small rows: 4 rows of 1024 a step
+    big = NormHeuristics(backward_stages=((1 << 62, 3),))
+    with trainops.backend("triton"):  # 2 x 32 KB a step of a float32 row of 8192: 2 stages fit 147456 bytes
+        assert trainops.plan("rms_norm_backward", shape=(8, 5120), dtype=torch.float32,
+                             device="cuda" if HAS_CUDA else "cpu", heuristics=big).kernel["stages"] == 2
 
 
 def _row_offsets(t: torch.Tensor, k: int) -> set[int]:
@@ -615,23 +620,52 @@ def _triton_plan(op, n, rows=4096, dtype=torch.bfloat16, heuristics=None):
 
 def test_default_plans_follow_the_measured_rule():
     """NormHeuristics' defaults (measured on the H200, NOTES "Normalization's tiles and odd widths")."""
-    def kernel(op, n):
-        k = _triton_plan(op, n).kernel
-        return k["BLOCK_M"], k["num_warps"], (k["stages"] if op.endswith("backward") else None)
-    # forward: 8192-element tiles, at least 2 rows a program; 4 warps up to 2048 and at 8192
-    assert kernel("rms_norm", 768) == (8, 4, None)
-    assert kernel("rms_norm", 2048) == (4, 4, None)
-    assert kernel("rms_norm", 4096) == (2, 8, None)
-    assert kernel("rms_norm", 5120) == (2, 4, None)       # a row block of 8192
-    assert kernel("layer_norm", 16384) == (2, 8, None)
-    # backward: 8192-element tiles, 8 warps, 3 stages; rows of 16384: 32 warps, 1 stage
-    assert kernel("rms_norm_backward", 768) == (8, 8, 3)
-    assert kernel("rms_norm_backward", 4096) == (2, 8, 3)
-    assert kernel("layer_norm_backward", 8192) == (1, 8, 3)
-    assert kernel("layer_norm_backward", 16384) == (1, 32, 1)
+    def kernel(op, n, dtype=torch.bfloat16):
+        plan = _triton_plan(op, n, dtype=dtype)
+        k = plan.kernel
+        if op.endswith("backward"):
+            return k["BLOCK_M"], k["num_warps"], k["stages"], k["programs"]
+        return k["BLOCK_M"], k["num_warps"]
+    sms = trainops.registry.sm_count(torch.device("cuda" if HAS_CUDA else "cpu"))
+
+    def programs(per_sm, block_m, rows=4096):  # the plan's split of 4096 rows over per_sm programs a SM
+        per_program = -(-max(block_m, -(-rows // (sms * per_sm))) // block_m) * block_m
+        return -(-rows // per_program)
+    # forward: 8192 units a program, at least 2 rows of a 2-byte dtype; 4 warps up to 2048 units and at 8192
+    assert kernel("rms_norm", 768) == (8, 4)
+    assert kernel("rms_norm", 2048) == (4, 4)
+    assert kernel("rms_norm", 4096) == (2, 8)
+    assert kernel("rms_norm", 5120) == (2, 4)                     # a row block of 8192
+    assert kernel("layer_norm", 16384) == (2, 8)
+    assert kernel("rms_norm", 4096, torch.float32) == (1, 4)      # 8192 units: one row, 4 warps
+    assert kernel("rms_norm", 768, torch.float32) == (4, 4)
+    # backward: 8192 units a step, 8 warps, 3 stages, one program a SM; 16384 units: 32 warps, 1 stage
+    assert kernel("rms_norm_backward", 4096) == (2, 8, 3, programs(1, 2))
+    assert kernel("layer_norm_backward", 8192) == (1, 8, 3, programs(1, 1))
+    assert kernel("layer_norm_backward", 16384) == (1, 32, 1, programs(1, 1))
+    assert kernel("rms_norm_backward", 4096, torch.float32) == (1, 8, 3, programs(1, 1))
+    assert kernel("rms_norm_backward", 8192, torch.float32) == (1, 32, 1, programs(1, 1))
+    # small rows (row blocks of 1024 elements or less): 4096 elements a step, 4 warps, 2 programs a SM
+    assert kernel("rms_norm_backward", 768) == (4, 4, 3, programs(2, 4))
+    assert kernel("rms_norm_backward", 768, torch.float32) == (4, 4, 3, programs(2, 4))
 
 
-@pytest.mark.parametrize("field,value", [("forward_tile", 3000), ("forward_rows", 0), ("backward_programs_per_sm", 0),
+def test_heuristics_tables_need_only_reach_the_blocks_they_serve():
+    """warps steps serve fused row blocks (up to next_pow2(fused_max)); stages serve looped chunks too."""
+    # float32: an element is 2 units, so a fused row block of 1024 looks the tables up at 2048
+    plan = _triton_plan("rms_norm", 64, rows=8, dtype=torch.float32,
+                        heuristics=NormHeuristics(fused_max=1024, warps=((2048, 4),), backward_warps=((2048, 8),)))
+    assert plan.kernel["num_warps"] == 4
+    with pytest.raises(InvalidProblemError, match="heuristics.*backward_stages"):
+        _triton_plan("rms_norm_backward", 64, rows=8, dtype=torch.float32,
+                     heuristics=NormHeuristics(fused_max=1024, chunk=4096, backward_stages=((2048, 3),)))
+    with pytest.raises(InvalidProblemError, match="heuristics.*warps"):
+        _triton_plan("rms_norm", 64, rows=8, dtype=torch.float32,
+                     heuristics=NormHeuristics(fused_max=1024, warps=((1024, 4),)))
+
+
+@pytest.mark.parametrize("field,value", [("forward_tile", 3000), ("forward_rows", 0), ("forward_rows", 3),
+                                         ("backward_programs_per_sm", 0), ("warps", ((1 << 62, 64),)),
                                          ("warps", ((4096, 8),)), ("backward_warps", ((1 << 62, 3),)),
                                          ("backward_stages", 3), ("backward_stages", ((1 << 62, 0),)),
                                          ("warps", ((4096, 8.0), (1 << 62, 8)))])

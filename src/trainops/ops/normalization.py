@@ -64,51 +64,59 @@ MAX_RANK = 8
 class NormHeuristics:
     """The normalization family's tunables (trainops.heuristics(...) overrides them).
 
+    Sizes in *units* count 2-byte elements (bf16 / fp16 elements; a float32 element is 2 units, a
+    float64 one 4), so that a step moves the same bytes whatever x's dtype.
+
     fused_max: longest row (elements) held in registers; longer rows are looped in chunks of
-        ``chunk`` elements. forward_tile / backward_tile: elements one program holds per step
-        (rows per program = tile // row block); forward_rows: at least this many rows a forward
-        program (the weight and bias read once for them). backward_programs_per_sm: programs of
-        the backward kernel per SM; each sums its rows' weight gradient into one workspace row.
-        backward_stages: (row block elements at most, software-pipelining stages of the
-        backward's loop over its rows) steps; fewer when stages x the bytes a step loads (dy, h,
-        grad_h tiles) would pass pipeline_bytes (the staging lives in shared memory: 3 stages of
-        two 8192-element float32 tiles needed 262 KB with the reductions' scratch, over the H100's
-        227 KB; one program a SM with 2 x 64 KB ran on the H200).
+        ``chunk`` elements (looped_warps warps, one row a program).
+    forward_tile: units one forward program holds (rows per program = tile // row block);
+        forward_rows: at least this many rows a forward program for 2-byte dtypes (the weight and
+        bias read once for them; 1 for wider dtypes). warps: (row block units at most, warps)
+        steps of the forward, the first that fits.
+    backward_tile: units a backward program holds per step of its loop over rows;
+        backward_programs_per_sm: programs of the backward per SM (each sums its rows' weight
+        gradient into one workspace row); backward_warps and backward_stages: (row block units at
+        most, value) steps of its warps and software-pipelining stages, fewer stages when stages x
+        the bytes a step loads (dy, h, grad_h tiles) would pass pipeline_bytes (the staging lives
+        in shared memory: 3 stages of two 8192-element float32 tiles needed 262 KB with the
+        reductions' scratch, over the H100's 227 KB; one program a SM with 2 x 64 KB ran on the
+        H200). Row blocks of at most small_rows elements instead take small_rows_tile elements a
+        step, small_rows_warps warps and small_rows_programs_per_sm programs per SM.
         reduce_block: columns one program of the partial-sum reduction owns.
-        warps / backward_warps: (row block elements at most, warps) steps of the forward and the
-        backward, the first that fits (fused rows). looped_warps: warps of the looped plan.
     Defaults measured on the H200 (benchmarks/NOTES.md, "Normalization's tiles and odd widths",
-    GPU time of bf16 rows, float32 weight; probe_normalization.py), replacing the H100's 4096-
-    element tiles and 2 backward programs per SM: one backward program a SM with 8192-element
-    tiles and 8 warps were level or ahead on every Llama / GPT-2 row (LayerNorm 8192 x 4096
-    backward 59-62 us against 66.3; RMSNorm 1-3 % faster), and 2 rows a forward program with 4 warps at rows of
-    5120-8192 (LayerNorm 4096 x 5120 forward 40 us against 54.5); rows of 16384 want 32 backward
-    warps and one stage (LayerNorm backward 165 us against 466 with 16 warps: registers spilled).
+    GPU time; probe_normalization.py). Backward: one program a SM, 16 KB of x a step (8192 bf16
+    elements), 8 warps and 3 stages beat the H100 era's 4096-element tiles and 2 programs a SM at
+    bf16 rows of 2048-8192 (LayerNorm 8192 x 4096 62.2 us against 66.3; RMSNorm 1-3 %; rows of
+    5120 / 8192 1.2-1.4x with the forward) and at float32 rows of 2048 and 4096 (RMSNorm 105.1 us
+    against about 110); rows of 16384 bf16 want 32 warps and one stage (LayerNorm 165 us against
+    466 with 16 warps: registers spilled). Row blocks of 1024 and less keep the earlier backward
+    (bf16 RMSNorm / LayerNorm 32768 x 768 50.4 / 60.2 us against 51.5 / 60.9 for the new one;
+    float32 LayerNorm 118 us a backward with the new one, about 89 with the earlier).
+    Forward: 2 rows a program with 4 warps at bf16 rows of 5120-8192 (LayerNorm 4096 x 5120 40 us
+    against 54.5); float32 forwards were within 2 % across the tiles and warps tried.
     """
 
     fused_max: int = 16384
     chunk: int = 4096
     forward_tile: int = 8192
     forward_rows: int = 2
+    warps: tuple[tuple[int, int], ...] = ((2048, 4), (4096, 8), (8192, 4), (1 << 62, 8))
     backward_tile: int = 8192
     backward_programs_per_sm: int = 1
+    backward_warps: tuple[tuple[int, int], ...] = ((8192, 8), (1 << 62, 32))
     backward_stages: tuple[tuple[int, int], ...] = ((8192, 3), (1 << 62, 1))
+    small_rows: int = 1024
+    small_rows_tile: int = 4096
+    small_rows_warps: int = 4
+    small_rows_programs_per_sm: int = 2
     pipeline_bytes: int = 147456
     reduce_block: int = 64
-    warps: tuple[tuple[int, int], ...] = ((2048, 4), (4096, 8), (8192, 4), (1 << 62, 8))
-    backward_warps: tuple[tuple[int, int], ...] = ((8192, 8), (1 << 62, 32))
     looped_warps: int = 8
 
-    def num_warps(self, elements: int, backward: bool = False) -> int:
-        return _step(self.backward_warps if backward else self.warps, elements)
 
-    def stages(self, elements: int) -> int:
-        return _step(self.backward_stages, elements)
-
-
-def _step(table: tuple[tuple[int, int], ...], elements: int) -> int:
-    """The value of the first (row block elements at most, value) step of ``table`` that fits."""
-    return next(value for limit, value in table if elements <= limit)
+def _step(table: tuple[tuple[int, int], ...], units: int) -> int:
+    """The value of the first (row block units at most, value) step of ``table`` that fits."""
+    return next(value for limit, value in table if units <= limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,27 +613,41 @@ if triton_available():
 
 @dataclass(frozen=True)
 class NormConfig:
-    """A Triton plan: rows per program (block_m), row block (block_n), warps, looped or fused."""
+    """A Triton plan: rows per program or step (block_m), row block (block_n), warps, looped or
+    fused, and for the backward its programs per SM and pipeline stages (before the staging cap)."""
 
     block_m: int
     block_n: int
     num_warps: int
     looped: bool
+    programs_per_sm: int = 1
+    stages: int = 1
 
 
 def _choose_config(problem: NormProblem) -> NormConfig:
-    """Fused rows up to ``fused_max`` elements (a program holds BLOCK_M rows, about ``*_tile``
-    elements, at least ``forward_rows`` in the forward); longer rows looped in ``chunk``-element
-    blocks, one row a program."""
+    """Fused rows up to ``fused_max`` elements: a program (a backward step) holds BLOCK_M rows, its
+    tile's worth, at least ``forward_rows`` in a 2-byte forward; longer rows looped in
+    ``chunk``-element blocks, one row a program. NormHeuristics says what the sizes count."""
     h = problem.heuristics
     n = max(problem.n, 1)
-    tile = h.backward_tile if problem.backward else h.forward_tile
+    rows = next_pow2(max(problem.rows, 1))
+    per_unit = max(1, problem.dtype.itemsize // 2)  # 2-byte units an element is worth
     if n > h.fused_max:
-        return NormConfig(1, next_pow2(min(h.chunk, n)), h.looped_warps, True)
+        block_n = next_pow2(min(h.chunk, n))
+        return NormConfig(1, block_n, h.looped_warps, True, h.backward_programs_per_sm,
+                          _step(h.backward_stages, block_n * per_unit))
     block_n = next_pow2(n)
-    least = 1 if problem.backward else h.forward_rows
-    block_m = max(1, min(max(least, tile // block_n), next_pow2(max(problem.rows, 1))))
-    return NormConfig(block_m, block_n, h.num_warps(block_n, problem.backward), False)
+    units = block_n * per_unit
+    if not problem.backward:
+        least = h.forward_rows if per_unit == 1 else 1
+        block_m = min(max(least, h.forward_tile // units), rows)
+        return NormConfig(max(1, block_m), block_n, _step(h.warps, units), False)
+    stages = _step(h.backward_stages, units)
+    if block_n <= h.small_rows:
+        return NormConfig(max(1, min(h.small_rows_tile // block_n, rows)), block_n, h.small_rows_warps, False,
+                          h.small_rows_programs_per_sm, stages)
+    return NormConfig(max(1, min(h.backward_tile // units, rows)), block_n, _step(h.backward_warps, units), False,
+                      h.backward_programs_per_sm, stages)
 
 
 def _layout(problem: NormProblem) -> ReductionLayout:
@@ -664,21 +686,26 @@ def _check_heuristics(problem: NormProblem) -> None:
     count below 1, or a steps table that is not ((limit, value), ...) of ints >= 1 reaching the
     widest row block a plan makes. Checked when a plan is made, not per call."""
     h = problem.heuristics
-    check_heuristic_fields(problem.op, h, powers_of_two=("chunk", "forward_tile", "backward_tile", "reduce_block",
+    check_heuristic_fields(problem.op, h, powers_of_two=("chunk", "forward_tile", "forward_rows", "backward_tile",
+                                                         "small_rows_tile", "small_rows_warps", "reduce_block",
                                                          "looped_warps"),
-                           at_least_one=("fused_max", "forward_rows", "backward_programs_per_sm", "pipeline_bytes"))
-    widest = max(next_pow2(h.fused_max), h.chunk)
-    for name, powers in (("warps", True), ("backward_warps", True), ("backward_stages", False)):
+                           at_least_one=("fused_max", "backward_programs_per_sm", "small_rows",
+                                         "small_rows_programs_per_sm", "pipeline_bytes"))
+    # the widest row block this problem's plans look a table up for, in units
+    per_unit = max(1, problem.dtype.itemsize // 2)
+    fused, looped = per_unit * next_pow2(h.fused_max), per_unit * h.chunk
+    for name, widest, powers in (("warps", fused, True), ("backward_warps", fused, True),
+                                 ("backward_stages", max(fused, looped), False)):
         table = getattr(h, name)
         ok = isinstance(table, tuple) and len(table) > 0 and all(
             isinstance(step, tuple) and len(step) == 2 and all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in step) for step in table)
-        ok = ok and table[-1][0] >= widest and all(not powers or v & (v - 1) == 0 for _, v in table)
+        ok = ok and table[-1][0] >= widest and all(not powers or (v & (v - 1) == 0 and v <= 32) for _, v in table)
         if not ok:
             raise argument_error(InvalidProblemError, problem.op, "heuristics",
-                                 f"{name} must be a tuple of (row block elements at most, "
-                                 f"{'warps, a power of two' if powers else 'stages'}) int pairs >= 1 whose last "
-                                 f"limit reaches {widest}, got {table!r}")
+                                 f"{name} must be a tuple of (row block units at most, "
+                                 f"{'warps, a power of two up to 32' if powers else 'stages'}) int pairs >= 1 "
+                                 f"whose last limit reaches {widest}, got {table!r}")
 
 
 def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> Launch:
@@ -726,7 +753,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         kernel = "norm_fwd"
         workspace = 0
     else:
-        programs_cap = sm_count(problem.device) * problem.heuristics.backward_programs_per_sm
+        programs_cap = sm_count(problem.device) * config.programs_per_sm
         rows_per_program = max(config.block_m, triton.cdiv(per_launch, max(1, programs_cap)))
         rows_per_program = triton.cdiv(rows_per_program, config.block_m) * config.block_m
         programs = max(1, triton.cdiv(per_launch, rows_per_program))
@@ -734,7 +761,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
         workspace = parts * n * (dw_wanted + has_bias) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
-        stages = max(1, min(problem.heuristics.stages(config.block_n), problem.heuristics.pipeline_bytes // step_bytes))
+        stages = max(1, min(config.stages, problem.heuristics.pipeline_bytes // step_bytes))
         meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages)
 
         launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
@@ -766,7 +793,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
               ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
               ("host_launches", len(layout.host_bases)), ("align", meta["ALIGN"])) + \
-        ((("stages", meta["STAGES"]),) if problem.backward else ())
+        ((("stages", meta["STAGES"]), ("programs", programs)) if problem.backward else ())
     return Launch(run, KernelChoice(kernel, "triton", params), acc, workspace_bytes=workspace)
 
 
