@@ -1,6 +1,7 @@
 """RMSNorm and LayerNorm (with the fused residual add): forward and backward, every backend, against
 float64 references; plans forced on small shapes; layouts; errors; modules; torch.compile."""
 
+import itertools
 import math
 
 import pytest
@@ -439,7 +440,7 @@ def _row_offsets(t: torch.Tensor, k: int) -> set[int]:
     """Element offsets (from the data pointer) of every row of ``t``'s trailing ``k`` axes."""
     lead, strides = t.shape[:t.dim() - k], t.stride()[:t.dim() - k]
     return {sum(i * st for i, st in zip(index, strides)) for index in
-            __import__("itertools").product(*(range(d) for d in lead))}
+            itertools.product(*(range(d) for d in lead))}
 
 
 @pytest.mark.parametrize("case", ["1000", "1001", "1000_offset_1", "1000_of_1008", "strided_row",
@@ -608,6 +609,22 @@ def test_rms_norm_module_checks_its_shape_and_starts_at_scale_one(backend, devic
     assert torch.equal(gemma.weight.detach(), torch.zeros(8, device=device))
     with pytest.raises(InvalidProblemError, match="'weight' is \\(8,\\): trainops.rms_norm takes"):
         trainops.rms_norm(x, (8,), None)
+
+
+def test_row_alignment_counts_every_operand_of_the_backward_and_the_residual():
+    """The least aligned operand decides: dy rows of 1000 (8), h a slice of rows of 2016 (8), the
+    gradient of h a slice of rows of 1004 (4 bf16 elements: 8 bytes)."""
+    if not HAS_CUDA and not trainops.registry.triton_interpreting():
+        pytest.skip("no Triton kernels here")
+    device = "cuda" if HAS_CUDA else "cpu"
+    with trainops.backend("triton"):
+        mixed = trainops.plan("rms_norm_backward", shape=(6, 1000), dtype=torch.bfloat16, device=device,
+                              has_residual=True, strides=((1000, 1), (2016, 1), (1004, 1)))
+        aligned = trainops.plan("rms_norm_backward", shape=(6, 1000), dtype=torch.bfloat16, device=device,
+                                has_residual=True, strides=((1000, 1), (2016, 1), (1008, 1)))
+        residual = trainops.plan("layer_norm", shape=(6, 1000), dtype=torch.bfloat16, device=device,
+                                 has_residual=True, strides=((1000, 1), (1002, 1)))
+    assert (mixed.kernel["align"], aligned.kernel["align"], residual.kernel["align"]) == (4, 8, 2)
 
 
 def _triton_plan(op, n, rows=4096, dtype=torch.bfloat16, heuristics=None):

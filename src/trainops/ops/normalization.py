@@ -540,8 +540,8 @@ if triton_available():
         # reduced over the row slots once, after the loop (no cross-warp reduction per step)
         dw = tl.zeros([BLOCK_M, BLOCK_N], ACC)
         db = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-        # fused: the weight read once a program, not once a step (the load inside the loop was 16-32
-        # scalar loads a thread a step in the sm_90 code, beside the rows' two vector loads)
+        # fused: the weight read once a program, not once a step (inside the loop its loads were
+        # pipelined through shared memory beside dy and h, a third of each step's staging)
         w_fused = _weight_eff(W, cols, n, w_offset, HAS_W and not LOOPED, ACC)
         for start in tl.range(first, last, BLOCK_M, num_stages=STAGES):
             r = start + tl.arange(0, BLOCK_M)
