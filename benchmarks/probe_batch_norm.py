@@ -1,6 +1,7 @@
 """``trainops.batch_norm`` (training, forward + backward) against torch's at ResNet-50's shapes, as GPU
-time (the kernels' durations under torch.profiler: no host time) and eager wall time, over a grid
-of ``BatchNormHeuristics``.
+time (the kernels' durations under torch.profiler, ``profiled.kernel_ms``: no host time; not a
+CUDA-graph replay, as capturing ten of these steps in one graph failed in this probe's process,
+NOTES.md) and eager wall time, over a grid of ``BatchNormHeuristics``.
 
     python benchmarks/probe_batch_norm.py --out bn.json [--quick]
 
@@ -28,28 +29,11 @@ from trainops.bench.cases_batch_norm import RESNET50_SHAPES
 from trainops.ops.batch_norm import BatchNormHeuristics
 from trainops.plan import clear_plan_cache
 
+from profiled import kernel_ms, relative_error
+
 # (tile, channel_block, spatial_block, programs_per_sm, warps); None: the defaults
 GRID = [None] + [(t, cb, sb, p, w) for t, (cb, sb), p, w in itertools.product(
     (2048, 4096, 8192), ((32, 512), (64, 1024), (128, 2048)), (2, 4, 8), (4,))]
-
-
-def gpu_time(fn, steps: int = 20) -> float:
-    """ms of one call on the GPU: the durations of the kernels (and copies) it launched, summed, per
-    call, over ``steps`` calls under torch.profiler (launch gaps left out). Not a CUDA-graph replay:
-    capturing ten of these steps in one graph failed in this probe's process (NOTES.md)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3 / steps
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def main(argv=None):
@@ -94,7 +78,7 @@ def main(argv=None):
         nbytes = math.prod(shape) * 2 * 8
         row = {"label": label, "torch": {}, "trainops": {}}
         torch_step = step(F.batch_norm)
-        row["torch"] = {"gpu_ms": gpu_time(torch_step),
+        row["torch"] = {"gpu_ms": kernel_ms(torch_step),
                         "eager_ms": triton.testing.do_bench(torch_step, return_mode="median")}
         for config in grid:
             heuristics = BatchNormHeuristics() if config is None else BatchNormHeuristics(*config)
@@ -103,12 +87,12 @@ def main(argv=None):
             with trainops.heuristics(heuristics):
                 ours = step(trainops.batch_norm)
                 y = ours()
-                errors = [rel(got, want) for got, want in zip((y, x.grad, w.grad, b.grad), refs)]
+                errors = [relative_error(got, want) for got, want in zip((y, x.grad, w.grad, b.grad), refs)]
                 entry = {"errors": errors}
                 if max(errors) > 1e-2 or not all(map(math.isfinite, errors)):
                     entry["failed"] = True
                 else:
-                    entry["gpu_ms"] = gpu_time(ours)
+                    entry["gpu_ms"] = kernel_ms(ours)
                     if config is None:
                         entry["eager_ms"] = triton.testing.do_bench(ours, return_mode="median")
             row["trainops"][name] = entry

@@ -25,6 +25,8 @@ import triton.testing
 import trainops
 from trainops.ops.convolution import ConvHeuristics
 
+from profiled import relative_error
+
 # (name, channels, size, kernel, stride): depthwise layers at 224 x 224 input
 DEPTHWISE = [
     ("mbv2", 32, 112, 3, 1), ("mbv2", 96, 112, 3, 2), ("mbv2", 144, 56, 3, 1), ("mbv2", 144, 56, 3, 2),
@@ -44,11 +46,6 @@ POINTWISE_TILES = [None, (128, 128, 64, 8, 3, 4), (128, 64, 64, 4, 3, 4), (64, 6
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def depthwise_rows(batch, dtype, channels_last, shapes, tiles, rows, save):
@@ -96,7 +93,7 @@ def depthwise_rows(batch, dtype, channels_last, shapes, tiles, rows, save):
                     y = fplan.run(x, w, None)
                     dx_t = dxplan.run(dy, x, w)[0]
                     dw_t = dwplan.run(dy, x, w)[1]
-                    errors = (rel(y, y_ref), rel(dx_t, dx_ref), rel(dw_t, dw_ref))
+                    errors = (relative_error(y, y_ref), relative_error(dx_t, dx_ref), relative_error(dw_t, dw_ref))
                     times = {"forward": bench(lambda: fplan.run(x, w, None)),
                              "input_grad": bench(lambda: dxplan.run(dy, x, w)),
                              "weight_grad": bench(lambda: dwplan.run(dy, x, w)),
@@ -164,7 +161,7 @@ def pointwise_rows(batch, dtype, channels_last, tiles=POINTWISE_TILES):
             as_nchw = {"forward": lambda r: r.view(batch, cout, size, size),
                        "input_grad": lambda r: r.view(batch, cin, size, size), "weight_grad": lambda r: r}
         refs = {"forward": y_ref, "input_grad": dx_ref, "weight_grad": dw_ref.reshape(cout, cin)}
-        errors = {k: rel(as_nchw[k](fn()), refs[k]) for k, fn in mm_fns.items()}
+        errors = {k: relative_error(as_nchw[k](fn()), refs[k]) for k, fn in mm_fns.items()}
         triton_rows = {}
         desc = dict(x_shape=x.shape, weight_shape=w.shape, dtype=dtype, device="cuda", channels_last=channels_last)
         with trainops.backend("triton"):
@@ -178,7 +175,7 @@ def pointwise_rows(batch, dtype, channels_last, tiles=POINTWISE_TILES):
                     dwplan = trainops.plan("conv2d_backward", **desc, mask=(False, True, False), heuristics=h)
                     got = {"forward": fplan.run(x, w, None), "input_grad": dxplan.run(dy, x, w)[0],
                            "weight_grad": dwplan.run(dy, x, w)[1].reshape(cout, cin)}
-                    entry = {"errors": {k: rel(v, refs[k]) for k, v in got.items()}}
+                    entry = {"errors": {k: relative_error(v, refs[k]) for k, v in got.items()}}
                     if max(entry["errors"].values()) > 1e-2:
                         entry["failed"] = f"error {entry['errors']}"
                     else:

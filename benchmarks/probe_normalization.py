@@ -32,7 +32,6 @@ import importlib.metadata
 import itertools
 import json
 import math
-import statistics
 import time
 
 import torch
@@ -44,6 +43,8 @@ import trainops
 from trainops.bench.cases import _peer
 from trainops.ops import normalization as norm
 from trainops.plan import cached_plan
+
+from profiled import kernel_ms, relative_error
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -64,31 +65,15 @@ FORWARD_GRID = list(itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32)
 FORWARD_GRID_ROWS = list(itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2)))
 
 
-def gpu_time(fn, steps: int = 20, windows: int = 3) -> float:
-    """ms of one call on the GPU: the durations of the kernels it launched, summed, per call; the
-    median of ``windows`` profiler windows of ``steps`` calls each. Wall time on the CPU (a smoke
-    test of this script)."""
-    fn()
+def gpu_time(fn) -> float:
+    """ms of one call on the GPU (``kernel_ms``: the median of 3 profiler windows of 20 calls); wall
+    time on the CPU (a smoke test of this script)."""
     if DEVICE == "cpu":
+        fn()
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                       and not getattr(e, "is_user_annotation", False))  # kernels and copies, not ranges
-        times.append(total_us / 1e3 / steps)
-    return statistics.median(times)
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return kernel_ms(fn, steps=20, windows=3)
 
 
 def make_inputs(op, shape, residual):
@@ -126,7 +111,7 @@ def reference(op, x, r, w, b, dy, dh):
 
 def errors(got, want) -> dict:
     """Relative-norm errors of (dx, dw, db[, y, h]) against the reference's, where both exist."""
-    return {name: rel(g, w) for name, g, w in zip(("dx", "dw", "db", "y", "h"), got, want)
+    return {name: relative_error(g, w) for name, g, w in zip(("dx", "dw", "db", "y", "h"), got, want)
             if w is not None and g is not None}
 
 
@@ -216,7 +201,7 @@ def timed(result, section, label, variant, ceiling, nbytes, want, make):
         else:
             if variant is None:
                 timed.first_y = out[0].clone()
-            err = {"y_vs_default": rel(out[0], timed.first_y)}
+            err = {"y_vs_default": relative_error(out[0], timed.first_y)}
         ms = gpu_time(run)
     except Exception as e:  # noqa: BLE001 - a failing variant is reported, the rest still run
         print(f"  {section} {label} {variant} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -292,7 +277,7 @@ def main(argv=None):
                 got = (x.grad, w.grad, b.grad if b is not None else None, y, h)
                 err = errors(got, want)
                 if residual:
-                    err["dr"] = rel(r.grad, want[0])  # d residual = dx
+                    err["dr"] = relative_error(r.grad, want[0])  # d residual = dx
                 ms = gpu_time(run)
             except Exception as e:  # noqa: BLE001 - a failing peer is reported, the rest still run
                 print(f"  {label:30s} {name:14s} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)

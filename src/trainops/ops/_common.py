@@ -180,6 +180,12 @@ def check_heuristic_fields(op: str, heuristics, powers_of_two: Sequence[str] = (
                                  f"{name} must be {'a power of two' if power else 'an int >= 1'}, got {value!r}")
 
 
+def first_step(table: Sequence[tuple[int, int]], size: int) -> int:
+    """The value of the first (limit, value) step of a heuristics table whose limit is at least
+    ``size`` (the families' warps and stages tables, keyed by row block or tile size)."""
+    return next(value for limit, value in table if size <= limit)
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides of ``shape``, as torch's (a size-0 or size-1 dim counts as 1)."""
     strides, step = [], 1

@@ -68,7 +68,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available, triton_interpreting)
-from ._common import checked_strides, contiguous_strides, float_dtype
+from ._common import checked_strides, contiguous_strides, first_step, float_dtype
 
 UNARY_OPS = ("gelu", "quick_gelu", "silu")
 BIAS_OPS = ("bias_gelu",)
@@ -126,7 +126,7 @@ class ActivationHeuristics:
     precise_math: bool = True
 
     def num_warps(self, elements: int) -> int:
-        return next(w for limit, w in self.warps if elements <= limit)
+        return first_step(self.warps, elements)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import contiguous_strides, float_bits, float_dtype, math_value
+from ._common import contiguous_strides, first_step, float_bits, float_dtype, math_value
 from .dropout import SEED_BOUND, check_seed, keep_mask, keep_threshold, seed_args, seed_launchers
 
 OP = "attention_softmax"
@@ -102,7 +102,7 @@ class AttentionSoftmaxHeuristics:
     bias_grad_programs_per_sm: int = 4
 
     def num_warps(self, elements: int) -> int:
-        return next(w for limit, w in self.warps if elements <= limit)
+        return first_step(self.warps, elements)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import check_heuristic_fields, checked_strides, contiguous_strides, float_dtype, raise_mismatch
+from ._common import (check_heuristic_fields, checked_strides, contiguous_strides, first_step, float_dtype,
+                      raise_mismatch)
 
 FORWARD_OPS = ("rms_norm", "layer_norm")
 BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
@@ -114,11 +115,6 @@ class NormHeuristics:
     looped_warps: int = 8
 
 
-def _step(table: tuple[tuple[int, int], ...], units: int) -> int:
-    """The value of the first (row block units at most, value) step of ``table`` that fits."""
-    return next(value for limit, value in table if units <= limit)
-
-
 # ----------------------------------------------------------------------------------------------
 # Problem
 # ----------------------------------------------------------------------------------------------
@@ -172,6 +168,11 @@ class NormProblem:
     @cached_property
     def stats_rows(self) -> int:
         return 1 if self.rms else 2
+
+    @cached_property
+    def units_per_element(self) -> int:
+        """The 2-byte units one element of x is worth (NormHeuristics' sizes): bf16 1, float32 2."""
+        return max(1, self.dtype.itemsize // 2)
 
     @cached_property
     def acc_dtype(self) -> torch.dtype:
@@ -631,22 +632,22 @@ def _choose_config(problem: NormProblem) -> NormConfig:
     h = problem.heuristics
     n = max(problem.n, 1)
     rows = next_pow2(max(problem.rows, 1))
-    per_unit = max(1, problem.dtype.itemsize // 2)  # 2-byte units an element is worth
+    per_unit = problem.units_per_element
     if n > h.fused_max:
         block_n = next_pow2(min(h.chunk, n))
         return NormConfig(1, block_n, h.looped_warps, True, h.backward_programs_per_sm,
-                          _step(h.backward_stages, block_n * per_unit))
+                          first_step(h.backward_stages, block_n * per_unit))
     block_n = next_pow2(n)
     units = block_n * per_unit
     if not problem.backward:
         least = h.forward_rows if per_unit == 1 else 1
         block_m = min(max(least, h.forward_tile // units), rows)
-        return NormConfig(max(1, block_m), block_n, _step(h.warps, units), False)
-    stages = _step(h.backward_stages, units)
+        return NormConfig(max(1, block_m), block_n, first_step(h.warps, units), False)
+    stages = first_step(h.backward_stages, units)
     if block_n <= h.small_rows:
         return NormConfig(max(1, min(h.small_rows_tile // block_n, rows)), block_n, h.small_rows_warps, False,
                           h.small_rows_programs_per_sm, stages)
-    return NormConfig(max(1, min(h.backward_tile // units, rows)), block_n, _step(h.backward_warps, units), False,
+    return NormConfig(max(1, min(h.backward_tile // units, rows)), block_n, first_step(h.backward_warps, units), False,
                       h.backward_programs_per_sm, stages)
 
 
@@ -692,7 +693,7 @@ def _check_heuristics(problem: NormProblem) -> None:
                            at_least_one=("fused_max", "backward_programs_per_sm", "small_rows",
                                          "small_rows_programs_per_sm", "pipeline_bytes"))
     # the widest row block this problem's plans look a table up for, in units
-    per_unit = max(1, problem.dtype.itemsize // 2)
+    per_unit = problem.units_per_element
     fused, looped = per_unit * next_pow2(h.fused_max), per_unit * h.chunk
     for name, widest, powers in (("warps", fused, True), ("backward_warps", fused, True),
                                  ("backward_stages", max(fused, looped), False)):

@@ -68,7 +68,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import assert_on_device, capturing, contiguous_strides, float_dtype
+from ._common import assert_on_device, capturing, contiguous_strides, first_step, float_dtype
 
 ROTARY_OPS = ("rotary_embedding", "rotary_embedding_backward")
 _MATH = "none (float32 math; float64 for float64)"
@@ -99,7 +99,7 @@ class RotaryHeuristics:
     warps: tuple[tuple[int, int], ...] = ((1024, 2), (4096, 4), (1 << 62, 8))
 
     def num_warps(self, elements: int) -> int:
-        return next(w for limit, w in self.warps if elements <= limit)
+        return first_step(self.warps, elements)
 
 
 # ----------------------------------------------------------------------------------------------
