@@ -18,9 +18,11 @@ from conftest import HAS_CUDA
 from numerics import FLOATS, assert_close, interpreter_rounding, stable_seed
 
 # small shapes that still force every plan: looped rows, several rows a program, many programs
-LOOPED = NormHeuristics(fused_max=16, chunk=8)
+LOOPED = NormHeuristics(fused_max=16, chunk=8, row_exchange=False)
 MANY_ROWS = NormHeuristics(forward_tile=64, backward_tile=64, backward_programs_per_sm=1)
-PLANS = {"default": NormHeuristics(), "looped": LOOPED, "many_rows": MANY_ROWS}
+# backward rows of more than 16 elements cut into chunks of 16 held by programs that trade partial sums
+EXCHANGE = NormHeuristics(exchange_above=16, rms_exchange_above=16, exchange_tile=16)
+PLANS = {"default": NormHeuristics(), "looped": LOOPED, "many_rows": MANY_ROWS, "exchange": EXCHANGE}
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +92,8 @@ CASES = [  # shape, normalized_ndim
 ]
 # the forced plans on the cases that reach them (CI time): looped rows of one and of two normalized
 # axes; several rows a program, over one and over four batch axes
-PLAN_CASES = {"default": CASES, "looped": [CASES[0], CASES[2]], "many_rows": [CASES[2], CASES[4]]}
+PLAN_CASES = {"default": CASES, "looped": [CASES[0], CASES[2]], "many_rows": [CASES[2], CASES[4]],
+              "exchange": [CASES[0], CASES[2], CASES[3]]}  # a short last chunk, two normalized axes, one row
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
@@ -152,7 +155,7 @@ def test_forward_and_backward_match_float64(backend, device, op, dtype, plan):
 @pytest.mark.parametrize("layout", ["transposed", "strided_row", "expanded", "offset"])
 def test_strided_inputs_are_read_in_place(backend, device, op, layout):
     gen = torch.Generator().manual_seed(11)
-    for plan in (NormHeuristics(), LOOPED):
+    for plan in (NormHeuristics(), LOOPED, EXCHANGE):
         with trainops.heuristics(plan):
             x = make_input((6, 5, 24), layout, torch.float32, device, gen).requires_grad_()
             residual = make_input((6, 5, 24), "transposed", torch.float32, device, gen)
@@ -241,11 +244,12 @@ def test_weight_gradient_is_bit_identical_run_to_run(backend, device):
     w = _randn((48,), torch.float32, device, gen).requires_grad_()
     b = _randn((48,), torch.float32, device, gen).requires_grad_()
     dy = _randn((100, 48), torch.float32, device, gen)
-    with trainops.heuristics(MANY_ROWS):
-        first = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
-        for _ in range(3):
-            again = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
-            assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
+    for plan in (MANY_ROWS, EXCHANGE):
+        with trainops.heuristics(plan):
+            first = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
+            for _ in range(3):
+                again = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
+                assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
@@ -255,7 +259,7 @@ def test_gradcheck_float64(backend, device, op):
     r = _randn((3, 2, 7), torch.float64, device, gen).requires_grad_()
     w = _randn((7,), torch.float64, device, gen).requires_grad_()
     b = _randn((7,), torch.float64, device, gen).requires_grad_()
-    for plan in (NormHeuristics(), LOOPED):
+    for plan in (NormHeuristics(), LOOPED, NormHeuristics(exchange_above=4, rms_exchange_above=4, exchange_tile=4)):
         with trainops.heuristics(plan):
             if op == "rms_norm":
                 def f(x, r, w, b):
@@ -356,7 +360,8 @@ def test_errors_name_the_argument():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("shape", [(8192, 4096), (32768, 768), (4, 2048, 5120), (1000, 50000)])
+@pytest.mark.parametrize("shape", [(8192, 4096), (32768, 768), (4, 2048, 5120), (1000, 50000), (3, 16384),
+                                   (1000, 20000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_real_sizes(op, shape, dtype):
     gen = torch.Generator(device="cuda").manual_seed(18)
@@ -635,6 +640,34 @@ def _triton_plan(op, n, rows=4096, dtype=torch.bfloat16, heuristics=None):
                              weight_dtype=torch.float32, heuristics=heuristics)
 
 
+def test_wide_backwards_take_the_exchange_plan_and_stay_whole_under_inductor():
+    """LayerNorm backwards over rows of more than 8192 elements, RMSNorm ones over more than 16384,
+    cut into chunks of 4096 (NOTES "Wide rows"); forwards keep the fused or looped plan; with the
+    exchange off (or more chunks than SMs) the backward loops, 4 rows a step. An exchange backward
+    is not inlined into a compiled graph (its grid follows the kernel's occupancy)."""
+    def sms():
+        return trainops.heuristics(NormHeuristics(sms=132))
+    with sms():
+        assert _triton_plan("layer_norm_backward", 16384).kernel["plan"] == "exchange"
+        assert _triton_plan("layer_norm_backward", 16384).kernel["splits"] == 4
+        assert _triton_plan("layer_norm_backward", 8192).kernel["plan"] == "fused"
+        assert _triton_plan("rms_norm_backward", 16384).kernel["plan"] == "fused"
+        plan = _triton_plan("rms_norm_backward", 20000, dtype=torch.float32)
+        assert (plan.kernel["plan"], plan.kernel["splits"], plan.kernel["num_warps"]) == ("exchange", 5, 4)
+        looped = _triton_plan("layer_norm", 20000).kernel
+        assert (looped["plan"], looped["BLOCK_M"], looped["num_warps"]) == ("looped", 2, 8)
+    for off in (NormHeuristics(sms=132, row_exchange=False), NormHeuristics(sms=4)):
+        plan = _triton_plan("layer_norm_backward", 20000, heuristics=off).kernel
+        assert (plan["plan"], plan["BLOCK_M"], plan["num_warps"]) == ("looped", 4, 16)
+    args = norm_ops.rms_norm_backward_op._by_name
+    dy = torch.empty((4, 20000), dtype=torch.bfloat16, device="meta")
+    with sms():
+        assert not norm_ops._inlinable(args(dy, dy, None, dy, None, 1, 0.0))
+        assert norm_ops._inlinable(args(dy[:, :16384], dy, None, dy, None, 1, 0.0))
+        assert not norm_ops._inlinable(norm_ops.layer_norm_backward_op._by_name(
+            dy[:, :16384], dy, None, dy, None, 1, False, None))
+
+
 def test_default_plans_follow_the_measured_rule():
     """NormHeuristics' defaults (measured on the H200, NOTES "Normalization's tiles and odd widths")."""
     def kernel(op, n, dtype=torch.bfloat16):
@@ -659,7 +692,7 @@ def test_default_plans_follow_the_measured_rule():
     # backward: 8192 units a step, 8 warps, 3 stages, one program a SM; 16384 units: 32 warps, 1 stage
     assert kernel("rms_norm_backward", 4096) == (2, 8, 3, programs(1, 2))
     assert kernel("layer_norm_backward", 8192) == (1, 8, 3, programs(1, 1))
-    assert kernel("layer_norm_backward", 16384) == (1, 32, 1, programs(1, 1))
+    assert kernel("rms_norm_backward", 16384) == (1, 32, 1, programs(1, 1))   # LayerNorm's: the exchange
     assert kernel("rms_norm_backward", 4096, torch.float32) == (1, 8, 3, programs(1, 1))
     assert kernel("rms_norm_backward", 8192, torch.float32) == (1, 32, 1, programs(1, 1))
     # small rows (row blocks of 1024 elements or less): 4096 elements a step, 4 warps, 2 programs a SM

@@ -29,7 +29,13 @@ second kernel (no atomics). The number of programs depends on the device's SM co
 Triton plans (``_choose_config``): rows of up to ``NormHeuristics.fused_max`` elements are held
 in registers (forward: one read of x (and residual), one write of y (and h); backward: one read
 of dy and h, one write of dx). Longer rows are looped in chunks: statistics first (Chan's
-combination of per-chunk means and squared deviations), then a second read.
+combination of per-chunk means and squared deviations), then a second read. Backwards over wide
+rows (LayerNorm's longer than 8192 elements, RMSNorm's longer than 16384) take the exchange plan
+(``exchange.py``): a row is cut into chunks held in registers by programs that run together and
+trade their partial sums, so dy and h are read once, and each program keeps the weight and bias
+gradients of its chunk's columns in registers over all its rows. Its programs spin on one
+another: ``TRAINOPS_ROW_EXCHANGE=0`` (or ``NormHeuristics(row_exchange=False)``) turns it off
+where something else limits the SMs a process may use (exchange.py says more).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device
                         triton_available)
 from ._common import (check_heuristic_fields, checked_strides, contiguous_strides, first_step, float_dtype,
                       raise_mismatch)
+from .exchange import ExchangeGrid, ExchangeHeuristics, balanced_groups, exchange_phases, launch_exchange
 
 FORWARD_OPS = ("rms_norm", "layer_norm")
 BACKWARD_OPS = ("rms_norm_backward", "layer_norm_backward")
@@ -62,14 +69,20 @@ MAX_RANK = 8
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class NormHeuristics:
+class NormHeuristics(ExchangeHeuristics):
     """The normalization family's tunables (trainops.heuristics(...) overrides them).
 
     Sizes in *units* count 2-byte elements (bf16 / fp16 elements; a float32 element is 2 units, a
     float64 one 4), so that a step moves the same bytes whatever x's dtype.
 
     fused_max: longest row (elements) held in registers; longer rows are looped in chunks of
-        ``chunk`` elements (looped_warps warps, one row a program).
+        ``chunk`` elements, forward ``looped_rows`` rows a program with ``looped_warps`` warps,
+        backward ``looped_backward_rows`` rows a step with ``looped_backward_warps``.
+    exchange_above / rms_exchange_above: LayerNorm / RMSNorm backwards over rows longer than this
+        many elements take the exchange plan (when on, and when a row needs at most SMs chunks):
+        chunks of ``exchange_tile`` elements, ``exchange_warps`` warps,
+        ``exchange_programs_per_sm`` programs per SM asked for (the kernel's occupancy may allow
+        fewer; sms and row_exchange: ExchangeHeuristics).
     forward_tile: units one forward program holds (rows per program = tile // row block);
         forward_rows: at least this many rows a forward program for 2-byte dtypes (the weight and
         bias read once for them; 1 for wider dtypes). warps: (row block units at most, warps)
@@ -95,10 +108,29 @@ class NormHeuristics:
     float32 LayerNorm 118 us a backward with the new one, about 89 with the earlier).
     Forward: 2 rows a program with 4 warps at bf16 rows of 5120-8192 (LayerNorm 4096 x 5120 40 us
     against 54.5); float32 forwards were within 2 % across the tiles and warps tried.
+    Wide rows (NOTES "Wide rows: the exchange backward"; H200, bf16, backward alone): the exchange
+    with 4096-element chunks, 4 warps and 2 programs a SM against the plans before it, LayerNorm
+    2048 x 16384 102.7 us against 163.3 (fused, 32 warps), 1024 x 20000 69.1 against 95.3 (looped),
+    1024 x 32768 104.3 against 150.2; RMSNorm 1024 x 20000 61 against 71, 1024 x 32768 95 against
+    115; but RMSNorm 2048 x 16384 93 against the fused 87.5 (hence its own threshold), and rows of
+    8192 (bf16 and float32) 1.25-1.6x slower than fused; 2048- and 8192-element chunks were slower
+    for LayerNorm; float32 LayerNorm 2048 x 16384 152 us against 244 fused with the same 4096-element
+    chunks (sizes here count elements, not units). An exchange forward was
+    slower than the fused and looped ones at every width tried (RMSNorm 2048 x 16384 54 against 43
+    us) and was dropped. Looped rows: 2 rows a forward program (8 warps), 4 a backward step (16
+    warps), 1024 x 32768 LayerNorm backward 150 us against 316 for one row a step at 8 warps.
     """
 
     fused_max: int = 16384
     chunk: int = 4096
+    looped_rows: int = 2
+    looped_backward_rows: int = 4
+    looped_backward_warps: int = 16
+    exchange_above: int = 8192
+    rms_exchange_above: int = 16384
+    exchange_tile: int = 4096
+    exchange_warps: int = 4
+    exchange_programs_per_sm: int = 2
     forward_tile: int = 8192
     forward_rows: int = 2
     warps: tuple[tuple[int, int], ...] = ((2048, 4), (4096, 8), (8192, 4), (1 << 62, 8))
@@ -406,6 +438,7 @@ if triton_available():
     import triton.language as tl
 
     from ._common import _row_offset, column_sum
+    from .exchange import arrive, place_in_group, wait_for
 
     @triton.jit
     def _load_h(X, R, H, x_row, r_row, out_row, cols, mask, x_sn, r_sn,
@@ -612,6 +645,105 @@ if triton_available():
                 tl.store(DB_PART + part + cols, tl.sum(db, 0), mask=cols < n)
 
 
+    # ------------------------------------------------------------------------------------------
+    # Exchange plan of the backward: wide rows cut into SPLITS chunks held by programs that trade
+    # partial sums (exchange.py): dy and h read once, no second pass over the row, and each
+    # program's weight-gradient columns summed in registers over all its rows
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _chunk_load(P, base, r, rows, OUTER1, INNER, s0, s1, si, sn, c, c_mask, ALIGN: tl.constexpr):
+        """The [1, BLOCK_N] chunk ``c`` of row r of a strided operand, raw (all masked once r >= rows)."""
+        row = tl.multiple_of(base + _row_offset(r, OUTER1, INNER, s0, s1, si), ALIGN)
+        mask = (r < rows)[:, None] & c_mask[None, :]
+        return tl.load(P + row[:, None] + c[None, :].to(tl.int64) * sn, mask=mask, other=0.0)
+
+    @triton.jit
+    def _norm_bwd_exchange(
+        DY, HX, W, STATS, DS, DX, DW_PART, DB_PART, WS, COUNT,   # as _norm_bwd; WS [2, rows, SPLITS]; COUNT zeroed
+        dy_base, dy_s0, dy_s1, dy_si, dy_sn,
+        h_base, h_s0, h_s1, h_si, h_sn,
+        s_base, s_s0, s_s1, s_si, s_sn,
+        out_base, rows_total, rows, n_units, OUTER1, INNER, w_offset,
+        RMS: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
+        ACC: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+    ):
+        """dx of rows cut into SPLITS chunks of BLOCK_N, chunk k held by program k of a group
+        (exchange.py, counter): each chunk publishes sum(g * hh) (LayerNorm also sum(g)), and after
+        the group's wait every program merges the SPLITS partials in chunk order and writes its dx
+        from registers. The weight and bias gradients of a program's chunk columns are summed in
+        registers over all its rows and written once, as row ``group`` of DW_PART / DB_PART."""
+        n = n_units * ALIGN
+        split, group, groups = place_in_group(SPLITS)
+        c = split * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_mask = c < n
+        mask = c_mask[None, :]
+        r1 = tl.arange(0, 1)
+        w = _weight_eff(W, c, n, w_offset, HAS_W, ACC)[None, :]
+        dw = tl.zeros([1, BLOCK_N], ACC)
+        db = tl.zeros([1, BLOCK_N], ACC)
+        if PHASE == 0:
+            dy_next = _chunk_load(DY, dy_base, group + r1, rows, OUTER1, INNER, dy_s0, dy_s1, dy_si, dy_sn, c, c_mask,
+                                  ALIGN)
+            h_next = _chunk_load(HX, h_base, group + r1, rows, OUTER1, INNER, h_s0, h_s1, h_si, h_sn, c, c_mask, ALIGN)
+        for row in range(group, rows, groups):
+            r = row + r1
+            if PHASE == 0:
+                dy_raw, h_raw = dy_next, h_next
+            else:
+                dy_raw = _chunk_load(DY, dy_base, r, rows, OUTER1, INNER, dy_s0, dy_s1, dy_si, dy_sn, c, c_mask, ALIGN)
+                h_raw = _chunk_load(HX, h_base, r, rows, OUTER1, INNER, h_s0, h_s1, h_si, h_sn, c, c_mask, ALIGN)
+            stats_row = out_base // n + r
+            rstd = tl.load(STATS + (rows_total if not RMS else 0) + stats_row)
+            if RMS:
+                mean = tl.zeros([1], ACC)
+            else:
+                mean = tl.load(STATS + stats_row)
+            dy = dy_raw.to(ACC)
+            hh = tl.where(mask, (h_raw.to(ACC) - mean[:, None]) * rstd[:, None], 0.0)
+            if HAS_W:
+                g = dy * w
+            else:
+                g = dy
+            if PHASE != 2:
+                tl.store(WS + r * SPLITS + split, tl.sum(g * hh, 1))
+                if not RMS:
+                    tl.store(WS + (rows + r) * SPLITS + split, tl.sum(g, 1))
+                arrive(COUNT + row)
+            if PHASE == 0:
+                dy_next = _chunk_load(DY, dy_base, r + groups, rows, OUTER1, INNER, dy_s0, dy_s1, dy_si, dy_sn, c,
+                                      c_mask, ALIGN)
+                h_next = _chunk_load(HX, h_base, r + groups, rows, OUTER1, INNER, h_s0, h_s1, h_si, h_sn, c, c_mask,
+                                     ALIGN)
+            if PHASE != 1:
+                wait_for(COUNT + row, SPLITS)
+                k = tl.arange(0, SPLITS_P2)
+                k_mask = k < SPLITS
+                c2 = tl.sum(tl.load(WS + row * SPLITS + k, mask=k_mask, other=0.0, cache_modifier=".cg"), 0) / n
+                dh = g - hh * c2
+                if not RMS:
+                    c1 = tl.sum(tl.load(WS + (rows + row) * SPLITS + k, mask=k_mask, other=0.0,
+                                        cache_modifier=".cg"), 0) / n
+                    dh -= c1
+                dh = dh * rstd[:, None]
+                if HAS_DS:
+                    dh += _chunk_load(DS, s_base, r, rows, OUTER1, INNER, s_s0, s_s1, s_si, s_sn, c, c_mask,
+                                      ALIGN).to(ACC)
+                out_row = tl.multiple_of(out_base + r.to(tl.int64) * n, ALIGN)
+                tl.store(DX + out_row[:, None] + c[None, :], dh.to(DX.dtype.element_ty), mask=mask)
+                if DW:
+                    dw += dy * hh
+                if HAS_B:
+                    db += dy
+        if PHASE != 1:
+            part = group.to(tl.int64) * n
+            if DW:
+                tl.store(DW_PART + part + c[None, :], dw, mask=mask)
+            if HAS_B:
+                tl.store(DB_PART + part + c[None, :], db, mask=mask)
+
+
 @dataclass(frozen=True)
 class NormConfig:
     """A Triton plan: rows per program or step (block_m), row block (block_n), warps, looped or
@@ -623,6 +755,7 @@ class NormConfig:
     looped: bool
     programs_per_sm: int = 1
     stages: int = 1
+    exchange: bool = False
 
 
 def _choose_config(problem: NormProblem) -> NormConfig:
@@ -633,10 +766,13 @@ def _choose_config(problem: NormProblem) -> NormConfig:
     n = max(problem.n, 1)
     rows = next_pow2(max(problem.rows, 1))
     per_unit = problem.units_per_element
+    if problem.backward and _exchange_splits(problem.op, n, problem.device, h):
+        return NormConfig(1, h.exchange_tile, h.exchange_warps, False, h.exchange_programs_per_sm, exchange=True)
     if n > h.fused_max:
         block_n = next_pow2(min(h.chunk, n))
-        return NormConfig(1, block_n, h.looped_warps, True, h.backward_programs_per_sm,
-                          first_step(h.backward_stages, block_n * per_unit))
+        block_m = min(h.looped_backward_rows if problem.backward else h.looped_rows, rows)
+        return NormConfig(block_m, block_n, h.looped_backward_warps if problem.backward else h.looped_warps, True,
+                          h.backward_programs_per_sm, first_step(h.backward_stages, block_n * per_unit))
     block_n = next_pow2(n)
     units = block_n * per_unit
     if not problem.backward:
@@ -649,6 +785,18 @@ def _choose_config(problem: NormProblem) -> NormConfig:
                           h.small_rows_programs_per_sm, stages)
     return NormConfig(max(1, min(h.backward_tile // units, rows)), block_n, first_step(h.backward_warps, units), False,
                       h.backward_programs_per_sm, stages)
+
+
+def _exchange_splits(op: str, n: int, device: torch.device, h: NormHeuristics) -> int:
+    """The chunks a row of a backward's exchange plan is cut into (``exchange_tile`` elements each),
+    or 0 where the backward takes another plan: rows longer than ``exchange_above`` elements
+    (RMSNorm: ``rms_exchange_above``), at most SMs chunks, with the exchange on
+    (ExchangeHeuristics)."""
+    above = h.rms_exchange_above if op.startswith("rms") else h.exchange_above
+    if n <= above or not h.exchange_on():
+        return 0
+    splits = -(-n // max(1, h.exchange_tile))
+    return splits if 2 <= splits <= h.sm_count(device) else 0
 
 
 def _layout(problem: NormProblem) -> ReductionLayout:
@@ -689,9 +837,11 @@ def _check_heuristics(problem: NormProblem) -> None:
     h = problem.heuristics
     check_heuristic_fields(problem.op, h, powers_of_two=("chunk", "forward_tile", "forward_rows", "backward_tile",
                                                          "small_rows_tile", "small_rows_warps", "reduce_block",
-                                                         "looped_warps"),
+                                                         "looped_warps", "looped_rows", "looped_backward_rows",
+                                                         "looped_backward_warps", "exchange_tile", "exchange_warps"),
                            at_least_one=("fused_max", "backward_programs_per_sm", "small_rows",
-                                         "small_rows_programs_per_sm", "pipeline_bytes"))
+                                         "small_rows_programs_per_sm", "pipeline_bytes", "exchange_above",
+                                         "rms_exchange_above", "exchange_programs_per_sm"))
     # the widest row block this problem's plans look a table up for, in units
     per_unit = problem.units_per_element
     fused, looped = per_unit * next_pow2(h.fused_max), per_unit * h.chunk
@@ -707,6 +857,63 @@ def _check_heuristics(problem: NormProblem) -> None:
                                  f"{name} must be a tuple of (row block units at most, "
                                  f"{'warps, a power of two up to 32' if powers else 'stages'}) int pairs >= 1 "
                                  f"whose last limit reaches {widest}, got {table!r}")
+
+
+def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: ReductionLayout, meta: dict,
+                      operand_args) -> Launch:
+    """The backward's exchange plan (``_norm_bwd_exchange``): one launch per host base, each with its
+    partials workspace and zeroed row counters. Its programs sum the weight and bias gradients of
+    their chunk columns over their rows: one workspace row per group, as many groups as the
+    launch's grid holds (the compiled kernel's occupancy decides, exchange.py), then the column sum
+    over the rows the launches wrote."""
+    n, rows_total = problem.n, problem.rows
+    per_launch = layout.outer0 * layout.outer1 * layout.inner
+    splits = -(-n // config.block_n)
+    meta = {k: v for k, v in meta.items() if k not in ("BLOCK_M", "LOOPED")}
+    dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
+    meta.update(SPLITS=splits, SPLITS_P2=next_pow2(splits), DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual)
+    sms = problem.heuristics.sm_count(problem.device)
+    grid = ExchangeGrid(_norm_bwd_exchange, per_launch, splits, config.programs_per_sm, sms)
+    acc = problem.acc_dtype
+    ws_elems = per_launch * splits * problem.stats_rows
+    trailing = [(*operand_args(bases), bases[-1], rows_total, per_launch, n // meta["ALIGN"], layout.outer1,
+                 layout.inner, problem.weight_offset) for bases in layout.host_bases]
+    # the groups of one launch at most (the occupancy can only lower the programs a SM asked for)
+    parts_most = balanced_groups(per_launch, splits, sms * config.programs_per_sm) * len(layout.host_bases)
+    sums = {}  # the column sum's launcher by the workspace rows written (one entry in practice)
+    phase = exchange_phases()[0]
+
+    def sum_columns(parts):
+        if parts not in sums:
+            sums[parts] = column_sum(parts, n, problem.heuristics.reduce_block, 64)
+        return sums[parts]
+
+    def run(tensors, outputs):
+        dy, h, weight, stats, grad_h = tensors
+        dx, dweight, dbias = outputs
+        if rows_total == 0 or n == 0:
+            _write_empty(problem, outputs)
+            return
+        dw_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if dw_wanted else None
+        db_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if has_bias else None
+        written = 0
+        for args in trailing:
+            ws = torch.empty(ws_elems, dtype=acc, device=dx.device)
+            count = torch.zeros(per_launch, dtype=torch.int32, device=dx.device)
+            call = (dy, h, weight, stats, grad_h, dx, None if dw_part is None else dw_part[written:],
+                    None if db_part is None else db_part[written:], ws, count, *args)
+            launch_exchange(_norm_bwd_exchange, grid, call, meta, dx.device)
+            written += grid(call, dict(meta, PHASE=phase), dx.device)[0] // splits
+        if dw_wanted:
+            sum_columns(written)(dw_part, dweight)
+        if has_bias:
+            sum_columns(written)(db_part, dbias)
+
+    params = (("plan", "exchange"), ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
+              ("splits", splits), ("per_sm", config.programs_per_sm), ("host_launches", len(layout.host_bases)),
+              ("align", meta["ALIGN"]))
+    workspace = (ws_elems + parts_most * n * (dw_wanted + has_bias)) * acc.itemsize + per_launch * 4
+    return Launch(run, KernelChoice("norm_bwd_exchange", "triton", params), acc, workspace_bytes=workspace)
 
 
 def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> Launch:
@@ -728,6 +935,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
                      layout.stride_n[k]]
         return args
 
+    if config.exchange:  # backward plans only (_choose_config)
+        return _prepare_exchange(problem, config, layout, meta, operand_args)
     if not problem.backward:
         grid = (triton.cdiv(per_launch, config.block_m),)
         meta.update(HAS_R=problem.has_residual, HAS_B=problem.bias_dtype is not None)
@@ -959,11 +1168,21 @@ def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weigh
     return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_grad)
 
 
+def _inlinable(arguments) -> bool:
+    """Whether a backward call's kernels may be launched by Inductor (library.custom_op's
+    inline_triton): not the exchange plan's, whose grid follows the compiled kernel's occupancy
+    (the op then stays whole)."""
+    dy = arguments.dy
+    op = "rms_norm" if hasattr(arguments, "weight_offset") else "layer_norm"
+    n = math.prod(dy.shape[dy.dim() - arguments.normalized_ndim:])
+    return not _exchange_splits(op, n, dy.device, heuristics_for(NormHeuristics))
+
+
 # The backward ops have no autograd of their own (double backward through a norm is not supported).
 rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _rms_norm_backward_fake,
-                                 inline_triton=True)
+                                 inline_triton=_inlinable)
 layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake,
-                                   inline_triton=True)
+                                   inline_triton=_inlinable)
 rms_norm_op = custom_op("rms_norm", _rms_norm_impl, _rms_norm_fake, backward=_forward_grad(rms_norm_backward_op),
                         save=_save_forward, inline_triton=True)
 layer_norm_op = custom_op("layer_norm", _layer_norm_impl, _layer_norm_fake,
