@@ -179,7 +179,7 @@ def test_many_unmergeable_batch_axes_launch_per_host_index(backend, device):
     base = _randn((3, 2, 4, 2, 3, 16), torch.float32, device, gen)
     x = base.permute(4, 0, 3, 1, 2, 5).requires_grad_()  # no two batch axes merge
     weight = _randn((16,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
-    for plan in ("default", "many_rows"):
+    for plan in ("default", "many_rows", "exchange"):
         with trainops.heuristics(PLANS[plan]):
             y = trainops.rms_norm(x, weight)
             assert_close(y, reference("rms_norm", x.detach(), weight.detach(), None, None, None, 0.0, 1)[0],
@@ -668,6 +668,28 @@ def test_wide_backwards_take_the_exchange_plan_and_stay_whole_under_inductor():
             dy[:, :16384], dy, None, dy, None, 1, False, None))
 
 
+def test_the_exchange_cases_take_the_exchange_plan_and_empty_batches_of_wide_rows_work(backend, device):
+    """The EXCHANGE heuristics reach the exchange backward on every case they test (CPU: 4 SMs), and
+    a wide row with no rows at all gives zero weight and bias gradients (the plan sizes its
+    workspace without dividing by the rows)."""
+    if backend == "triton":
+        for shape, k in PLAN_CASES["exchange"]:
+            n = math.prod(shape[len(shape) - k:])
+            for op in ("rms_norm_backward", "layer_norm_backward"):
+                plan = trainops.plan(op, shape=shape, dtype=torch.float32, device=device, normalized_ndim=k,
+                                     weight_dtype=torch.float32, heuristics=EXCHANGE)
+                assert plan.kernel["plan"] == "exchange" and plan.kernel["splits"] == -(-n // 16), (shape, op)
+    wide = NormHeuristics(exchange_above=16, rms_exchange_above=16, exchange_tile=16, sms=8)
+    x = torch.randn(0, 100, device=device, requires_grad=True)
+    w = torch.randn(100, device=device, requires_grad=True)
+    b = torch.randn(100, device=device, requires_grad=True)
+    with trainops.heuristics(wide):
+        dx, dw, db = torch.autograd.grad(trainops.layer_norm(x, 100, w, b).sum(), (x, w, b))
+        assert dx.shape == (0, 100) and torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+        dx, dw = torch.autograd.grad(trainops.rms_norm(x, w).sum(), (x, w))
+        assert torch.equal(dw, torch.zeros_like(w))
+
+
 def test_default_plans_follow_the_measured_rule():
     """NormHeuristics' defaults (measured on the H200, NOTES "Normalization's tiles and odd widths")."""
     def kernel(op, n, dtype=torch.bfloat16):
@@ -718,7 +740,10 @@ def test_heuristics_tables_need_only_reach_the_blocks_they_serve():
                                          ("backward_programs_per_sm", 0), ("warps", ((1 << 62, 64),)),
                                          ("warps", ((4096, 8),)), ("backward_warps", ((1 << 62, 3),)),
                                          ("backward_stages", 3), ("backward_stages", ((1 << 62, 0),)),
-                                         ("warps", ((4096, 8.0), (1 << 62, 8)))])
+                                         ("warps", ((4096, 8.0), (1 << 62, 8))), ("exchange_tile", 3000),
+                                         ("exchange_warps", 64), ("looped_backward_warps", 64),
+                                         ("exchange_above", 0), ("exchange_programs_per_sm", 0),
+                                         ("looped_backward_rows", 3)])
 def test_bad_heuristics_are_refused_by_name(field, value):
     with pytest.raises(InvalidProblemError, match=f"heuristics.*{field}"):
         _triton_plan("rms_norm_backward", 64, rows=8, dtype=torch.float32, heuristics=NormHeuristics(**{field: value}))

@@ -30,8 +30,9 @@ Triton plans (``_choose_config``): rows of up to ``NormHeuristics.fused_max`` el
 in registers (forward: one read of x (and residual), one write of y (and h); backward: one read
 of dy and h, one write of dx). Longer rows are looped in chunks: statistics first (Chan's
 combination of per-chunk means and squared deviations), then a second read. Backwards over wide
-rows (LayerNorm's longer than 8192 elements, RMSNorm's longer than 16384) take the exchange plan
-(``exchange.py``): a row is cut into chunks held in registers by programs that run together and
+rows (LayerNorm's longer than 8192 elements, RMSNorm's longer than 16384, up to SMs chunks of
+4096 elements) take the exchange plan (``exchange.py``): a row is cut into chunks held in
+registers by programs that run together and
 trade their partial sums, so dy and h are read once, and each program keeps the weight and bias
 gradients of its chunk's columns in registers over all its rows. Its programs spin on one
 another: ``TRAINOPS_ROW_EXCHANGE=0`` (or ``NormHeuristics(row_exchange=False)``) turns it off
@@ -660,7 +661,7 @@ if triton_available():
 
     @triton.jit
     def _norm_bwd_exchange(
-        DY, HX, W, STATS, DS, DX, DW_PART, DB_PART, WS, COUNT,   # as _norm_bwd; WS [2, rows, SPLITS]; COUNT zeroed
+        DY, HX, W, STATS, DS, DX, DW_PART, DB_PART, WS, COUNT,   # as _norm_bwd; WS [k, rows, SPLITS]; COUNT zeroed
         dy_base, dy_s0, dy_s1, dy_si, dy_sn,
         h_base, h_s0, h_s1, h_si, h_sn,
         s_base, s_s0, s_s1, s_si, s_sn,
@@ -759,9 +760,12 @@ class NormConfig:
 
 
 def _choose_config(problem: NormProblem) -> NormConfig:
-    """Fused rows up to ``fused_max`` elements: a program (a backward step) holds BLOCK_M rows, its
-    tile's worth, at least ``forward_rows`` in a 2-byte forward; longer rows looped in
-    ``chunk``-element blocks, one row a program. NormHeuristics says what the sizes count."""
+    """Backwards over rows longer than ``exchange_above`` (RMSNorm: ``rms_exchange_above``) elements
+    that need at most SMs chunks: the exchange plan. Otherwise fused rows up to ``fused_max``
+    elements: a program (a backward step) holds BLOCK_M rows, its tile's worth, at least
+    ``forward_rows`` in a 2-byte forward; longer rows looped in ``chunk``-element blocks,
+    ``looped_rows`` rows a forward program, ``looped_backward_rows`` a backward step.
+    NormHeuristics says what the sizes count."""
     h = problem.heuristics
     n = max(problem.n, 1)
     rows = next_pow2(max(problem.rows, 1))
@@ -842,6 +846,10 @@ def _check_heuristics(problem: NormProblem) -> None:
                            at_least_one=("fused_max", "backward_programs_per_sm", "small_rows",
                                          "small_rows_programs_per_sm", "pipeline_bytes", "exchange_above",
                                          "rms_exchange_above", "exchange_programs_per_sm"))
+    for name in ("looped_warps", "looped_backward_warps", "small_rows_warps", "exchange_warps"):
+        if getattr(h, name) > 32:
+            raise argument_error(InvalidProblemError, problem.op, "heuristics",
+                                 f"{name} must be a power of two up to 32, got {getattr(h, name)!r}")
     # the widest row block this problem's plans look a table up for, in units
     per_unit = problem.units_per_element
     fused, looped = per_unit * next_pow2(h.fused_max), per_unit * h.chunk
@@ -879,7 +887,7 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
     trailing = [(*operand_args(bases), bases[-1], rows_total, per_launch, n // meta["ALIGN"], layout.outer1,
                  layout.inner, problem.weight_offset) for bases in layout.host_bases]
     # the groups of one launch at most (the occupancy can only lower the programs a SM asked for)
-    parts_most = balanced_groups(per_launch, splits, sms * config.programs_per_sm) * len(layout.host_bases)
+    parts_most = balanced_groups(max(per_launch, 1), splits, sms * config.programs_per_sm) * len(layout.host_bases)
     sums = {}  # the column sum's launcher by the workspace rows written (one entry in practice)
     phase = exchange_phases()[0]
 
