@@ -11,7 +11,8 @@ ops over the given ROWSxN shapes. bf16 x and dy, float32 weight (and bias), as `
 trainops bench --ops rms_norm,layer_norm``. In the residual rows the returned h is used too (its
 gradient reaches the backward, as in a pre-norm block); x and the residual are both leaves, so
 autograd copies the shared gradient once for the second (a device-to-device copy in every
-implementation's time: 31 us at 8192 x 4096 bf16 on the H200).
+implementation's time: 31 us at 8192 x 4096 bf16 on the H200). ``--grads-only`` takes the
+gradients with torch.autograd.grad instead, as a block's non-leaf x and residual receive them.
 
 Bytes (the fewest a forward + backward moves, weight and bias left out): x read and y written,
 then dy and x read and dx written: 5 tensors of x's size; with the residual, x and r read and y
@@ -115,16 +116,20 @@ def errors(got, want) -> dict:
             if w is not None and g is not None}
 
 
-def step_fn(fn, leaves, dy, dh):
-    """forward + backward through autograd; fn returns y, or (y, h) with the residual."""
+def step_fn(fn, leaves, dy, dh, grads_only=False):
+    """forward + backward through autograd; fn returns y, or (y, h) with the residual. The gradients
+    go to the leaves' .grad, or with ``grads_only`` are returned by torch.autograd.grad (no
+    accumulation into .grad: what a block's non-leaf x and residual see)."""
     def run():
         for t in leaves:
             t.grad = None
         out = fn()
-        if dh is None:
-            out.backward(dy)
+        outs, grads = ([out], [dy]) if dh is None else (list(out), [dy, dh])
+        if grads_only:
+            for t, g in zip(leaves, torch.autograd.grad(outs, leaves, grads)):
+                t.grad = g  # for the checks; set after the timed work
         else:
-            torch.autograd.backward(list(out), [dy, dh])
+            torch.autograd.backward(outs, grads)
     return run
 
 
@@ -225,6 +230,9 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"),
                         help="x's (and dy's, the residual's) dtype")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--grads-only", action="store_true",
+                        help="take the gradients with torch.autograd.grad instead of accumulating them into the "
+                             "leaves' .grad (the residual rows: no copy of the gradient x and the residual share)")
     parser.add_argument("--rows", default=None, help="comma-separated indices into ROWS")
     parser.add_argument("--shapes", default=None,
                         help="instead of ROWS: RMSNorm and LayerNorm over these comma-separated ROWSxN shapes")
@@ -269,7 +277,7 @@ def main(argv=None):
         label = f"{op} {'x'.join(map(str, shape))}{' +residual' if residual else ''}"
         leaves = [t.requires_grad_() for t in (x, r, w, b) if t is not None]
         for name, fn in implementations(op, x, r, w, b, not args.no_peers).items():
-            run = step_fn(fn, leaves, dy, dh)
+            run = step_fn(fn, leaves, dy, dh, args.grads_only)
             try:
                 run()
                 out = fn()  # the forward's outputs, checked too

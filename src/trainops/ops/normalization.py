@@ -889,12 +889,27 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
     # the groups of one launch at most (the occupancy can only lower the programs a SM asked for)
     parts_most = balanced_groups(max(per_launch, 1), splits, sms * config.programs_per_sm) * len(layout.host_bases)
     sums = {}  # the column sum's launcher by the workspace rows written (one entry in practice)
+    direct = {}  # a GPU launch's direct launcher by (host launch, grid): no JIT binding per call
     phase = exchange_phases()[0]
 
     def sum_columns(parts):
         if parts not in sums:
             sums[parts] = column_sum(parts, n, problem.heuristics.reduce_block, 64)
         return sums[parts]
+
+    def launch(index, tensors, device) -> int:
+        """One host launch; returns the groups its grid held (workspace rows written)."""
+        call = (*tensors, *trailing[index])
+        if phase != 0:  # the interpreter: two launches, publish then merge (exchange.py)
+            launch_exchange(_norm_bwd_exchange, grid, call, meta, device)
+            return grid(call, dict(meta, PHASE=phase), device)[0] // splits
+        size = grid(call, dict(meta, PHASE=0), device)  # the occupancy's grid, per alignment (exchange.py)
+        run_direct = direct.get((index, size))
+        if run_direct is None:
+            run_direct = direct[(index, size)] = launcher(_norm_bwd_exchange, size, trailing=trailing[index],
+                                                          PHASE=0, **meta)
+        run_direct(*tensors)
+        return size[0] // splits
 
     def run(tensors, outputs):
         dy, h, weight, stats, grad_h = tensors
@@ -905,13 +920,13 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
         dw_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if dw_wanted else None
         db_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if has_bias else None
         written = 0
-        for args in trailing:
+        for index in range(len(trailing)):
             ws = torch.empty(ws_elems, dtype=acc, device=dx.device)
             count = torch.zeros(per_launch, dtype=torch.int32, device=dx.device)
-            call = (dy, h, weight, stats, grad_h, dx, None if dw_part is None else dw_part[written:],
-                    None if db_part is None else db_part[written:], ws, count, *args)
-            launch_exchange(_norm_bwd_exchange, grid, call, meta, dx.device)
-            written += grid(call, dict(meta, PHASE=phase), dx.device)[0] // splits
+            written += launch(index, (dy, h, weight, stats, grad_h, dx,
+                                      None if dw_part is None else dw_part[written:] if written else dw_part,
+                                      None if db_part is None else db_part[written:] if written else db_part,
+                                      ws, count), dx.device)
         if dw_wanted:
             sum_columns(written)(dw_part, dweight)
         if has_bias:
