@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
-from ..launch import launcher
+from ..launch import launcher, on_device
 from ..layout import ReductionLayout, merge_dims, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
@@ -903,7 +903,8 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
         if phase != 0:  # the interpreter: two launches, publish then merge (exchange.py)
             launch_exchange(_norm_bwd_exchange, grid, call, meta, device)
             return grid(call, dict(meta, PHASE=phase), device)[0] // splits
-        size = grid(call, dict(meta, PHASE=0), device)  # the occupancy's grid, per alignment (exchange.py)
+        with on_device(device):  # the occupancy's grid, per alignment (exchange.py), compiled on the tensors' device
+            size = grid(call, dict(meta, PHASE=0), device)
         run_direct = direct.get((index, size))
         if run_direct is None:
             run_direct = direct[(index, size)] = launcher(_norm_bwd_exchange, size, trailing=trailing[index],
