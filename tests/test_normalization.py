@@ -179,17 +179,23 @@ def test_many_unmergeable_batch_axes_launch_per_host_index(backend, device):
     base = _randn((3, 2, 4, 2, 3, 16), torch.float32, device, gen)
     x = base.permute(4, 0, 3, 1, 2, 5).requires_grad_()  # no two batch axes merge
     weight = _randn((16,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
-    for plan in ("default", "many_rows", "exchange"):
-        with trainops.heuristics(PLANS[plan]):
+    # rows of 16 cut into 2 chunks: the exchange backward's host launches each write their own
+    # workspace rows (dw_part[written:])
+    exchange = NormHeuristics(exchange_above=8, rms_exchange_above=8, exchange_tile=8)
+    for plan, heuristics in (("default", PLANS["default"]), ("many_rows", MANY_ROWS), ("exchange", exchange)):
+        with trainops.heuristics(heuristics):
             y = trainops.rms_norm(x, weight)
             assert_close(y, reference("rms_norm", x.detach(), weight.detach(), None, None, None, 0.0, 1)[0],
                          torch.float32, plan)
+            dy = torch.randn(x.shape, generator=gen).to(device)
             with trainops.track_kernels():
                 plan_ = trainops.plan("rms_norm", shape=x.shape, dtype=x.dtype, device=x.device,
                                       weight_dtype=weight.dtype, strides=(x.stride(), None))
+                backward = trainops.plan("rms_norm_backward", shape=x.shape, dtype=x.dtype, device=x.device,
+                                         weight_dtype=weight.dtype, strides=(dy.stride(), x.stride(), None))
             if backend == "triton":
-                assert plan_.kernel["host_launches"] > 1
-            dy = torch.randn(x.shape, generator=gen).to(device)
+                assert plan_.kernel["host_launches"] > 1 and backward.kernel["host_launches"] > 1
+                assert (backward.kernel["plan"] == "exchange") == (plan == "exchange")
             dx, dw = torch.autograd.grad(y, (x, weight), dy)
             xd, wd = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
             ry, _ = reference("rms_norm", xd, wd, None, None, None, 0.0, 1)

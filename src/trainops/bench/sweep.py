@@ -7,8 +7,9 @@ backward). Each gets ``shapes`` problems drawn by a generator seeded by (seed, f
 is repeatable: a row length from ``ROW_LENGTHS`` (1 to 1M, odd and prime lengths, real vocabulary
 sizes; at most 65536 for the hidden sizes of rms_norm and swiglu, at least 2 classes for
 cross_entropy, at least 2 elements for rms_norm: over one element its dx is the eps term alone, a
-cancellation no float32 backward resolves to a relative tolerance (torch's F.rms_norm was 9 % off
-float64 there, trainops 6 %; the unit tests bound it absolutely), a row count from ``ROW_COUNTS`` (1 to 65536), at most ``max_elements`` elements,
+cancellation no float32 backward resolves to a relative tolerance, torch's F.rms_norm 9 % off
+float64 there, trainops 6 %, the unit tests bounding it absolutely), a row count from
+``ROW_COUNTS`` (1 to 65536), at most ``max_elements`` elements,
 a dtype (bfloat16 twice as often as float16 or float32), and for the softmax families a quarter
 of the problems reduce a middle axis ((outer, length, inner), dim=1). Duplicates are drawn again.
 

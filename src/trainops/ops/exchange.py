@@ -95,8 +95,10 @@ class ExchangeGrid:
     divisible by 16 or equal to 1, 32- or 64-bit integers), and each may use a different number
     of registers, so the occupancy is looked up per specialisation: the first launch of each
     compiles through ``warmup`` and reads the kernel's registers and shared memory. A grid
-    belongs to one plan, whose integer arguments (sizes, strides) are fixed: only the tensors'
-    alignment varies from call to call, and only it is looked at (a cheap key on every call).
+    belongs to one launch of one plan, whose integer arguments (sizes, strides, that launch's
+    bases) are fixed: only the tensors' alignment varies from call to call, and only it is looked
+    at (a cheap key on every call). A plan with several host launches keeps a grid for each: their
+    bases may specialise differently (divisible by 16 or not), and so compile differently.
     """
 
     def __init__(self, fn, rows: int, splits: int, per_sm: int, sms: int):

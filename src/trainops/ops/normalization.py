@@ -881,7 +881,9 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
     dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
     meta.update(SPLITS=splits, SPLITS_P2=next_pow2(splits), DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual)
     sms = problem.heuristics.sm_count(problem.device)
-    grid = ExchangeGrid(_norm_bwd_exchange, per_launch, splits, config.programs_per_sm, sms)
+    # a grid per host launch: each binds its own bases, which Triton may specialise differently
+    grids = [ExchangeGrid(_norm_bwd_exchange, per_launch, splits, config.programs_per_sm, sms)
+             for _ in layout.host_bases]
     acc = problem.acc_dtype
     ws_elems = per_launch * splits * problem.stats_rows
     trailing = [(*operand_args(bases), bases[-1], rows_total, per_launch, n // meta["ALIGN"], layout.outer1,
@@ -899,7 +901,7 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
 
     def launch(index, tensors, device) -> int:
         """One host launch; returns the groups its grid held (workspace rows written)."""
-        call = (*tensors, *trailing[index])
+        call, grid = (*tensors, *trailing[index]), grids[index]
         if phase != 0:  # the interpreter: two launches, publish then merge (exchange.py)
             launch_exchange(_norm_bwd_exchange, grid, call, meta, device)
             return grid(call, dict(meta, PHASE=phase), device)[0] // splits
@@ -921,9 +923,11 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
         dw_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if dw_wanted else None
         db_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if has_bias else None
         written = 0
+        ws = torch.empty(ws_elems, dtype=acc, device=dx.device)  # reused by the launches, in stream order
+        count = torch.zeros(per_launch, dtype=torch.int32, device=dx.device)
         for index in range(len(trailing)):
-            ws = torch.empty(ws_elems, dtype=acc, device=dx.device)
-            count = torch.zeros(per_launch, dtype=torch.int32, device=dx.device)
+            if index:
+                count.zero_()
             written += launch(index, (dy, h, weight, stats, grad_h, dx,
                                       None if dw_part is None else dw_part[written:] if written else dw_part,
                                       None if db_part is None else db_part[written:] if written else db_part,

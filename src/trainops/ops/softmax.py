@@ -896,7 +896,8 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
     if splits * config.block_n < layout.n + vec - 1:   # no room for a window's extra split (see _choose_config)
         vec = 0
     window_meta = dict(meta, VEC=vec)
-    grid = ExchangeGrid(fn, rows, splits, config.per_sm, problem.heuristics.sm_count(problem.device))
+    grids = [ExchangeGrid(fn, rows, splits, config.per_sm, problem.heuristics.sm_count(problem.device))
+             for _ in layout.host_bases]   # one a host launch (exchange.py)
     ws_elems = rows * splits * (1 if problem.backward else 2)
     sizes = [layout.n, layout.inner, layout.outer1, rows]
     host_args = [_operand_args(layout, bases) + sizes for bases in layout.host_bases]
@@ -906,7 +907,7 @@ def _prepare_exchange(problem: SoftmaxProblem, layout: ReductionLayout, config: 
             return
         # windows start at 16-byte boundaries of the rows' offsets: the pointers must be 16-byte aligned too
         aligned = vec and all(t.data_ptr() % 16 == 0 for t in (*tensors, out))
-        for args in host_args:
+        for args, grid in zip(host_args, grids):
             ws = torch.empty(ws_elems, dtype=acc, device=out.device)
             count = torch.zeros(rows, dtype=torch.int32, device=out.device)
             launch_exchange(fn, grid, (*tensors, out, ws, count, *args), window_meta if aligned else meta,
