@@ -869,11 +869,11 @@ def _check_heuristics(problem: NormProblem) -> None:
 
 def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: ReductionLayout, meta: dict,
                       operand_args) -> Launch:
-    """The backward's exchange plan (``_norm_bwd_exchange``): one launch per host base, each with its
-    partials workspace and zeroed row counters. Its programs sum the weight and bias gradients of
-    their chunk columns over their rows: one workspace row per group, as many groups as the
-    launch's grid holds (the compiled kernel's occupancy decides, exchange.py), then the column sum
-    over the rows the launches wrote."""
+    """The backward's exchange plan (``_norm_bwd_exchange``): one launch per host base, in stream
+    order over one partials workspace and one row counter (zeroed before each). Its programs sum
+    the weight and bias gradients of their chunk columns over their rows: one workspace row per
+    group, as many groups as the launch's grid holds (the compiled kernel's occupancy decides,
+    exchange.py), then the column sum over the rows the launches wrote."""
     n, rows_total = problem.n, problem.rows
     per_launch = layout.outer0 * layout.outer1 * layout.inner
     splits = -(-n // config.block_n)
