@@ -668,9 +668,9 @@ def test_wide_backwards_take_the_exchange_plan_and_stay_whole_under_inductor():
     args = norm_ops.rms_norm_backward_op._by_name
     dy = torch.empty((4, 20000), dtype=torch.bfloat16, device="meta")
     with sms():
-        assert not norm_ops._inlinable(args(dy, dy, None, dy, None, 1, 0.0))
-        assert norm_ops._inlinable(args(dy[:, :16384], dy, None, dy, None, 1, 0.0))
-        assert not norm_ops._inlinable(norm_ops.layer_norm_backward_op._by_name(
+        assert not norm_ops._inlinable("rms_norm")(args(dy, dy, None, dy, None, 1, 0.0))
+        assert norm_ops._inlinable("rms_norm")(args(dy[:, :16384], dy, None, dy, None, 1, 0.0))
+        assert not norm_ops._inlinable("layer_norm")(norm_ops.layer_norm_backward_op._by_name(
             dy[:, :16384], dy, None, dy, None, 1, False, None))
 
 

@@ -1196,21 +1196,22 @@ def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weigh
     return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_grad)
 
 
-def _inlinable(arguments) -> bool:
-    """Whether a backward call's kernels may be launched by Inductor (library.custom_op's
-    inline_triton): not the exchange plan's, whose grid follows the compiled kernel's occupancy
-    (the op then stays whole)."""
-    dy = arguments.dy
-    op = "rms_norm" if hasattr(arguments, "weight_offset") else "layer_norm"
-    n = math.prod(dy.shape[dy.dim() - arguments.normalized_ndim:])
-    return not _exchange_splits(op, n, dy.device, heuristics_for(NormHeuristics))
+def _inlinable(op: str):
+    """The inline_triton predicate (library.custom_op) of ``op``'s backward: its kernels may be
+    launched by Inductor, except the exchange plan's, whose grid follows the compiled kernel's
+    occupancy (the op then stays whole)."""
+    def inlinable(arguments) -> bool:
+        dy = arguments.dy
+        n = math.prod(dy.shape[dy.dim() - arguments.normalized_ndim:])
+        return not _exchange_splits(op, n, dy.device, heuristics_for(NormHeuristics))
+    return inlinable
 
 
 # The backward ops have no autograd of their own (double backward through a norm is not supported).
 rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _rms_norm_backward_fake,
-                                 inline_triton=_inlinable)
+                                 inline_triton=_inlinable("rms_norm"))
 layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake,
-                                   inline_triton=_inlinable)
+                                   inline_triton=_inlinable("layer_norm"))
 rms_norm_op = custom_op("rms_norm", _rms_norm_impl, _rms_norm_fake, backward=_forward_grad(rms_norm_backward_op),
                         save=_save_forward, inline_triton=True)
 layer_norm_op = custom_op("layer_norm", _layer_norm_impl, _layer_norm_fake,
