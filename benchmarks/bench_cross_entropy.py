@@ -4,7 +4,7 @@
 
 A front-end of trainops.bench: the cases are ``trainops.bench.cases.cross_entropy_variant_cases``
 (and ``cross_entropy_sweep_cases`` with --sweep: CrossEntropyHeuristics variants), run by
-``trainops.bench.run_cases``. Cases: the ../shared/ANCHORS.md shapes (bf16 logits, int64 targets,
+``trainops.bench.run_cases``. Cases: the ../shared/ANCHORS.md shapes, or --shapes (bf16 logits, int64 targets,
 mean reduction). Bytes: the logits read once and their gradient written once (the floor of a fused
 loss + gradient; "forward only" is credited half). Each call is a full training-step loss:
 forward, then backward into a leaf's .grad (reset to None each call). Timed with
@@ -34,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip torch.compile, Liger and quack")
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT/cross-entropy-h100.json)")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU path, no peers (a self-check)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated ROWSxCLASSES shapes instead of the ANCHORS.md ones (e.g. 16384x50257)")
     args = parser.parse_args(argv)
     log = lambda s: print(s, flush=True)  # noqa: E731
     env, ceiling = bench.start(args.cpu, log)
     device, shapes = ("cpu", CPU_SHAPES) if args.cpu else ("cuda", SHAPES)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     sweep = []
     if args.sweep:
         sweep = bench.run_cases(cases.cross_entropy_sweep_cases(device, shapes), peers=False, ceiling=ceiling, log=log)

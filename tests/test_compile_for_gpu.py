@@ -9,6 +9,7 @@ op families launch in float64.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -59,3 +60,66 @@ def test_helpers_of_two_return_types_compile_for_the_gpu_with_triton(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:4] == ["compiled fp64", "compiled fp32", "compiled tile True",
                                            "compiled tile False"], done.stdout
+
+
+_OCCUPANCY_SCRIPT = textwrap.dedent('''
+    import re, sys
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trainops.ops.softmax import SoftmaxHeuristics, _softmax_bwd_exchange, _softmax_fwd_exchange
+
+    h = SoftmaxHeuristics()
+    block = h.exchange_tile[2]
+    kernels = ((_softmax_fwd_exchange, "softmax", False, ("x", "y")),
+               (_softmax_bwd_exchange, "softmax_backward", True, ("dy", "y", "dx")))
+    for kernel, op, backward, operands in kernels:
+        warps = h.exchange_warps[op]
+        for splits in (16, 32):   # bf16 rows of 131072 and 262144 elements, contiguous, 1024 rows
+            n = splits * block
+            values = dict(ws_ptr="*fp32", count_ptr="*i32", N=n, INNER=1, OUTER1=1, ROWS=1024)
+            for name in operands:
+                values.update({name + "_ptr": "*bf16", name + "_base": 0, name + "_so0": n, name + "_so1": 0,
+                               name + "_si": 0, name + "_sn": 1})
+            meta = dict(LOG=False, ACC=tl.float32, BLOCK_N=block, WIDE=False, SPLITS=splits, SPLITS_P2=splits,
+                        PHASE=0, VEC=0)
+            signature, constants, attrs = {}, {}, {}
+            for p in kernel.params:   # the launch's specialisation: 16-byte pointers, ints == 1 or % 16
+                value = meta.get(p.name, values.get(p.name))
+                if p.name in meta or value == 1:
+                    signature[p.name] = "constexpr"
+                    constants[(p.num,)] = value
+                else:
+                    signature[p.name] = value if isinstance(value, str) else "i32"
+                    if isinstance(value, str) or value % 16 == 0:
+                        attrs[(p.num,)] = [["tt.divisibility", 16]]
+            triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps))
+            sys.stdout.flush()
+            print("asked", op, splits, h.exchange_per_sm[backward], warps, flush=True)
+''')
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_softmax_exchange_fits_its_programs_per_sm_with_triton(tmp_path):
+    """The softmax exchange plans ask for SoftmaxHeuristics.exchange_per_sm programs per SM (forward: 3
+    of 16 warps; backward: 2 of 8), which the compiled kernels' registers must allow for the bf16 rows
+    they were measured on (ExchangeGrid caps the grid by them, silently; float32 forwards get 2).
+    A reordering of the kernel's plain path once took Triton 3.6 from 40 to 46 registers a thread at
+    16 chunks a row: 2 programs per SM instead of 3, softmax 1024x131072 bf16 0.255 ms against 0.225
+    on the H100 (benchmarks/NOTES.md). Registers as ptxas reports them compiling for sm_90 (Triton's
+    own ptxas, log dumped); 65536 a SM, allocated 8 a thread at a time."""
+    script = tmp_path / "occupancy.py"
+    script.write_text(_OCCUPANCY_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DUMP_PTXAS_LOG="1")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", done.stdout)]
+    asked = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("asked")]
+    assert len(registers) == len(asked) == 4, done.stdout[-3000:]
+    for used, (op, splits, per_sm, warps) in zip(registers, asked):
+        allocated = -(-used // 8) * 8
+        assert 65536 // (allocated * 32 * int(warps)) >= int(per_sm), (op, splits, used, done.stdout[-2000:])
