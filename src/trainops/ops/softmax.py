@@ -642,7 +642,7 @@ if triton_available():
                     tl.store(ws_ptr + (ROWS + r) * SPLITS + split, tl.sum(e, axis=0))
                 else:
                     tl.store(ws_ptr + (ROWS + r) * SPLITS + split,
-                             tl.sum(e, axis=0) + tl.sum(e_first, axis=0) + tl.sum(e_last, axis=0))
+                             tl.sum(e, axis=0) + (tl.sum(e_first, axis=0) + tl.sum(e_last, axis=0)))
                 arrive(count_ptr + r)
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 if VEC == 0:
