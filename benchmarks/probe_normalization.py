@@ -2,7 +2,7 @@
 torch.profiler: no host time), beside torch eager, torch.compile, Liger-Kernel and quack when
 installed, and each half over grids of ``NormHeuristics``.
 
-    python benchmarks/probe_normalization.py --out norm.json [--grid quick|wide|one-per-sm]
+    python benchmarks/probe_normalization.py --out norm.json [--grid quick|fp32|stages|wide|one-per-sm|small-tiles]
         [--forward-grid] [--shapes 16384x1000,4096x5120] [--no-peers]
 
 Rows: RMSNorm and LayerNorm at 8192 x 4096, 32768 x 768 and 16384 x 2048 (Llama, GPT-2 and a
@@ -60,6 +60,8 @@ GRIDS = {
     "stages": [(8192, 8, 1, s, 147456) for s in (1, 2, 3, 4)],
     "wide": [(8192, w, p, s, 147456) for w, p, s in itertools.product((8, 16, 32), (1, 2), (1, 2, 3))],
     "one-per-sm": [(t, w, 1, s, 196608) for t, w, s in itertools.product((4096, 8192, 16384), (4, 8, 16), (2, 3, 4, 5))],
+    "small-tiles": [(t, w, p, s, 98304) for t, w, p, s in itertools.product((1024, 2048, 4096), (2, 4, 8), (2, 3, 4),
+                                                                            (2, 3, 4))],
 }
 # forward variants: (forward_tile, warps, forward_rows)
 FORWARD_GRID = list(itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32), (2,)))
