@@ -1,6 +1,7 @@
 """Cross-entropy forward + backward on a CUDA device: trainops against torch, torch.compile and Liger.
 
     PYTHONPATH=src python benchmarks/bench_cross_entropy.py [--sweep] [--no-peers] [--out FILE] [--cpu]
+        [--shapes 16384x50257,8192x32001]
 
 A front-end of trainops.bench: the cases are ``trainops.bench.cases.cross_entropy_variant_cases``
 (and ``cross_entropy_sweep_cases`` with --sweep: CrossEntropyHeuristics variants), run by
@@ -37,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None,
                         help="comma-separated ROWSxCLASSES shapes instead of the ANCHORS.md ones (e.g. 16384x50257)")
     args = parser.parse_args(argv)
+    requested = None
+    if args.shapes:
+        try:
+            requested = [(int(rows), int(classes)) for rows, classes in (shape.split("x") for shape in args.shapes.split(","))]
+        except ValueError:
+            parser.error(f"--shapes: expected ROWSxCLASSES[,ROWSxCLASSES...], got {args.shapes!r}")
     log = lambda s: print(s, flush=True)  # noqa: E731
     env, ceiling = bench.start(args.cpu, log)
     device, shapes = ("cpu", CPU_SHAPES) if args.cpu else ("cuda", SHAPES)
-    if args.shapes:
-        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    shapes = requested or shapes
     sweep = []
     if args.sweep:
         sweep = bench.run_cases(cases.cross_entropy_sweep_cases(device, shapes), peers=False, ceiling=ceiling, log=log)

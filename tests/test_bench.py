@@ -157,6 +157,14 @@ def test_bench_cross_entropy_front_end(tmp_path, capsys):
         assert all(r["error"] < 1e-2 and set(r["heuristics"]) == set(cases.CE_SWEEP_NAMES) for r in variants)
 
 
+def test_bench_cross_entropy_shapes(tmp_path, capsys):
+    result = _run_script("bench_cross_entropy", ["--cpu", "--shapes", "5x37,3x16", "--out", "OUT"], tmp_path, capsys)
+    assert list(_by_case(result["rows"])) == ["5x37 bfloat16 fwd+bwd", "3x16 bfloat16 fwd+bwd"]
+    with pytest.raises(SystemExit):
+        _script("bench_cross_entropy").main(["--cpu", "--shapes", "5x37x2"])
+    assert "--shapes: expected ROWSxCLASSES" in capsys.readouterr().err
+
+
 def test_cross_entropy_peers_are_built_when_asked():
     impls, _ = cases.cross_entropy_variant_cases("cpu", [(4, 10)])[0].build(True)
     assert "torch.compile" in impls and "trainops inplace_backward" in impls

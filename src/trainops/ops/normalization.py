@@ -96,7 +96,11 @@ class NormHeuristics(ExchangeHeuristics):
         in shared memory: 3 stages of two 8192-element float32 tiles needed 262 KB with the
         reductions' scratch, over the H100's 227 KB; one program a SM with 2 x 64 KB ran on the
         H200). Row blocks of at most small_rows elements instead take small_rows_tile elements a
-        step, small_rows_warps warps and small_rows_programs_per_sm programs per SM.
+        step, small_rows_warps warps and small_rows_programs_per_sm programs per SM, and sum each
+        step's rows of dweight / dbias into one accumulator row (LayerNorm at rows of 768: 245 -> 176
+        registers a thread, backward 66.7 -> 64.9 us on the H100, forward + backward 95.4 -> 91.5 us
+        on the H200; at rows of 2048 the same sums were 2 % slower on the H200, so wider blocks keep
+        their per-slot accumulators).
         reduce_block: columns one program of the partial-sum reduction owns.
     Defaults measured on the H200 (benchmarks/NOTES.md, "Normalization's tiles and odd widths",
     GPU time; probe_normalization.py). Backward: one program a SM, 16 KB of x a step (8192 bf16
@@ -561,20 +565,22 @@ if triton_available():
         rows, n_units, OUTER1, INNER, rows_per_program, w_offset,  # n_units: the row length / ALIGN
         RMS: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
-        STAGES: tl.constexpr, ALIGN: tl.constexpr,
+        STAGES: tl.constexpr, ALIGN: tl.constexpr, STEP_SUMS: tl.constexpr = False,
     ):
         """dx of ``rows_per_program`` rows, BLOCK_M at a time; their dweight / dbias summed in registers
-        (or in the program's own workspace row, looped) and written as one partial row."""
+        (or in the program's own workspace row, looped) and written as one partial row. STEP_SUMS
+        (fused): each step's rows summed into one accumulator row, else kept per (row slot, column)
+        and summed once after the loop."""
         n = n_units * ALIGN  # as the forward's ALIGN and n_units
         pid = tl.program_id(0)
         first = pid * rows_per_program
         last = tl.minimum(first + rows_per_program, rows)
         cols = tl.arange(0, BLOCK_N)
         part = (part_base + pid).to(tl.int64) * n
-        # fused: the weight and bias gradients of the program's rows kept per (row slot, column) and
-        # reduced over the row slots once, after the loop (no cross-warp reduction per step)
-        dw = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-        db = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        # fused: the weight and bias gradients of the program's rows, per (row slot, column) or, with
+        # STEP_SUMS, summed over each step's rows (fewer registers: see NormHeuristics.small_rows)
+        dw = tl.zeros([BLOCK_N] if STEP_SUMS else [BLOCK_M, BLOCK_N], ACC)
+        db = tl.zeros([BLOCK_N] if STEP_SUMS else [BLOCK_M, BLOCK_N], ACC)
         # fused: the weight read once a program, not once a step (inside the loop its loads were
         # pipelined through shared memory beside dy and h, a third of each step's staging)
         w_fused = _weight_eff(W, cols, n, w_offset, HAS_W and not LOOPED, ACC)
@@ -605,9 +611,9 @@ if triton_available():
                                   other=0.0).to(ACC)
                 tl.store(DX + out_row[:, None] + cols[None, :], dh.to(DX.dtype.element_ty), mask=mask)
                 if DW:
-                    dw += dy * hh
+                    dw += tl.sum(dy * hh, 0) if STEP_SUMS else dy * hh
                 if HAS_B:
-                    db += dy
+                    db += tl.sum(dy, 0) if STEP_SUMS else dy
             else:
                 c1 = tl.zeros([BLOCK_M], ACC)
                 c2 = tl.zeros([BLOCK_M], ACC)
@@ -641,9 +647,9 @@ if triton_available():
                         tl.store(p, tl.load(p, mask=c < n, other=0.0) + tl.sum(dy, 0), mask=c < n)
         if not LOOPED:
             if DW:
-                tl.store(DW_PART + part + cols, tl.sum(dw, 0), mask=cols < n)
+                tl.store(DW_PART + part + cols, dw if STEP_SUMS else tl.sum(dw, 0), mask=cols < n)
             if HAS_B:
-                tl.store(DB_PART + part + cols, tl.sum(db, 0), mask=cols < n)
+                tl.store(DB_PART + part + cols, db if STEP_SUMS else tl.sum(db, 0), mask=cols < n)
 
 
     # ------------------------------------------------------------------------------------------
@@ -1000,7 +1006,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         workspace = parts * n * (dw_wanted + has_bias) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
         stages = max(1, min(config.stages, problem.heuristics.pipeline_bytes // step_bytes))
-        meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages)
+        meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages,
+                    STEP_SUMS=not config.looped and config.block_n <= problem.heuristics.small_rows)
 
         launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
                                                                index * programs, per_launch, n // meta["ALIGN"], *sizes,
