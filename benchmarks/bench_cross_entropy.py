@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             requested = [(int(rows), int(classes)) for rows, classes in (shape.split("x") for shape in args.shapes.split(","))]
         except ValueError:
-            parser.error(f"--shapes: expected ROWSxCLASSES[,ROWSxCLASSES...], got {args.shapes!r}")
+            requested = []
+        if not requested or any(rows < 1 or classes < 1 for rows, classes in requested):
+            parser.error(f"--shapes: expected ROWSxCLASSES[,ROWSxCLASSES...] of positive ints, got {args.shapes!r}")
     log = lambda s: print(s, flush=True)  # noqa: E731
     env, ceiling = bench.start(args.cpu, log)
     device, shapes = ("cpu", CPU_SHAPES) if args.cpu else ("cuda", SHAPES)

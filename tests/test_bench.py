@@ -160,9 +160,15 @@ def test_bench_cross_entropy_front_end(tmp_path, capsys):
 def test_bench_cross_entropy_shapes(tmp_path, capsys):
     result = _run_script("bench_cross_entropy", ["--cpu", "--shapes", "5x37,3x16", "--out", "OUT"], tmp_path, capsys)
     assert list(_by_case(result["rows"])) == ["5x37 bfloat16 fwd+bwd", "3x16 bfloat16 fwd+bwd"]
-    with pytest.raises(SystemExit):
-        _script("bench_cross_entropy").main(["--cpu", "--shapes", "5x37x2"])
-    assert "--shapes: expected ROWSxCLASSES" in capsys.readouterr().err
+
+def test_bench_cross_entropy_refuses_bad_shapes_before_timing(monkeypatch, capsys):
+    def timing_started(*args, **kwargs):
+        raise AssertionError("bench.start ran before --shapes was checked")
+    monkeypatch.setattr(bench, "start", timing_started)
+    for bad in ("5x37x2", "5x", "0x37", "-1x5", "5x37,"):
+        with pytest.raises(SystemExit):
+            _script("bench_cross_entropy").main([f"--shapes={bad}"])
+        assert "--shapes: expected ROWSxCLASSES" in capsys.readouterr().err, bad
 
 
 def test_cross_entropy_peers_are_built_when_asked():

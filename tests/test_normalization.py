@@ -22,7 +22,11 @@ LOOPED = NormHeuristics(fused_max=16, chunk=8, row_exchange=False)
 MANY_ROWS = NormHeuristics(forward_tile=64, backward_tile=64, backward_programs_per_sm=1)
 # backward rows of more than 16 elements cut into chunks of 16 held by programs that trade partial sums
 EXCHANGE = NormHeuristics(exchange_above=16, rms_exchange_above=16, exchange_tile=16)
-PLANS = {"default": NormHeuristics(), "looped": LOOPED, "many_rows": MANY_ROWS, "exchange": EXCHANGE}
+# the fused backward's weight and bias gradients kept per (row slot, column), as wider row blocks do,
+# over several steps a program
+SLOT_SUMS = NormHeuristics(step_sums=0, small_rows_tile=64, small_rows_programs_per_sm=1)
+PLANS = {"default": NormHeuristics(), "looped": LOOPED, "many_rows": MANY_ROWS, "exchange": EXCHANGE,
+         "slot_sums": SLOT_SUMS}
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +97,8 @@ CASES = [  # shape, normalized_ndim
 # the forced plans on the cases that reach them (CI time): looped rows of one and of two normalized
 # axes; several rows a program, over one and over four batch axes
 PLAN_CASES = {"default": CASES, "looped": [CASES[0], CASES[2]], "many_rows": [CASES[2], CASES[4]],
-              "exchange": [CASES[0], CASES[2], CASES[3]]}  # a short last chunk, two normalized axes, one row
+              "exchange": [CASES[0], CASES[2], CASES[3]],  # a short last chunk, two normalized axes, one row
+              "slot_sums": [CASES[0], ((40, 3, 17), 1)]}  # 120 rows: several steps a program
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])

@@ -96,11 +96,13 @@ class NormHeuristics(ExchangeHeuristics):
         in shared memory: 3 stages of two 8192-element float32 tiles needed 262 KB with the
         reductions' scratch, over the H100's 227 KB; one program a SM with 2 x 64 KB ran on the
         H200). Row blocks of at most small_rows elements instead take small_rows_tile elements a
-        step, small_rows_warps warps and small_rows_programs_per_sm programs per SM, and sum each
-        step's rows of dweight / dbias into one accumulator row (LayerNorm at rows of 768: 245 -> 176
-        registers a thread, backward 66.7 -> 64.9 us on the H100, forward + backward 95.4 -> 91.5 us
-        on the H200; at rows of 2048 the same sums were 2 % slower on the H200, so wider blocks keep
-        their per-slot accumulators).
+        step, small_rows_warps warps and small_rows_programs_per_sm programs per SM.
+        step_sums: fused backwards over row blocks of at most this many elements sum each step's rows
+        of dweight / dbias into one accumulator row (0: never); wider ones keep an accumulator per
+        (row slot, column) and sum it once after their loop. bf16 LayerNorm at rows of 768: 245 -> 176
+        registers a thread, backward 66.7 -> 64.9 us on the H100, forward + backward 95.5 -> 91.5 us on
+        the H200; at rows of 2048 the per-step sums were 2 % slower on the H200 (float32 and float64
+        rows not measured).
         reduce_block: columns one program of the partial-sum reduction owns.
     Defaults measured on the H200 (benchmarks/NOTES.md, "Normalization's tiles and odd widths",
     GPU time; probe_normalization.py). Backward: one program a SM, 16 KB of x a step (8192 bf16
@@ -147,6 +149,7 @@ class NormHeuristics(ExchangeHeuristics):
     small_rows_tile: int = 4096
     small_rows_warps: int = 4
     small_rows_programs_per_sm: int = 2
+    step_sums: int = 1024
     pipeline_bytes: int = 147456
     reduce_block: int = 64
     looped_warps: int = 8
@@ -578,7 +581,7 @@ if triton_available():
         cols = tl.arange(0, BLOCK_N)
         part = (part_base + pid).to(tl.int64) * n
         # fused: the weight and bias gradients of the program's rows, per (row slot, column) or, with
-        # STEP_SUMS, summed over each step's rows (fewer registers: see NormHeuristics.small_rows)
+        # STEP_SUMS, summed over each step's rows (fewer registers: see NormHeuristics.step_sums)
         dw = tl.zeros([BLOCK_N] if STEP_SUMS else [BLOCK_M, BLOCK_N], ACC)
         db = tl.zeros([BLOCK_N] if STEP_SUMS else [BLOCK_M, BLOCK_N], ACC)
         # fused: the weight read once a program, not once a step (inside the loop its loads were
@@ -852,6 +855,9 @@ def _check_heuristics(problem: NormProblem) -> None:
                            at_least_one=("fused_max", "backward_programs_per_sm", "small_rows",
                                          "small_rows_programs_per_sm", "pipeline_bytes", "exchange_above",
                                          "rms_exchange_above", "exchange_programs_per_sm"))
+    if isinstance(h.step_sums, bool) or not isinstance(h.step_sums, int) or h.step_sums < 0:
+        raise argument_error(InvalidProblemError, problem.op, "heuristics",
+                             f"step_sums must be an int >= 0, got {h.step_sums!r}")
     for name in ("looped_warps", "looped_backward_warps", "small_rows_warps", "exchange_warps"):
         if getattr(h, name) > 32:
             raise argument_error(InvalidProblemError, problem.op, "heuristics",
@@ -1007,7 +1013,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
         stages = max(1, min(config.stages, problem.heuristics.pipeline_bytes // step_bytes))
         meta.update(DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual, STAGES=stages,
-                    STEP_SUMS=not config.looped and config.block_n <= problem.heuristics.small_rows)
+                    STEP_SUMS=not config.looped and config.block_n <= problem.heuristics.step_sums)
 
         launches = [launcher(_norm_bwd, (programs,), trailing=(*operand_args(bases), bases[-1], rows_total,
                                                                index * programs, per_launch, n // meta["ALIGN"], *sizes,
@@ -1038,7 +1044,8 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
     params = (("plan", "looped" if config.looped else "fused"), ("BLOCK_M", config.block_m),
               ("BLOCK_N", config.block_n), ("num_warps", config.num_warps),
               ("host_launches", len(layout.host_bases)), ("align", meta["ALIGN"])) + \
-        ((("stages", meta["STAGES"]), ("programs", programs)) if problem.backward else ())
+        ((("stages", meta["STAGES"]), ("programs", programs), ("step_sums", meta["STEP_SUMS"]))
+         if problem.backward else ())
     return Launch(run, KernelChoice(kernel, "triton", params), acc, workspace_bytes=workspace)
 
 
