@@ -161,6 +161,7 @@ def test_bench_cross_entropy_shapes(tmp_path, capsys):
     result = _run_script("bench_cross_entropy", ["--cpu", "--shapes", "5x37,3x16", "--out", "OUT"], tmp_path, capsys)
     assert list(_by_case(result["rows"])) == ["5x37 bfloat16 fwd+bwd", "3x16 bfloat16 fwd+bwd"]
 
+
 def test_bench_cross_entropy_refuses_bad_shapes_before_timing(monkeypatch, capsys):
     def timing_started(*args, **kwargs):
         raise AssertionError("bench.start ran before --shapes was checked")

@@ -754,7 +754,7 @@ def test_heuristics_tables_need_only_reach_the_blocks_they_serve():
                                          ("warps", ((4096, 8.0), (1 << 62, 8))), ("exchange_tile", 3000),
                                          ("exchange_warps", 64), ("looped_backward_warps", 64),
                                          ("exchange_above", 0), ("exchange_programs_per_sm", 0),
-                                         ("looped_backward_rows", 3)])
+                                         ("looped_backward_rows", 3), ("step_sums", -1), ("step_sums", True)])
 def test_bad_heuristics_are_refused_by_name(field, value):
     with pytest.raises(InvalidProblemError, match=f"heuristics.*{field}"):
         _triton_plan("rms_norm_backward", 64, rows=8, dtype=torch.float32, heuristics=NormHeuristics(**{field: value}))
