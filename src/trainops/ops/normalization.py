@@ -202,6 +202,11 @@ class NormProblem:
         return math.prod(self.shape[:len(self.shape) - self.normalized_ndim])
 
     @cached_property
+    def weight_grad_wanted(self) -> bool:
+        """Backward: whether dweight is computed (a weight whose gradient is asked for)."""
+        return self.weight_dtype is not None and self.weight_grad
+
+    @cached_property
     def normalized_shape(self) -> tuple[int, ...]:
         return self.shape[len(self.shape) - self.normalized_ndim:]
 
@@ -417,6 +422,20 @@ def _prepare_cpu(problem: NormProblem) -> Launch:
             _write_empty(problem, outputs)
 
     return Launch(run, KernelChoice(f"{problem.op}_cpu", "cpu", ()), problem.acc_dtype)
+
+
+def _gradient_workspaces(problem: NormProblem, outputs, parts: int, acc: torch.dtype, make=torch.empty):
+    """A backward run's start, shared by its plans: ``(dweight partials, dbias partials)``, each a
+    (parts, n) workspace in ``acc`` made by ``make`` (None where that gradient is not computed), or
+    None when there is nothing to reduce (no row, or rows of length 0): the outputs are then written
+    here. One workspace a gradient, not views of a shared one: each view is one more host call."""
+    if problem.rows == 0 or problem.n == 0:
+        _write_empty(problem, outputs)
+        return None
+    device = outputs[0].device
+    dw_part = make((parts, problem.n), dtype=acc, device=device) if problem.weight_grad_wanted else None
+    db_part = make((parts, problem.n), dtype=acc, device=device) if problem.bias_dtype is not None else None
+    return dw_part, db_part
 
 
 def _write_empty(problem: NormProblem, outputs) -> None:
@@ -890,7 +909,7 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
     per_launch = layout.outer0 * layout.outer1 * layout.inner
     splits = -(-n // config.block_n)
     meta = {k: v for k, v in meta.items() if k not in ("BLOCK_M", "LOOPED")}
-    dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
+    dw_wanted, has_bias = problem.weight_grad_wanted, problem.bias_dtype is not None
     meta.update(SPLITS=splits, SPLITS_P2=next_pow2(splits), DW=dw_wanted, HAS_B=has_bias, HAS_DS=problem.has_residual)
     sms = problem.heuristics.sm_count(problem.device)
     # a grid per host launch: each binds its own bases, which Triton may specialise differently
@@ -927,13 +946,12 @@ def _prepare_exchange(problem: NormProblem, config: NormConfig, layout: Reductio
         return size[0] // splits
 
     def run(tensors, outputs):
+        workspaces = _gradient_workspaces(problem, outputs, parts_most, acc)
+        if workspaces is None:
+            return
         dy, h, weight, stats, grad_h = tensors
         dx, dweight, dbias = outputs
-        if rows_total == 0 or n == 0:
-            _write_empty(problem, outputs)
-            return
-        dw_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if dw_wanted else None
-        db_part = torch.empty((parts_most, n), dtype=acc, device=dx.device) if has_bias else None
+        dw_part, db_part = workspaces
         written = 0
         ws = torch.empty(ws_elems, dtype=acc, device=dx.device)  # reused by the launches, in stream order
         count = torch.zeros(per_launch, dtype=torch.int32, device=dx.device)
@@ -1008,7 +1026,7 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         rows_per_program = triton.cdiv(rows_per_program, config.block_m) * config.block_m
         programs = max(1, triton.cdiv(per_launch, rows_per_program))
         parts = programs * len(layout.host_bases)
-        dw_wanted, has_bias = problem.weight_dtype is not None and problem.weight_grad, problem.bias_dtype is not None
+        dw_wanted, has_bias = problem.weight_grad_wanted, problem.bias_dtype is not None
         workspace = parts * n * (dw_wanted + has_bias) * acc.itemsize
         step_bytes = config.block_m * config.block_n * problem.dtype.itemsize * (3 if problem.has_residual else 2)
         stages = max(1, min(config.stages, problem.heuristics.pipeline_bytes // step_bytes))
@@ -1023,16 +1041,12 @@ def _prepare_triton(problem: NormProblem, config: NormConfig | None = None) -> L
         make_workspace = torch.zeros if config.looped else torch.empty
 
         def run(tensors, outputs):
-            dy, h, weight, stats, grad_h = tensors
-            dx, dweight, dbias = outputs
-            if rows_total == 0 or n == 0:
-                _write_empty(problem, outputs)
+            workspaces = _gradient_workspaces(problem, outputs, parts, acc, make_workspace)
+            if workspaces is None:
                 return
-            # one (parts, n) workspace a gradient, holding its partial sums (no views of a shared one:
-            # each view is one more host call)
-            dw_part = make_workspace((parts, n), dtype=acc, device=dx.device) if dw_wanted else None
-            db_part = make_workspace((parts, n), dtype=acc, device=dx.device) if has_bias else None
-            pointers = (dy, h, weight, stats, grad_h, dx, dw_part, db_part)  # absent ones None, as forward
+            dx, dweight, dbias = outputs
+            dw_part, db_part = workspaces
+            pointers = (*tensors, dx, dw_part, db_part)  # absent ones None, as forward
             for launch in launches:
                 launch(*pointers)
             if dw_wanted:
