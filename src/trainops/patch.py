@@ -66,6 +66,7 @@ Softmax computed inside other modules' forward (torch.nn.MultiheadAttention call
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -197,28 +198,36 @@ def _reasons_not_to_swap(module: torch.nn.Module, swap: _Swap) -> list[str]:
     return reasons
 
 
+# module -> (its class before patch changed it, the attributes patch added): what unpatch restores
+_PATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, batch_norm: bool = False,
-          convolution: bool = False) -> PatchReport:
+          convolution: bool = False, dry_run: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
     RMSNorm / LayerNorm / GELU / SiLU / Dropout, with ``batch_norm=True`` every exact BatchNorm1d /
     2d / 3d / SyncBatchNorm, with ``convolution=True`` every exact Conv2d (all three off by default:
     see the module docstring); with ``hf`` (the
     default) the Hugging Face transformers modules trainops.hf lists (the norms, gated MLPs,
-    attention rotary embedding, tanh GELUs, Gemma's scaled embedding and the causal-LM loss path of
-    Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2); return the report.
+    attention rotary embedding, tanh GELUs, Gemma's scaled embedding, MoE routers and experts and
+    the causal-LM loss path of Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma 2, Gemma 3,
+    Phi-3, OLMo 2, GLM-4, Granite, Mixtral, Qwen3-MoE and GPT-2: ``trainops.hf.ARCHITECTURES``);
+    return the report. ``dry_run=True``: the same report, nothing changed. ``trainops.unpatch``
+    changes the swapped modules back.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
     are left as they are and listed in ``report.skipped`` with the reason; modules that already
     are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
     Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops``, ``hf``,
-    ``batch_norm`` or ``convolution`` not a bool.
+    ``batch_norm``, ``convolution`` or ``dry_run`` not a bool.
     """
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm), ("convolution", convolution)):
+    for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm), ("convolution", convolution),
+                        ("dry_run", dry_run)):
         if not isinstance(value, bool):
             raise argument_error(InvalidProblemError, "patch", name, f"must be a bool, got {value!r}")
     swaps = {**_SWAPS, **(_BLOCK_SWAPS if block_ops else {}), **(_BATCH_NORM_SWAPS if batch_norm else {}),
@@ -226,14 +235,7 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     trainops_classes = tuple(swap.trainops_class for swap in swaps.values())
     torch_classes = tuple(swaps)
 
-    names_by_module: dict[int, list[str]] = {}
-    modules: list[torch.nn.Module] = []
-    for name, module in _every_path(model):
-        if id(module) not in names_by_module:
-            names_by_module[id(module)] = []
-            modules.append(module)
-        names_by_module[id(module)].append(name)
-
+    modules, names_by_module = _modules_and_names(model)
     report = PatchReport()
     to_swap: list[tuple[torch.nn.Module, _Swap, type]] = []
     for module in modules:
@@ -264,21 +266,84 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
         else:
             to_swap.append((module, swap, swap.trainops_class if wrapped is None else fsdp_class(swap.trainops_class)))
             report.swapped.append((first_name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
-
-    swapped_so_far: list[tuple[torch.nn.Module, _Swap, type]] = []
-    try:
-        for module, swap, new_class in to_swap:
-            swapped_so_far.append((module, swap, type(module)))
-            module.__class__ = new_class
-            for attribute, default in swap.added_attributes.items():
-                setattr(module, attribute, default)
-    except BaseException:
-        for module, swap, old_class in reversed(swapped_so_far):
-            for attribute in swap.added_attributes:
-                module.__dict__.pop(attribute, None)
-            module.__class__ = old_class
-        raise
+    if not dry_run:
+        _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
     return report
 
 
-__all__ = ["PatchReport", "patch"]
+def _modules_and_names(model: torch.nn.Module) -> tuple[list[torch.nn.Module], dict[int, list[str]]]:
+    """Every module under ``model`` once, in ``named_modules()`` order, and id(module) -> all its names."""
+    names_by_module: dict[int, list[str]] = {}
+    modules: list[torch.nn.Module] = []
+    for name, module in _every_path(model):
+        if id(module) not in names_by_module:
+            names_by_module[id(module)] = []
+            modules.append(module)
+        names_by_module[id(module)].append(name)
+    return modules, names_by_module
+
+
+def _change_classes(changes: list[tuple[torch.nn.Module, type, dict | tuple]]) -> None:
+    """Give each module its new class and set the instance attributes given (a dict: name -> value;
+    patch) or delete them (a tuple of names; unpatch); every change, or, if one raises, none."""
+    done: list[tuple[torch.nn.Module, type, dict, object]] = []
+    try:
+        for module, new_class, attributes in changes:
+            before = {name: module.__dict__[name] for name in attributes if name in module.__dict__}
+            done.append((module, type(module), before, _PATCHED.get(module)))
+            module.__class__ = new_class
+            if isinstance(attributes, dict):
+                module.__dict__.update(attributes)
+                _PATCHED[module] = (done[-1][1], tuple(attributes))
+            else:
+                for name in attributes:
+                    module.__dict__.pop(name, None)
+                _PATCHED.pop(module, None)
+    except BaseException:
+        for (module, old_class, before, record), (_, _, attributes) in zip(reversed(done), reversed(changes[:len(done)])):
+            for name in attributes:
+                module.__dict__.pop(name, None)
+            module.__dict__.update(before)
+            module.__class__ = old_class
+            if record is None:
+                _PATCHED.pop(module, None)
+            else:
+                _PATCHED[module] = record
+        raise
+
+
+def unpatch(model: torch.nn.Module) -> PatchReport:
+    """Undo ``trainops.patch`` on ``model`` (``model`` included), in place: every module patch
+    swapped gets its class back (the attributes patch added are removed; the module stays the same
+    object with its parameters, buffers, hooks and other state), and every module of a swapped
+    transformers class (trainops.hf's, also one unpickled from a patched model) becomes its
+    transformers class again. Modules built as trainops.nn modules, not by patch, stay. Returns the
+    report: ``swapped`` lists (name, trainops class, restored class). All modules or none (as
+    patch). Raises InvalidProblemError when ``model`` is not a torch.nn.Module."""
+    if not isinstance(model, torch.nn.Module):
+        raise argument_error(InvalidProblemError, "unpatch", "model",
+                             f"must be a torch.nn.Module, got {type(model).__name__}")
+    modules, names_by_module = _modules_and_names(model)
+    report = PatchReport()
+    changes: list[tuple[torch.nn.Module, type, tuple]] = []
+    for module in modules:
+        record = _PATCHED.get(module)
+        wrapped = fsdp_wrapped_class(type(module))
+        current = wrapped or type(module)
+        if record is not None:
+            old, added = fsdp_wrapped_class(record[0]) or record[0], record[1]
+        elif trainops_hf.is_swapped(module, current):
+            old, added = trainops_hf.original_class(current), ()
+        else:
+            continue
+        old_class = old if wrapped is None else fsdp_class(old)   # fully_shard's wrapper kept, before or after patch
+        first_name, *other_names = names_by_module[id(module)]
+        if other_names:
+            report.other_names[first_name] = tuple(other_names)
+        changes.append((module, old_class, added))
+        report.swapped.append((first_name, _public_name(current), _public_name(old)))
+    _change_classes(changes)
+    return report
+
+
+__all__ = ["PatchReport", "patch", "unpatch"]

@@ -1,0 +1,140 @@
+"""Hugging Face transformers models in ``trainops.patch``: which of their modules become trainops's.
+
+transformers is never imported here at import time (the core does not depend on it); a class is
+recognised by its module and name, looked up in ``ARCHITECTURES`` below. A module is swapped by
+changing its class to a subclass that overrides ``forward`` (and, for MoE experts, the gate the
+grouped matmuls call) alone: parameters, buffers, hooks and state_dict keys are kept, as patch.py
+does for torch's modules, and ``trainops.unpatch`` changes the class back. The subclass keeps the
+transformers class's ``__name__``, so what reads it sees the model it knows
+(``config.architectures`` written by save_pretrained, Trainer's causal-LM label shifting, PEFT); it
+is importable from this package by its ``__qualname__``
+(``Trainops__<transformers module path>__<class>``), so a patched model pickles
+(``torch.save(model)``) and loads where trainops and transformers are installed. Subclasses of
+these transformers classes (a user's own) are not swapped and are reported, as are instances
+that lack what the swap needs (an activation other than SiLU or tanh GELU, an experts layout
+other than fused [gate; up], ...), with the reason.
+
+What each kind computes (``_common.py``):
+    norm       RMSNorm by trainops.rms_norm: Llama's x_normed.to(dtype) * w; Gemma's (1 + w) and
+               OLMo 2's w * x_normed in float32, rounded once to the input's dtype
+    mlp        act(gate) * up by trainops.swiglu (SiLU) or trainops.geglu (tanh GELU), between
+               transformers's Linear layers (separate gate_proj / up_proj, or one gate_up_proj)
+    gelu       the tanh GELUs of transformers.activations -> trainops.gelu(approximate="tanh")
+    embedding  Gemma's scaled embedding: trainops.embedding times embed_scale
+    attention  the attention's own forward with apply_rotary_pos_emb resolved to
+               trainops.rotary_embedding (partial rotary as Phi-3, interleaved as GLM-4); the rotated
+               q and k come out in q's dtype (transformers's in the promotion of q's and cos's)
+    router     MoE top-k router: trainops.softmax of the router logits in float32
+    experts    MoE experts (fused 3-D weights): trainops.swiglu between the expert matmuls
+    loss       the causal LM in training mode with labels: trainops.linear_cross_entropy of the last
+               hidden states and the LM head (no logits made: ``output.logits`` is None, so code
+               that reads a training step's logits, such as a token-accuracy metric, needs
+               hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
+               config sets, and the MoE router's auxiliary loss as transformers adds it
+
+Adding an architecture: its module here (``SWAPS``: class name -> kind), a row of ``ARCHITECTURES``,
+and its tiny configuration in tests/test_hf.py's ``ARCHS``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, mistral, mixtral, olmo2, phi3, qwen2,
+               qwen3, qwen3_moe, smollm3)
+from ._common import (_SUBCLASSES, _SWAPPED, CAUSAL_LM, GATED_MLP, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
+                      SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
+                      original_class, trainops_class)
+
+# family -> (the transformers module whose classes are swapped, the trainops.hf module saying which and how)
+ARCHITECTURES = {
+    "llama": ("transformers.models.llama.modeling_llama", llama),
+    "mistral": ("transformers.models.mistral.modeling_mistral", mistral),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", qwen2),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", qwen3),
+    "smollm3": ("transformers.models.smollm3.modeling_smollm3", smollm3),
+    "gemma": ("transformers.models.gemma.modeling_gemma", gemma),
+    "gemma2": ("transformers.models.gemma2.modeling_gemma2", gemma2),
+    "gemma3": ("transformers.models.gemma3.modeling_gemma3", gemma3),
+    "phi3": ("transformers.models.phi3.modeling_phi3", phi3),
+    "olmo2": ("transformers.models.olmo2.modeling_olmo2", olmo2),
+    "glm4": ("transformers.models.glm4.modeling_glm4", glm4),
+    "granite": ("transformers.models.granite.modeling_granite", granite),
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", mixtral),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", qwen3_moe),
+    "gpt2": ("transformers.models.gpt2.modeling_gpt2", gpt2),
+    "activations": ("transformers.activations", activations),
+}
+
+_KINDS: dict[tuple[str, str], Kind] = {
+    (module_name, class_name): kind
+    for module_name, family in ARCHITECTURES.values() for class_name, kind in family.SWAPS.items()}
+
+
+def _names(test) -> frozenset[str]:
+    return frozenset(name for (_, name), kind in _KINDS.items() if test(kind))
+
+
+# The class names of each kind (what trainops.hf exported before it became a package).
+LLAMA_STYLE_NORMS = _names(lambda kind: kind is LLAMA_NORM)
+GEMMA_STYLE_NORMS = _names(lambda kind: kind is GEMMA_NORM)
+GATED_MLPS = _names(lambda kind: isinstance(kind, GatedMLP))
+TANH_GELUS = _names(lambda kind: kind is TANH_GELU)
+SCALED_EMBEDDINGS = _names(lambda kind: kind is SCALED_EMBEDDING)
+CAUSAL_LMS = _names(lambda kind: isinstance(kind, CausalLM))
+ROTARY_ATTENTIONS = _names(lambda kind: isinstance(kind, RotaryAttention))
+
+
+def kind_of(cls: type) -> Kind | None:
+    """The kind of swap trainops.hf has for exactly ``cls`` (None: it has none)."""
+    return _KINDS.get((cls.__module__, cls.__name__))
+
+
+def is_swapped(module: torch.nn.Module, cls: type | None = None) -> bool:
+    """Whether ``module``'s class (or ``cls``: the class fully_shard wrapped) is a swapped one."""
+    return (cls or type(module)) in _SWAPPED
+
+
+def swap_for(module: torch.nn.Module, cls: type | None = None):
+    """(trainops class or None, reasons it cannot be swapped) for a transformers module trainops
+    covers or a subclass of one (not swapped: reported), else None. ``cls``: the module's class
+    (default its type; the class fully_shard wrapped, for a module it wrapped)."""
+    cls = cls or type(module)
+    if kind_of(cls) is None:
+        base = next((b for b in cls.__mro__[1:] if kind_of(b) is not None), None)
+        if base is None or is_swapped(module, cls):
+            return None
+        return None, [f"a subclass of transformers.{base.__name__}: only exact transformers classes are swapped "
+                      "(a subclass may change what the module computes)"]
+    sub, reasons = swap_for_class(cls)
+    return sub, reasons + (kind_of(cls).instance_reasons(module) if sub is not None else [])
+
+
+def swap_for_class(cls: type):
+    """(trainops subclass, []) or (None, reasons no instance of ``cls`` can be swapped) for a
+    transformers class trainops covers, else None."""
+    kind = kind_of(cls) if isinstance(cls, type) else None
+    if kind is None:
+        return None
+    if cls in _SUBCLASSES:
+        return _SUBCLASSES[cls], []
+    attributes, reasons = kind.make(cls)
+    return (None, reasons) if attributes is None else (trainops_class(cls, attributes), [])
+
+
+def __getattr__(name: str):
+    """A swapped class by its ``__qualname__``, made on first use (unpickling in a fresh process)."""
+    if name.startswith(QUALNAME_PREFIX):
+        import importlib
+
+        *module_parts, class_name = name[len(QUALNAME_PREFIX):].split("__")
+        cls = getattr(importlib.import_module(".".join(module_parts)), class_name, None)
+        found = swap_for_class(cls) if isinstance(cls, type) else None
+        if found is not None and found[0] is not None and found[0].__qualname__ == name:
+            return found[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ARCHITECTURES", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
+           "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped", "is_transformers_class", "kind_of", "original_class",
+           "swap_for", "swap_for_class"]

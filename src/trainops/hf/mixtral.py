@@ -1,0 +1,13 @@
+"""Mixtral (transformers.models.mixtral): RMSNorm, rotary attention, the top-k router (trainops's
+softmax, weights renormalised), the experts (fused 3-D weights: SwiGLU between the matmuls) and the
+causal-LM loss plus the router's auxiliary loss."""
+
+from ._common import EXPERTS, LLAMA_NORM, ROTARY_ATTENTION, ROUTER, CausalLM
+
+SWAPS = {
+    "MixtralRMSNorm": LLAMA_NORM,
+    "MixtralAttention": ROTARY_ATTENTION,
+    "MixtralTopKRouter": ROUTER,
+    "MixtralExperts": EXPERTS,
+    "MixtralForCausalLM": CausalLM(output="MoeCausalLMOutputWithPast", moe=True),
+}

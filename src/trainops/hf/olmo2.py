@@ -1,0 +1,11 @@
+"""OLMo 2 (transformers.models.olmo2): its RMSNorm ((w * x_normed) in float32, rounded once: after the
+attention and the MLP, and over all of q and of k), SwiGLU MLP, rotary attention, causal-LM loss."""
+
+from ._common import CAUSAL_LM, GATED_MLP, OLMO2_NORM, ROTARY_ATTENTION
+
+SWAPS = {
+    "Olmo2RMSNorm": OLMO2_NORM,
+    "Olmo2MLP": GATED_MLP,
+    "Olmo2Attention": ROTARY_ATTENTION,
+    "Olmo2ForCausalLM": CAUSAL_LM,
+}

@@ -1,0 +1,10 @@
+"""Qwen2 (transformers.models.qwen2): as Llama (q/k/v biases stay in their Linear)."""
+
+from ._common import CAUSAL_LM, GATED_MLP, LLAMA_NORM, ROTARY_ATTENTION
+
+SWAPS = {
+    "Qwen2RMSNorm": LLAMA_NORM,
+    "Qwen2MLP": GATED_MLP,
+    "Qwen2Attention": ROTARY_ATTENTION,
+    "Qwen2ForCausalLM": CAUSAL_LM,
+}
