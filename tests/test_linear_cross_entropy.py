@@ -22,12 +22,13 @@ def small_chunks(rows):
 
 
 def reference(h, w, t, b=None, *, class_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              z_loss=0.0, softcap=None, num_items=None):
+              z_loss=0.0, softcap=None, num_items=None, logit_scale=1.0, temperature=1.0):
     """float64: torch's linear + cross_entropy, the z-loss term (z lse^2 over kept rows, divided by their
-    count for "mean") and softcap written out."""
-    logits = F.linear(h.double(), w.double(), None if b is None else b.double())
+    count for "mean"), the logit scale, softcap and temperature written out."""
+    logits = F.linear(h.double(), w.double(), None if b is None else b.double()) * logit_scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     logits2, t1 = logits.reshape(-1, logits.shape[-1]), t.reshape(-1)
     cw = None if class_weight is None else class_weight.double()
     kept = (t1 != ignore_index).double()
@@ -67,6 +68,8 @@ OPTIONS = [
     dict(softcap=4.0),
     dict(class_weight=True),
     dict(class_weight=True, z_loss=1e-2, label_smoothing=0.2),
+    dict(logit_scale=0.5, temperature=2.0),
+    dict(softcap=4.0, logit_scale=3.0, temperature=0.5, z_loss=1e-3),
 ]
 
 
@@ -295,6 +298,43 @@ def test_class_weight_that_requires_grad_is_refused(backend, device):
         trainops.linear_cross_entropy(x, w, t, b, class_weight=cw)
 
 
+@pytest.mark.parametrize("vocab_align", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_vocabulary_layouts_agree(backend, device, vocab_align, dtype):
+    """A vocabulary of 70 classes computed through chunks 70 (unpadded), 72 or 128 columns wide: the
+    same loss and gradients as the float64 reference, the gradients in the tensors' own shapes."""
+    x, w, b, t = inputs(33, 24, 70, dtype, device, seed=5)
+    config = LinearCrossEntropyHeuristics(chunk_bytes=1, min_rows=16, vocab_align=vocab_align)
+    assert config.padded_classes(70) == {1: 70, 8: 72, 64: 128}[vocab_align]
+    for options in (dict(), dict(softcap=3.0, logit_scale=1.5, temperature=1.25)):
+        for reduction in ("mean", "none"):
+            with trainops.heuristics(config):
+                loss = trainops.linear_cross_entropy(x, w, t, b, reduction=reduction, **options)
+                got = grads_of(loss, (x, w, b), reduction)
+            want_loss = reference(x, w, t, b, reduction=reduction, **options)
+            want = grads_of(want_loss, (x, w, b), reduction)
+            assert_close(loss, want_loss, dtype, f"loss {options} {reduction}")
+            for name, a, e, ref_input in zip("xwb", got, want, (x, w, b)):
+                assert a.shape == ref_input.shape and a.dtype == ref_input.dtype and a.is_contiguous(), name
+                assert_close(a, e, dtype, f"d{name} {options} {reduction}")
+
+
+def test_logit_scale_and_temperature_gradcheck():
+    x, w, b, t = inputs(9, 6, 11, torch.float64, "cpu", seed=7)
+    with trainops.backend("cpu"):
+        for reduction in ("mean", "none"):
+            torch.autograd.gradcheck(
+                lambda x, w, b: trainops.linear_cross_entropy(x, w, t, b, reduction=reduction, softcap=2.0,
+                                                              logit_scale=0.75, temperature=1.5), (x, w, b))
+
+
+@pytest.mark.parametrize("field, value", [("vocab_align", 0), ("vocab_align", True), ("min_rows", 0),
+                                          ("chunk_bytes", 1.5)])
+def test_heuristics_fields_are_checked(field, value):
+    with pytest.raises(InvalidProblemError, match=f"heuristics.{field}"):
+        LinearCrossEntropyHeuristics(**{field: value})
+
+
 def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
     default = LinearCrossEntropyHeuristics()
     assert default.rows(10**6, 128256, 2) == 2048   # 512 MiB of bf16 logits: 2093 rows fit
@@ -317,6 +357,12 @@ def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
      "argument 'label_smoothing'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, z_loss=-1.0), InvalidProblemError, "argument 'z_loss'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, softcap=0.0), InvalidProblemError, "argument 'softcap'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, logit_scale=0.0), InvalidProblemError,
+     "argument 'logit_scale'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, temperature=float("inf")), InvalidProblemError,
+     "argument 'temperature'"),
+    (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, temperature=True), InvalidProblemError,
+     "argument 'temperature'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, ignore_index=1.5), InvalidProblemError,
      "argument 'ignore_index'"),
     (lambda x, w, t: trainops.linear_cross_entropy(x, w, t, reduction="sum", num_items_in_batch=4),
@@ -353,7 +399,8 @@ def test_torch_compile_fullgraph(backend, device):
     cw = torch.rand(18).to(device) + 0.5
 
     def f(x, w, b, reduction):
-        return trainops.linear_cross_entropy(x, w, t, b, class_weight=cw, reduction=reduction, z_loss=1e-3).sum()
+        return trainops.linear_cross_entropy(x, w, t, b, class_weight=cw, reduction=reduction, z_loss=1e-3,
+                                             logit_scale=2.0, temperature=0.5).sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for reduction in ("mean", "none"):
@@ -369,15 +416,19 @@ def test_torch_compile_fullgraph(backend, device):
 
 def test_the_module(backend, device):
     cw = torch.rand(14).to(device) + 0.5
-    module = trainops.nn.LinearCrossEntropyLoss(cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0)
+    module = trainops.nn.LinearCrossEntropyLoss(cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0,
+                                                logit_scale=0.5, temperature=1.5)
     assert "class_weight" in module.state_dict()
     x, w, b, t = inputs(11, 8, 14, torch.float64, device, ignored=())
     t[2] = -1
     loss = module(x, w, t, b)
-    want = reference(x, w, t, b, class_weight=cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0)
+    want = reference(x, w, t, b, class_weight=cw, ignore_index=-1, label_smoothing=0.05, z_loss=1e-3, softcap=5.0,
+                     logit_scale=0.5, temperature=1.5)
     assert_close(loss, want, torch.float64, "module")
     with pytest.raises(InvalidProblemError, match="argument 'reduction'"):
         trainops.nn.LinearCrossEntropyLoss(reduction="avg")
+    with pytest.raises(InvalidProblemError, match="argument 'temperature'"):
+        trainops.nn.LinearCrossEntropyLoss(temperature=-1.0)
 
 
 # ---- GPU: LM-head sizes ---------------------------------------------------------------------------
@@ -402,6 +453,28 @@ def test_gpu_lm_head_against_float64(weight_dtype):
     want_dx, want_dw = torch.autograd.grad(want, (x64, w64))
     assert_close(loss.float(), want, torch.bfloat16, "loss")
     assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
+    assert_close(dx, want_dx, torch.bfloat16, "dx")
+    assert_close(dw, want_dw, torch.bfloat16, "dw")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab_align", [1, 64])
+def test_gpu_gpt2_head_odd_vocabulary_against_float64(vocab_align):
+    """GPT-2's 50257-word head (bf16, H = 768): padded (the default) and unpadded layouts both match
+    float64, and the padded one returns gradients of the weight's own shape."""
+    torch.manual_seed(0)
+    n, h, v = 4096, 768, 50257
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    t[::7] = -100
+    with trainops.heuristics(LinearCrossEntropyHeuristics(vocab_align=vocab_align)):
+        loss = trainops.linear_cross_entropy(x, w, t, logit_scale=0.5)
+        dx, dw = torch.autograd.grad(loss, (x, w))
+    want = reference(x, w, t, logit_scale=0.5)
+    want_dx, want_dw = torch.autograd.grad(want, (x, w))
+    assert dw.shape == (v, h) and dw.is_contiguous()
+    assert_close(loss, want, torch.bfloat16, "loss")
     assert_close(dx, want_dx, torch.bfloat16, "dx")
     assert_close(dw, want_dw, torch.bfloat16, "dw")
 

@@ -238,6 +238,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                          class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         logit_scale: float = 1.0, temperature: float = 1.0,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
                          check_target: bool | str = True) -> Tensor:
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
@@ -251,8 +252,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     ``F.linear`` is). weight: (V, H), bias: (V,), any float dtype (cast once to hidden's; their
     gradients in their own dtype). target: hidden's leading shape, int64 / int32 class indices.
     class_weight (V,), ignore_index, reduction ("mean" | "sum" | "none", then hidden's leading
-    shape), label_smoothing and z_loss as ``trainops.cross_entropy`` (and torch's). softcap: c for
-    logits c * tanh(z / c) (Gemma 2's final_logit_softcapping), None for none. num_items_in_batch:
+    shape), label_smoothing and z_loss as ``trainops.cross_entropy`` (and torch's). The logits are
+    z = softcap(logit_scale * (hidden @ weight^T + bias)) / temperature, the transform every fused
+    loss of trainops takes under these names: softcap c gives c * tanh(u / c) (Gemma 2's
+    final_logit_softcapping), None for none; logit_scale > 0 (Granite's 1 / logits_scaling) and
+    temperature > 0, 1 by default (neither costs a pass over the logits). num_items_in_batch:
     with reduction "mean", divide the summed loss by it instead of this call's own count (Hugging
     Face's loss under gradient accumulation); an int or a one-element integer tensor, read on the
     device (a tensor's value is not checked: 0 gives inf, as dividing by it would); inside a CUDA
@@ -272,8 +276,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     """
     return linear_cross_entropy_ops.linear_cross_entropy(
         hidden, weight, target, bias, class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, num_items_in_batch=num_items_in_batch,
-        loss_dtype=loss_dtype, check_target=check_target)
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+        temperature=temperature, num_items_in_batch=num_items_in_batch, loss_dtype=loss_dtype,
+        check_target=check_target)
 
 
 def _check_norm_tensors(op: str, x, params: dict) -> None:

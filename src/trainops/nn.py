@@ -302,7 +302,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         loss = loss_fn(hidden, model.lm_head.weight, labels)
 
     Constructor: class_weight (a buffer, as CrossEntropyLoss's weight), ignore_index, reduction,
-    label_smoothing, z_loss, softcap, loss_dtype. forward(hidden, weight, target, bias=None, *,
+    label_smoothing, z_loss, softcap, logit_scale, temperature, loss_dtype. forward(hidden, weight,
+    target, bias=None, *,
     num_items_in_batch=None). ``check_target`` (attribute, default True: True, False or
     "immediate") as in ``trainops.linear_cross_entropy``."""
 
@@ -310,22 +311,26 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
-                 loss_dtype: torch.dtype | None = None) -> None:
+                 logit_scale: float = 1.0, temperature: float = 1.0, loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         from .ops.linear_cross_entropy import check_settings
-        check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
+        check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype,
+                       logit_scale, temperature)
         self.register_buffer("class_weight", class_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap, self.loss_dtype = z_loss, softcap, loss_dtype
+        self.logit_scale, self.temperature = logit_scale, temperature
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                 num_items_in_batch: int | Tensor | None = None) -> Tensor:
         return F.linear_cross_entropy(hidden, weight, target, bias, class_weight=self.class_weight,
                                       ignore_index=self.ignore_index, reduction=self.reduction,
                                       label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                                      logit_scale=self.logit_scale, temperature=self.temperature,
                                       num_items_in_batch=num_items_in_batch, loss_dtype=self.loss_dtype,
                                       check_target=self.check_target)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
+                f"logit_scale={self.logit_scale}, temperature={self.temperature}")

@@ -1,10 +1,24 @@
 """Fused linear cross-entropy: the loss of an LM head without its N x V logits held whole.
 
-    loss = cross_entropy(softcap(hidden @ weight^T + bias), target)      # reductions as cross_entropy
+    z = softcap(logit_scale * (hidden @ weight^T + bias)) / temperature
+    loss = cross_entropy(z, target)                                      # reductions as cross_entropy
 
 hidden (N, H) (leading axes flattened), weight (V, H), bias (V,), target (N,) class indices with
 ignore_index rows counting for nothing; class weights, label smoothing and z-loss as
-``trainops.cross_entropy``; softcap(z) = c * tanh(z / c) (Gemma 2), none when c is None.
+``trainops.cross_entropy`` (z-loss on z); softcap(u) = c * tanh(u / c) (Gemma 2), none when c is
+None; logit_scale (Granite's 1 / logits_scaling) and temperature are positive numbers, 1 by default.
+The logit scale rides on the logits matmul (its alpha) and, with the temperature, on the one
+scalar that scales each gradient when it is rounded (dz/dl = logit_scale / temperature, times
+1 - tanh^2 under a softcap), so neither costs a pass over the logits.
+
+Aligned logits rows: a vocabulary V that is not a multiple of ``vocab_align`` (64 by default) is
+padded with zero weight rows to the next multiple, Vp, so that every chunk's logits rows start on
+16-byte boundaries and cuBLAS takes its fast kernels for all three matmuls (GPT-2's 50257 words
+took its ``align1`` kernels: 30.6 ms of an 80.7 ms step on the H200, issue 39). The loss kernel
+reads and writes the first V columns of each (rows, Vp) chunk in place; the pad columns hold
+exact zeros (zero weight rows, zero bias), so they add nothing to dhidden, and dweight's pad rows
+are dropped. The cost: the weight copied once into the padded buffer (fused with the dtype cast
+that a float32 master weight under autocast needs anyway), Vp / V more matmul columns.
 
 The rows go through in chunks of ``rows`` tokens (LinearCrossEntropyHeuristics: the chunk's
 logits stay under ``chunk_bytes``). For each chunk:
@@ -81,6 +95,18 @@ class LinearCrossEntropyHeuristics:
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
+    vocab_align: int = 64
+
+    def __post_init__(self):
+        for name in ("chunk_bytes", "min_rows", "vocab_align"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise argument_error(InvalidProblemError, OP, f"heuristics.{name}",
+                                     f"must be an int >= 1, got {value!r}")
+
+    def padded_classes(self, classes: int) -> int:
+        """The vocabulary rounded up to a multiple of vocab_align (itself when it is one)."""
+        return -(-classes // self.vocab_align) * self.vocab_align
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
         fit = self.chunk_bytes // max(1, classes * itemsize)
@@ -107,13 +133,21 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
-def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[float]):
-    """(logits, tanh of the capped logits or None) of one chunk, in the matmuls' dtype."""
-    logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[float], logit_scale: float,
+                  temperature: float):
+    """(z, tanh of the capped logits or None) of one chunk, in the matmuls' dtype: z =
+    softcap(logit_scale * (x w^T + b)) / temperature, the scale applied by the matmul (alpha)."""
+    alpha = logit_scale if softcap is not None else logit_scale / temperature
+    if alpha == 1.0:
+        logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+    elif b is None:   # beta 0: the input is ignored, nothing is copied into the output first
+        logits = torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=alpha)
+    else:
+        logits = torch.addmm(b, x, w.t(), beta=alpha, alpha=alpha)
     if softcap is None:
         return logits, None
     t = torch.div(logits, softcap).tanh_()   # kept for the gradient: one more chunk-sized buffer
-    torch.mul(t, softcap, out=logits)
+    torch.mul(t, softcap / temperature, out=logits)
     return logits, t
 
 
@@ -141,36 +175,59 @@ def _class_weight_and_divisor(target: Tensor, class_weight: Optional[Tensor], ig
     return class_weight, count   # an all-ignored batch: the loss is 0 / 0 = NaN (torch's), the gradients zero
 
 
+def _padded_operands(x: Tensor, weight: Tensor, bias: Optional[Tensor], padded: int):
+    """(w, b) in the matmuls' dtype with ``padded`` rows, the rows past the vocabulary zero: one
+    copy, the dtype cast included (none when the dtype matches and no row is added)."""
+    classes = weight.shape[0]
+    if padded == classes:
+        w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        b = None if bias is None else bias if bias.dtype == x.dtype else bias.to(x.dtype)
+        return w, b
+    w = torch.empty(padded, weight.shape[1], dtype=x.dtype, device=x.device)
+    w[:classes].copy_(weight)
+    w[classes:].zero_()
+    b = None
+    if bias is not None:
+        b = torch.zeros(padded, dtype=x.dtype, device=x.device)
+        b[:classes].copy_(bias)
+    return w, b
+
+
 def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
             ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
-            needs: int, rows: int, row_grad: Optional[Tensor], scale: Tensor):
-    """The chunk loop, ``rows`` tokens a chunk. Returns (row losses (reduction "none" without
+            logit_scale: float, temperature: float, needs: int, rows: int, padded: int, row_grad: Optional[Tensor],
+            scale: Tensor):
+    """The chunk loop, ``rows`` tokens a chunk, each chunk's logits ``padded`` columns wide (the
+    vocabulary rounded up; module docstring). Returns (row losses (reduction "none" without
     gradients) or their sum, float32 (float64); dhidden, dweight, dbias in their tensors' dtypes
     (each None unless ``needs`` has its bit: NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS); flags [bad
     target, k]). The gradients are those of the summed loss (each row's times row_grad when given)
-    times ``scale`` (a device scalar: 1 / the divisor). The kernel stores dlogits times 2^k (k =
+    times ``scale`` (a device scalar: 1 / the divisor). The kernel stores dz times 2^k (k =
     flags[1], cross_entropy's float16 headroom, the same for every chunk of a call), divided out
-    with ``scale`` when each gradient is rounded to its dtype (once)."""
+    with ``scale`` and dz/dl's constant factor logit_scale / temperature when each gradient is
+    rounded to its dtype (once)."""
     n, h = x.shape
     classes = weight.shape[0]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-    b = None if bias is None else bias if bias.dtype == x.dtype else bias.to(x.dtype)
+    w, b = _padded_operands(x, weight, bias, padded)
     compute_grad = needs != 0
     per_row = reduction == "none" and not compute_grad
     losses = torch.empty(n, dtype=acc, device=x.device) if per_row else torch.zeros((), dtype=acc, device=x.device)
     flags = torch.zeros(2, dtype=torch.int32, device=x.device)
     dx = torch.empty_like(x) if needs & NEEDS_HIDDEN else None
-    # dW accumulates in float32: a float32 weight's gradient itself, else a buffer converted at the end
-    dw = (torch.empty(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT and n else
-          torch.zeros(weight.shape, dtype=acc, device=x.device) if needs & NEEDS_WEIGHT else None)
+    # dW accumulates in float32 over the padded rows: a float32 weight's gradient itself (its first
+    # rows), else a buffer converted at the end
+    dw = (torch.empty((padded, h), dtype=acc, device=x.device) if needs & NEEDS_WEIGHT and n else
+          torch.zeros((padded, h), dtype=acc, device=x.device) if needs & NEEDS_WEIGHT else None)
     db = torch.zeros(classes, dtype=acc, device=x.device) if bias is not None and needs & NEEDS_BIAS else None
     dx_chunk = None
-    unit = None   # scale * 2^-k, once the first chunk's kernel has written k
+    unit = None   # scale * 2^-k * logit_scale / temperature, once the first chunk's kernel has written k
+    factor = logit_scale / temperature   # dz/dl, but for the softcap's 1 - tanh^2
     for start in range(0, n, max(1, rows)):
         stop = min(n, start + rows)
         xc, tc = x[start:stop], target[start:stop]
-        logits, t = _chunk_logits(xc, w, b, softcap)
+        padded_logits, t = _chunk_logits(xc, w, b, softcap, logit_scale, temperature)
+        logits = padded_logits[:, :classes]   # the loss kernel reads (and writes) the vocabulary's columns
         if not compute_grad:
             loss, _, _, chunk_flags = cross_entropy_op(logits, tc, class_weight, ignore_index,
                                                        "none" if per_row else "sum", label_smoothing, z_loss, acc,
@@ -180,7 +237,7 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
             else:
                 losses += loss
             torch.maximum(flags, chunk_flags, out=flags)
-            del logits, t
+            del logits, padded_logits, t
             continue
         loss, _, chunk_flags = cross_entropy_inplace_op(logits, tc, class_weight, ignore_index, "sum",
                                                         label_smoothing, z_loss, acc, False)
@@ -188,10 +245,13 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         torch.maximum(flags, chunk_flags, out=flags)
         if unit is None:
             unit = torch.ldexp(scale, -chunk_flags[1].to(acc))
-            if row_grad is not None:   # 2^-k goes with each row's upstream gradient instead (below)
+            if factor != 1.0:
+                unit = unit * factor
+            if row_grad is not None:   # 2^-k and dz/dl go with each row's upstream gradient instead (below)
                 row_unit, unit = unit, scale
-        dlogits = logits  # the kernel wrote the gradient over the logits
-        if t is not None:  # d softcap(z) / dz = 1 - tanh^2
+        # the kernel wrote dz over the logits; the pad columns still hold the zero logits of zero rows
+        dlogits = padded_logits
+        if t is not None:  # d softcap(u) / du = 1 - tanh^2
             dlogits.mul_(t.square_().neg_().add_(1))
         if row_grad is not None:   # times each row's upstream gradient and 2^-k, multiplied in float32 first
             dlogits.mul_((row_grad[start:stop].to(acc) * row_unit).to(dlogits.dtype)[:, None])
@@ -203,15 +263,15 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         if dw is not None:
             _matmul_into(dw, dlogits.t(), xc, accumulate=start > 0)
         if db is not None:
-            db += dlogits.sum(0, dtype=acc)
-        del logits, dlogits, t   # before the next chunk's logits: one chunk's buffers alive at a time
-    if unit is None:
+            db += dlogits[:, :classes].sum(0, dtype=acc)
+        del logits, padded_logits, dlogits, t   # before the next chunk's logits: one chunk's buffers alive at a time
+    if unit is None:   # no rows: zero gradients whatever the factor
         unit = scale
     if dw is not None:
-        if weight.dtype == acc:
-            dw.mul_(unit)
+        if weight.dtype == acc:   # the first rows of the padded buffer: a contiguous view
+            dw = dw[:classes].mul_(unit)
         else:   # scaled in float32 and rounded once; the float32 buffer is freed here
-            dw = torch.mul(dw, unit, out=torch.empty(weight.shape, dtype=weight.dtype, device=x.device))
+            dw = torch.mul(dw[:classes], unit, out=torch.empty(weight.shape, dtype=weight.dtype, device=x.device))
     if db is not None:
         db = torch.mul(db, unit, out=torch.empty(classes, dtype=bias.dtype, device=x.device))
     return losses, dx, dw, db, flags
@@ -225,6 +285,11 @@ def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
     return heuristics_for(LinearCrossEntropyHeuristics).rows(hidden.shape[0], weight.shape[0], hidden.element_size())
 
 
+def _heuristic_padded(classes: int) -> int:
+    """The logits chunks' row length, from the LinearCrossEntropyHeuristics in force."""
+    return heuristics_for(LinearCrossEntropyHeuristics).padded_classes(classes)
+
+
 # ----------------------------------------------------------------------------------------------
 # Custom ops: torch.ops.trainops.linear_cross_entropy (reductions "mean" / "sum": gradients in the
 # forward) and linear_cross_entropy_none_backward (reduction "none": the chunks again)
@@ -232,7 +297,7 @@ def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
 
 def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
           num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-          softcap: Optional[float], needs: int, rows: int,
+          softcap: Optional[float], logit_scale: float, temperature: float, needs: int, rows: int,
           check_target: bool, deferred_check: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss in float32 / float64, dhidden, dweight, dbias, flags): the gradients of the loss (for
     an upstream gradient of 1) in their tensors' dtypes; one not in ``needs`` (all of them for
@@ -247,7 +312,7 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     if hidden.device.type == "cuda":   # an earlier call's flagged error first, checked or not
         raise_flagged(in_capture if deferred else None)
     outputs = _compute(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap, needs, rows)
+                       label_smoothing, z_loss, softcap, logit_scale, temperature, needs, rows)
     if deferred:
         note_target_flag(outputs[-1], OP, in_capture)
     return outputs
@@ -255,7 +320,8 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
 
 def _compute(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-             softcap: Optional[float], needs: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             softcap: Optional[float], logit_scale: float, temperature: float, needs: int,
+             rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """_impl's work after the checks."""
     rows = rows or _heuristic_rows(hidden, weight)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -264,14 +330,15 @@ def _compute(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
                                                           weight.shape[0], acc)
         scale = torch.where(divisor != 0, 1 / divisor, 0)   # no row counted: zero gradients
         losses, dx, dw, db, flags = _chunks(hidden, weight, target, bias, chunk_weight, ignore_index, reduction,
-                                            label_smoothing, z_loss, softcap, needs, rows, None, scale)
+                                            label_smoothing, z_loss, softcap, logit_scale, temperature, needs, rows,
+                                            _heuristic_padded(weight.shape[0]), None, scale)
     loss = losses if reduction == "none" else losses / divisor
     return (loss, dx if dx is not None else hidden.new_empty(0), dw if dw is not None else weight.new_empty(0),
             db if db is not None else hidden.new_empty(0), flags)
 
 
 def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
-          softcap, needs, rows, check_target, deferred_check=False):
+          softcap, logit_scale, temperature, needs, rows, check_target, deferred_check=False):
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
     dx = hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0)
@@ -292,6 +359,7 @@ def _save(ctx, inputs, output) -> None:
         ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.target, inputs.bias, inputs.class_weight)
         # the forward's chunk size: the backward may run on another thread, outside its heuristics block
         ctx.arguments = (inputs.ignore_index, inputs.label_smoothing, inputs.z_loss, inputs.softcap,
+                         inputs.logit_scale, inputs.temperature,
                          inputs.rows or _heuristic_rows(inputs.hidden, inputs.weight))
     else:
         ctx.needs = inputs.needs
@@ -343,18 +411,21 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
 
 def _none_backward_impl(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                         class_weight: Optional[Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
-                        softcap: Optional[float], rows: int, needs: int) -> tuple[Tensor, Tensor, Tensor]:
+                        softcap: Optional[float], logit_scale: float, temperature: float, rows: int,
+                        needs: int) -> tuple[Tensor, Tensor, Tensor]:
     """Reduction "none"'s backward: (dhidden, dweight, dbias), each row's dlogits times its
     upstream gradient; a gradient not in ``needs`` is an empty tensor."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.autocast(hidden.device.type, enabled=False):
         _, dx, dw, db, _ = _chunks(hidden, weight, target, bias, class_weight, ignore_index, "none", label_smoothing,
-                                   z_loss, softcap, needs, rows, dloss, torch.ones((), dtype=acc, device=hidden.device))
+                                   z_loss, softcap, logit_scale, temperature, needs, rows,
+                                   _heuristic_padded(weight.shape[0]), dloss,
+                                   torch.ones((), dtype=acc, device=hidden.device))
     return tuple(hidden.new_empty(0) if g is None else g for g in (dx, dw, db))
 
 
 def _none_backward_fake(dloss, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, z_loss,
-                        softcap, rows, needs):
+                        softcap, logit_scale, temperature, rows, needs):
     return (hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0),
             weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0),
             hidden.new_empty(0) if bias is None or not needs & NEEDS_BIAS else bias.new_empty(bias.shape))
@@ -372,7 +443,8 @@ def _error(cls, name: str, message: str):
     return argument_error(cls, OP, name, message)
 
 
-def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype) -> None:
+def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype,
+                   logit_scale=1.0, temperature=1.0) -> None:
     """The loss's settings (what trainops.nn.LinearCrossEntropyLoss's constructor takes); errors name the argument."""
     if class_weight is not None and (not isinstance(class_weight, Tensor) or class_weight.dim() != 1
                                      or not class_weight.is_floating_point()):
@@ -391,17 +463,21 @@ def check_settings(class_weight, ignore_index, reduction, label_smoothing, z_los
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not 0.0 < softcap < math.inf):
         raise _error(InvalidProblemError, "softcap", f"must be None or a finite number > 0, got {softcap!r}")
+    for name, value in (("logit_scale", logit_scale), ("temperature", temperature)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+            raise _error(InvalidProblemError, name, f"must be a finite number > 0, got {value!r}")
     if loss_dtype is not None and loss_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise _error(InvalidProblemError, "loss_dtype", f"must be None or a float dtype, got {loss_dtype!r}")
 
 
 def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
-           softcap, loss_dtype):
+           softcap, loss_dtype, logit_scale, temperature):
     """Every argument, before any work; errors name the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise _error(InvalidProblemError, name, f"must be a torch.Tensor, got {type(t).__name__}")
-    check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype)
+    check_settings(class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap, loss_dtype, logit_scale,
+                   temperature)
     if hidden.device.type not in ("cpu", "cuda"):
         raise _error(UnsupportedError, "hidden", f"is on {hidden.device}; supported: CPU and CUDA tensors")
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias), ("class_weight", class_weight)):
@@ -448,12 +524,13 @@ def _check(hidden, weight, target, bias, class_weight, num_items, ignore_index, 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
                          class_weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         logit_scale: float = 1.0, temperature: float = 1.0,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
                          check_target: bool | str = True) -> Tensor:
     """See trainops.functional.linear_cross_entropy."""
     check, immediate = check_mode(OP, "check_target", check_target)
     _check(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, reduction, label_smoothing,
-           z_loss, softcap, loss_dtype)
+           z_loss, softcap, loss_dtype, logit_scale, temperature)
     autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
     if autocast:  # the matmuls in autocast's dtype, as torch.nn.functional.linear under autocast
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
@@ -486,6 +563,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
                                               float(label_smoothing), float(z_loss),
                                               None if softcap is None else float(softcap),
+                                              float(logit_scale), float(temperature),
                                               0 if reduction == "none" else needs, 0, check and not deferred,
                                               deferred and on_device)
     if deferred and not on_device and flags[0]:
