@@ -154,7 +154,7 @@ _CONVOLUTION_SWAPS = {torch.nn.Conv2d: _Swap(torch.nn.Conv2d, trainops_nn.Conv2d
 
 def _public_name(cls: type) -> str:
     """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``,
-    ``transformers.LlamaRMSNorm`` / ``trainops.hf.TrainopsLlamaRMSNorm`` for Hugging Face's."""
+    ``transformers.LlamaRMSNorm`` / ``trainops.hf.LlamaRMSNorm`` for Hugging Face's."""
     if cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS or cls in _CONVOLUTION_SWAPS:
         return f"torch.nn.{cls.__name__}"
     if trainops_hf.is_transformers_class(cls):

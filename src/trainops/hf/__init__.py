@@ -42,7 +42,7 @@ import torch
 
 from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, mistral, mixtral, olmo2, phi3, qwen2,
                qwen3, qwen3_moe, smollm3)
-from ._common import (_SUBCLASSES, _SWAPPED, CAUSAL_LM, GATED_MLP, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
+from ._common import (_SUBCLASSES, _SWAPPED, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
                       SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
                       original_class, trainops_class)
 
