@@ -164,10 +164,16 @@ def test_num_items_in_batch_and_shift_labels_go_to_the_loss():
     assert_close(out.loss, want.loss, torch.float32, "shift_labels loss")
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "granite", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "olmo2", "granite", "mixtral"])
 def test_bfloat16_model(arch):
     """bf16 weights: the patched model is at least as close to a float32 run of the same weights as
-    the unpatched one is (both round in bf16, differently)."""
+    the unpatched one is (both round in bf16, differently): the loss, and each gradient within 1.25x
+    the unpatched one's error, the median over the gradients at most 1.1x. Gemma 3: within 2x each
+    (the median still 1.1x): both errors are dominated by what both run, transformers's bf16
+    attention, and over 4 seeds ours is the larger on about half of the gradients (median ratio
+    1.01, largest 1.66), where Llama's is smaller on 93% (median 0.89)."""
+    import statistics
+
     from numerics import relative_error
 
     model = tiny_model(arch, torch.bfloat16)
@@ -182,10 +188,13 @@ def test_bfloat16_model(arch):
     (out, grads), (theirs, their_grads), (want, want_grads) = results
     assert out.loss.dtype == torch.float32
     assert abs(out.loss.item() - want.loss.item()) <= 1.25 * abs(theirs.loss.item() - want.loss.item()) + 1e-3
+    factor, ratios = (2.0 if arch == "gemma3" else 1.25), []
     for name in grads:
         assert grads[name].dtype == torch.bfloat16
         ours, torchs = relative_error(grads[name], want_grads[name]), relative_error(their_grads[name], want_grads[name])
-        assert ours <= 1.25 * torchs + 1e-3, (name, ours, torchs)
+        assert ours <= factor * torchs + 1e-3, (name, ours, torchs)
+        ratios.append(ours / torchs)
+    assert statistics.median(ratios) <= 1.1, sorted(ratios)
 
 
 def test_gradient_checkpointing_and_torch_compile():
