@@ -526,3 +526,63 @@ def test_block_ops_must_be_a_bool():
     with pytest.raises(InvalidProblemError):
         trainops.patch(model, block_ops="yes")
     assert type(model[1]) is torch.nn.Softmax and type(model[0]) is torch.nn.GELU   # nothing half-applied
+
+
+# ----------------------------------------------------------------------------------------------
+# dry_run and unpatch
+# ----------------------------------------------------------------------------------------------
+
+def test_dry_run_reports_without_changing_anything():
+    model = TinyLM()
+    model.add_module("block", TinyBlock())
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {name: dict(vars(m)) for name, m in model.named_modules()}
+    planned = trainops.patch(model, block_ops=True, dry_run=True)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert {name: dict(vars(m)) for name, m in model.named_modules()} == state
+    done = trainops.patch(model, block_ops=True)
+    assert planned.swapped == done.swapped and planned.other_names == done.other_names and len(done.swapped) == 9
+
+
+def test_unpatch_gives_back_the_torch_classes_and_drops_what_patch_added():
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    model.add_module("block", TinyBlock())
+    reference = copy.deepcopy(model)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {name: dict(vars(m)) for name, m in model.named_modules()}
+    patched = trainops.patch(model, block_ops=True)
+    assert model.loss.z_loss == 0.0 and model.block.drop.mask_mode == "regenerate"
+    model.loss.my_tag = 1   # set after patching: kept
+    report = trainops.unpatch(model)
+    assert [(n, new, old) for n, old, new in patched.swapped] == report.swapped
+    assert report.other_names == {"softmax": ("blocks.0.attend", "blocks.1.attend")}
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    state["loss"]["my_tag"] = 1
+    assert {name: dict(vars(m)) for name, m in model.named_modules()} == state
+    tokens, targets = lm_batch()
+    torch.testing.assert_close(model(tokens, targets), reference(tokens, targets), rtol=0, atol=0)
+    assert trainops.unpatch(model).swapped == []
+    # a trainops module built as such, not by patch, stays
+    own = torch.nn.Sequential(trainops.nn.Softmax(dim=-1))
+    assert trainops.unpatch(own).swapped == [] and type(own[0]) is trainops.nn.Softmax
+
+
+def test_a_failing_unpatch_leaves_every_module_as_it_was(monkeypatch):
+    model = torch.nn.ModuleDict(dict(loss=torch.nn.CrossEntropyLoss(), embed=torch.nn.Embedding(4, 2),
+                                     softmax=torch.nn.Softmax(dim=-1)))
+    trainops.patch(model)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {name: dict(vars(m)) for name, m in model.named_modules()}
+
+    class SlottedSoftmax(torch.nn.Module):
+        __slots__ = ("extra",)   # a different object layout: assigning this class raises TypeError
+
+    old_class, added = patch_module._PATCHED[model.softmax]
+    monkeypatch.setitem(patch_module._PATCHED, model.softmax, (SlottedSoftmax, added))
+    with pytest.raises(TypeError, match="layout"):
+        trainops.unpatch(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert {name: dict(vars(m)) for name, m in model.named_modules()} == state
+    assert patch_module._PATCHED[model.loss][0] is torch.nn.CrossEntropyLoss   # the records are back too

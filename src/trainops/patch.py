@@ -62,6 +62,12 @@ wrapper around the trainops class, keeping its FSDP state and hooks (trainops.dt
 
 Softmax computed inside other modules' forward (torch.nn.MultiheadAttention calls
 ``scaled_dot_product_attention``) is not a module and is not touched.
+
+``patch(model, dry_run=True)`` returns the report of what it would do and changes nothing.
+``unpatch(model)`` undoes it: every module patch swapped gets its class back (the attributes patch
+added removed, everything else kept), and every module of a swapped Hugging Face class returns to
+its transformers class (trainops.hf). Nothing global is replaced, by either: no torch or
+transformers function, no class attribute.
 """
 
 from __future__ import annotations
