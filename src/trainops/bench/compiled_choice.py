@@ -86,40 +86,37 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def measure(log=print) -> tuple[list[Row], dict]:
-    """Every (op, dtype, size): rows for both backends, and the table of the faster decompositions."""
+def measure(dtype: torch.dtype, ceiling: float, log=print) -> tuple[list[Row], dict]:
+    """Every (op, size) in ``dtype``: rows for both backends, and the table of the faster decompositions."""
     from triton.testing import do_bench
 
-    ceiling = copy_ceiling_gbps("cuda")
-    log(f"copy ceiling {ceiling:.0f} GB/s; the decomposition wins where it is > {MARGIN:.0%} faster")
     problems = [(op, n) for op in ("rms_norm", "layer_norm") for n in NORM_SIZES]
     problems += [("rotary_embedding", r) for r in ROTARY_SIZES]
     rows, table = [], {}
-    for dtype in DTYPES:
-        dname = str(dtype).replace("torch.", "")
-        for op, size in problems:
-            f, inputs, upstream, nbytes = (_rotary_problem(size, dtype) if op == "rotary_embedding"
-                                           else _norm_problem(op, size, dtype))
-            key = ("cuda", op, dname, size_class(size))
-            times, outputs = {}, {}
-            for backend in ("triton", "inductor"):
-                torch._dynamo.reset()
-                step, outputs[backend] = _compiled_step(f, inputs, upstream, backend, key)
-                times[backend] = do_bench(step, warmup=25, rep=200, return_mode="median")
-            error = max(_relative(a, b) for a, b in zip(outputs["inductor"], outputs["triton"]))
-            choice = "inductor" if times["inductor"] < (1 - MARGIN) * times["triton"] else "triton"
-            if choice == "inductor":
-                table[key] = "inductor"
-            shape = tuple(inputs[0].shape)
-            for backend, ms in times.items():
-                gbps = nbytes / ms / 1e6
-                rows.append(Row(op, f"{shape} fwd+bwd", "trainops" if backend == "triton" else "inductor decomposition",
-                                ms, gbps, 100 * gbps / ceiling, error if backend == "inductor" else None,
-                                fields=dict(dtype=dname, size=size, size_class=size_class(size), choice=choice)))
-            log(f"  {op:17s} {dname:8s} size {size:5d}: trainops {times['triton']:.4f} ms, decomposition "
-                f"{times['inductor']:.4f} ms ({times['triton'] / times['inductor']:.2f}x) -> {choice} "
-                f"(outputs differ by {error:.1e})")
-            del f, inputs, upstream
+    dname = str(dtype).replace("torch.", "")
+    for op, size in problems:
+        f, inputs, upstream, nbytes = (_rotary_problem(size, dtype) if op == "rotary_embedding"
+                                       else _norm_problem(op, size, dtype))
+        key = ("cuda", op, dname, size_class(size))
+        times, outputs = {}, {}
+        for backend in ("triton", "inductor"):
+            torch._dynamo.reset()
+            step, outputs[backend] = _compiled_step(f, inputs, upstream, backend, key)
+            times[backend] = do_bench(step, warmup=25, rep=200, return_mode="median")
+        error = max(_relative(a, b) for a, b in zip(outputs["inductor"], outputs["triton"]))
+        choice = "inductor" if times["inductor"] < (1 - MARGIN) * times["triton"] else "triton"
+        if choice == "inductor":
+            table[key] = "inductor"
+        shape = tuple(inputs[0].shape)
+        for backend, ms in times.items():
+            gbps = nbytes / ms / 1e6
+            rows.append(Row(op, f"{shape} fwd+bwd", "trainops" if backend == "triton" else "inductor decomposition",
+                            ms, gbps, 100 * gbps / ceiling, error if backend == "inductor" else None,
+                            fields=dict(dtype=dname, size=size, size_class=size_class(size), choice=choice)))
+        log(f"  {op:17s} {dname:8s} size {size:5d}: trainops {times['triton']:.4f} ms, decomposition "
+            f"{times['inductor']:.4f} ms ({times['triton'] / times['inductor']:.2f}x) -> {choice} "
+            f"(outputs differ by {error:.1e})")
+        del f, inputs, upstream
     torch._dynamo.reset()
     return rows, table
 
@@ -139,12 +136,18 @@ def main(out: str | None = None, write_table: str | None = None) -> int:
         raise SystemExit("--compiled-choice measures torch.compile on a CUDA device; none is available")
     env = environment()
     print(f"trainops bench --compiled-choice on {env['device']} (torch {env['torch']}, triton {env['triton']})")
-    rows, table = measure()
+    ceiling = copy_ceiling_gbps("cuda")
+    print(f"copy ceiling {ceiling:.0f} GB/s; the decomposition wins where it is > {MARGIN:.0%} faster")
     if out is None:
         out = f"compiled-choice-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    write_results(out, env, {"margin": MARGIN, "table": [list(k) + [v] for k, v in sorted(table.items())]},
-                  rows=rows)
-    print(f"wrote {out}")
+    rows, table = [], {}
+    for dtype in DTYPES:   # the JSON is rewritten after each dtype: a run cut short keeps what it measured
+        dtype_rows, dtype_table = measure(dtype, ceiling)
+        rows += dtype_rows
+        table.update(dtype_table)
+        write_results(out, env, {"margin": MARGIN, "copy_ceiling_gbps": round(ceiling, 1),
+                                 "table": [list(k) + [v] for k, v in sorted(table.items())]}, rows=rows)
+        print(f"wrote {out}")
     if write_table:
         os.makedirs(os.path.dirname(write_table) or ".", exist_ok=True)
         with open(write_table, "w") as f:
