@@ -30,7 +30,7 @@ from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "gist", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
