@@ -27,7 +27,7 @@ import trainops
 from ..compiled import CompiledChoices, size_class
 from . import Row, copy_ceiling_gbps, environment, write_results
 
-MARGIN = 0.03   # the decomposition must be this much faster (3 %: above do_bench's run-to-run spread)
+MARGIN = 0.03   # the decomposition must be this much faster: 3 %, above the spread of repeated profiles
 ELEMENTS = 1 << 25   # elements of x per norm problem (rows = ELEMENTS / row length): Qwen3-0.6B's q-norm at 8 x 2048
 NORM_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROTARY_SIZES = (64, 128, 256)
