@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time every op against torch (and peers when installed)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a self-check)")
     bench.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
-    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json)")
+    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json; "
+                       "with --step: ./bench-step-<model>-<device>-<date>.json, or that name in a directory)")
     bench.add_argument("--no-peers", action="store_true", help="skip torch.compile and peer libraries")
     bench.add_argument("--sweep", action="store_true",
                        help="time trainops against the better of torch eager and torch.compile on shapes drawn from "
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sweep-shapes", type=int, default=200, help="with --sweep: problems per family (default 200)")
     bench.add_argument("--sweep-seconds", type=float, default=None,
                        help="with --sweep: start no new problem after this many seconds")
+    from .bench import step
+    step.add_arguments(bench)
     args = parser.parse_args(argv)
 
     if args.command == "kernels":
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import env
         print(env.format_report(env.collect()))
         return 0
+    if step.given(args):
+        return step.main(args, bench.error)
     if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None):
         bench.error("argument --sweep-shapes/--sweep-seconds: only with --sweep")
     if args.sweep:
