@@ -155,3 +155,22 @@ def test_argument_errors(argv, message, capsys):
         cli(["bench", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_step_on_the_gpu_profiles_and_agrees(tmp_path):
+    """llama-small cut to 2 layers on CUDA: every run; the profiled GPU time and launches, the top
+    kernels, and trainops's losses within 0.5% of eager's (issue 39's bound)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "step.json"
+    assert cli(["bench", "--step", "llama-small", "--layers", "2", "--steps", "5", "--warmup", "3",
+                "--compile-scope", "layers", "--out", str(out)]) == 0
+    with open(out) as f:
+        rows = {r["impl"]: r for r in json.load(f)["rows"]}
+    for name in ("eager", "compile", "trainops", "trainops-compile"):
+        row = rows[name]
+        assert row["status"] == "ok", row["reason"]
+        assert 0 < row["kernel_ms"] < 1.1 * row["ms"] and row["launches"] >= 10 and len(row["top_kernels"]) == 10
+        assert row["error"] < 5e-3, name
+    assert rows["trainops"]["swapped_modules"] > 0

@@ -120,7 +120,7 @@ SETUP = ("random initial weights from the configuration (seed 0), random tokens 
          "zero_grad(set_to_none=True), one loss read per step")
 ROW_FIELDS = ("model", "batch", "seq", "layers", "tokens_per_step", "status", "reason", "tokens_per_s",
               "peak_memory_gib", "peak_memory_kind", "first_step_ms", "step_ms", "kernel_ms", "launches",
-              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "setup", "wall_s")
+              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "setup", "compile_scope", "wall_s")
 COMPILE_SCOPES = ("model", "layers")
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_PROFILE_STEPS = 10, 4, 3
 CHILD_TIMEOUT_S = 1200   # a run still going after this is killed and recorded as failed
@@ -334,9 +334,8 @@ def profile_steps(step, count: int) -> dict:
     for event in prof.events():
         if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue
-        us = getattr(event, "device_time", None)
         entry = totals.setdefault(event.name, [0.0, 0])
-        entry[0] += us if us is not None else event.cuda_time
+        entry[0] += event.device_time
         entry[1] += 1
     top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
     return dict(kernel_ms=sum(t for t, _ in totals.values()) / 1e3 / count,
@@ -491,14 +490,16 @@ def table(rows) -> list[str]:
         return format(value, fmt) if value is not None else format("-", ">" + fmt.split(".")[0])
 
     lines = [f"{'run':17s} {'ms/step':>9s} {'tokens/s':>10s} {'vs eager':>8s} {'peak GiB':>8s} {'GPU ms':>8s} "
-             f"{'launches':>8s} {'loss dist':>9s}  status"]
+             f"{'GPU %':>5s} {'launches':>8s} {'loss dist':>9s}  status"]
     for r in rows:
         f = r.fields
         speed = None if eager is None or r.ms is None else eager.ms / r.ms
+        busy = None if f["kernel_ms"] is None or not r.ms else 100 * f["kernel_ms"] / r.ms   # of the step's time
         status = f["status"] if f["status"] == "ok" else f"{f['status']}: {f['reason']}"
         lines.append(f"{r.impl:17s} {num(r.ms, '9.1f')} {num(f['tokens_per_s'], '10.0f')} "
                      f"{num(speed, '7.2f')}{'x' if speed is not None else ' '} "
-                     f"{num(f['peak_memory_gib'], '8.2f')} {num(f['kernel_ms'], '8.1f')} {num(f['launches'], '8.0f')} "
+                     f"{num(f['peak_memory_gib'], '8.2f')} {num(f['kernel_ms'], '8.1f')} {num(busy, '5.0f')} "
+                     f"{num(f['launches'], '8.0f')} "
                      f"{num(r.error, '9.2e')}  {status[:160]}")
     return lines
 
