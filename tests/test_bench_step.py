@@ -10,8 +10,6 @@ the lead's command in benchmarks/notes/step.md.
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +20,6 @@ pytest.importorskip("transformers")
 from trainops.__main__ import main as cli  # noqa: E402
 from trainops.bench import Row, step  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 ROW_KEYS = list(Row.__dataclass_fields__)[:-1]   # the runner's keys, "fields" flattened after them
 
 
@@ -33,17 +30,14 @@ def _settings(**overrides):
     return {**settings, **overrides}
 
 
-def test_step_end_to_end_on_the_cpu(tmp_path):
+def test_step_end_to_end_on_the_cpu(tmp_path, capsys):
     """Every run of llama-small (tiny widths): eager and trainops in their own processes, compile
     and liger skipped with their reasons; the JSON has the bench's schema and the losses agree."""
     out = tmp_path / "step.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "trainops", "bench", "--step", "llama-small", "--tiny", "--layers",
-                           "1", "--batch", "2", "--seq", "16", "--steps", "3", "--warmup", "1", "--device", "cpu",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    printed = done.stdout.strip().splitlines()
-    assert printed[-1] == f"wrote {out}"
+    assert cli(["bench", "--step", "llama-small", "--tiny", "--layers", "1", "--batch", "2", "--seq", "16",
+                "--steps", "3", "--warmup", "1", "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip().splitlines()[-1] == f"wrote {out}"
     with open(out) as f:
         result = json.load(f)
     for key in ("date", "torch", "triton", "transformers", "device", "trainops"):
@@ -57,7 +51,7 @@ def test_step_end_to_end_on_the_cpu(tmp_path):
         assert row["op"] == "train_step" and row["case"] == "llama-small tiny 2x16, 1 layers"
     for name in ("compile", "trainops-compile", "liger"):
         assert rows[name]["status"] == "skipped" and rows[name]["ms"] is None and rows[name]["reason"]
-        assert f"{name:17s}" in done.stdout
+        assert f"{name:17s}" in printed
     for name in ("eager", "trainops"):
         row = rows[name]
         assert row["status"] == "ok", row["reason"]
