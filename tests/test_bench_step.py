@@ -62,6 +62,10 @@ def test_step_end_to_end_on_the_cpu(tmp_path, capsys):
         assert abs(row["losses"][0] - math.log(step.TINY["vocab"])) < 0.5   # random weights, random tokens
     assert rows["eager"]["error"] == 0.0 and rows["eager"]["swapped_modules"] is None
     assert rows["trainops"]["swapped_modules"] > 0      # trainops's kernels ran, not the model as built
+    ran = " ".join(rows["trainops"]["trainops_kernels"])
+    for op in ("rms_norm", "swiglu", "rotary_embedding", "cross_entropy", "adam_step", "gather_backward"):
+        assert op in ran, (op, ran)
+    assert rows["eager"]["trainops_kernels"] is None
     assert rows["trainops"]["error"] < 5e-3 and rows["trainops"]["max_loss_distance"] < 1e-2
 
 

@@ -120,7 +120,7 @@ SETUP = ("random initial weights from the configuration (seed 0), random tokens 
          "zero_grad(set_to_none=True), one loss read per step")
 ROW_FIELDS = ("model", "batch", "seq", "layers", "tokens_per_step", "status", "reason", "tokens_per_s",
               "peak_memory_gib", "peak_memory_kind", "first_step_ms", "step_ms", "kernel_ms", "launches",
-              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "setup", "compile_scope", "wall_s")
+              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "trainops_kernels", "setup", "compile_scope", "wall_s")
 COMPILE_SCOPES = ("model", "layers")
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_PROFILE_STEPS = 10, 4, 3
 CHILD_TIMEOUT_S = 1200   # a run still going after this is killed and recorded as failed
@@ -350,7 +350,7 @@ def run_one(settings: dict, run: str) -> dict:
     batch, seq = settings["batch"], settings["seq"]
     row = dict(impl=run, ms=None, status="ok", reason=None, tokens_per_s=None, peak_memory_gib=None,
                peak_memory_kind=None, first_step_ms=None, step_ms=[], kernel_ms=None, launches=None, top_kernels=[],
-               profile_note=None, losses=[], swapped_modules=None, setup=RUNS[run])
+               profile_note=None, losses=[], swapped_modules=None, trainops_kernels=None, setup=RUNS[run])
     skip = skip_reason(settings, run)
     if skip is not None:
         return {**row, "status": "skipped", "reason": skip, "wall_s": 0.0}
@@ -378,10 +378,21 @@ def run_one(settings: dict, run: str) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for i in range(n_steps):
-            t0 = time.perf_counter()
-            row["losses"].append(step(i))
-            times.append(1e3 * (time.perf_counter() - t0))
+
+        def steps(first: int, last: int):
+            for i in range(first, last):
+                t0 = time.perf_counter()
+                row["losses"].append(step(i))
+                times.append(1e3 * (time.perf_counter() - t0))
+
+        if run.startswith("trainops") and settings["warmup"]:
+            import trainops
+            with trainops.track_kernels() as used:   # the warm-up steps (under compile: what was traced)
+                steps(0, settings["warmup"])
+            row["trainops_kernels"] = {" ".join(map(str, key)): calls for key, calls in sorted(used.items(), key=str)}
+        else:
+            steps(0, settings["warmup"])
+        steps(settings["warmup"], n_steps)
         row["first_step_ms"] = times[0]
         row["step_ms"] = times[settings["warmup"]:]
         row["ms"] = statistics.median(row["step_ms"])
