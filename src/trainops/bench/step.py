@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import trainops
+
 # The generic size names a model row maps to its configuration's attribute names.
 LLAMA_KEYS = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
                   kv_heads="num_key_value_heads", head_dim="head_dim", intermediate="intermediate_size",
@@ -278,7 +280,6 @@ def _setup(run: str, model, settings: dict):
     device = settings["device"]
     swapped = None
     if run.startswith("trainops"):
-        import trainops
         report = trainops.patch(model)
         swapped = len(report.swapped)
         opt = trainops.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -386,7 +387,6 @@ def run_one(settings: dict, run: str) -> dict:
                 times.append(1e3 * (time.perf_counter() - t0))
 
         if run.startswith("trainops") and settings["warmup"]:
-            import trainops
             with trainops.track_kernels() as used:   # the warm-up steps (under compile: what was traced)
                 steps(0, settings["warmup"])
             row["trainops_kernels"] = {" ".join(map(str, key)): calls for key, calls in sorted(used.items(), key=str)}
@@ -403,9 +403,12 @@ def run_one(settings: dict, run: str) -> dict:
         elif settings["profile_steps"] == 0:
             row["profile_note"] = "not profiled: --profile-steps 0"
         else:
-            row.update(profile_steps(step, settings["profile_steps"]))
-            row["profile_note"] = (f"{settings['profile_steps']} steps after the timed ones under torch.profiler: "
-                                   "kernel, memcpy and memset durations summed per step")
+            try:   # the timings stand without it
+                row.update(profile_steps(step, settings["profile_steps"]))
+                row["profile_note"] = (f"{settings['profile_steps']} steps after the timed ones under torch.profiler: "
+                                       "kernel, memcpy and memset durations summed per step")
+            except Exception as e:
+                row["profile_note"] = f"the profile failed: {type(e).__name__}: {str(e)[:300]}"
     except Exception as e:   # out of memory, a patch that fails on this model: recorded, not fatal
         row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:500]}")
     finally:
@@ -430,8 +433,6 @@ def _child_command(settings: dict, run: str, out: str) -> list[str]:
 def _child_env() -> dict:
     """This process's environment, with the directory trainops was imported from first on the path
     (a source checkout run through PYTHONPATH or from its src/ folder works as an installed wheel)."""
-    import trainops
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(trainops.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
