@@ -122,7 +122,8 @@ SETUP = ("random initial weights from the configuration (seed 0), random tokens 
          "zero_grad(set_to_none=True), one loss read per step")
 ROW_FIELDS = ("model", "batch", "seq", "layers", "tokens_per_step", "status", "reason", "tokens_per_s",
               "peak_memory_gib", "peak_memory_kind", "first_step_ms", "step_ms", "kernel_ms", "launches",
-              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "trainops_kernels", "setup", "compile_scope", "wall_s")
+              "top_kernels", "profile_note", "losses", "max_loss_distance", "swapped_modules", "trainops_kernels",
+              "setup", "compile_scope", "wall_s")
 COMPILE_SCOPES = ("model", "layers")
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_PROFILE_STEPS = 10, 4, 3
 CHILD_TIMEOUT_S = 1200   # a run still going after this is killed and recorded as failed
@@ -136,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", metavar="MODEL", default=None,
                         help=f"time whole training steps of a Hugging Face model ({', '.join(MODELS)}): eager, "
                              "torch.compile, Liger, trainops, trainops + torch.compile, each in its own process")
-    parser.add_argument("--batch", type=int, default=None, help="with --step: sequences per step (default: the model's)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="with --step: sequences per step (default: the model's)")
     parser.add_argument("--seq", type=int, default=None, help="with --step: tokens per sequence (default: the model's)")
     parser.add_argument("--layers", type=int, default=None, help="with --step: decoder layers (default: the model's)")
     parser.add_argument("--steps", type=int, default=None, help=f"with --step: timed steps (default {DEFAULT_STEPS})")
@@ -145,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-steps", type=int, default=None,
                         help=f"with --step: steps under torch.profiler after the timed ones (default "
                              f"{DEFAULT_PROFILE_STEPS}; 0: none)")
-    parser.add_argument("--runs", default=None, help=f"with --step: comma-separated, of {', '.join(RUNS)} (default: all)")
+    parser.add_argument("--runs", default=None,
+                        help=f"with --step: comma-separated, of {', '.join(RUNS)} (default: all)")
     parser.add_argument("--device", default=None, help="with --step: cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=None,
                         help="with --step: what the compile runs compile: model (torch.compile(model), the default) or "
