@@ -369,7 +369,7 @@ def environment() -> dict:
            "triton": triton.__version__, "python": platform.python_version(), "trainops": trainops.__version__}
     env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor()})"
     from importlib.metadata import PackageNotFoundError, version
-    for package in ("liger_kernel", "quack-kernels"):
+    for package in ("liger_kernel", "quack-kernels", "transformers"):
         try:
             env[package] = version(package)
         except PackageNotFoundError:
