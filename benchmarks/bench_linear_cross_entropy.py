@@ -104,12 +104,11 @@ def copy_gbps() -> float:
     return 2 * a.numel() * 4 / ms / 1e6
 
 
-def chunked(rows: int, vocab_align: int | None = None, skew: int | None = None):
+def chunked(rows: int, vocab_align: int | None = None):
     """trainops.linear_cross_entropy with chunks of ``rows`` tokens (0: the default chunk)."""
     default = LinearCrossEntropyHeuristics()
     config = LinearCrossEntropyHeuristics(chunk_bytes=rows * V * 2 if rows else default.chunk_bytes,
-                                          vocab_align=vocab_align or default.vocab_align,
-                                          skew=default.skew if skew is None else skew)
+                                          vocab_align=vocab_align or default.vocab_align)
 
     def loss(x, w, t):
         with trainops.heuristics(config):
@@ -145,8 +144,6 @@ def main():
     parser.add_argument("--vocab", type=int, nargs="+", default=[128256])
     parser.add_argument("--align", type=int, nargs="+", default=[],
                         help="also run trainops's default chunk at these vocab_align values")
-    parser.add_argument("--skew", type=int, nargs="+", default=[],
-                        help="also run trainops's default chunk at these LinearCrossEntropyHeuristics.skew values")
     parser.add_argument("--no-fp32-weight", action="store_true", help="skip the float32 master-weight rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -182,7 +179,6 @@ def run_shape(results, args, n, bandwidth):
     runs["trainops (default chunk)"] = trainops.linear_cross_entropy
     runs["trainops under torch.compile"] = torch.compile(lambda x, w, t: trainops.linear_cross_entropy(x, w, t))
     runs.update({f"trainops vocab_align {a}": chunked(0, a) for a in args.align})
-    runs.update({f"trainops skew {k}": chunked(0, None, k) for k in args.skew})
     runs.update({f"trainops chunk {rows}": chunked(rows) for rows in args.chunks if rows <= n})
     # float32 reference from the same bf16 values: each row's error says how close it is to exact
     xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()

@@ -306,7 +306,6 @@ def test_padded_vocabulary_layouts_agree(backend, device, vocab_align, dtype):
     x, w, b, t = inputs(33, 24, 70, dtype, device, seed=5)
     config = LinearCrossEntropyHeuristics(chunk_bytes=1, min_rows=16, vocab_align=vocab_align)
     assert config.padded_classes(70) == {1: 70, 8: 72, 64: 128}[vocab_align]
-    assert LinearCrossEntropyHeuristics(vocab_align=vocab_align, skew=128).padded_classes(128) == 128 + vocab_align
     for options in (dict(), dict(softcap=3.0, logit_scale=1.5, temperature=1.25)):
         for reduction in ("mean", "none"):
             with trainops.heuristics(config):
@@ -330,7 +329,7 @@ def test_logit_scale_and_temperature_gradcheck():
 
 
 @pytest.mark.parametrize("field, value", [("vocab_align", 0), ("vocab_align", True), ("min_rows", 0),
-                                          ("chunk_bytes", 1.5), ("skew", -1)])
+                                          ("chunk_bytes", 1.5)])
 def test_heuristics_fields_are_checked(field, value):
     with pytest.raises(InvalidProblemError, match=f"heuristics.{field}"):
         LinearCrossEntropyHeuristics(**{field: value})

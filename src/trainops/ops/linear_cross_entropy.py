@@ -97,29 +97,24 @@ class LinearCrossEntropyHeuristics:
     (module docstring, "Aligned logits rows"); 1 turns the padding off. 8 (16-byte rows in bf16),
     measured on the H200 at GPT-2's 16384 x 768 x 50257: 7.73 ms of GPU time a forward + backward
     against 10.56 at 64 (the three matmuls alike; the loss kernel 2.39 against 5.39 ms over rows
-    of 50304 elements, 2^7 x 393) and 34.2 ms unpadded (cuBLAS's align1 kernels).
-    skew: rows whose padded length is a multiple of ``skew`` elements get vocab_align more (a
-    row stride of a large power of two slowed the loss kernel, as 64 did above); 0: never."""
+    of 50304 elements) and 34.2 ms unpadded (cuBLAS's align1 kernels). The loss kernel reads a
+    strided view of the chunk, slower than the contiguous rows of an aligned vocabulary: one row
+    of padding more on Qwen3's 151936 took it from 5.39 to 11.6 ms (benchmarks/NOTES.md)."""
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
     vocab_align: int = 8
-    skew: int = 0
 
     def __post_init__(self):
-        for name in ("chunk_bytes", "min_rows", "vocab_align", "skew"):
-            value, least = getattr(self, name), 0 if name == "skew" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        for name in ("chunk_bytes", "min_rows", "vocab_align"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise argument_error(InvalidProblemError, OP, f"heuristics.{name}",
-                                     f"must be an int >= {least}, got {value!r}")
+                                     f"must be an int >= 1, got {value!r}")
 
     def padded_classes(self, classes: int) -> int:
-        """The vocabulary rounded up to a multiple of vocab_align (itself when it is one), plus
-        vocab_align more when that is a multiple of ``skew`` (0: never)."""
-        padded = -(-classes // self.vocab_align) * self.vocab_align
-        if self.skew and padded % self.skew == 0:
-            padded += self.vocab_align
-        return padded
+        """The vocabulary rounded up to a multiple of vocab_align (itself when it is one)."""
+        return -(-classes // self.vocab_align) * self.vocab_align
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
         fit = self.chunk_bytes // max(1, classes * itemsize)
