@@ -464,3 +464,23 @@ def test_gpu_compiled_graph_launches_the_kernels():
     assert "torch.ops.trainops" not in source
     for got, want in zip(grads, eager_grads):
         assert_close(got, want, torch.bfloat16, "compiled grad")
+
+
+def test_bench_front_end_on_the_cpu(tmp_path, capsys):
+    """benchmarks/bench_qk_norm_rotary.py --cpu: every implementation checked against float64, rows
+    written (a self-check of the GPU script)."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_qk_norm_rotary.py")
+    spec = importlib.util.spec_from_file_location("_bench_qk_norm_rotary", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "qk.json"
+    with trainops.backend("cpu"):
+        assert script.main(["--cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["trainops", "trainops unfused", "torch (HF's sequence)"] * 2
+    assert all(r["error"] < 1e-5 for r in rows)
+    assert "summary" in capsys.readouterr().out
