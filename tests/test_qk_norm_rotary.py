@@ -265,9 +265,14 @@ def test_weight_gradient_is_deterministic(backend, device):
 
 
 def test_forced_plans(backend, device):
-    """One head a step (the loop over a token's heads) gives the default plan's result."""
+    """One head a step (the loop over a token's heads), and the loop kept where one step holds every
+    head, give the default plan's result."""
     gen = torch.Generator().manual_seed(22)
     inputs = make_inputs(2, 2, 5, 3, 8, torch.float32, device, gen)
+    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False)):
+        check(*inputs, torch.float32, "loop of one step")
+        check(*make_inputs(1, 2, 3, 2, 8, torch.float32, device, gen, across_heads=True), torch.float32,
+              "loop of one step, across heads", across_heads=True)
     with trainops.heuristics(QKNormRotaryHeuristics(tile=8)):
         check(*inputs, torch.float32, "one head a step")
         p = trainops.plan("qk_norm_rotary", q_shape=inputs[0].shape, k_shape=inputs[1].shape,
@@ -467,8 +472,9 @@ def test_gpu_compiled_graph_launches_the_kernels():
 
 
 def test_bench_front_end_on_the_cpu(tmp_path, capsys):
-    """benchmarks/bench_qk_norm_rotary.py --cpu: every implementation checked against float64, rows
-    written (a self-check of the GPU script)."""
+    """benchmarks/bench_qk_norm_rotary.py --cpu --sweep: every implementation and heuristics variant
+    checked against float64, rows written, the defaults' variant marked (a self-check of the GPU
+    script)."""
     import importlib.util
     import json
     import os
@@ -479,8 +485,10 @@ def test_bench_front_end_on_the_cpu(tmp_path, capsys):
     spec.loader.exec_module(script)
     out = tmp_path / "qk.json"
     with trainops.backend("cpu"):
-        assert script.main(["--cpu", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+        assert script.main(["--cpu", "--sweep", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows, sweep = result["rows"], result["sweep"]
     assert [r["impl"] for r in rows] == ["trainops", "trainops unfused", "torch (HF's sequence)"] * 2
-    assert all(r["error"] < 1e-5 for r in rows)
+    assert all(r["error"] < 1e-5 for r in rows + sweep)
+    assert len(sweep) == len(script.cases.SWEEP[1]) and sum(r["default"] for r in sweep) == 1
     assert "summary" in capsys.readouterr().out

@@ -20,7 +20,9 @@ import torch
 
 import trainops
 
-from .cases import Case, _dt, _randn
+from .. import bench
+from ..ops.qk_norm_rotary import QKNormRotaryHeuristics
+from .cases import Case, _dt, _heuristics_impls, _randn
 
 
 def rotate_half(x):
@@ -67,7 +69,10 @@ def _angles(s, d, dtype, device):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool = False, peers_compile=True) -> Case:
+def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool = False, peers_compile=True,
+            variants=None) -> Case:
+    """One case; ``variants``: instead of the implementations, the fused op under each
+    QKNormRotaryHeuristics variant (a sweep: (names, value tuples))."""
     eps = 1e-6
 
     def build(peers):
@@ -94,9 +99,15 @@ def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool =
                 return run
             return factory
 
-        impls = {"trainops": make(fused_trainops), "trainops unfused": make(unfused_trainops),
-                 "torch (HF's sequence)": make(hf_qk_norm_rotary)}
-        if peers and peers_compile:
+        if variants is not None:
+            names, values = variants
+            impls = {name: bench.Impl(make(fused_trainops), **kw) for name, kw in _heuristics_impls(
+                QKNormRotaryHeuristics, names, values,
+                lambda v: "trainops " + " ".join(f"{n}={_short(x)}" for n, x in zip(names, v)))}
+        else:
+            impls = {"trainops": make(fused_trainops), "trainops unfused": make(unfused_trainops),
+                     "torch (HF's sequence)": make(hf_qk_norm_rotary)}
+        if variants is None and peers and peers_compile:
             impls["torch.compile (HF's sequence)"] = make(torch.compile(hf_qk_norm_rotary, dynamic=False))
 
         def reference():
@@ -139,3 +150,28 @@ def qk_norm_rotary_cpu_cases() -> list[Case]:
     device = torch.device("cpu")
     return [qk_case(2, 16, 4, 2, 16, torch.float32, device, False, peers_compile=False),
             qk_case(2, 16, 4, 2, 16, torch.float32, device, True, True, peers_compile=False)]
+
+
+def _short(value) -> str:
+    """A variant's value in its row name: a warps table of one step as its warps, another as 'by-size'."""
+    if isinstance(value, tuple):
+        return str(value[0][1]) if len(value) == 1 else "by-size"
+    return str(value)
+
+
+def _warps(n):
+    return ((1 << 62, n),)
+
+
+# (names, values) of the sweep: backward programs a SM x backward warps x straight-line code, and
+# the forward's warps x tile (tile also sets the backward's heads a step where a token has more)
+SWEEP = (("programs_per_sm", "backward_warps", "straight_line", "warps", "tile"),
+         [(p, _warps(bw), sl, _warps(fw), t) for p in (2, 4, 8, 16) for bw in (4, 8) for sl in (True, False)
+          for fw, t in ((4, 2048), (8, 4096))]
+         + [(8, ((1024, 4), (1 << 62, 8)), True, ((1024, 2), (4096, 4), (1 << 62, 8)), 2048)])   # the defaults
+
+
+def qk_norm_rotary_sweep_cases(device) -> list[Case]:
+    """The fused op's heuristics variants, forward + backward, on each benchmark shape."""
+    return [qk_case(*shape, torch.bfloat16, device, True, name.startswith("olmo"), variants=SWEEP)
+            for name, shape in SHAPES.items()]

@@ -66,7 +66,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
-from ._common import checked_strides, first_step, float_dtype
+from ._common import check_heuristic_fields, checked_strides, first_step, float_dtype
 
 OPS = ("qk_norm_rotary", "qk_norm_rotary_backward")
 
@@ -83,18 +83,25 @@ class QKNormRotaryHeuristics:
         token's heads at once, BLOCK_H x the head's padded features at most ``tile`` (per-head
         norms; across heads every head is held: at most ``across_max`` elements, else
         UnsupportedError).
-    warps: (tile elements at most, warps) steps, the first that fits.
+    warps / backward_warps: (tile elements at most, warps) steps, the first that fits.
     programs_per_sm: backward programs per SM (each sums its tokens' weight gradients into one
         workspace row); reduce_block: columns one program of the partials' sum owns.
-    Unmeasured defaults (the rotary family's tile and warps, measured on the H100 for its own
-    kernel; benchmarks/bench_qk_norm_rotary.py measures these). Compared by identity (a plan's
-    cache key holds the object it was made with).
+    straight_line: where one step holds a token's heads, no loop over head steps (the compiler may
+        then issue k's loads beside q's, with more registers: the backward at 4 warps 168 against
+        127 with the loop); False keeps the loop.
+    Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
+    own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
+    no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
+    (254 across 16 heads of 128), at 8 warps 114-142, no spills either way. programs_per_sm 8 is a
+    guess. ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by
+    identity (a plan's cache key holds the object it was made with).
     """
 
     tile: int = 2048
     warps: tuple[tuple[int, int], ...] = ((1024, 2), (4096, 4), (1 << 62, 8))
-    backward_warps: tuple[tuple[int, int], ...] = ((1024, 2), (4096, 4), (1 << 62, 8))
+    backward_warps: tuple[tuple[int, int], ...] = ((1024, 4), (1 << 62, 8))
     programs_per_sm: int = 8
+    straight_line: bool = True
     reduce_block: int = 64
     across_max: int = 16384
 
@@ -258,6 +265,8 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
     elif not isinstance(heuristics, QKNormRotaryHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a QKNormRotaryHeuristics, got {type(heuristics).__name__}")
+    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block"),
+                           at_least_one=("programs_per_sm", "across_max"))
     if across_heads:
         held = next_pow2(max(q_heads, k_shape[2], 1)) * 2 * next_pow2(head_dim // 2)
         if held > heuristics.across_max:
@@ -400,28 +409,43 @@ if triton_available():
         return w_a, w_b
 
     @triton.jit
-    def _forward_heads(
+    def _forward_step(
         X, OUT, W,                                # one tensor's input, output (contiguous), weight
-        x_row, o_row, heads, x_sh, x_sd,          # the token's offsets; its heads; head and feature strides
+        x_row, o_row, h0, heads, x_sh, x_sd,      # the token's offsets; heads h0 .. h0 + BLOCK_H of heads
         c_a, c_b, s_a, s_b, eps, w_offset,        # the token's cos / sin halves (ACC)
         ACROSS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
     ):
-        """out = rotate(norm(x) * w_eff) of the token's heads, BLOCK_H a step (ACROSS: one step)."""
+        """out = rotate(norm(x) * w_eff) of BLOCK_H of the token's heads."""
         j = tl.arange(0, BLOCK_R)
-        for h0 in range(0, heads, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = h < heads
-            mask = h_mask[:, None] & (j < HALF)[None, :]
-            pa = X + x_row + h[:, None].to(tl.int64) * x_sh + j[None, :].to(tl.int64) * x_sd
-            x_a = tl.load(pa, mask=mask, other=0.0).to(ACC)
-            x_b = tl.load(pa + HALF * x_sd, mask=mask, other=0.0).to(ACC)
-            rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
-            w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
-            y_a = x_a * rstd[:, None] * w_a
-            y_b = x_b * rstd[:, None] * w_b
-            po = OUT + o_row + h[:, None].to(tl.int64) * (2 * HALF) + j[None, :]
-            tl.store(po, (y_a * c_a[None, :] - y_b * s_a[None, :]).to(OUT.dtype.element_ty), mask=mask)
-            tl.store(po + HALF, (y_b * c_b[None, :] + y_a * s_b[None, :]).to(OUT.dtype.element_ty), mask=mask)
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < heads
+        mask = h_mask[:, None] & (j < HALF)[None, :]
+        pa = X + x_row + h[:, None].to(tl.int64) * x_sh + j[None, :].to(tl.int64) * x_sd
+        x_a = tl.load(pa, mask=mask, other=0.0).to(ACC)
+        x_b = tl.load(pa + HALF * x_sd, mask=mask, other=0.0).to(ACC)
+        rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
+        w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
+        y_a = x_a * rstd[:, None] * w_a
+        y_b = x_b * rstd[:, None] * w_b
+        po = OUT + o_row + h[:, None].to(tl.int64) * (2 * HALF) + j[None, :]
+        tl.store(po, (y_a * c_a[None, :] - y_b * s_a[None, :]).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(po + HALF, (y_b * c_b[None, :] + y_a * s_b[None, :]).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _forward_heads(
+        X, OUT, W, x_row, o_row, heads, x_sh, x_sd, c_a, c_b, s_a, s_b, eps, w_offset,
+        ACROSS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+        ONE_STEP: tl.constexpr, ACC: tl.constexpr,
+    ):
+        """The token's heads, BLOCK_H a step; ONE_STEP (BLOCK_H >= heads, always across heads):
+        straight-line code, whose loads the compiler may issue beside the other tensor's."""
+        if ONE_STEP:
+            _forward_step(X, OUT, W, x_row, o_row, 0, heads, x_sh, x_sd, c_a, c_b, s_a, s_b, eps, w_offset,
+                          ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
+        else:
+            for h0 in range(0, heads, BLOCK_H):
+                _forward_step(X, OUT, W, x_row, o_row, h0, heads, x_sh, x_sd, c_a, c_b, s_a, s_b, eps, w_offset,
+                              ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
 
     @triton.jit
     def _qk_norm_rotary_fwd(
@@ -431,7 +455,7 @@ if triton_available():
         c_sb, c_ss, c_sd, s_sb, s_ss, s_sd,       # cos / sin (batch, seq, feature) strides; 0 broadcast
         eps, w_offset,
         ACROSS: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-        BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_R: tl.constexpr, ONE_STEP_Q: tl.constexpr, ONE_STEP_K: tl.constexpr, ACC: tl.constexpr,
     ):
         """Token program_id(0): its cos and sin loaded once, then its q heads and its k heads."""
         row = tl.program_id(0).to(tl.int64)
@@ -440,56 +464,76 @@ if triton_available():
         c_a, c_b = _load_halves(COS, b * c_sb + s * c_ss, c_sd, HALF, BLOCK_R, ACC)
         s_a, s_b = _load_halves(SIN, b * s_sb + s * s_ss, s_sd, HALF, BLOCK_R, ACC)
         _forward_heads(Q, QO, WQ, b * q_sb + s * q_ss, row * q_heads * (2 * HALF), q_heads, q_sh, q_sd,
-                       c_a, c_b, s_a, s_b, eps, w_offset, ACROSS, HALF, BLOCK_HQ, BLOCK_R, ACC)
+                       c_a, c_b, s_a, s_b, eps, w_offset, ACROSS, HALF, BLOCK_HQ, BLOCK_R, ONE_STEP_Q, ACC)
         _forward_heads(K, KO, WK, b * k_sb + s * k_ss, row * k_heads * (2 * HALF), k_heads, k_sh, k_sd,
-                       c_a, c_b, s_a, s_b, eps, w_offset, ACROSS, HALF, BLOCK_HK, BLOCK_R, ACC)
+                       c_a, c_b, s_a, s_b, eps, w_offset, ACROSS, HALF, BLOCK_HK, BLOCK_R, ONE_STEP_K, ACC)
 
     @triton.jit
-    def _backward_heads(
+    def _backward_step(
         DO, X, W, DX,                             # output gradient, saved input, weight; dx (contiguous)
-        do_row, x_row, dx_row, heads, do_sh, do_sd, x_sh, x_sd,
+        do_row, x_row, dx_row, h0, heads, do_sh, do_sd, x_sh, x_sd,
         c_a, c_b, s_a, s_b, eps, w_offset,
         dw_a, dw_b,                               # the program's weight-gradient sums (a / b halves)
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr, ACC: tl.constexpr,
     ):
-        """dx of the token's heads; their dy * n added to dw_a / dw_b (per head: summed over heads)."""
+        """dx of the token's heads h0 .. h0 + BLOCK_H; their dy * n added to dw_a / dw_b (per head:
+        summed over the heads)."""
         j = tl.arange(0, BLOCK_R)
-        for h0 in range(0, heads, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            h_mask = h < heads
-            mask = h_mask[:, None] & (j < HALF)[None, :]
-            h64 = h[:, None].to(tl.int64)
-            pd = DO + do_row + h64 * do_sh + j[None, :].to(tl.int64) * do_sd
-            do_a = tl.load(pd, mask=mask, other=0.0).to(ACC)
-            do_b = tl.load(pd + HALF * do_sd, mask=mask, other=0.0).to(ACC)
-            px = X + x_row + h64 * x_sh + j[None, :].to(tl.int64) * x_sd
-            x_a = tl.load(px, mask=mask, other=0.0).to(ACC)
-            x_b = tl.load(px + HALF * x_sd, mask=mask, other=0.0).to(ACC)
-            # the rotation's transpose
-            dy_a = do_a * c_a[None, :] + do_b * s_b[None, :]
-            dy_b = do_b * c_b[None, :] - do_a * s_a[None, :]
-            rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
-            w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
-            n_a = x_a * rstd[:, None]
-            n_b = x_b * rstd[:, None]
-            g_a = dy_a * w_a
-            g_b = dy_b * w_b
-            gn = tl.sum(g_a * n_a + g_b * n_b, 1)
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < heads
+        mask = h_mask[:, None] & (j < HALF)[None, :]
+        h64 = h[:, None].to(tl.int64)
+        pd = DO + do_row + h64 * do_sh + j[None, :].to(tl.int64) * do_sd
+        do_a = tl.load(pd, mask=mask, other=0.0).to(ACC)
+        do_b = tl.load(pd + HALF * do_sd, mask=mask, other=0.0).to(ACC)
+        px = X + x_row + h64 * x_sh + j[None, :].to(tl.int64) * x_sd
+        x_a = tl.load(px, mask=mask, other=0.0).to(ACC)
+        x_b = tl.load(px + HALF * x_sd, mask=mask, other=0.0).to(ACC)
+        # the rotation's transpose
+        dy_a = do_a * c_a[None, :] + do_b * s_b[None, :]
+        dy_b = do_b * c_b[None, :] - do_a * s_a[None, :]
+        rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
+        w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
+        n_a = x_a * rstd[:, None]
+        n_b = x_b * rstd[:, None]
+        g_a = dy_a * w_a
+        g_b = dy_b * w_b
+        gn = tl.sum(g_a * n_a + g_b * n_b, 1)
+        if ACROSS:
+            c = tl.zeros([BLOCK_H], ACC) + tl.sum(gn, 0) / (heads * 2 * HALF)
+        else:
+            c = gn / (2 * HALF)
+        pdx = DX + dx_row + h64 * (2 * HALF) + j[None, :]
+        tl.store(pdx, (rstd[:, None] * (g_a - n_a * c[:, None])).to(DX.dtype.element_ty), mask=mask)
+        tl.store(pdx + HALF, (rstd[:, None] * (g_b - n_b * c[:, None])).to(DX.dtype.element_ty), mask=mask)
+        if DW:
             if ACROSS:
-                c = tl.zeros([BLOCK_H], ACC) + tl.sum(gn, 0) / (heads * 2 * HALF)
+                dw_a += dy_a * n_a
+                dw_b += dy_b * n_b
             else:
-                c = gn / (2 * HALF)
-            pdx = DX + dx_row + h64 * (2 * HALF) + j[None, :]
-            tl.store(pdx, (rstd[:, None] * (g_a - n_a * c[:, None])).to(DX.dtype.element_ty), mask=mask)
-            tl.store(pdx + HALF, (rstd[:, None] * (g_b - n_b * c[:, None])).to(DX.dtype.element_ty), mask=mask)
-            if DW:
-                if ACROSS:
-                    dw_a += dy_a * n_a
-                    dw_b += dy_b * n_b
-                else:
-                    dw_a += tl.sum(dy_a * n_a, 0)
-                    dw_b += tl.sum(dy_b * n_b, 0)
+                dw_a += tl.sum(dy_a * n_a, 0)
+                dw_b += tl.sum(dy_b * n_b, 0)
+        return dw_a, dw_b
+
+    @triton.jit
+    def _backward_heads(
+        DO, X, W, DX, do_row, x_row, dx_row, heads, do_sh, do_sd, x_sh, x_sd,
+        c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
+        ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr, ONE_STEP: tl.constexpr, ACC: tl.constexpr,
+    ):
+        """The token's heads, BLOCK_H a step; ONE_STEP (BLOCK_H >= heads, always across heads):
+        straight-line code, no loop, so that the loop over tokens around it can be pipelined."""
+        if ONE_STEP:
+            dw_a, dw_b = _backward_step(DO, X, W, DX, do_row, x_row, dx_row, 0, heads, do_sh, do_sd, x_sh, x_sd,
+                                        c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
+                                        ACROSS, DW, HALF, BLOCK_H, BLOCK_R, ACC)
+        else:
+            for h0 in range(0, heads, BLOCK_H):
+                dw_a, dw_b = _backward_step(DO, X, W, DX, do_row, x_row, dx_row, h0, heads, do_sh, do_sd, x_sh,
+                                            x_sd, c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
+                                            ACROSS, DW, HALF, BLOCK_H, BLOCK_R, ACC)
         return dw_a, dw_b
 
     @triton.jit
@@ -516,7 +560,8 @@ if triton_available():
         c_sb, c_ss, c_sd, s_sb, s_ss, s_sd,
         eps, w_offset,
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-        BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, ONE_STEP_Q: tl.constexpr, ONE_STEP_K: tl.constexpr,
+        ACC: tl.constexpr,
     ):
         """``rows_per_program`` tokens a program, one after another: dq, dk written; the weight
         gradients summed in registers and written once as the program's partial rows."""
@@ -543,11 +588,11 @@ if triton_available():
             dwq_a, dwq_b = _backward_heads(DQO, Q, WQ, DQ, b * dqo_sb + s * dqo_ss, b * q_sb + s * q_ss,
                                            row * q_heads * (2 * HALF), q_heads, dqo_sh, dqo_sd, q_sh, q_sd,
                                            c_a, c_b, s_a, s_b, eps, w_offset, dwq_a, dwq_b,
-                                           ACROSS, DW, HALF, BLOCK_HQ, BLOCK_R, ACC)
+                                           ACROSS, DW, HALF, BLOCK_HQ, BLOCK_R, ONE_STEP_Q, ACC)
             dwk_a, dwk_b = _backward_heads(DKO, K, WK, DK, b * dko_sb + s * dko_ss, b * k_sb + s * k_ss,
                                            row * k_heads * (2 * HALF), k_heads, dko_sh, dko_sd, k_sh, k_sd,
                                            c_a, c_b, s_a, s_b, eps, w_offset, dwk_a, dwk_b,
-                                           ACROSS, DW, HALF, BLOCK_HK, BLOCK_R, ACC)
+                                           ACROSS, DW, HALF, BLOCK_HK, BLOCK_R, ONE_STEP_K, ACC)
         if DW:
             _store_partial(DWQ_PART, pid, dwq_a, dwq_b, q_heads, ACROSS, HALF, BLOCK_HQ, BLOCK_R)
             _store_partial(DWK_PART, pid, dwk_a, dwk_b, k_heads, ACROSS, HALF, BLOCK_HK, BLOCK_R)
@@ -592,12 +637,14 @@ def _choose_config(problem: QKNormRotaryProblem) -> QKNormRotaryConfig:
 def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | None = None) -> Launch:
     config = config or _choose_config(problem)
     acc = problem.acc_dtype
+    hq, hk = problem.q_shape[2], problem.k_shape[2]
     meta = dict(ACROSS=problem.across_heads, HALF=problem.head_dim // 2, BLOCK_HQ=config.block_hq,
                 BLOCK_HK=config.block_hk, BLOCK_R=config.block_r,
-                ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=config.num_warps)
+                ONE_STEP_Q=config.block_hq >= hq and problem.heuristics.straight_line,
+                ONE_STEP_K=config.block_hk >= hk and problem.heuristics.straight_line, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                num_warps=config.num_warps)
     tables = (*problem.table_view("cos"), *problem.table_view("sin"))
     scalars = (problem.eps, problem.weight_offset)
-    hq, hk = problem.q_shape[2], problem.k_shape[2]
     rows = problem.rows
     if not problem.backward:
         # every scalar argument is fixed by the plan: bound once here, not per call
@@ -635,7 +682,8 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
             sums[0](parts[0], dwq)
             sums[1](parts[1], dwk)
 
-    params = (("grid", (programs,)), ("rows_per_program", config.rows_per_program), ("BLOCK_HQ", config.block_hq),
+    params = (("grid", (programs,)), ("rows_per_program", config.rows_per_program),
+              ("BLOCK_HQ", config.block_hq),
               ("BLOCK_HK", config.block_hk), ("BLOCK_R", config.block_r), ("num_warps", config.num_warps))
     workspace = programs * (wq_size + wk_size) * acc.itemsize if dw else 0
     return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
