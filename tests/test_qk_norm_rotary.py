@@ -4,6 +4,8 @@ modules when transformers is installed); per-head and across-heads norms, GQA, l
 place, broadcast cos / sin, odd widths, out_dtype, frozen weights, unused outputs, empty inputs,
 determinism, gradcheck, torch.compile, errors. Tiny shapes: the interpreter is slow."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -183,8 +185,8 @@ def test_out_dtype_and_weight_dtype(backend, device):
 
 
 def test_hugging_face_modules(backend, device):
-    """Our op reproduces Qwen3's, Gemma 3's and OLMo 2's q_norm + apply_rotary_pos_emb (their modules
-    and functions) in float32, called as the lead's wiring would call it."""
+    """Our op reproduces Qwen3's, Gemma 3's and OLMo 2's q_norm / k_norm + apply_rotary_pos_emb (their
+    modules and functions), float32 and bf16, called as an attention forward would call it."""
     pytest.importorskip("transformers")
     from transformers.models.gemma3 import modeling_gemma3 as gemma3
     from transformers.models.olmo2 import modeling_olmo2 as olmo2
@@ -192,11 +194,13 @@ def test_hugging_face_modules(backend, device):
 
     gen = torch.Generator().manual_seed(19)
     b, s, hq, hk, d = 2, 3, 4, 2, 8
-    q, k, _, _, cos, sin = make_inputs(b, s, hq, hk, d, torch.float32, device, gen)
-    for name, module, norm_cls, across, offset in (("qwen3", qwen3, qwen3.Qwen3RMSNorm, False, 0.0),
-                                                   ("gemma3", gemma3, gemma3.Gemma3RMSNorm, False, 1.0),
-                                                   ("olmo2", olmo2, olmo2.Olmo2RMSNorm, True, 0.0)):
+    for (name, module, norm_cls, across, offset), dtype in itertools.product(
+            (("qwen3", qwen3, qwen3.Qwen3RMSNorm, False, 0.0), ("gemma3", gemma3, gemma3.Gemma3RMSNorm, False, 1.0),
+             ("olmo2", olmo2, olmo2.Olmo2RMSNorm, True, 0.0)), (torch.float32, torch.bfloat16)):
+        # bf16: HF's own bf16 arithmetic (several roundings) against ours (one), within bf16 tolerance
+        q, k, _, _, cos, sin = make_inputs(b, s, hq, hk, d, dtype, device, gen, cos_dtype=dtype)
         q_norm, k_norm = norm_cls(hq * d if across else d, eps=1e-6), norm_cls(hk * d if across else d, eps=1e-6)
+        q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
         with torch.no_grad():
             for norm in (q_norm, k_norm):
                 norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen) * 0.3 + (0.0 if offset else 1.0))
@@ -208,8 +212,8 @@ def test_hugging_face_modules(backend, device):
         hf_q, hf_k = module.apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
         qo, ko = trainops.qk_norm_rotary(q, k, q_norm.weight.detach(), k_norm.weight.detach(), cos, sin, 1e-6,
                                          weight_offset=offset, across_heads=across)
-        assert_close(qo.transpose(1, 2), hf_q, torch.float32, f"{name} q")
-        assert_close(ko.transpose(1, 2), hf_k, torch.float32, f"{name} k")
+        assert_close(qo.transpose(1, 2), hf_q, dtype, f"{name} q {dtype}")
+        assert_close(ko.transpose(1, 2), hf_k, dtype, f"{name} k {dtype}")
 
 
 def test_frozen_weights_unused_outputs_and_empty(backend, device):

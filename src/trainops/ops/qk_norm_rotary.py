@@ -40,7 +40,7 @@ times in the rotation: within a few units in the last place of the output dtype,
 the exact value).
 
 Deterministic, bit-identical run to run: the weight gradients are summed per program over a fixed
-block of tokens into a float32 workspace, then across programs in a fixed order (``_common``'s
+block of tokens into a float32 workspace (float64 for float64), then across programs in a fixed order (``_common``'s
 column sum; no atomics). The number of programs depends on the device's SM count.
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
