@@ -269,20 +269,22 @@ def test_weight_gradient_is_deterministic(backend, device):
 
 
 def test_forced_plans(backend, device):
-    """One head a step (the loop over a token's heads), and the loop kept where one step holds every
-    head, give the default plan's result."""
+    """One and two heads a step (the loop over a token's heads), the loop kept where one step holds
+    every head, weight sums per head slot: all give the reference's result."""
     gen = torch.Generator().manual_seed(22)
     inputs = make_inputs(2, 2, 5, 3, 8, torch.float32, device, gen)
-    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False)):
-        check(*inputs, torch.float32, "loop of one step")
+    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False)):
+        check(*inputs, torch.float32, "loop of one step, per-slot weight sums")
         check(*make_inputs(1, 2, 3, 2, 8, torch.float32, device, gen, across_heads=True), torch.float32,
               "loop of one step, across heads", across_heads=True)
-    with trainops.heuristics(QKNormRotaryHeuristics(tile=8)):
-        check(*inputs, torch.float32, "one head a step")
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=8, step_head_sums=False)):
+        check(*inputs, torch.float32, "one head a step, per-slot weight sums")
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=16)):
+        check(*inputs, torch.float32, "two heads a step")
         p = trainops.plan("qk_norm_rotary", q_shape=inputs[0].shape, k_shape=inputs[1].shape,
                           cos_shape=inputs[4].shape, dtype=torch.float32, device=device)
     if backend == "triton":
-        assert p.kernel["BLOCK_HQ"] == 1 and p.kernel["grid"] == (4,)
+        assert p.kernel["BLOCK_HQ"] == 2 and p.kernel["grid"] == (4,)   # 5 heads: steps of 2, 2, 1
 
 
 def test_special_values(backend, device):

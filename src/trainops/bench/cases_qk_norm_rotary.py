@@ -163,12 +163,16 @@ def _warps(n):
     return ((1 << 62, n),)
 
 
-# (names, values) of the sweep: backward programs a SM x backward warps x straight-line code, and
-# the forward's warps x tile (tile also sets the backward's heads a step where a token has more)
-SWEEP = (("programs_per_sm", "backward_warps", "straight_line", "warps", "tile"),
-         [(p, _warps(bw), sl, _warps(fw), t) for p in (2, 4, 8, 16) for bw in (4, 8) for sl in (True, False)
-          for fw, t in ((4, 2048), (8, 4096))]
-         + [(8, ((1024, 4), (1 << 62, 8)), True, ((1024, 2), (4096, 4), (1 << 62, 8)), 2048)])   # the defaults
+# (names, values) of the sweep: the backward's programs a SM x warps x straight-line code x per-step
+# head sums (forward at its defaults), then the forward's warps x tile (the backward at its defaults),
+# then the defaults
+_BWD_DEFAULT_WARPS = ((1024, 4), (1 << 62, 8))
+_FWD_DEFAULT_WARPS = ((1024, 2), (4096, 4), (1 << 62, 8))
+SWEEP = (("programs_per_sm", "backward_warps", "straight_line", "step_head_sums", "warps", "tile"),
+         [(p, _warps(bw), sl, hs, _FWD_DEFAULT_WARPS, 2048) for p in (4, 8, 16) for bw in (4, 8)
+          for sl in (True, False) for hs in (True, False)]
+         + [(8, _BWD_DEFAULT_WARPS, True, True, _warps(fw), t) for fw in (4, 8) for t in (1024, 4096)]
+         + [(8, _BWD_DEFAULT_WARPS, True, True, _FWD_DEFAULT_WARPS, 2048)])
 
 
 def qk_norm_rotary_sweep_cases(device) -> list[Case]:

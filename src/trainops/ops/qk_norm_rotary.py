@@ -89,6 +89,9 @@ class QKNormRotaryHeuristics:
     straight_line: where one step holds a token's heads, no loop over head steps (the compiler may
         then issue k's loads beside q's, with more registers: the backward at 4 warps 168 against
         127 with the loop); False keeps the loop.
+    step_head_sums: per-head backward, each step's dy * n summed over its heads at once (a
+        reduction across the head axis per token); False keeps one sum per head slot in registers
+        and adds the slots once, at the program's end.
     Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
     own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
     no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
@@ -102,6 +105,7 @@ class QKNormRotaryHeuristics:
     backward_warps: tuple[tuple[int, int], ...] = ((1024, 4), (1 << 62, 8))
     programs_per_sm: int = 8
     straight_line: bool = True
+    step_head_sums: bool = True
     reduce_block: int = 64
     across_max: int = 16384
 
@@ -475,10 +479,10 @@ if triton_available():
         c_a, c_b, s_a, s_b, eps, w_offset,
         dw_a, dw_b,                               # the program's weight-gradient sums (a / b halves)
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_R: tl.constexpr, STEP_SUMS: tl.constexpr, ACC: tl.constexpr,
     ):
-        """dx of the token's heads h0 .. h0 + BLOCK_H; their dy * n added to dw_a / dw_b (per head:
-        summed over the heads)."""
+        """dx of the token's heads h0 .. h0 + BLOCK_H; their dy * n added to dw_a / dw_b (per head
+        with STEP_SUMS: summed over the step's heads first; else kept per head slot)."""
         j = tl.arange(0, BLOCK_R)
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < heads
@@ -508,7 +512,7 @@ if triton_available():
         tl.store(pdx, (rstd[:, None] * (g_a - n_a * c[:, None])).to(DX.dtype.element_ty), mask=mask)
         tl.store(pdx + HALF, (rstd[:, None] * (g_b - n_b * c[:, None])).to(DX.dtype.element_ty), mask=mask)
         if DW:
-            if ACROSS:
+            if ACROSS or not STEP_SUMS:
                 dw_a += dy_a * n_a
                 dw_b += dy_b * n_b
             else:
@@ -521,26 +525,30 @@ if triton_available():
         DO, X, W, DX, do_row, x_row, dx_row, heads, do_sh, do_sd, x_sh, x_sd,
         c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_R: tl.constexpr, ONE_STEP: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_R: tl.constexpr, ONE_STEP: tl.constexpr, STEP_SUMS: tl.constexpr, ACC: tl.constexpr,
     ):
         """The token's heads, BLOCK_H a step; ONE_STEP (BLOCK_H >= heads, always across heads):
         straight-line code, no loop, so that the loop over tokens around it can be pipelined."""
         if ONE_STEP:
             dw_a, dw_b = _backward_step(DO, X, W, DX, do_row, x_row, dx_row, 0, heads, do_sh, do_sd, x_sh, x_sd,
                                         c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
-                                        ACROSS, DW, HALF, BLOCK_H, BLOCK_R, ACC)
+                                        ACROSS, DW, HALF, BLOCK_H, BLOCK_R, STEP_SUMS, ACC)
         else:
             for h0 in range(0, heads, BLOCK_H):
                 dw_a, dw_b = _backward_step(DO, X, W, DX, do_row, x_row, dx_row, h0, heads, do_sh, do_sd, x_sh,
                                             x_sd, c_a, c_b, s_a, s_b, eps, w_offset, dw_a, dw_b,
-                                            ACROSS, DW, HALF, BLOCK_H, BLOCK_R, ACC)
+                                            ACROSS, DW, HALF, BLOCK_H, BLOCK_R, STEP_SUMS, ACC)
         return dw_a, dw_b
 
     @triton.jit
     def _store_partial(PART, pid, dw_a, dw_b, heads, ACROSS: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
-        """The program's weight-gradient sums as its row of the (programs, weight size) workspace."""
+                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, STEP_SUMS: tl.constexpr):
+        """The program's weight-gradient sums as its row of the (programs, weight size) workspace
+        (per head without STEP_SUMS: its head slots summed here)."""
         j = tl.arange(0, BLOCK_R)
+        if not ACROSS and not STEP_SUMS:
+            dw_a = tl.sum(dw_a, 0)
+            dw_b = tl.sum(dw_b, 0)
         if ACROSS:
             h = tl.arange(0, BLOCK_H)
             mask = (h < heads)[:, None] & (j < HALF)[None, :]
@@ -561,14 +569,14 @@ if triton_available():
         eps, w_offset,
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
         BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, ONE_STEP_Q: tl.constexpr, ONE_STEP_K: tl.constexpr,
-        ACC: tl.constexpr,
+        STEP_SUMS: tl.constexpr, ACC: tl.constexpr,
     ):
         """``rows_per_program`` tokens a program, one after another: dq, dk written; the weight
         gradients summed in registers and written once as the program's partial rows."""
         pid = tl.program_id(0)
         first = pid * rows_per_program
         last = tl.minimum(first + rows_per_program, rows)
-        if ACROSS:
+        if ACROSS or not STEP_SUMS:
             dwq_a = tl.zeros([BLOCK_HQ, BLOCK_R], ACC)
             dwq_b = tl.zeros([BLOCK_HQ, BLOCK_R], ACC)
             dwk_a = tl.zeros([BLOCK_HK, BLOCK_R], ACC)
@@ -588,14 +596,14 @@ if triton_available():
             dwq_a, dwq_b = _backward_heads(DQO, Q, WQ, DQ, b * dqo_sb + s * dqo_ss, b * q_sb + s * q_ss,
                                            row * q_heads * (2 * HALF), q_heads, dqo_sh, dqo_sd, q_sh, q_sd,
                                            c_a, c_b, s_a, s_b, eps, w_offset, dwq_a, dwq_b,
-                                           ACROSS, DW, HALF, BLOCK_HQ, BLOCK_R, ONE_STEP_Q, ACC)
+                                           ACROSS, DW, HALF, BLOCK_HQ, BLOCK_R, ONE_STEP_Q, STEP_SUMS, ACC)
             dwk_a, dwk_b = _backward_heads(DKO, K, WK, DK, b * dko_sb + s * dko_ss, b * k_sb + s * k_ss,
                                            row * k_heads * (2 * HALF), k_heads, dko_sh, dko_sd, k_sh, k_sd,
                                            c_a, c_b, s_a, s_b, eps, w_offset, dwk_a, dwk_b,
-                                           ACROSS, DW, HALF, BLOCK_HK, BLOCK_R, ONE_STEP_K, ACC)
+                                           ACROSS, DW, HALF, BLOCK_HK, BLOCK_R, ONE_STEP_K, STEP_SUMS, ACC)
         if DW:
-            _store_partial(DWQ_PART, pid, dwq_a, dwq_b, q_heads, ACROSS, HALF, BLOCK_HQ, BLOCK_R)
-            _store_partial(DWK_PART, pid, dwk_a, dwk_b, k_heads, ACROSS, HALF, BLOCK_HK, BLOCK_R)
+            _store_partial(DWQ_PART, pid, dwq_a, dwq_b, q_heads, ACROSS, HALF, BLOCK_HQ, BLOCK_R, STEP_SUMS)
+            _store_partial(DWK_PART, pid, dwk_a, dwk_b, k_heads, ACROSS, HALF, BLOCK_HK, BLOCK_R, STEP_SUMS)
 
 
 def _prev_pow2(v: int) -> int:
@@ -665,7 +673,8 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
     launch = launcher(_qk_norm_rotary_bwd, (programs,),
                       trailing=(rows, problem.seq, hq, hk, config.rows_per_program,
                                 *(s for name in ("dq_out", "dk_out", "q", "k") for s in problem.stride_of(name)),
-                                *tables, *scalars), DW=dw, **meta)
+                                *tables, *scalars), DW=dw, STEP_SUMS=problem.heuristics.step_head_sums,
+                      **meta)
     wq_size, wk_size = (math.prod(s) for s in problem.weight_shapes)
     sums = [column_sum(programs, size, problem.heuristics.reduce_block, 64) for size in (wq_size, wk_size)]
 
@@ -683,7 +692,7 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
             sums[1](parts[1], dwk)
 
     params = (("grid", (programs,)), ("rows_per_program", config.rows_per_program),
-              ("BLOCK_HQ", config.block_hq),
+              ("step_head_sums", problem.heuristics.step_head_sums), ("BLOCK_HQ", config.block_hq),
               ("BLOCK_HK", config.block_hk), ("BLOCK_R", config.block_r), ("num_warps", config.num_warps))
     workspace = programs * (wq_size + wk_size) * acc.itemsize if dw else 0
     return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
