@@ -169,10 +169,10 @@ def _warps(n):
 _BWD_DEFAULT_WARPS = ((1024, 4), (1 << 62, 8))
 _FWD_DEFAULT_WARPS = ((1024, 2), (4096, 4), (1 << 62, 8))
 SWEEP = (("programs_per_sm", "backward_warps", "straight_line", "step_head_sums", "warps", "tile"),
-         [(p, _warps(bw), sl, hs, _FWD_DEFAULT_WARPS, 2048) for p in (4, 8, 16) for bw in (4, 8)
+         [(p, _warps(bw), sl, hs, _FWD_DEFAULT_WARPS, 2048) for p in (2, 4, 8) for bw in (4, 8)
           for sl in (True, False) for hs in (True, False)]
-         + [(8, _BWD_DEFAULT_WARPS, True, True, _warps(fw), t) for fw in (4, 8) for t in (1024, 4096)]
-         + [(8, _BWD_DEFAULT_WARPS, True, True, _FWD_DEFAULT_WARPS, 2048)])
+         + [(4, _BWD_DEFAULT_WARPS, True, True, _warps(fw), t) for fw in (4, 8) for t in (1024, 4096)]
+         + [(4, _BWD_DEFAULT_WARPS, True, True, _FWD_DEFAULT_WARPS, 2048)])
 
 
 def qk_norm_rotary_sweep_cases(device) -> list[Case]:

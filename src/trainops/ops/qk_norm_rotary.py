@@ -95,15 +95,15 @@ class QKNormRotaryHeuristics:
     Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
     own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
     no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
-    (254 across 16 heads of 128), at 8 warps 114-142, no spills either way. programs_per_sm 8 is a
-    guess. ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by
+    (254 across 16 heads of 128), at 8 warps 114-142, no spills either way; at ~120 registers two
+    8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing). ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by
     identity (a plan's cache key holds the object it was made with).
     """
 
     tile: int = 2048
     warps: tuple[tuple[int, int], ...] = ((1024, 2), (4096, 4), (1 << 62, 8))
     backward_warps: tuple[tuple[int, int], ...] = ((1024, 4), (1 << 62, 8))
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
     straight_line: bool = True
     step_head_sums: bool = True
     reduce_block: int = 64
