@@ -96,8 +96,9 @@ class QKNormRotaryHeuristics:
     own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
     no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
     (254 across 16 heads of 128), at 8 warps 114-142, no spills either way; at ~120 registers two
-    8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing). ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by
-    identity (a plan's cache key holds the object it was made with).
+    8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing).
+    ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by identity (a
+    plan's cache key holds the object it was made with).
     """
 
     tile: int = 2048
@@ -263,7 +264,8 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
         raise argument_error(InvalidProblemError, op, "eps", f"must be a finite number >= 0, got {eps!r}")
     if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) \
             or not math.isfinite(weight_offset):
-        raise argument_error(InvalidProblemError, op, "weight_offset", f"must be a finite number, got {weight_offset!r}")
+        raise argument_error(InvalidProblemError, op, "weight_offset",
+                             f"must be a finite number, got {weight_offset!r}")
     if heuristics is None:
         heuristics = heuristics_for(QKNormRotaryHeuristics)
     elif not isinstance(heuristics, QKNormRotaryHeuristics):
@@ -649,7 +651,8 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
     meta = dict(ACROSS=problem.across_heads, HALF=problem.head_dim // 2, BLOCK_HQ=config.block_hq,
                 BLOCK_HK=config.block_hk, BLOCK_R=config.block_r,
                 ONE_STEP_Q=config.block_hq >= hq and problem.heuristics.straight_line,
-                ONE_STEP_K=config.block_hk >= hk and problem.heuristics.straight_line, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                ONE_STEP_K=config.block_hk >= hk and problem.heuristics.straight_line,
+                ACC=tl.float64 if acc == torch.float64 else tl.float32,
                 num_warps=config.num_warps)
     tables = (*problem.table_view("cos"), *problem.table_view("sin"))
     scalars = (problem.eps, problem.weight_offset)
