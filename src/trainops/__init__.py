@@ -25,6 +25,7 @@ from .functional import attention_softmax
 from .functional import linear_cross_entropy
 from .functional import batch_norm, sync_batch_norm
 from .functional import conv2d, sum_to_shape
+from .functional import qk_norm_rotary
 from .ops._common import check_pending
 from .patch import PatchReport, patch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
@@ -40,4 +41,5 @@ __all__ = [
     "bias_dropout_add", "dropout",
     "attention_softmax", "linear_cross_entropy", "check_pending", "batch_norm",
     "sync_batch_norm", "sum_to_shape", "conv2d",
+    "qk_norm_rotary",
 ]

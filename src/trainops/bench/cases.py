@@ -775,6 +775,7 @@ def _family_cases():
     imported here, late, since they import Case from this module): (gpu_cases, cpu_cases) pairs."""
     from . import (cases_activations, cases_attention, cases_batch_norm, cases_broadcast, cases_convolution,
                    cases_dropout, cases_gist, cases_normalization, cases_rotary)
+    from . import cases_qk_norm_rotary
     return [(cases_normalization.normalization_cases, cases_normalization.normalization_cpu_cases),
             (cases_batch_norm.batch_norm_cases, cases_batch_norm.batch_norm_cpu_cases),
             (cases_activations.activation_cases, lambda: cases_activations.activation_cases(torch.device("cpu"), True)),
@@ -783,7 +784,8 @@ def _family_cases():
             (cases_attention.attention_cases, lambda: cases_attention.attention_cases(torch.device("cpu"), True)),
             (cases_gist.gist_cases, cases_gist.gist_cpu_cases),
             (cases_broadcast.broadcast_cases, cases_broadcast.broadcast_cpu_cases),
-            (cases_convolution.convolution_cases, cases_convolution.convolution_cpu_cases)]
+            (cases_convolution.convolution_cases, cases_convolution.convolution_cpu_cases),
+            (cases_qk_norm_rotary.qk_norm_rotary_cases, cases_qk_norm_rotary.qk_norm_rotary_cpu_cases)]
 
 
 def gpu_cases(quick: bool) -> list[Case]:
