@@ -20,9 +20,8 @@ import torch
 
 import trainops
 
-from .. import bench
 from ..ops.qk_norm_rotary import QKNormRotaryHeuristics
-from .cases import Case, _dt, _heuristics_impls, _randn
+from .case import Case, Impl, _dt, _heuristics_impls, _randn
 
 
 def rotate_half(x):
@@ -101,7 +100,7 @@ def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool =
 
         if variants is not None:
             names, values = variants
-            impls = {name: bench.Impl(make(fused_trainops), **kw) for name, kw in _heuristics_impls(
+            impls = {name: Impl(make(fused_trainops), **kw) for name, kw in _heuristics_impls(
                 QKNormRotaryHeuristics, names, values,
                 lambda v: "trainops " + " ".join(f"{n}={_short(x)}" for n, x in zip(names, v)))}
         else:
