@@ -91,6 +91,32 @@ def test_rotary_decomposition_matches_the_op(cos_shape, rotary_dim, interleaved,
     assert rotary_ops.ROTARY_DECOMPOSITION.size(with_ids) is None   # position ids: never decomposed
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("across_heads, offset", [(False, 0.0), (False, 1.0), (True, 0.0)])
+def test_qk_norm_rotary_decomposition_matches_the_op(across_heads, offset, dtype):
+    from trainops.ops import qk_norm_rotary as qk_ops
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 5, 4, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(2, 5, 2, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    width_q, width_k = (4 * 16, 2 * 16) if across_heads else (16, 16)
+    q_weight = (torch.rand(width_q, generator=gen, dtype=torch.float64) + 0.5).float().requires_grad_()
+    k_weight = (torch.rand(width_k, generator=gen, dtype=torch.float64) + 0.5).float().requires_grad_()
+    angles = torch.rand(1, 5, 16, generator=gen, dtype=torch.float64) * 6
+    args = (q, k, q_weight, k_weight, angles.cos().float(), angles.sin().float(), 1e-6, offset, across_heads, None)
+    inputs = (q, k, q_weight, k_weight)
+    with trainops.backend("cpu"):
+        want = qk_ops.qk_norm_rotary_op(*args)
+        want_grads = _grads(want, inputs)
+    got = qk_ops.DECOMPOSITION.function(*args)
+    got_grads = _grads(got, inputs)
+    for name, a, e in zip(("q_out", "k_out"), got, want):
+        assert a.dtype == e.dtype == dtype
+        assert_close(a, e, dtype, name)
+    for i, (a, e) in enumerate(zip(got_grads, want_grads)):
+        assert_close(a, e, dtype, f"gradient {i}")
+    assert qk_ops.DECOMPOSITION.size(qk_ops.qk_norm_rotary_op._by_name(*args)) == 16
+
+
 def test_size_classes_and_lookup():
     assert [size_class(n) for n in (0, 1, 2, 3, 64, 65, 128, 129, 4096)] == [1, 1, 2, 4, 64, 128, 128, 256, 4096]
     choices = CompiledChoices(table={("cuda", "rms_norm", "bfloat16", 128): "inductor"})
@@ -117,7 +143,7 @@ def test_bad_tables_are_refused_by_name(table):
 
 def test_the_shipped_table_is_valid_and_names_cuda_problems_of_decomposed_ops():
     CompiledChoices(table=TABLE)
-    decomposed = {"rms_norm", "layer_norm", "rotary_embedding"}
+    decomposed = {"rms_norm", "layer_norm", "rotary_embedding", "qk_norm_rotary"}
     for device, op, dtype, size in TABLE:
         assert device == "cuda" and op in decomposed, (device, op, dtype, size)
 

@@ -3,7 +3,7 @@ torch.compile graph should run our kernel or Inductor's fusion of the op's decom
 write the table trainops ships (``trainops/compiled_table.py``; ``trainops.compiled`` explains).
 
 For each op with a decomposition (RMSNorm and LayerNorm by row length, the rotary embedding by
-rotated features), each dtype and size: two functions compiled alone with ``fullgraph=True`` and
+rotated features, the fused q/k norm + rotary by head dim), each dtype and size: two functions compiled alone with ``fullgraph=True`` and
 static shapes, one traced with our op (the table naming nothing: "triton") and one with the
 decomposition (the table naming the problem: "inductor"); forward + backward (a fixed upstream
 gradient) timed on the GPU: the durations of the kernels a step launches, summed under
@@ -31,6 +31,7 @@ MARGIN = 0.03   # the decomposition must be this much faster: 3 %, above the spr
 ELEMENTS = 1 << 25   # elements of x per norm problem (rows = ELEMENTS / row length): Qwen3-0.6B's q-norm at 8 x 2048
 NORM_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROTARY_SIZES = (64, 128, 256)
+QK_SIZES = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -65,6 +66,24 @@ def _rotary_problem(r: int, dtype: torch.dtype):
 
     def f(q, k):
         return trainops.rotary_embedding(q, k, cos, sin)
+    nbytes = 4 * (q.numel() + k.numel()) * q.element_size()
+    return f, (q, k), (dq, dk), nbytes
+
+
+def _qk_norm_rotary_problem(d: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    batch, seq, q_heads, k_heads = 8, 2048, 16, 8   # Qwen3-0.6B's attention at 8 x 2048 (d = 128)
+    q = torch.randn(batch, seq, q_heads, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    k = torch.randn(batch, seq, k_heads, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    q_weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).requires_grad_()
+    k_weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).requires_grad_()
+    angles = torch.rand(batch, seq, d, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    dq = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+    dk = torch.randn(k.shape, device="cuda", dtype=dtype, generator=gen)
+
+    def f(q, k):
+        return trainops.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, 1e-6)
     nbytes = 4 * (q.numel() + k.numel()) * q.element_size()
     return f, (q, k), (dq, dk), nbytes
 
@@ -113,10 +132,12 @@ def measure(dtype: torch.dtype, ceiling: float, log=print) -> tuple[list[Row], d
     """Every (op, size) in ``dtype``: rows for both backends, and the table of the faster decompositions."""
     problems = [(op, n) for op in ("rms_norm", "layer_norm") for n in NORM_SIZES]
     problems += [("rotary_embedding", r) for r in ROTARY_SIZES]
+    problems += [("qk_norm_rotary", d) for d in QK_SIZES]
     rows, table = [], {}
     dname = str(dtype).replace("torch.", "")
     for op, size in problems:
         f, inputs, upstream, nbytes = (_rotary_problem(size, dtype) if op == "rotary_embedding"
+                                       else _qk_norm_rotary_problem(size, dtype) if op == "qk_norm_rotary"
                                        else _norm_problem(op, size, dtype))
         key = ("cuda", op, dname, size_class(size))
         times, outputs = {}, {}

@@ -59,6 +59,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..compiled import Decomposition
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import next_pow2
@@ -142,6 +143,12 @@ class QKNormRotaryProblem:
     @property
     def backward(self) -> bool:
         return self.op == "qk_norm_rotary_backward"
+
+    @property
+    def compiled_size(self) -> int | None:
+        """The size CompiledChoices key a forward on (the head dim); None for a backward, which runs
+        under torch.compile whenever its forward op does (trainops.compiled)."""
+        return None if self.backward else self.q_shape[-1]
 
     @property
     def strided_names(self) -> tuple[str, ...]:
@@ -822,6 +829,32 @@ def _grad(ctx, dq_out, dk_out) -> dict:
 
 
 # The backward op has no autograd of its own (double backward through the norm is not supported).
+def _decomposed(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                weight_offset: float, across_heads: bool, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    """(q_out, k_out) in torch ops, for Inductor (trainops.compiled): the module docstring's
+    formulas in float32 (float64 for float64 q), each output rounded once to its dtype."""
+    acc = accumulator_dtype(q.dtype)
+    dtype = q.dtype if out_dtype is None else out_dtype
+    c, s = cos.to(acc), sin.to(acc)
+    c, s = (c, s) if c.dim() == 3 else (c[None], s[None])
+    c, s = c[:, :, None], s[:, :, None]   # (batch or 1, seq, 1, D): every head
+
+    def one(x: Tensor, w: Tensor) -> Tensor:
+        batch, seq, heads, d = x.shape
+        xf = x.to(acc)
+        if across_heads:
+            xf = xf.reshape(batch, seq, heads * d)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (w.to(acc) + weight_offset)
+        y = y.reshape(batch, seq, heads, d)
+        turned = torch.cat((-y[..., d // 2:], y[..., :d // 2]), dim=-1)
+        return (y * c + turned * s).to(dtype)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+DECOMPOSITION = Decomposition(_decomposed, lambda arguments: arguments.q.shape[-1],
+                              lambda arguments: arguments.q.dtype)
+
 backward_op = custom_op("qk_norm_rotary_backward", _backward_impl, _backward_fake, inline_triton=True)
 qk_norm_rotary_op = custom_op("qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_fake, backward=_grad,
-                              save=_save, inline_triton=True)
+                              save=_save, inline_triton=True, decomposition=DECOMPOSITION)
