@@ -14,7 +14,7 @@ weights on the same batches:
   loss curve     the training loss each step (SGD with momentum), and its largest and mean
                  relative distance from "none"
 
-The images: trainops.train_cnn's gratings (10 classes of 3 x 32 x 32 sinusoidal gratings, a frequency
+The images: trainops.train.cnn's gratings (10 classes of 3 x 32 x 32 sinusoidal gratings, a frequency
 and orientation per class, random phase, Gaussian noise 0.5), from a seed; nothing is downloaded.
 """
 import argparse
@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import trainops  # noqa: E402
-from trainops.train_cnn import gratings  # noqa: E402
+from trainops.train.cnn import gratings  # noqa: E402
 
 POLICIES = (("none", False, None), ("relu", True, None), ("relu+bf16", True, "bf16"), ("relu+fp16", True, "fp16"),
             ("relu+e5m2", True, "e5m2"), ("relu+e4m3", True, "e4m3"))
 
 
 def batch_of(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s gratings (trainops.train_cnn's, noise 0.5) on ``device``."""
+    """Step ``step``'s gratings (trainops.train.cnn's, noise 0.5) on ``device``."""
     images, labels = gratings(batch, 1000 + step, 0.5)
     return images.to(device), labels.to(device)
 

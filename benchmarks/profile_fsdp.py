@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from trainops import train as gpt  # noqa: E402
-from trainops import train_fsdp  # noqa: E402
+from trainops.train import fsdp as train_fsdp  # noqa: E402
+from trainops.train import gpt  # noqa: E402
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 

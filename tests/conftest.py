@@ -30,12 +30,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail the test if ``python -m trainops train`` reads the training data or starts a run."""
-    from trainops import train
+    from trainops.train import fsdp, gpt
 
     def work(*args, **kwargs):
         raise AssertionError("the command started work before refusing its arguments")
-    monkeypatch.setattr(train, "stdlib_bytes", work)
-    monkeypatch.setattr(train, "run", work)
+    monkeypatch.setattr(gpt, "stdlib_bytes", work)
+    monkeypatch.setattr(gpt, "run", work)
+    monkeypatch.setattr(fsdp, "stdlib_bytes", work)
     return work
 
 

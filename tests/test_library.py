@@ -83,6 +83,7 @@ def _recorded_calls():
         run(trainops.swiglu(x, leaf(4, 16)))
         run(trainops.geglu(x, leaf(4, 16)))
         run(trainops.rotary_embedding(q, k, cos, sin))
+        run(trainops.qk_norm_rotary(q.transpose(1, 2), k.transpose(1, 2), leaf(16), leaf(16), cos, sin))
         run(trainops.dropout(x, 0.25))
         run(trainops.attention_softmax(leaf(2, 2, 8, 8), scale=0.5, causal=True, dropout_p=0.25))
         run(trainops.cross_entropy(leaf(4, 16), torch.randint(0, 16, (4,))))

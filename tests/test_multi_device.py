@@ -70,6 +70,8 @@ CASES = {
     "gist_relu": lambda t: _sq(trainops.gist.relu(t["image"] * 1.0)),
     "cross_entropy_32000_classes": lambda t: trainops.cross_entropy(t["vocab_logits"], t["vocab_targets"]),
     "softmax_40000_wide": lambda t: (trainops.softmax(t["wide"], -1) * t["wide"]).sum(),
+    "qk_norm_rotary": lambda t: _sq(*trainops.qk_norm_rotary(t["q"].transpose(1, 2), t["k"].transpose(1, 2),
+                                                             t["w"][:D], t["w"][D:2 * D], t["cos"], t["sin"])),
 }
 
 

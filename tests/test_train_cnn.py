@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import trainops
-from trainops import train, train_cnn
-from trainops.train_cnn import CnnRunConfig, gratings, run_cnn
+from trainops import train
+from trainops.train import cnn as train_cnn
+from trainops.train.cnn import CnnRunConfig, gratings, run_cnn
 
 TINY = CnnRunConfig(**train_cnn.CNN_CONFIGS["tiny"])
 

@@ -11,7 +11,8 @@ import transformers  # noqa: F401  (the hf extra; the test extra installs it)
 
 from test_train_cli import refused   # exit status 2, usage, then one line naming the argument
 from trainops import train
-from trainops import train_llama as L
+from trainops.train import common
+from trainops.train import llama as L
 
 LLAMA = ["--model", "llama", "--config", "tiny"]
 CPU = torch.device("cpu")
@@ -56,7 +57,7 @@ def test_trainops_run_learns_and_follows_pytorchs_curve(tokens):
     assert all(torch.isfinite(torch.tensor(ours.losses)))
     assert sum(ours.losses[-3:]) < sum(ours.losses[:3]) - 1.0, ours.losses
     # float32 on the CPU: the same model and batches, trainops's kernels against torch's
-    assert L.largest_relative_difference(ours.losses, ref.losses) < 1e-4, (ours.losses, ref.losses)
+    assert common.largest_relative_difference(ours.losses, ref.losses) < 1e-4, (ours.losses, ref.losses)
     assert abs(ours.val_loss - ref.val_loss) < 1e-3 * ref.val_loss
     assert ours.kernels and not ref.kernels   # trainops kernels ran in the trainops run only
     assert any(op == "cross_entropy" for op, *_ in ours.kernels)   # the loss through linear_cross_entropy
@@ -66,7 +67,7 @@ def test_compiled_trainops_run_follows_the_eager_one(tokens):
     cfg = tiny(steps=4)
     eager = L.run_llama(cfg, CPU, "trainops", tokens, quiet=True)
     compiled = L.run_llama(cfg, CPU, "trainops-compile", tokens, quiet=True)
-    assert L.largest_relative_difference(compiled.losses, eager.losses) < 1e-4, (compiled.losses, eager.losses)
+    assert common.largest_relative_difference(compiled.losses, eager.losses) < 1e-4, (compiled.losses, eager.losses)
     assert len(compiled.step_times_ms) == 4 - L.UNTIMED_STEPS
 
 
@@ -79,11 +80,13 @@ def test_results_table_without_a_pytorch_run():
     def result(name, losses):
         return train.RunResult(name, losses, 2.0, 1000.0, 10.0, 512.0, {}, [10.0, 10.0])
 
-    table = L.results_table([result("trainops", [3.0, 2.0]), result("trainops-compile", [3.0, 2.2])], CPU)
+    table = common.results_table([result("trainops", [3.0, 2.0]), result("trainops-compile", [3.0, 2.2])], CPU,
+                                 L.RUNS, L.UNTIMED_STEPS)
     lines = table.splitlines()
     assert lines[0].endswith("curve vs -: max, mean") and len(lines) == 3
     assert lines[2].startswith("trainops.patch + torch.compile") and lines[2].split()[-1] == "-"
-    table = L.results_table([result("trainops", [3.0, 2.0]), result("pytorch", [3.0, 2.5])], CPU)
+    table = common.results_table([result("trainops", [3.0, 2.0]), result("pytorch", [3.0, 2.5])], CPU, L.RUNS,
+                                 L.UNTIMED_STEPS)
     assert table.splitlines()[1].split()[-2:] == ["20.00%,", "10.00%"] and " 1.00x" in table
 
 

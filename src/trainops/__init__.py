@@ -25,13 +25,14 @@ from .functional import attention_softmax
 from .functional import linear_cross_entropy
 from .functional import batch_norm, sync_batch_norm
 from .functional import conv2d, sum_to_shape
+from .functional import qk_norm_rotary
 from .ops._common import check_pending
 from .patch import PatchReport, patch
 from .patch import unpatch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
 from .registry import backend, kernels, lookup
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "IndexOutOfRangeError", "InvalidProblemError", "amp", "distributed", "gist", "grad", "optim", "KernelChoice", "Plan", "Precision", "TrainopsError",
@@ -42,4 +43,5 @@ __all__ = [
     "attention_softmax", "linear_cross_entropy", "check_pending", "batch_norm",
     "sync_batch_norm", "sum_to_shape", "conv2d",
     "unpatch",
+    "qk_norm_rotary",
 ]

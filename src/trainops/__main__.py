@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time every op against torch (and peers when installed)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a self-check)")
     bench.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
-    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json)")
+    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<device>-<date>.json; "
+                       "with --step: ./bench-step-<model>-<device>-<date>.json, or that name in a directory)")
     bench.add_argument("--no-peers", action="store_true", help="skip torch.compile and peer libraries")
     bench.add_argument("--sweep", action="store_true",
                        help="time trainops against the better of torch eager and torch.compile on shapes drawn from "
@@ -39,16 +40,36 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sweep-shapes", type=int, default=200, help="with --sweep: problems per family (default 200)")
     bench.add_argument("--sweep-seconds", type=float, default=None,
                        help="with --sweep: start no new problem after this many seconds")
+    bench.add_argument("--compiled-choice", action="store_true",
+                       help="measure our kernels against Inductor's fusion of their decompositions under "
+                            "torch.compile (trainops.compiled); --write-table PATH writes the table trainops ships")
+    bench.add_argument("--write-table", default=None, help="with --compiled-choice: where to write compiled_table.py")
+    from .bench import step
+    step.add_arguments(bench)
     args = parser.parse_args(argv)
 
     if args.command == "kernels":
         import trainops
+        from .compiled import CompiledChoices
+        from .plan import heuristics_for
         _print_table([k.row() for k in trainops.kernels()])
+        print("\nunder torch.compile, Inductor's fusion of the op's decomposition instead of our kernel "
+              "(trainops.compiled; every other problem runs our kernel):")
+        _print_table(heuristics_for(CompiledChoices).rows())
         return 0
     if args.command == "env":
         from . import env
         print(env.format_report(env.collect()))
         return 0
+    if args.write_table is not None and not args.compiled_choice:
+        bench.error("argument --write-table: only with --compiled-choice")
+    if args.compiled_choice:
+        if args.sweep or args.quick or args.ops != "all" or step.given(args):
+            bench.error("argument --compiled-choice: runs alone (no --sweep, --step, --quick or --ops)")
+        from .bench import compiled_choice
+        return compiled_choice.main(args.out, args.write_table)
+    if step.given(args):
+        return step.main(args, bench.error)
     if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None):
         bench.error("argument --sweep-shapes/--sweep-seconds: only with --sweep")
     if args.sweep:

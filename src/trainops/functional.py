@@ -29,6 +29,7 @@ from .ops import linear_cross_entropy as linear_cross_entropy_ops
 from .ops._common import check_mode, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
+from .ops import qk_norm_rotary as qk_norm_rotary_ops
 from .ops import softmax as softmax_ops
 
 
@@ -572,6 +573,58 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool)):
         raise argument_error(InvalidProblemError, op, "rotary_dim", f"must be an int or None, got {rotary_dim!r}")
     return rotary_ops.rotary_op(q, k, cos, sin, position_ids, bool(interleaved), rotary_dim, bool(check_position_ids))
+
+
+def qk_norm_rotary(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                   eps: float = 1e-6, *, weight_offset: float = 0.0, across_heads: bool = False,
+                   out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """RMSNorm of queries and keys, then the rotary embedding, in one pass (Qwen3, Gemma 3, OLMo 2):
+    returns (q_out, k_out) with, for x = q (weight q_weight) and x = k (k_weight),
+
+        y = x / sqrt(mean(x^2) + eps) * (weight + weight_offset)
+        out = y * cos + rotate_half(y) * sin          rotate_half(y) = cat(-y[D/2:], y[:D/2])
+
+    the mean over each head's D features (weights of shape (D,): Qwen3, Gemma 3 with
+    ``weight_offset=1.0``) or, with ``across_heads=True``, over the token's heads * D features
+    (weights of shape (q_heads * D,) and (k_heads * D,): OLMo 2). Every feature's own cos and sin are
+    read; the rotation covers the whole head.
+
+    q: (batch, seq, q_heads, D) and k: (batch, seq, k_heads, D), the projections' layout before HF's
+    ``.transpose(1, 2)`` (head counts may differ: GQA); D even; any strides, read in place (views of
+    a fused qkv projection). cos, sin: (batch, seq, D), (1, seq, D) or (seq, D), the same for every
+    head (HF's position embeddings). Outputs: (batch, seq, heads, D), contiguous: ``.transpose(1, 2)``
+    gives attention's (batch, heads, seq, D) as a view.
+
+    Dtypes: q and k float32/float16/bfloat16/float64, one dtype; the weights any float dtype, one
+    dtype; cos and sin any float dtype, one dtype. Outputs in ``out_dtype`` (default q's dtype; HF's
+    Qwen3 norm returns torch.promote_types(q.dtype, weight.dtype): pass that to match it). Math in
+    float32 (float64 for float64), each output rounded once. Backward: dq, dk (contiguous, q's and
+    k's dtype) and the weight gradients (their dtype), recomputed from the saved q and k in one
+    launch; deterministic (fixed-order sums, no atomics), bit-identical run to run. cos and sin get
+    no gradient (UnsupportedError if either requires one); double backward raises UnsupportedError.
+    Errors (before anything is written): InvalidProblemError for shapes that do not fit (q / k not
+    4-d, their batch, seq or head_dim, an odd head_dim, weight shapes, cos / sin not broadcastable
+    to (batch, seq, D)), mismatched dtypes (k against q, k_weight against q_weight, sin against
+    cos), tensors on other devices, eps < 0; UnsupportedError for integer or other dtypes.
+    """
+    op = "qk_norm_rotary"
+    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin)):
+        _float_tensor(op, name, t)
+    if torch.is_grad_enabled():
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.requires_grad:
+                raise argument_error(UnsupportedError, op, name, "requires grad; qk_norm_rotary gives cos and sin "
+                                     "no gradient (detach them)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise argument_error(InvalidProblemError, op, "eps", f"must be a finite number >= 0, got {eps!r}")
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
+        raise argument_error(InvalidProblemError, op, "weight_offset", f"must be a number, got {weight_offset!r}")
+    if not isinstance(across_heads, bool):
+        raise argument_error(InvalidProblemError, op, "across_heads", f"must be a bool, got {across_heads!r}")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise argument_error(InvalidProblemError, op, "out_dtype", f"must be a torch.dtype or None, got {out_dtype!r}")
+    return qk_norm_rotary_ops.qk_norm_rotary_op(q, k, q_weight, k_weight, cos, sin, float(eps), float(weight_offset),
+                                                across_heads, out_dtype)
 
 
 # -- activations (ops/activations.py) ------------------------------------------------------------------

@@ -34,8 +34,10 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.overrides import has_torch_function
 
+from .compiled import Decomposition
 from .dtensor import is_dtensor
 from .errors import UnsupportedError
+from .plan import traced_compiled_backend
 from .registry import triton_available, triton_interpreting
 
 PLAIN_TENSORS = (Tensor, torch.nn.Parameter)  # real tensors (not subclasses, fake or functional ones)
@@ -47,7 +49,7 @@ class CustomOp:
 
     def __init__(self, name: str, impl: Callable, fake: Callable, backward: Callable | None = None,
                  save: Callable | None = None, mutates_args: tuple[str, ...] = (),
-                 inline_triton: bool | Callable = False, tags: tuple = ()):
+                 inline_triton: bool | Callable = False, tags: tuple = (), decomposition: Decomposition | None = None):
         if (backward is None) != (save is None):
             raise TypeError(f"trainops.library.custom_op({name!r}): pass both backward and save, or neither")
         params = list(inspect.signature(impl).parameters.values())
@@ -58,6 +60,7 @@ class CustomOp:
         self._by_name = namedtuple(f"{name}_arguments", self.arguments,
                                    defaults=[p.default for p in params if p.default is not inspect.Parameter.empty])
         self._impl, self._backward, self._save = impl, backward, save
+        self._decomposition = decomposition
         self._defaults = tuple(p.default for p in params)
         self._required = sum(p.default is inspect.Parameter.empty for p in params)
         self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
@@ -126,7 +129,27 @@ class CustomOp:
                     "the module's forward, where FSDP2 has gathered its parameters (or from a method registered "
                     "with torch.distributed.fsdp.register_fsdp_forward_method)")
 
+    def _traced_decomposition(self, args, kwargs):
+        """While dynamo traces a call on tensors of static sizes on one device type: the
+        decomposition's outputs where the CompiledChoices in force name "inductor" for the call's
+        (device type, op, dtype, size class), else None (the op). The measured table names CUDA
+        problems only."""
+        arguments = self._by_name(*args, **kwargs)
+        tensors = [a for a in arguments if isinstance(a, Tensor)]
+        if (not tensors or len({t.device.type for t in tensors}) != 1
+                or any(isinstance(d, torch.SymInt) for t in tensors for d in t.shape)):
+            return None
+        size = self._decomposition.size(arguments)
+        if size is None or traced_compiled_backend(self.name, tensors[0].device.type, self._decomposition.dtype(arguments),
+                                   size) != "inductor":
+            return None
+        return self._decomposition.function(*arguments)
+
     def __call__(self, *args, **kwargs):
+        if self._decomposition is not None and torch.compiler.is_compiling():
+            outputs = self._traced_decomposition(args, kwargs)
+            if outputs is not None:
+                return outputs
         if (kwargs or len(args) < self._required or torch.compiler.is_compiling()
                 or torch._C._are_functorch_transforms_active() or has_torch_function(args)
                 or any(type(a) not in PLAIN_TENSORS for a in args if isinstance(a, Tensor))):
@@ -150,7 +173,8 @@ def _symbolic(t: Tensor) -> bool:
 
 def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable | None = None,
               save: Callable | None = None, mutates_args: tuple[str, ...] = (),
-              inline_triton: bool | Callable = False, tags: tuple = ()) -> CustomOp:
+              inline_triton: bool | Callable = False, tags: tuple = (),
+              decomposition: Decomposition | None = None) -> CustomOp:
     """Declare ``torch.ops.trainops.<name>`` (see the module docstring).
 
     impl(*args): the op (annotated arguments: the schema). fake(*args): outputs of the right
@@ -164,8 +188,11 @@ def custom_op(name: str, impl: Callable, fake: Callable, *, backward: Callable |
     arguments by name) decides per call. Calls with a CPU tensor among their arguments (a dropout
     seed) stay whole. tags: torch.Tag values of the op (``needs_exact_strides`` where the outputs'
     layout follows the inputs' strides, so that Inductor passes the inputs as traced).
+    decomposition: the op in torch ops (trainops.compiled.Decomposition), traced instead of the op
+    under torch.compile on CUDA where the CompiledChoices in force say Inductor's fusion of it is
+    faster (trainops.compiled); a forward op's decomposition is differentiated by autograd.
     """
-    return CustomOp(name, impl, fake, backward, save, mutates_args, inline_triton, tags)
+    return CustomOp(name, impl, fake, backward, save, mutates_args, inline_triton, tags, decomposition)
 
 
 __all__ = ["CustomOp", "custom_op"]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from .compiled import CompiledChoices
 from .errors import InvalidProblemError, TrainopsError, UnsupportedError, argument_error
 from .registry import KernelInfo, lookup, op_spec, pinned_backend
 
@@ -102,6 +103,16 @@ class Plan:
     @property
     def workspace_bytes(self) -> int:
         return self.launch.workspace_bytes
+
+    @property
+    def compiled(self) -> str | None:
+        """What a torch.compile graph runs for this problem: "triton" (this plan's kernels, launched
+        by Inductor or through the op) or "inductor" (the op's decomposition, fused by Inductor:
+        trainops.compiled); None for an op without a decomposition (always this plan)."""
+        size = getattr(self.problem, "compiled_size", None)
+        if size is None:
+            return None
+        return compiled_backend(self.problem.op, self.problem.device.type, self.problem.dtype, size)
 
     def can_implement(self, *tensors: torch.Tensor, out: torch.Tensor | None = None) -> bool:
         """True when ``run(*tensors, out=out)`` would accept these tensors."""
@@ -209,6 +220,15 @@ def heuristics_for(cls: type):
     return found
 
 
+def compiled_backend(op: str, device_type: str, dtype: torch.dtype, size: int) -> str:
+    """The backend the CompiledChoices in force name for this problem: "triton" or "inductor"."""
+    return heuristics_for(CompiledChoices).backend(device_type, op, dtype, size)
+
+
+# dynamo calls it while it traces and bakes the answer into the graph (no trace of the look-up)
+traced_compiled_backend = torch.compiler.assume_constant_result(compiled_backend)
+
+
 _PLANS: dict[tuple, Plan] = {}
 _PLAN_CACHE_SIZE = 4096
 _stats = {"hits": 0, "misses": 0}
@@ -266,6 +286,6 @@ def clear_plan_cache() -> None:
     _PLANS.clear()
 
 
-__all__ = ["check_tensor", "checked_shape", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
+__all__ = ["check_tensor", "checked_shape", "compiled_backend", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
            "heuristics", "heuristics_for", "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError",
            "UnsupportedError"]

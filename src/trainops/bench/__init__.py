@@ -39,17 +39,18 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import itertools
 import json
 import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 
 import trainops
+
+from .case import DEFAULT_TIMING, Impl, Timing, deterministic_algorithms, rotate, rotation_sets
 
 
 @dataclass
@@ -69,43 +70,6 @@ class Row:
         out = asdict(self)
         fields = out.pop("fields")
         return {**out, **fields}
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How a case's implementations are timed on the GPU (the CPU path ignores it: see time_cpu).
-
-    method "do_bench": ``triton.testing.do_bench`` median, ``warmup`` and ``rep`` in ms.
-    method "events": ``warmup`` calls, then CUDA events around ``rep`` back-to-back calls, ms per
-    call (host launch cost included: for launch-bound cases).
-    """
-
-    method: str = "do_bench"
-    warmup: int = 25
-    rep: int = 200
-
-    def __post_init__(self):
-        if self.method not in ("do_bench", "events"):
-            raise ValueError(f"Timing.method must be 'do_bench' or 'events', got {self.method!r}")
-
-
-DEFAULT_TIMING = Timing()
-
-
-@dataclass
-class Impl:
-    """An implementation of a case that needs more than a factory.
-
-    factory: as a bare factory, returns the zero-argument call that is checked, then timed.
-    nbytes: the bytes this implementation is credited with (default: the case's).
-    context: returns a context manager entered around the factory, the check and the timing.
-    fields: extra keys of this implementation's row.
-    """
-
-    factory: Callable[[], Callable[[], object]]
-    nbytes: int | None = None
-    context: Callable[[], ContextManager] | None = None
-    fields: dict = field(default_factory=dict)
 
 
 class CheckFailed(AssertionError):
@@ -137,30 +101,6 @@ def same_bytes_copy_ms(nbytes: int, device) -> float:
 def l2_cache_bytes(device="cuda") -> int:
     """The CUDA device's L2 cache size in bytes (50 MiB, the H100's, where torch does not say)."""
     return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
-
-
-def rotation_sets(nbytes: int, l2_bytes: int) -> int:
-    """Input sets a case rotates among: 4 when the bytes it moves fit in 4x L2 (so that a timed
-    call does not find its inputs in L2 from the call before), else 1."""
-    return 1 if nbytes > 4 * l2_bytes else 4
-
-
-def rotate(fn: Callable, sets) -> Callable[[], object]:
-    """A zero-argument call of ``fn(*sets[0])``, then ``fn(*sets[1])``, ... in turn, cyclically
-    (the first call, the runner's check, uses sets[0])."""
-    turn = itertools.cycle(sets)
-    return lambda: fn(*next(turn))
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(warn_only: bool = True):
-    """``torch.use_deterministic_algorithms(True)`` inside the block, torch's previous mode after."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def launch_overhead_us(device, calls: int = 2000) -> dict[str, float]:
@@ -369,7 +309,7 @@ def environment() -> dict:
            "triton": triton.__version__, "python": platform.python_version(), "trainops": trainops.__version__}
     env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor()})"
     from importlib.metadata import PackageNotFoundError, version
-    for package in ("liger_kernel", "quack-kernels"):
+    for package in ("liger_kernel", "quack-kernels", "transformers"):
         try:
             env[package] = version(package)
         except PackageNotFoundError:

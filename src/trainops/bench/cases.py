@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable
 
 import torch
@@ -28,54 +28,10 @@ import torch.nn.functional as F
 
 import trainops
 
-from . import DEFAULT_TIMING, Impl, Timing, deterministic_algorithms, rotate, rotation_sets
-
-Factory = Callable[[], Callable[[], object]]
-
-
-@dataclass
-class Case:
-    op: str                                   # registry op timed (the family's main op)
-    label: str                                # shape and dtype
-    nbytes: int                               # fewest bytes moved
-    # build(peers) -> (impls, reference) or (impls, reference, fields known once the inputs exist);
-    # impls: {name: factory or trainops.bench.Impl}
-    build: Callable[[bool], tuple]
-    fields: dict = field(default_factory=dict)  # extra keys of every row (JSON), e.g. stream, classes
-    timing: Timing = DEFAULT_TIMING             # how the GPU times it (do_bench ms, or CUDA events)
-    tolerance: float | None = None              # largest relative error a trainops implementation may have
-
-
-def _peer(module: str, name: str):
-    """``module.name`` of a peer library when it is installed and imports, else None."""
-    try:
-        mod = __import__(module, fromlist=[name])
-        return getattr(mod, name)
-    except Exception:
-        return None
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _randn(shape, dtype, device, seed, scale=1.0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(shape, device=device, generator=gen) * scale).to(dtype)
-
-
-def _heuristics_impls(cls, names, variants, label) -> list[tuple[str, dict]]:
-    """Per variant (values of ``names``): its row name ``label(values)`` and Impl keywords: the
-    context that puts ``cls(**values)`` in force (trainops.heuristics) around the implementation's
-    check and timing, and fields: the values, and ``default`` (they are cls()'s)."""
-    default = cls()
-    out = []
-    for values in variants:
-        config = dict(zip(names, values))
-        out.append((label(values), dict(context=functools.partial(trainops.heuristics, cls(**config)),
-                                        fields={"heuristics": config,
-                                                "default": all(getattr(default, k) == v for k, v in config.items())})))
-    return out
+from . import (cases_activations, cases_attention, cases_batch_norm, cases_broadcast, cases_convolution,
+               cases_dropout, cases_gist, cases_normalization, cases_qk_norm_rotary, cases_rotary)
+from .case import (Case, Impl, Timing, _dt, _heuristics_impls, _peer, _randn, deterministic_algorithms, rotate,
+                   rotation_sets)
 
 
 # -- softmax family ------------------------------------------------------------------------------
@@ -771,10 +727,8 @@ def optimizer_first_step_errors(device, count: int = 10, numel: int = 100_003) -
 
 
 def _family_cases():
-    """The case modules of the families whose cases live beside this one (``cases_<family>.py``;
-    imported here, late, since they import Case from this module): (gpu_cases, cpu_cases) pairs."""
-    from . import (cases_activations, cases_attention, cases_batch_norm, cases_broadcast, cases_convolution,
-                   cases_dropout, cases_gist, cases_normalization, cases_rotary)
+    """The case modules of the families whose cases live beside this one (``cases_<family>.py``, which
+    import what they share from ``trainops.bench.case``, never this module): (gpu_cases, cpu_cases) pairs."""
     return [(cases_normalization.normalization_cases, cases_normalization.normalization_cpu_cases),
             (cases_batch_norm.batch_norm_cases, cases_batch_norm.batch_norm_cpu_cases),
             (cases_activations.activation_cases, lambda: cases_activations.activation_cases(torch.device("cpu"), True)),
@@ -783,7 +737,8 @@ def _family_cases():
             (cases_attention.attention_cases, lambda: cases_attention.attention_cases(torch.device("cpu"), True)),
             (cases_gist.gist_cases, cases_gist.gist_cpu_cases),
             (cases_broadcast.broadcast_cases, cases_broadcast.broadcast_cpu_cases),
-            (cases_convolution.convolution_cases, cases_convolution.convolution_cpu_cases)]
+            (cases_convolution.convolution_cases, cases_convolution.convolution_cpu_cases),
+            (cases_qk_norm_rotary.qk_norm_rotary_cases, cases_qk_norm_rotary.qk_norm_rotary_cpu_cases)]
 
 
 def gpu_cases(quick: bool) -> list[Case]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from .cases import Case, _dt, _peer, _randn
+from .case import Case, _dt, _peer, _randn
 
 
 def _fwd_bwd(fn, leaves, dy):

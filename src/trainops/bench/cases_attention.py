@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from .cases import Case
+from .case import Case
 
 SCALE = 1 / math.sqrt(128)
 

@@ -16,7 +16,7 @@ import torch
 
 import trainops
 
-from .cases import Case, _dt, _randn
+from .case import Case, _dt, _randn
 
 
 def _sum_case(grad_shape, shape, dtype, device, channels_last: bool = False) -> Case:

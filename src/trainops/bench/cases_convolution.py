@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from .cases import Case, _dt, _randn
+from .case import Case, _dt, _randn
 
 
 def _depthwise_case(shape, kernel: int, stride: int, dtype, device, channels_last: bool = True) -> Case:

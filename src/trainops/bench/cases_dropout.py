@@ -21,9 +21,8 @@ import torch.nn.functional as F
 
 import trainops
 
-from . import Impl
 from ..ops.dropout import DropoutHeuristics
-from .cases import Case, _dt, _randn
+from .case import Case, Impl, _dt, _randn
 
 
 def _dropout_case(op: str, shape, p: float, dtype, device, backward: bool = True, variants=None) -> Case:

@@ -17,7 +17,7 @@ import torch
 
 import trainops
 
-from .cases import Case, _dt, _randn
+from .case import Case, _dt, _randn
 
 
 def _relu_case(shape, dtype, device, channels_last: bool) -> Case:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from .cases import Case, _dt, _peer, _randn
+from .case import Case, _dt, _peer, _randn
 
 
 def _norm_case(op: str, shape, dtype, device, residual: bool = False) -> Case:

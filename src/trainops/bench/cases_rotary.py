@@ -13,7 +13,7 @@ import torch
 
 import trainops
 
-from .cases import Case, _dt, _peer, _randn
+from .case import Case, _dt, _peer, _randn
 
 
 def hf_rotary(q, k, cos, sin):

@@ -43,8 +43,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from . import Timing
-from .cases import Case, _dt, _randn
+from .case import Case, Timing, _dt, _randn
 
 FAMILIES = ("softmax", "softmax_backward", "cross_entropy", "rms_norm", "swiglu")
 ROW_LENGTHS = (1, 2, 3, 5, 8, 17, 31, 64, 100, 127, 128, 255, 384, 509, 512, 768, 1000, 1023, 1024, 1536, 2047,

@@ -11,3 +11,4 @@ from . import batch_norm  # noqa: F401
 from . import gist  # noqa: F401
 from . import broadcast  # noqa: F401
 from . import convolution  # noqa: F401
+from . import qk_norm_rotary  # noqa: F401

@@ -11,7 +11,7 @@ The logit scale rides on the logits matmul (its alpha) and, with the temperature
 scalar that scales each gradient when it is rounded (dz/dl = logit_scale / temperature, times
 1 - tanh^2 under a softcap), so neither costs a pass over the logits.
 
-Aligned logits rows: a vocabulary V that is not a multiple of ``vocab_align`` (64 by default) is
+Aligned logits rows: a vocabulary V that is not a multiple of ``vocab_align`` (8 by default) is
 padded with zero weight rows to the next multiple, Vp, so that every chunk's logits rows start on
 16-byte boundaries and cuBLAS takes its fast kernels for all three matmuls (GPT-2's 50257 words
 took its ``align1`` kernels: 30.6 ms of an 80.7 ms step on the H200, issue 39). The loss kernel
@@ -91,11 +91,19 @@ class LinearCrossEntropyHeuristics:
     vocabulary: on the H100 (H = 4096) 41.6 ms at 8192 tokens against 40.2 for 4096-row chunks, 165.4
     at 32768 against 164.2, half a GiB less at the peak; in a Llama-3.2-1B-shaped training step it
     kept trainops's peak at Liger's (29.6 GiB against 30.1 with 4096-row chunks; benchmarks/NOTES.md,
-    "Fused linear cross-entropy" and "Hugging Face models")."""
+    "Fused linear cross-entropy" and "Hugging Face models").
+
+    vocab_align: the logits chunks' row length is the vocabulary rounded up to a multiple of this
+    (module docstring, "Aligned logits rows"); 1 turns the padding off. 8 (16-byte rows in bf16),
+    measured on the H200 at GPT-2's 16384 x 768 x 50257: 7.73 ms of GPU time a forward + backward
+    against 10.56 at 64 (the three matmuls alike; the loss kernel 2.39 against 5.39 ms over rows
+    of 50304 elements) and 34.2 ms unpadded (cuBLAS's align1 kernels). The loss kernel reads a
+    strided view of the chunk, slower than the contiguous rows of an aligned vocabulary: one row
+    of padding more on Qwen3's 151936 took it from 5.39 to 11.6 ms (benchmarks/NOTES.md)."""
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
-    vocab_align: int = 64
+    vocab_align: int = 8
 
     def __post_init__(self):
         for name in ("chunk_bytes", "min_rows", "vocab_align"):

@@ -49,6 +49,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..compiled import Decomposition
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher, on_device
 from ..layout import ReductionLayout, merge_dims, next_pow2, reduction_layout
@@ -200,6 +201,12 @@ class NormProblem:
     @cached_property
     def rows(self) -> int:
         return math.prod(self.shape[:len(self.shape) - self.normalized_ndim])
+
+    @cached_property
+    def compiled_size(self) -> int | None:
+        """The size CompiledChoices key a forward on (a row's elements); None for a backward, which
+        runs under torch.compile whenever its forward op does (trainops.compiled)."""
+        return None if self.backward else self.n
 
     @cached_property
     def weight_grad_wanted(self) -> bool:
@@ -1224,6 +1231,50 @@ def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weigh
     return _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, False, None, weight_grad)
 
 
+def _decomposed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                normalized_ndim: int, eps: Optional[float], weight_offset: float, rms: bool):
+    """(y, h, stats) of the forward in torch ops, for Inductor (trainops.compiled): the module
+    docstring's formulas with its roundings (h in x's dtype; statistics and y's products in float32,
+    float64 for float64; y rounded once to x's dtype)."""
+    h = x if residual is None else x + residual
+    acc = accumulator_dtype(x.dtype)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if rms else 1e-5
+    dims = tuple(range(x.dim() - normalized_ndim, x.dim()))
+    hf = h.to(acc)
+    if rms:
+        rstd = torch.rsqrt(hf.square().mean(dims, keepdim=True) + eps)
+        y = hf * rstd
+        stats = rstd.reshape(1, -1)
+    else:
+        mean = hf.mean(dims, keepdim=True)
+        centred = hf - mean
+        rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+        y = centred * rstd
+        stats = torch.stack((mean.reshape(-1), rstd.reshape(-1)))
+    if weight is not None:
+        y = y * (weight.to(acc) + weight_offset if weight_offset else weight.to(acc))
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype), (h if residual is not None else x.new_empty(0)), stats
+
+
+def _normalized_size(arguments) -> int:
+    return math.prod(arguments.x.shape[arguments.x.dim() - arguments.normalized_ndim:])
+
+
+def _input_dtype(arguments) -> torch.dtype:
+    return arguments.x.dtype
+
+
+RMS_NORM_DECOMPOSITION = Decomposition(
+    lambda x, weight, residual, normalized_ndim, eps, weight_offset: _decomposed(
+        x, weight, None, residual, normalized_ndim, eps, weight_offset, True), _normalized_size, _input_dtype)
+LAYER_NORM_DECOMPOSITION = Decomposition(
+    lambda x, weight, bias, residual, normalized_ndim, eps: _decomposed(
+        x, weight, bias, residual, normalized_ndim, eps, 0.0, False), _normalized_size, _input_dtype)
+
+
 def _inlinable(op: str):
     """The inline_triton predicate (library.custom_op) of ``op``'s backward: its kernels may be
     launched by Inductor, except the exchange plan's, whose grid follows the compiled kernel's
@@ -1241,6 +1292,7 @@ rms_norm_backward_op = custom_op("rms_norm_backward", _rms_norm_backward_impl, _
 layer_norm_backward_op = custom_op("layer_norm_backward", _layer_norm_backward_impl, _layer_norm_backward_fake,
                                    inline_triton=_inlinable("layer_norm"))
 rms_norm_op = custom_op("rms_norm", _rms_norm_impl, _rms_norm_fake, backward=_forward_grad(rms_norm_backward_op),
-                        save=_save_forward, inline_triton=True)
+                        save=_save_forward, inline_triton=True, decomposition=RMS_NORM_DECOMPOSITION)
 layer_norm_op = custom_op("layer_norm", _layer_norm_impl, _layer_norm_fake,
-                          backward=_forward_grad(layer_norm_backward_op), save=_save_forward, inline_triton=True)
+                          backward=_forward_grad(layer_norm_backward_op), save=_save_forward, inline_triton=True,
+                          decomposition=LAYER_NORM_DECOMPOSITION)

@@ -61,6 +61,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..compiled import Decomposition
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import next_pow2
@@ -184,6 +185,12 @@ class RotaryProblem:
     @property
     def backward(self) -> bool:
         return self.op == "rotary_embedding_backward"
+
+    @property
+    def compiled_size(self) -> int | None:
+        """The size CompiledChoices key a forward on (the rotated features of a head); None for a
+        backward, or a forward with position ids (never decomposed: trainops.compiled)."""
+        return None if self.backward or self.position_shape is not None else self.rotary_dim
 
     @property
     def names(self) -> tuple[str, str]:
@@ -716,6 +723,39 @@ def _rotary_backward_fake(dq_out, dk_out, cos, sin, position_ids, interleaved, r
     return dq_out.new_empty_strided(dq_out.shape, q_strides), dk_out.new_empty_strided(dk_out.shape, k_strides)
 
 
+def _decomposed(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], interleaved: bool,
+                rotary_dim: Optional[int], check_position_ids: bool) -> tuple[Tensor, Tensor]:
+    """(q_out, k_out) in torch ops, for Inductor (trainops.compiled): the module docstring's formula
+    in float32 (float64 for float64 q), each output rounded once to q's dtype. Without position
+    ids only (their out-of-range rows are the kernel's NaN, not a gather's error)."""
+    acc = accumulator_dtype(q.dtype)
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    c, s = cos[..., :r].to(acc), sin[..., :r].to(acc)
+    c, s = (c, s) if c.dim() == 3 else (c[None], s[None])
+    c, s = c[:, None], s[:, None]   # (batch or 1, 1, seq, R): every head
+    half = r // 2
+
+    def rotate(x: Tensor) -> Tensor:
+        xr = x[..., :r].to(acc)
+        if interleaved:
+            turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            turned = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        out = (xr * c + turned * s).to(q.dtype)
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def _rotated_features(arguments) -> int | None:
+    if arguments.position_ids is not None or arguments.check_position_ids:
+        return None
+    return arguments.cos.shape[-1] if arguments.rotary_dim is None else arguments.rotary_dim
+
+
+ROTARY_DECOMPOSITION = Decomposition(_decomposed, _rotated_features, lambda arguments: arguments.q.dtype)
+
+
 def _no_angle_gradient(op: str, ctx) -> None:
     for name in ("cos", "sin"):
         if getattr(ctx.needs_grad, name):
@@ -777,4 +817,4 @@ def _reads_no_host_values(call) -> bool:
 rotary_backward_op = custom_op("rotary_embedding_backward", _rotary_backward_impl, _rotary_backward_fake,
                                backward=_backward_grad, save=_save_backward, inline_triton=True)
 rotary_op = custom_op("rotary_embedding", _rotary_impl, _rotary_fake, backward=_grad, save=_save,
-                      inline_triton=_reads_no_host_values)
+                      inline_triton=_reads_no_host_values, decomposition=ROTARY_DECOMPOSITION)

@@ -1,8 +1,10 @@
-"""``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources.
+"""``python -m trainops train`` (``--model gpt``, the default): a byte-level GPT trained on the Python
+standard library's sources.
 
 (``--model llama`` trains transformers's LlamaForCausalLM on BPE tokens of the same sources instead:
-``trainops.train_llama``; ``--fsdp`` under torchrun shards this GPT with FSDP2 over the ranks:
-``trainops.train_fsdp``; this module parses the command line for all three.)
+``trainops.train.llama``; ``--fsdp`` under torchrun shards this GPT with FSDP2 over the ranks:
+``trainops.train.fsdp``; ``trainops.train.cli`` parses the command line for all of them and hands
+the gpt model's arguments to ``config_from_args`` and ``main_gpt`` here.)
 
 The model is Llama-style: pre-norm blocks with RMSNorm, rotary position embeddings, causal
 attention with an explicit softmax, a SwiGLU MLP, tied embeddings, dropout available
@@ -32,24 +34,22 @@ trains: a user error exits with status 2 and one line ``python -m trainops train
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import math
 import os
 import pickle
 import re
-import secrets
-import sys
-import sysconfig
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
-
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .common import (Batches, RunResult, autocast_dtype, base_lr, checked_plot_path, create_scratch_file,
+                     evaluate, learning_rate, parameter_groups, peak_memory_mb, run_summary, show_progress,
+                     stdlib_bytes, unwritable_reason)
 
 CONFIGS = {
     # layers, width, heads, context, batch, micro-batches, steps, lr, data bytes
@@ -86,62 +86,6 @@ class Config:
     def d_ff(self) -> int:
         """SwiGLU's hidden width: 8/3 of the model's (Llama's ratio), a multiple of 64."""
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
-
-def stdlib_bytes(limit: int) -> torch.Tensor:
-    """The standard library's .py files, concatenated in sorted path order, at most ``limit`` bytes,
-    as an int64 tensor of byte values."""
-    return torch.frombuffer(bytearray(stdlib_source(limit)), dtype=torch.uint8).long()
-
-
-def stdlib_source(limit: int) -> bytes:
-    """The standard library's .py files, concatenated in sorted path order, at most ``limit`` bytes."""
-    root = sysconfig.get_paths()["stdlib"]
-    paths = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
-        paths += [os.path.join(folder, f) for f in files if f.endswith(".py")]
-    chunks, total = [], 0
-    for path in sorted(paths):
-        with open(path, "rb") as f:
-            data = f.read()
-        chunks.append(data[: limit - total])
-        total += len(chunks[-1])
-        if total >= limit:
-            break
-    if total < 1024:
-        raise RuntimeError(f"trainops train: found only {total} bytes of Python sources under {root}")
-    return b"".join(chunks)
-
-
-class Batches:
-    """Deterministic random windows: batch ``step`` depends only on (seed, step)."""
-
-    def __init__(self, data: torch.Tensor, cfg, device: torch.device, split: int | None = None):
-        """``data``: token ids; the first ``split`` (default 95%) train, the rest is held out.
-        ``cfg``: any configuration with ``context``, ``batch``, ``accumulate`` and ``seed``."""
-        split = int(len(data) * 0.95) if split is None else split
-        self.train, self.val = data[:split], data[split:]
-        self.cfg, self.device = cfg, device
-
-    def _windows(self, source: torch.Tensor, n: int, seed: int):
-        gen = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, len(source) - self.cfg.context - 1, (n,), generator=gen)
-        idx = starts[:, None] + torch.arange(self.cfg.context + 1)
-        window = source[idx]
-        return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
-
-    def train_batch(self, step: int):
-        """``accumulate`` micro-batches of ``batch // accumulate`` sequences."""
-        x, y = self._windows(self.train, self.cfg.batch, self.cfg.seed * 1_000_003 + step)
-        return list(zip(x.chunk(self.cfg.accumulate), y.chunk(self.cfg.accumulate)))
-
-    def val_batches(self, n: int = 4):
-        return [self._windows(self.val, self.cfg.batch, 7_777_777 + i) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,19 +363,10 @@ def restore(checkpoint: dict, model: nn.Module, opt, scaler, path: str) -> None:
         raise CheckpointError(f"{path} does not fit this run's model and optimizer: {reason}") from None
 
 
-def _create_scratch_file(path: str) -> tuple[int, str]:
-    """A new, uniquely named file next to ``path`` (``.<name>.<random>.tmp``), opened for writing,
-    with the permissions a plain open would give: (descriptor, its path)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    scratch = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    return os.open(scratch, flags, 0o666), scratch
-
-
 def save_checkpoint(checkpoint: dict, path: str) -> None:
     """Write ``checkpoint`` to ``path`` atomically: into a new file in the same folder, flushed to
     disk, then renamed over ``path``. A crash mid-save leaves whatever was at ``path`` as it was."""
-    descriptor, scratch = _create_scratch_file(path)
+    descriptor, scratch = create_scratch_file(path)
     try:
         with os.fdopen(descriptor, "wb") as f:
             torch.save(checkpoint, f)
@@ -444,24 +379,6 @@ def save_checkpoint(checkpoint: dict, path: str) -> None:
         raise
 
 
-def unwritable_reason(path: str) -> str | None:
-    """Why no file can be written at ``path`` (None when one can), found by creating and removing a
-    scratch file next to it, as save_checkpoint does."""
-    if not path:
-        return "the path is empty"
-    if os.path.isdir(path) or path.endswith(os.sep):
-        return f"{path} names a directory, not a file"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return f"{path} exists and is not writable"
-    try:
-        descriptor, scratch = _create_scratch_file(path)
-    except OSError as exc:
-        return f"cannot create a file in {os.path.dirname(os.path.abspath(path))}: {exc.strerror or exc}"
-    os.close(descriptor)
-    os.remove(scratch)
-    return None
-
-
 # ----------------------------------------------------------------------------------------------
 # One run
 # ----------------------------------------------------------------------------------------------
@@ -469,22 +386,10 @@ def unwritable_reason(path: str) -> str | None:
 UNTIMED_STEPS = 2  # the first steps of a run (resumed or not) compile kernels: left out of the timings
 
 
-@dataclass
-class RunResult:
-    name: str
-    losses: list
-    val_loss: float
-    tokens_per_s: float
-    step_ms: float
-    peak_memory_mb: float
-    kernels: dict
-    step_times_ms: list
-
-
 def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable | None = None):
     """Model, its (optionally compiled) forward, optimizer, scaler, autocast dtype, patch report.
     Same initial weights for both variants (same seed). ``shard(model)``: FSDP2's wrapping
-    (train_fsdp), applied after the patch and before the optimizer sees the parameters."""
+    (trainops.train.fsdp), applied after the patch and before the optimizer sees the parameters."""
     import trainops
 
     torch.manual_seed(cfg.seed)
@@ -496,10 +401,8 @@ def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable
         model.tokens.check_index = False  # bytes: valid by construction
     if shard is not None:
         shard(model)
-    amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    amp_dtype = autocast_dtype(cfg)
+    groups = parameter_groups(model, weight_decay=0.1)
     if use_trainops:
         opt_cls = trainops.optim.LAMB if cfg.optimizer == "lamb" else trainops.optim.AdamW
         opt = opt_cls(groups, lr=base_lr(cfg), betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
@@ -515,20 +418,6 @@ def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable
             scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     forward = torch.compile(model) if cfg.compile else model
     return model, forward, opt, scaler, amp_dtype, report
-
-
-def base_lr(cfg: Config) -> float:
-    """The configuration's peak learning rate; LAMB's is 10x (its step is lr * ||p|| per tensor)."""
-    return cfg.lr * (10 if cfg.optimizer == "lamb" else 1)
-
-
-def learning_rate(cfg: Config, step: int) -> float:
-    """Linear warm-up, then cosine decay to 10%."""
-    peak = base_lr(cfg)
-    if step < cfg.warmup:
-        return peak * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_trainops, device, max_grad_norm,
@@ -563,29 +452,6 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
     scaler.update()
     opt.zero_grad(set_to_none=True)
     return total
-
-
-@torch.no_grad()
-def evaluate(model, batches, amp_dtype, device, loss_of=lambda model, x, y: model(x, y)) -> float:
-    """Mean held-out loss of ``loss_of(model, x, y)`` over the batches, in eval mode under the run's autocast."""
-    model.eval()
-    losses = []
-    for x, y in batches:
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            losses.append(float(loss_of(model, x, y)))
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def _progress(name, step, steps, loss, tokens_per_s, final=False, unit="tok/s"):
-    width = 24
-    done = int(width * step / steps)
-    line = f"\r{name:9s} [{'#' * done}{'.' * (width - done)}] step {step}/{steps} loss {loss:.4f} {tokens_per_s:,.0f} {unit}"
-    if sys.stderr.isatty():
-        sys.stderr.write(line + ("\n" if final else ""))
-    elif final or step % max(1, steps // 10) == 0:
-        sys.stderr.write(line.lstrip("\r") + "\n")
-    sys.stderr.flush()
 
 
 def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tensor, *,
@@ -632,41 +498,25 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
                 timed_seconds += elapsed
                 step_times.append(1e3 * elapsed)
             if not quiet:
-                _progress(name, step + 1, cfg.steps, losses[-1], timed_tokens / timed_seconds if timed_seconds else 0,
-                          final=step + 1 == cfg.steps)
+                show_progress(name, step + 1, cfg.steps, losses[-1],
+                              timed_tokens / timed_seconds if timed_seconds else 0, final=step + 1 == cfg.steps)
     val = evaluate(model, batches.val_batches(), amp_dtype, device)
     if save:
         save_checkpoint(dict(variant=name, config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
                              scaler=scaler.state_dict(), step=cfg.steps, losses=losses), save)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _cpu_peak_mb()
+    peak = peak_memory_mb(device)
     timed_steps = timed_tokens // tokens_per_step
     return RunResult(name, losses, val, timed_tokens / timed_seconds if timed_seconds else float("nan"),
                      1e3 * timed_seconds / timed_steps if timed_steps else float("nan"), peak, dict(used), step_times)
 
 
-def _cpu_peak_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _median(values) -> float:
-    return sorted(values)[len(values) // 2] if values else float("nan")
-
-
 def summary(result: RunResult) -> str:
-    speed = (f"{result.tokens_per_s:,.0f} tokens/s, {result.step_ms:.1f} ms/step (median "
-             f"{_median(result.step_times_ms):.1f})" if result.step_times_ms else
-             f"speed not measured (the first {UNTIMED_STEPS} steps of a run are not timed)")
-    lines = [f"{result.name}: final loss {sum(result.losses[-5:]) / len(result.losses[-5:]):.4f} (mean of last 5 "
-             f"steps), validation loss {result.val_loss:.4f}, {speed}, peak memory {result.peak_memory_mb:,.0f} MiB"]
-    if result.kernels:
-        lines.append("  trainops kernels that ran (op, backend, kernel, dtype: calls):")
-        for (op, backend, kernel, dtype), calls in sorted(result.kernels.items()):
-            lines.append(f"    {op:22s} {backend:7s} {kernel:34s} {dtype:9s} {calls}")
-    return "\n".join(lines)
+    """The run's report lines (``common.run_summary`` with this demo's UNTIMED_STEPS)."""
+    return run_summary(result, UNTIMED_STEPS)
 
 
 def compare_table(ours: RunResult, ref: RunResult, every: int) -> str:
+    """Both runs' losses, every ``every`` steps, their differences, the largest, and the step-time ratio."""
     lines = [f"{'step':>6s} {'trainops':>10s} {'pytorch':>10s} {'diff':>10s}"]
     for i in range(0, len(ours.losses), every):
         lines.append(f"{i + 1:6d} {ours.losses[i]:10.4f} {ref.losses[i]:10.4f} {ours.losses[i] - ref.losses[i]:10.2e}")
@@ -678,6 +528,7 @@ def compare_table(ours: RunResult, ref: RunResult, every: int) -> str:
 
 
 def plot(ours: RunResult, ref: RunResult, path: str) -> str:
+    """Both loss curves as an image at ``path``; what was done, as a line."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -696,90 +547,9 @@ def plot(ours: RunResult, ref: RunResult, path: str) -> str:
     return f"wrote {path}"
 
 
-DEFAULT_PLOT = "train-compare.png"
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
-    return value
-
-
-def _dropout_probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def _training_device(text: str) -> torch.device:
-    """argparse type: cpu, cuda or cuda:N, of which the CUDA ones only where torch sees that device."""
-    allowed = "use cpu, cuda or cuda:N"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; {allowed}") from None
-    if device.type == "cpu" and device.index in (None, 0):
-        return device
-    if device.type != "cuda":
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device this command trains on; {allowed}")
-    if not torch.cuda.is_available():
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None and torch.version.hip is None
-               else "torch finds no CUDA device")
-        raise argparse.ArgumentTypeError(f"{text} asked for, but {why}; use cpu")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        present = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
-        raise argparse.ArgumentTypeError(f"{text} asked for, but this machine has {count} CUDA device"
-                                         f"{'s' if count != 1 else ''} ({present})")
-    return device
-
-
-def _plot_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
-    """Where --compare writes its plot, checked to be writable in a format matplotlib writes; None
-    without --compare, or when matplotlib is not installed and --plot was not given."""
-    if not args.compare:
-        if args.plot is not None:
-            parser.error("argument --plot: only used with --compare (it plots the two runs' loss curves)")
-        return None
-    path = DEFAULT_PLOT if args.plot is None else args.plot
-    if importlib.util.find_spec("matplotlib") is None:
-        if args.plot is not None:
-            parser.error("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
-        return None
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    if os.path.splitext(path)[1].lstrip(".").lower() not in formats:
-        parser.error(f"argument --plot: {path} must end in an image format matplotlib writes "
-                     f"(.{', .'.join(formats)})")
-    reason = unwritable_reason(path)
-    if reason:
-        parser.error(f"argument --plot: {reason}")
-    for option, other in (("--save", args.save), ("--resume", args.resume)):
-        if other is not None and os.path.realpath(other) == os.path.realpath(path):
-            parser.error(f"argument --plot: {path} is also the {option} checkpoint")
-    return path
-
+# ----------------------------------------------------------------------------------------------
+# Command line (``trainops.train.cli`` parses the arguments and hands ``--model gpt`` here)
+# ----------------------------------------------------------------------------------------------
 
 def _checkpoint_to_resume(path: str, cfg: Config) -> dict:
     """read_checkpoint and check_continues, then a trial restore into a throw-away CPU copy of the
@@ -791,75 +561,11 @@ def _checkpoint_to_resume(path: str, cfg: Config) -> dict:
     return checkpoint
 
 
-def main(argv=None) -> int:
-    """``python -m trainops train``: check every argument and the --resume checkpoint, then train;
-    returns 0. A user error ends in ``parser.error`` (exit status 2, one line naming the argument)
-    before any data is read or any step runs."""
-    from .train_cnn import CNN_CONFIGS, GIST_CHOICES
-    from .train_llama import LLAMA_CONFIGS, RUNS
-
-    default_steps = "; ".join(f"{model}: " + ", ".join(f"{name} {entries['steps']}" for name, entries in configs.items())
-                              for model, configs in (("gpt", CONFIGS), ("llama", LLAMA_CONFIGS), ("cnn", CNN_CONFIGS)))
-    parser = argparse.ArgumentParser(prog="python -m trainops train", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", type=_training_device, help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--model", default="gpt", choices=["gpt", "llama", "cnn"],
-                        help="gpt (default): the byte-level GPT written over trainops's ops; llama: transformers's "
-                             "LlamaForCausalLM on BPE tokens, patched by trainops.patch (needs the hf extra); cnn: "
-                             "a small ResNet on generated images with trainops's batch norm and GIST")
-    parser.add_argument("--config", default="small", choices=sorted(set(CONFIGS) | set(LLAMA_CONFIGS) | set(CNN_CONFIGS)),
-                        help=f"model size and data budget (default: small); gpt: {', '.join(CONFIGS)}; "
-                             f"llama: {', '.join(LLAMA_CONFIGS)}; cnn: {', '.join(CNN_CONFIGS)}")
-    parser.add_argument("--steps", type=_positive_int, default=None,
-                        help=f"optimizer steps, at least 1 (default: the config's: {default_steps})")
-    parser.add_argument("--lr", type=_positive_float, default=None,
-                        help="peak learning rate, above 0 (default: the config's; LAMB uses 10x)")
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb"])
-    parser.add_argument("--amp", default=None, choices=["none", "fp16", "bf16"],
-                        help="autocast dtype (default on cuda: fp16 for gpt, bf16 for llama; none on cpu)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also train with plain PyTorch, from step 0 even when resuming, and compare (adamw only)")
-    parser.add_argument("--plot", default=None,
-                        help=f"image of both loss curves, with --compare (default: {DEFAULT_PLOT}); "
-                             "the extension picks the format")
-    parser.add_argument("--save", default=None, help="checkpoint of the trainops run, written at the end")
-    parser.add_argument("--resume", default=None,
-                        help="checkpoint to continue (from --save): same --config, --optimizer, --amp and --lr, "
-                             "and --steps past its step")
-    parser.add_argument("--threads", type=_positive_int, default=None,
-                        help="CPU threads, at least 1 (torch.set_num_threads)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model (gpt: both runs; llama: the trainops run, --compare's "
-                             "pytorch-compile being PyTorch's)")
-    parser.add_argument("--dropout", type=_dropout_probability, default=0.0,
-                        help="dropout probability in [0, 1) on attention probabilities and each block's branch "
-                             "outputs (default: 0)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="under torchrun: shard the gpt model with FSDP2 over the ranks (NCCL on cuda, one GPU "
-                             "a rank; gloo on cpu); --compare trains plain FSDP2 beside it")
-    parser.add_argument("--runs", default=None,
-                        help=f"--model llama: the runs to train, comma-separated, from {', '.join(RUNS)} "
-                             "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger)")
-    parser.add_argument("--gist", default=None, choices=GIST_CHOICES,
-                        help="--model cnn: what the trainops run stores compressed for the backward (default: relu, "
-                             "1 bit a ReLU output, exact; bf16 / fp16 / e5m2 / e4m3: also every other saved "
-                             "activation, lossy; none: nothing)")
-    args = parser.parse_args(argv)
-    if args.model == "cnn":
-        from .train_cnn import main_cnn
-        return main_cnn(parser, args)
-    if args.gist is not None:
-        parser.error("argument --gist: only with --model cnn")
-    if args.model == "llama":
-        if args.fsdp:
-            parser.error("argument --fsdp: only with --model gpt (the default)")
-        from .train_llama import main_llama
-        return main_llama(parser, args)
-    if args.runs is not None:
-        parser.error("argument --runs: only with --model llama (the gpt model's --compare trains trainops and "
-                     "pytorch)")
+def config_from_args(parser, args) -> tuple[Config, str | None]:
+    """The run's Config from --config and the options, and --compare's plot path (checked), or
+    parser.error naming the argument; shared by the single-process run and --fsdp."""
     if args.config not in CONFIGS:
         parser.error(f"argument --config: --model gpt has {', '.join(CONFIGS)}; got {args.config!r}")
-
     device = args.device
     cfg = Config(**CONFIGS[args.config])
     cfg = replace(cfg, optimizer=args.optimizer, amp=args.amp or ("fp16" if device.type == "cuda" else "none"),
@@ -868,10 +574,12 @@ def main(argv=None) -> int:
     if args.compare and cfg.optimizer == "lamb":
         parser.error("argument --compare: the PyTorch run has no LAMB (torch.optim has none); "
                      "compare with --optimizer adamw")
-    plot_path = _plot_path(parser, args)
-    if args.fsdp:
-        from .train_fsdp import main_fsdp
-        return main_fsdp(parser, args, cfg, plot_path)
+    return cfg, checked_plot_path(parser, args)
+
+
+def main_gpt(parser, args, cfg: Config, plot_path: str | None) -> int:
+    """``python -m trainops train`` (single process): check --save and the --resume checkpoint
+    (parser.error before any work), read the data, train, report."""
     if args.save is not None:
         reason = unwritable_reason(args.save)
         if reason:
@@ -883,6 +591,7 @@ def main(argv=None) -> int:
         except CheckpointError as exc:
             parser.error(f"argument --resume: {exc}")
 
+    device = args.device
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     data = stdlib_bytes(cfg.data_bytes)
@@ -901,7 +610,3 @@ def main(argv=None) -> int:
         print(plot(ours, ref, plot_path) if plot_path
               else "matplotlib is not installed: no plot (pip install matplotlib)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

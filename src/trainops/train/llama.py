@@ -4,7 +4,7 @@ of the Python standard library's sources, with trainops and beside what users ru
 The model is transformers's ``LlamaForCausalLM`` (RMSNorm, SwiGLU MLP, rotary position embedding,
 grouped-query attention through torch's SDPA, tied embedding and LM head), built from a
 configuration (``LLAMA_CONFIGS``) with random initial weights: nothing is downloaded. The text is
-every ``*.py`` file of the running interpreter's standard library (``train.stdlib_source``, the
+every ``*.py`` file of the running interpreter's standard library (``common.stdlib_source``, the
 configuration's byte budget), split 95 / 5 into training and held-out text; a byte-level BPE
 tokenizer (the ``tokenizers`` library, GPT-2's pre-tokenising rule, the 256 byte symbols as its
 alphabet) is trained on the training text alone, up to the configuration's vocabulary size (it
@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .train import Batches, RunResult, _cpu_peak_mb, _median, _progress, learning_rate, stdlib_source
-from .train import evaluate as gpt_evaluate
+from . import common
+from .common import (Batches, RunResult, autocast_dtype, curves_table, learning_rate, parameter_groups, peak_memory_mb,
+                     plot_curves, results_table, run_summary, show_progress, stdlib_source)
 
 LLAMA_CONFIGS = {
     # tiny: CI. small: the CPU default, about two minutes on 2 cores. 1b: Llama-3.2-1B's shape (issue 19).
@@ -177,13 +178,6 @@ def build_model(cfg: LlamaRunConfig, device: torch.device):
         return transformers.LlamaForCausalLM(config)
 
 
-def _parameter_groups(model, weight_decay: float = 0.1):
-    """Weight decay on matrices and kernels (2 or more dimensions), none on norms and biases."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
     """(model, forward, optimizer, scaler, patch report or None) of one of RUNS."""
     import trainops
@@ -197,7 +191,7 @@ def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
         report = trainops.patch(model)
         opt_cls = trainops.optim.LAMB if cfg.optimizer == "lamb" else trainops.optim.AdamW
         lr = cfg.lr * (10 if cfg.optimizer == "lamb" else 1)
-        opt = opt_cls(_parameter_groups(model), lr=lr, betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
+        opt = opt_cls(parameter_groups(model), lr=lr, betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
         scaler = trainops.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     else:
         if cfg.optimizer == "lamb":
@@ -208,15 +202,11 @@ def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
                 raise RuntimeError(f"trainops train: the liger run cannot run: {reason}")
             from liger_kernel.transformers import apply_liger_kernel_to_llama
             apply_liger_kernel_to_llama(model=model)
-        opt = torch.optim.AdamW(_parameter_groups(model), lr=cfg.lr, betas=(0.9, 0.95),
+        opt = torch.optim.AdamW(parameter_groups(model), lr=cfg.lr, betas=(0.9, 0.95),
                                 fused=device.type == "cuda")
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     forward = torch.compile(model) if run.endswith("-compile") else model
     return model, forward, opt, scaler, report
-
-
-def _amp_dtype(cfg: LlamaRunConfig):
-    return {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
 
 
 def train_step(model, forward, opt, scaler, ids, amp_dtype, device, clip_norm):
@@ -236,14 +226,8 @@ def train_step(model, forward, opt, scaler, ids, amp_dtype, device, clip_norm):
 
 def evaluate(model, batches, amp_dtype, device) -> float:
     """Mean held-out loss, the uncompiled model in eval mode (logits computed, as without trainops)."""
-    return gpt_evaluate(model, batches, amp_dtype, device,
+    return common.evaluate(model, batches, amp_dtype, device,
                         loss_of=lambda model, x, y: model(input_ids=x, labels=x).loss)
-
-
-def _peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return _cpu_peak_mb()
 
 
 def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Tokens, *,
@@ -255,7 +239,7 @@ def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Token
     model, forward, opt, scaler, report = build_run(cfg, device, run)
     if report is not None and not quiet:
         print(report)
-    amp_dtype = _amp_dtype(cfg)
+    amp_dtype = autocast_dtype(cfg)
     clip_norm = None if run.startswith("trainops") else cfg.max_grad_norm
     batches = Batches(tokens.ids, cfg, device, split=tokens.split)
     model.train()
@@ -275,9 +259,9 @@ def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Token
                 step_times.append(1e3 * (time.perf_counter() - started))
             if not quiet:
                 timed = sum(step_times)
-                _progress(run, step + 1, cfg.steps, losses[-1],
-                          1e3 * len(step_times) * ids.numel() / timed if timed else 0, final=step + 1 == cfg.steps)
-    peak = _peak_mb(device)
+                show_progress(run, step + 1, cfg.steps, losses[-1],
+                              1e3 * len(step_times) * ids.numel() / timed if timed else 0, final=step + 1 == cfg.steps)
+    peak = peak_memory_mb(device)
     val = evaluate(model, batches.val_batches(), amp_dtype, device)
     tokens_per_step = cfg.batch * cfg.context
     timed = sum(step_times)
@@ -293,79 +277,7 @@ def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Token
 
 
 # ----------------------------------------------------------------------------------------------
-# Reports
-# ----------------------------------------------------------------------------------------------
-
-def reference_run(results: list[RunResult]) -> RunResult | None:
-    """The run the others are compared with: PyTorch eager when it ran, else the first non-trainops one."""
-    others = [r for r in results if not r.name.startswith("trainops")]
-    return next((r for r in others if r.name == "pytorch"), others[0] if others else None)
-
-
-def largest_relative_difference(losses: list, reference: list) -> float:
-    """max over steps of |loss - reference| / |reference|."""
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-
-
-def mean_relative_difference(losses: list, reference: list) -> float:
-    """mean over steps of |loss - reference| / |reference|."""
-    return sum(abs(a - b) / abs(b) for a, b in zip(losses, reference)) / len(reference)
-
-
-def results_table(results: list[RunResult], device: torch.device, runs: dict = RUNS, unit: str = "tokens/s") -> str:
-    """One line per run: ``unit`` (a result's throughput), median step, speed against the reference
-    run (of the medians), peak memory, final and held-out loss, and the largest and the mean relative
-    distance of its loss curve from the reference's, step by step. ``runs``: each run's label."""
-    reference = reference_run(results)
-    memory = "peak MiB" if device.type == "cuda" else "peak RSS so far"
-    lines = [f"{'run':32s} {unit:>10s} {'ms/step':>8s} {'speed':>6s} {memory:>15s} {'final':>7s} "
-             f"{'held-out':>8s} {'curve vs ' + (reference.name if reference else '-') + ': max, mean':>32s}"]
-    for r in results:
-        timed = bool(r.step_times_ms)
-        speed = (f"{_median(reference.step_times_ms) / _median(r.step_times_ms):5.2f}x"
-                 if reference and timed and reference.step_times_ms else "     -")
-        curve = (f"{100 * largest_relative_difference(r.losses, reference.losses):24.2f}%, "
-                 f"{100 * mean_relative_difference(r.losses, reference.losses):5.2f}%"
-                 if reference and r is not reference else f"{'-':>32s}")
-        lines.append(f"{runs[r.name]:32s} {r.tokens_per_s if timed else math.nan:10,.0f} "
-                     f"{_median(r.step_times_ms):8.1f} {speed:>6s} {r.peak_memory_mb:15,.0f} "
-                     f"{sum(r.losses[-5:]) / len(r.losses[-5:]):7.4f} {r.val_loss:8.4f} {curve}")
-    if any(not r.step_times_ms for r in results):
-        lines.append(f"(runs of at most {UNTIMED_STEPS} steps are not timed)")
-    return "\n".join(lines)
-
-
-def curves_table(results: list[RunResult], every: int) -> str:
-    lines = [f"{'step':>6s} " + " ".join(f"{r.name:>16s}" for r in results)]
-    steps = len(results[0].losses)
-    for i in sorted(set(range(0, steps, every)) | {steps - 1}):
-        lines.append(f"{i + 1:6d} " + " ".join(f"{r.losses[i]:16.4f}" for r in results))
-    return "\n".join(lines)
-
-
-def plot_curves(results: list[RunResult], path: str, title: str, runs: dict = RUNS) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, r in enumerate(results):
-        ax.plot(range(1, len(r.losses) + 1), r.losses, label=runs[r.name], lw=2 if i == 0 else 1,
-                ls="-" if i == 0 else "--", alpha=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line (``train.main`` parses the arguments and hands ``--model llama`` here)
+# Command line (``trainops.train.cli`` parses the arguments and hands ``--model llama`` here)
 # ----------------------------------------------------------------------------------------------
 
 def _runs_to_train(parser, args, device: torch.device) -> tuple[list[str], list[str]]:
@@ -403,8 +315,6 @@ def _runs_to_train(parser, args, device: torch.device) -> tuple[list[str], list[
 def main_llama(parser, args) -> int:
     """``python -m trainops train --model llama``: check the arguments (parser.error, exit status 2,
     one line naming the argument, before any work), learn the tokenizer, train every run, report."""
-    from . import train as gpt
-
     missing = missing_packages()
     if missing:
         parser.error(f"argument --model: llama needs {' and '.join(missing)}, not installed here "
@@ -429,7 +339,7 @@ def main_llama(parser, args) -> int:
                      "(torch.optim has none); compare with --optimizer adamw")
     plot_path = None
     if args.compare or args.runs is not None:
-        plot_path = gpt._plot_path(parser, argparse_namespace(args, compare=True))
+        plot_path = common.checked_plot_path(parser, argparse_namespace(args, compare=True))
     elif args.plot is not None:
         parser.error("argument --plot: only used with --compare or --runs (it plots the runs' loss curves)")
 
@@ -447,16 +357,17 @@ def main_llama(parser, args) -> int:
     results = []
     for run in runs:
         result = run_llama(cfg, device, run, tokens)
-        print(gpt.summary(result))
+        print(run_summary(result, UNTIMED_STEPS))
         if run.endswith("-compile") and result.kernels:
             print("  (under torch.compile: the ops Inductor inlines are counted once per compilation, the others "
                   "per call)")
         results.append(result)
     if len(results) > 1:
         print(curves_table(results, every=max(1, cfg.steps // 15)))
-        print(results_table(results, device))
+        print(results_table(results, device, RUNS, UNTIMED_STEPS))
     if plot_path:
-        print(plot_curves(results, plot_path, f"{args.config} Llama on {device}, {cfg.batch}x{cfg.context} tokens"))
+        print(plot_curves(results, plot_path, f"{args.config} Llama on {device}, {cfg.batch}x{cfg.context} tokens",
+                          RUNS))
     elif args.compare or args.runs is not None:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
     return 0
@@ -465,3 +376,4 @@ def main_llama(parser, args) -> int:
 def argparse_namespace(args, **changes):
     import argparse
     return argparse.Namespace(**{**vars(args), **changes})
+

@@ -1,4 +1,4 @@
-"""``torchrun --nproc_per_node N -m trainops train --fsdp``: the GPT of ``trainops.train`` sharded by
+"""``torchrun --nproc_per_node N -m trainops train --fsdp``: the GPT of ``trainops.train.gpt`` sharded by
 FSDP2 over N ranks (NCCL on GPUs, one per rank; gloo on the CPU).
 
 Each transformer block is a ``fully_shard`` unit, and the root (embedding, tied head, final norm)
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import train as gpt
+from . import gpt
+from .common import Batches, RunResult, evaluate, learning_rate, peak_memory_mb, show_progress, stdlib_bytes
 
 
 @dataclass
 class ShardedResult:
-    run: gpt.RunResult
+    run: RunResult
     peaks_mb: list   # every rank's peak memory
 
 
@@ -58,7 +59,7 @@ def run_sharded(cfg: gpt.Config, device: torch.device, use_trainops: bool, data:
     model, forward, opt, scaler, amp_dtype, report = gpt.build(cfg, device, use_trainops, shard=_shard(mesh))
     if report is not None and not quiet:
         print(report)
-    batches = gpt.Batches(data, cfg, device)
+    batches = Batches(data, cfg, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens_per_step = cfg.batch * cfg.context
@@ -66,7 +67,7 @@ def run_sharded(cfg: gpt.Config, device: torch.device, use_trainops: bool, data:
     with trainops.track_kernels() as used:
         for step in range(cfg.steps):
             for group in opt.param_groups:
-                group["lr"] = gpt.learning_rate(cfg, step)
+                group["lr"] = learning_rate(cfg, step)
             if cfg.dropout:
                 torch.manual_seed((cfg.seed * 1_000_003 + step) * world + rank)
             t0 = time.perf_counter()
@@ -79,16 +80,15 @@ def run_sharded(cfg: gpt.Config, device: torch.device, use_trainops: bool, data:
                 step_times.append(1e3 * elapsed)
             if not quiet:
                 timed = sum(step_times) / 1e3
-                gpt._progress(name, step + 1, cfg.steps, losses[-1],
+                show_progress(name, step + 1, cfg.steps, losses[-1],
                               tokens_per_step * len(step_times) / timed if timed else 0, final=step + 1 == cfg.steps)
-    val = gpt.evaluate(model, batches.val_batches(), amp_dtype, device)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else gpt._cpu_peak_mb()
+    val = evaluate(model, batches.val_batches(), amp_dtype, device)
+    peak = peak_memory_mb(device)
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     seconds = sum(step_times) / 1e3
-    result = gpt.RunResult(name, losses, val, tokens_per_step * len(step_times) / seconds if seconds else float("nan"),
-                           1e3 * seconds / len(step_times) if step_times else float("nan"), peak, dict(used),
-                           step_times)
+    result = RunResult(name, losses, val, tokens_per_step * len(step_times) / seconds if seconds else float("nan"),
+                       1e3 * seconds / len(step_times) if step_times else float("nan"), peak, dict(used), step_times)
     return ShardedResult(result, peaks)
 
 
@@ -127,7 +127,7 @@ def main_fsdp(parser, args, cfg: gpt.Config, plot_path: str | None) -> int:
         rank = dist.get_rank()
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        data = gpt.stdlib_bytes(cfg.data_bytes)
+        data = stdlib_bytes(cfg.data_bytes)
         if rank == 0:
             params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
             ranks = f"{world} rank{'s' if world != 1 else ''}"

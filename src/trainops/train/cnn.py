@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .train import RunResult, _median, _progress
-from .train_llama import _parameter_groups, _peak_mb
+from .common import (RunResult, autocast_dtype, checked_plot_path, curves_table, median, parameter_groups,
+                     peak_memory_mb, plot_curves, results_table, show_progress)
 
 CNN_CONFIGS = {
     # tiny: CI. small: the CPU default, about a minute on 2 cores. resnet18: ResNet-18's widths (GPU).
@@ -163,15 +163,11 @@ def build_run(cfg: CnnRunConfig, device: torch.device, run: str):
     if use_trainops:
         if cfg.gist != "none":
             handle = trainops.gist.compress(model, relu=True, stash=None if cfg.gist == "relu" else cfg.gist)
-        opt = trainops.optim.SGD(_parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
+        opt = trainops.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
     else:
-        opt = torch.optim.SGD(_parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
+        opt = torch.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
     forward = torch.compile(model) if run == "pytorch-compile" else model
     return model, forward, opt, handle
-
-
-def _amp_dtype(cfg: CnnRunConfig):
-    return {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.amp]
 
 
 def _images(cfg: CnnRunConfig, seed: int, device: torch.device):
@@ -184,7 +180,7 @@ def _images(cfg: CnnRunConfig, seed: int, device: torch.device):
 
 def evaluate(model, cfg: CnnRunConfig, device: torch.device) -> tuple[float, float]:
     """(mean held-out loss, accuracy) over VAL_BATCHES batches, eval mode (running statistics)."""
-    amp_dtype = _amp_dtype(cfg)
+    amp_dtype = autocast_dtype(cfg)
     model.eval()
     losses, correct, seen = [], 0, 0
     with torch.no_grad():
@@ -211,7 +207,7 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
     import trainops
 
     model, forward, opt, handle = build_run(cfg, device, run)
-    amp_dtype = _amp_dtype(cfg)
+    amp_dtype = autocast_dtype(cfg)
     model.train()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -233,10 +229,10 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
                 step_times.append(1e3 * (time.perf_counter() - started))
             if not quiet:
                 timed = sum(step_times)
-                _progress(run, step + 1, cfg.steps, losses[-1],
-                          1e3 * len(step_times) * cfg.batch / timed if timed else 0, final=step + 1 == cfg.steps,
-                          unit="images/s")
-    peak = _peak_mb(device)
+                show_progress(run, step + 1, cfg.steps, losses[-1],
+                              1e3 * len(step_times) * cfg.batch / timed if timed else 0, final=step + 1 == cfg.steps,
+                              unit="images/s")
+    peak = peak_memory_mb(device)
     stash = handle.stats if handle is not None else None   # the last training step's (evaluation packs nothing)
     val, accuracy = evaluate(model, cfg, device)
     timed = sum(step_times)
@@ -253,7 +249,7 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
 
 def summary(result: CnnResult) -> str:
     r = result.run
-    speed = (f"{r.tokens_per_s:,.0f} images/s, {r.step_ms:.1f} ms/step (median {_median(r.step_times_ms):.1f})"
+    speed = (f"{r.tokens_per_s:,.0f} images/s, {r.step_ms:.1f} ms/step (median {median(r.step_times_ms):.1f})"
              if r.step_times_ms else f"speed not measured (the first {UNTIMED_STEPS} steps of a run are not timed)")
     lines = [f"{r.name}: final loss {sum(r.losses[-5:]) / len(r.losses[-5:]):.4f} (mean of last 5 steps), held-out "
              f"loss {r.val_loss:.4f}, accuracy {100 * result.accuracy:.1f}%, {speed}, peak memory "
@@ -272,9 +268,6 @@ def summary(result: CnnResult) -> str:
 def main_cnn(parser, args) -> int:
     """``python -m trainops train --model cnn``: check the arguments (parser.error before any work),
     train every run, report."""
-    from . import train as gpt
-    from .train_llama import curves_table, plot_curves, results_table
-
     if args.config not in CNN_CONFIGS:
         parser.error(f"argument --config: --model cnn has {', '.join(CNN_CONFIGS)}; got {args.config!r}")
     for option, given in (("--save", args.save is not None), ("--resume", args.resume is not None),
@@ -299,7 +292,7 @@ def main_cnn(parser, args) -> int:
     base = CNN_CONFIGS[args.config]
     cfg = CnnRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
                           "lr": base["lr"] if args.lr is None else args.lr}, gist=gist, amp=amp)
-    plot_path = gpt._plot_path(parser, args)
+    plot_path = checked_plot_path(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     runs = ["trainops"] + (["pytorch", "pytorch-compile"] if args.compare else [])
@@ -315,7 +308,7 @@ def main_cnn(parser, args) -> int:
     if len(results) > 1:
         plain = [r.run for r in results]
         print(curves_table(plain, every=max(1, cfg.steps // 15)))
-        print(results_table(plain, device, runs=CNN_RUNS, unit="images/s"))
+        print(results_table(plain, device, CNN_RUNS, UNTIMED_STEPS, unit="images/s"))
     if plot_path:
         print(plot_curves([r.run for r in results], plot_path, f"{args.config} ResNet on {device}, batch {cfg.batch}",
                           runs=CNN_RUNS))

@@ -1,0 +1,198 @@
+"""``python -m trainops bench --compiled-choice``: measure, per (op, dtype, size class), whether a
+torch.compile graph should run our kernel or Inductor's fusion of the op's decomposition, and
+write the table trainops ships (``trainops/compiled_table.py``; ``trainops.compiled`` explains).
+
+For each op with a decomposition (RMSNorm and LayerNorm by row length, the rotary embedding by
+rotated features, the fused q/k norm + rotary by head dim), each dtype and size: two functions compiled alone with ``fullgraph=True`` and
+static shapes, one traced with our op (the table naming nothing: "triton") and one with the
+decomposition (the table naming the problem: "inductor"); forward + backward (a fixed upstream
+gradient) timed on the GPU: the durations of the kernels a step launches, summed under
+torch.profiler (``kernel_ms``; a compiled forward + backward costs 0.3-0.9 ms of host time on the
+H200 machine, more than these kernels take, so wall-clock timing measured the host: the first run,
+benchmarks/NOTES.md), the outputs first compared with each other. "inductor" enters the table only
+where it is faster by more than ``MARGIN``. Rows carry ms,
+GB/s (x read and y written forward, dy read and dx written backward: the fewest bytes) and % of the
+copy ceiling measured in the same run. What this cannot see: fusion with the op's neighbours in a
+model (a cast, the rotary embedding after a q/k norm); the whole-step profile is the arbiter there.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import torch
+
+import trainops
+from ..compiled import CompiledChoices, size_class
+from . import Row, copy_ceiling_gbps, environment, write_results
+
+MARGIN = 0.03   # the decomposition must be this much faster: 3 %, above the spread of repeated profiles
+ELEMENTS = 1 << 25   # elements of x per norm problem (rows = ELEMENTS / row length): Qwen3-0.6B's q-norm at 8 x 2048
+NORM_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ROTARY_SIZES = (64, 128, 256)
+QK_SIZES = (64, 128, 256)
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _norm_problem(op: str, n: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(ELEMENTS // n, n, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.rand(n, device="cuda", generator=gen) + 0.5).requires_grad_()
+    dy = torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen)
+    if op == "rms_norm":
+        def f(x, w):
+            return trainops.rms_norm(x, w, 1e-6)
+    else:
+        b = torch.randn(n, device="cuda", generator=gen).requires_grad_()
+
+        def f(x, w):
+            return trainops.layer_norm(x, (n,), w, b, 1e-5)
+    nbytes = 4 * x.numel() * x.element_size()   # x, y forward; dy, dx backward
+    return f, (x, w), (dy,), nbytes
+
+
+def _rotary_problem(r: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(r)
+    batch, seq, q_heads, k_heads = 4, 2048, 32, 8
+    # Hugging Face's layout: (batch, seq, heads, head_dim) projections seen as (batch, heads, seq, head_dim)
+    q = torch.randn(batch, seq, q_heads, r, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    k = torch.randn(batch, seq, k_heads, r, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    angles = torch.rand(batch, seq, r, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    dq = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+    dk = torch.randn(k.shape, device="cuda", dtype=dtype, generator=gen)
+
+    def f(q, k):
+        return trainops.rotary_embedding(q, k, cos, sin)
+    nbytes = 4 * (q.numel() + k.numel()) * q.element_size()
+    return f, (q, k), (dq, dk), nbytes
+
+
+def _qk_norm_rotary_problem(d: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    batch, seq, q_heads, k_heads = 8, 2048, 16, 8   # Qwen3-0.6B's attention at 8 x 2048 (d = 128)
+    q = torch.randn(batch, seq, q_heads, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    k = torch.randn(batch, seq, k_heads, d, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    q_weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).requires_grad_()
+    k_weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).requires_grad_()
+    angles = torch.rand(batch, seq, d, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    dq = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+    dk = torch.randn(k.shape, device="cuda", dtype=dtype, generator=gen)
+
+    def f(q, k):
+        return trainops.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, 1e-6)
+    nbytes = 4 * (q.numel() + k.numel()) * q.element_size()
+    return f, (q, k), (dq, dk), nbytes
+
+
+def _compiled_step(f, inputs, upstream, backend: str, key):
+    """A forward + backward of ``f`` compiled with the table choosing ``backend`` for ``key``."""
+    table = {key: "inductor"} if backend == "inductor" else {}
+    with trainops.heuristics(CompiledChoices(table=table)):
+        compiled = torch.compile(lambda *a: f(*a), fullgraph=True, dynamic=False)
+        outputs = compiled(*inputs)   # traced here, inside the block
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+
+    def step():
+        out = compiled(*inputs)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), upstream)
+        for t in inputs:
+            t.grad = None
+    return step, [o.detach() for o in outputs]
+
+
+def kernel_ms(step, steps: int = 10, windows: int = 3) -> float:
+    """ms of GPU time a step: its kernels' and copies' durations summed under torch.profiler, per
+    step, the median of ``windows`` profiles of ``steps`` steps (three unprofiled steps first)."""
+    import statistics
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not getattr(e, "is_user_annotation", False))
+        times.append(total_us / 1e3 / steps)
+    return statistics.median(times)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def measure(dtype: torch.dtype, ceiling: float, log=print) -> tuple[list[Row], dict]:
+    """Every (op, size) in ``dtype``: rows for both backends, and the table of the faster decompositions."""
+    problems = [(op, n) for op in ("rms_norm", "layer_norm") for n in NORM_SIZES]
+    problems += [("rotary_embedding", r) for r in ROTARY_SIZES]
+    problems += [("qk_norm_rotary", d) for d in QK_SIZES]
+    rows, table = [], {}
+    dname = str(dtype).replace("torch.", "")
+    for op, size in problems:
+        f, inputs, upstream, nbytes = (_rotary_problem(size, dtype) if op == "rotary_embedding"
+                                       else _qk_norm_rotary_problem(size, dtype) if op == "qk_norm_rotary"
+                                       else _norm_problem(op, size, dtype))
+        key = ("cuda", op, dname, size_class(size))
+        times, outputs = {}, {}
+        for backend in ("triton", "inductor"):
+            torch._dynamo.reset()
+            step, outputs[backend] = _compiled_step(f, inputs, upstream, backend, key)
+            times[backend] = kernel_ms(step)
+        error = max(_relative(a, b) for a, b in zip(outputs["inductor"], outputs["triton"]))
+        choice = "inductor" if times["inductor"] < (1 - MARGIN) * times["triton"] else "triton"
+        if choice == "inductor":
+            table[key] = "inductor"
+        shape = tuple(inputs[0].shape)
+        for backend, ms in times.items():
+            gbps = nbytes / ms / 1e6
+            rows.append(Row(op, f"{shape} fwd+bwd", "trainops" if backend == "triton" else "inductor decomposition",
+                            ms, gbps, 100 * gbps / ceiling, error if backend == "inductor" else None,
+                            fields=dict(dtype=dname, size=size, size_class=size_class(size), choice=choice)))
+        log(f"  {op:17s} {dname:8s} size {size:5d}: trainops {times['triton']:.4f} ms, decomposition "
+            f"{times['inductor']:.4f} ms ({times['triton'] / times['inductor']:.2f}x) -> {choice} "
+            f"(outputs differ by {error:.1e})")
+        del f, inputs, upstream
+    torch._dynamo.reset()
+    return rows, table
+
+
+def table_source(table: dict, env: dict) -> str:
+    """compiled_table.py's text for ``table`` measured in ``env``."""
+    entries = "".join(f"    {key!r}: {value!r},\n" for key, value in sorted(table.items()))
+    return (f'"""Generated by ``python -m trainops bench --compiled-choice --write-table``: do not edit by hand.\n\n'
+            f"(device type, op, dtype, size class) -> \"inductor\" where Inductor's fusion of the op's\n"
+            f"decomposition measured faster than our kernel under torch.compile (trainops.compiled); every other\n"
+            f"problem runs our kernel. Measured on {env['device']}, torch {env['torch']}, Triton {env['triton']},\n"
+            f"{env['date'][:10]}.\n\"\"\"\n\nTABLE = {{\n{entries}}}\n")
+
+
+def main(out: str | None = None, write_table: str | None = None) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("--compiled-choice measures torch.compile on a CUDA device; none is available")
+    env = environment()
+    print(f"trainops bench --compiled-choice on {env['device']} (torch {env['torch']}, triton {env['triton']})")
+    ceiling = copy_ceiling_gbps("cuda")
+    print(f"copy ceiling {ceiling:.0f} GB/s; the decomposition wins where it is > {MARGIN:.0%} faster")
+    if out is None:
+        out = f"compiled-choice-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    rows, table = [], {}
+    for dtype in DTYPES:   # the JSON is rewritten after each dtype: a run cut short keeps what it measured
+        dtype_rows, dtype_table = measure(dtype, ceiling)
+        rows += dtype_rows
+        table.update(dtype_table)
+        write_results(out, env, {"margin": MARGIN, "copy_ceiling_gbps": round(ceiling, 1),
+                                 "table": [list(k) + [v] for k, v in sorted(table.items())]}, rows=rows)
+        print(f"wrote {out}")
+    if write_table:
+        os.makedirs(os.path.dirname(write_table) or ".", exist_ok=True)
+        with open(write_table, "w") as f:
+            f.write(table_source(table, env))
+        print(f"wrote {write_table} ({len(table)} entries)")
+    return 0

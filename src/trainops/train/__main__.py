@@ -1,0 +1,7 @@
+"""``python -m trainops.train``: the same as ``python -m trainops train``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
