@@ -1,8 +1,9 @@
 """trainops.patch on Hugging Face transformers models (tiny random configurations, nothing
-downloaded): the patched model gives the unpatched one's loss and every parameter's gradient
-(the loss path without logits), in float32 and bf16, with gradient checkpointing, under
-torch.compile; without labels or in eval mode it returns logits as before; the report lists
-every swap."""
+downloaded), one per family of trainops.hf.ARCHITECTURES: the patched model gives the unpatched
+one's loss (MoE: with the router's auxiliary loss) and every parameter's gradient (the loss path
+without logits), in float32 and bf16, with gradient checkpointing, under torch.compile; the
+trainops kernels ran; without labels or in eval mode it returns logits as before; the report lists
+every swap and every refusal; dry_run changes nothing and unpatch restores the classes."""
 
 import copy
 
