@@ -597,6 +597,22 @@ def test_a_users_subclass_is_reported_not_swapped():
     assert type(model) is MyLM and any(name == "model.norm" for name, *_ in report.swapped)
 
 
+def test_every_listed_class_exists_and_every_family_is_tested():
+    """The table names classes that transformers defines in the module it says (a typo or a renamed
+    class would never match), and every family has its tiny configuration here."""
+    import importlib
+
+    from trainops import hf
+
+    for family, (module_name, module) in hf.ARCHITECTURES.items():
+        namespace = importlib.import_module(module_name)
+        for name in module.SWAPS:
+            cls = getattr(namespace, name, None)
+            assert isinstance(cls, type) and cls.__name__ == name and cls.__module__ == module_name, (family, name)
+            assert hf.kind_of(cls) is module.SWAPS[name]
+    assert set(hf.ARCHITECTURES) - {"activations", "gpt2"} == set(ARCHS)   # GPT-2: test_gpt2_whole
+
+
 @pytest.mark.gpu
 def test_gpu_llama_under_bf16_autocast():
     """A small Llama on the GPU, float32 parameters under bf16 autocast (the usual training set-up): the

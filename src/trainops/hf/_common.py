@@ -46,7 +46,7 @@ class Kind:
 
 
 _SILUS = frozenset({"SiLU", "SiLUActivation"})
-_TANH_GELU_NAMES = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"})
+_TANH_GELU_NAMES = frozenset({"NewGELUActivation", "GELUTanh"})   # transformers.activations (PytorchGELUTanh is an alias of GELUTanh)
 
 
 def _activation_kind(act) -> str | None:

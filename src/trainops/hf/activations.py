@@ -5,5 +5,4 @@ from ._common import TANH_GELU
 SWAPS = {
     "NewGELUActivation": TANH_GELU,
     "GELUTanh": TANH_GELU,
-    "PytorchGELUTanh": TANH_GELU,
 }
