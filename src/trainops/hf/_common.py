@@ -46,7 +46,8 @@ class Kind:
 
 
 _SILUS = frozenset({"SiLU", "SiLUActivation"})
-_TANH_GELU_NAMES = frozenset({"NewGELUActivation", "GELUTanh"})   # transformers.activations (PytorchGELUTanh is an alias of GELUTanh)
+# transformers.activations's (PytorchGELUTanh is an alias of GELUTanh)
+_TANH_GELU_NAMES = frozenset({"NewGELUActivation", "GELUTanh"})
 
 
 def _activation_kind(act) -> str | None:
