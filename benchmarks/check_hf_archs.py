@@ -6,8 +6,9 @@ eager unpatched, trainops.patch, and Liger where it is installed and supports th
 Each family at a small but real size (hidden 1024, 4 layers, 16 query / 4 KV heads of 64,
 vocabulary 32000 (GPT-2: 50257), MoE: 8 experts, top 2), random initial weights from the config
 (the same seed for every variant, nothing downloaded), float32 parameters under bf16 autocast,
-SDPA attention (Gemma 2: eager, which transformers requires), batch 4 x 1024 random tokens (labels = inputs). A step is forward + backward +
-zero_grad (no optimizer: the weights stay put, so every step of every variant sees the same model).
+SDPA attention (Gemma 2: eager, which transformers requires), batch 4 x 1024 random tokens
+(labels = inputs). A step is forward + backward + zero_grad (no optimizer: the weights stay put,
+so every step of every variant sees the same model).
 Each variant: 2 warm-up steps, then the median of ``--steps`` steps (each synchronised), the peak
 memory allocated during them, and the loss of the first step; ``loss_rel_diff`` is
 |loss - eager's| / eager's (bf16 autocast: expect ~1e-3 or less). trainops: ``trainops.patch``
@@ -46,7 +47,8 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", TOKENS),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5, **TOKENS}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 8.0, "embedding_multiplier": 12.0,
-                                                         "residual_multiplier": 0.22, "attention_multiplier": 0.015625}),
+                                                         "residual_multiplier": 0.22,
+                                                         "attention_multiplier": 0.015625}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, **MOE}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "moe_intermediate_size": 1408,
                                                             "norm_topk_prob": True, **MOE}),
@@ -69,8 +71,9 @@ def build(family: str, small: bool, device: str):
         config = getattr(transformers, config_name)(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=heads // 4, head_dim=hidden // heads,
-            max_position_embeddings=2048, **{"attn_implementation": "sdpa", **extra,
-                                             **({"moe_intermediate_size": 32} if small and family == "qwen3_moe" else {})})
+            max_position_embeddings=2048,
+            **{"attn_implementation": "sdpa", **extra,
+               **({"moe_intermediate_size": 32} if small and family == "qwen3_moe" else {})})
     torch.manual_seed(0)
     with torch.device(device):
         return getattr(transformers, model_name)(config)

@@ -33,7 +33,8 @@ ARCHS = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"partial_rotary_factor": 0.5, **TOKENS}),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, TOKENS),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {"no_rope_layers": [1, 0], **TOKENS}),
-    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM, {"head_dim": 8, "partial_rotary_factor": 0.5, **TOKENS}),
+    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM,
+             {"head_dim": 8, "partial_rotary_factor": 0.5, **TOKENS}),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
                 {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                  "attention_multiplier": 0.3}),
@@ -98,7 +99,8 @@ def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
         assert swapped["model.layers.0.mlp.experts"].endswith("Experts")
     else:
         assert swapped["model.layers.0.mlp"].endswith("MLP")
-    assert swapped["model.norm"].endswith("RMSNorm") and swapped["model.layers.1.post_attention_layernorm"].endswith("RMSNorm")
+    assert swapped["model.norm"].endswith("RMSNorm")
+    assert swapped["model.layers.1.post_attention_layernorm"].endswith("RMSNorm")
     if arch in QK_NORM_ARCHS:   # its q / k norms too
         assert swapped["model.layers.0.self_attn.q_norm"].endswith("RMSNorm")
         assert swapped["model.layers.1.self_attn.k_norm"].endswith("RMSNorm")
@@ -192,7 +194,8 @@ def test_bfloat16_model(arch):
     factor, ratios = (2.0 if arch == "gemma3" else 1.25), []
     for name in grads:
         assert grads[name].dtype == torch.bfloat16
-        ours, torchs = relative_error(grads[name], want_grads[name]), relative_error(their_grads[name], want_grads[name])
+        ours = relative_error(grads[name], want_grads[name])
+        torchs = relative_error(their_grads[name], want_grads[name])
         assert ours <= factor * torchs + 1e-3, (name, ours, torchs)
         ratios.append(ours / torchs)
     assert statistics.median(ratios) <= 1.1, sorted(ratios)
@@ -283,8 +286,10 @@ def test_gpt2_whole():
     reference = copy.deepcopy(model)
     report = trainops.patch(model, block_ops=True)
     kinds = {name: new for name, _, new in report.swapped}
-    assert kinds[""] == "trainops.hf.GPT2LMHeadModel" and kinds["transformer.h.0.mlp.act"] == "trainops.hf.NewGELUActivation"
-    assert kinds["transformer.h.1.ln_2"] == "trainops.nn.LayerNorm" and kinds["transformer.drop"] == "trainops.nn.Dropout"
+    assert kinds[""] == "trainops.hf.GPT2LMHeadModel"
+    assert kinds["transformer.h.0.mlp.act"] == "trainops.hf.NewGELUActivation"
+    assert kinds["transformer.h.1.ln_2"] == "trainops.nn.LayerNorm"
+    assert kinds["transformer.drop"] == "trainops.nn.Dropout"
     assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.bias is None
     model.train()
     reference.train()
@@ -464,7 +469,8 @@ def test_positional_arguments_reach_the_fused_loss():
     model.train()
     reference.train()
     ids, labels = batch()
-    got = model(ids, None, None, None, None, labels)   # input_ids, attention_mask, position_ids, cache, inputs_embeds, labels
+    # input_ids, attention_mask, position_ids, cache, inputs_embeds, labels
+    got = model(ids, None, None, None, None, labels)
     assert got.logits is None
     assert_close(got.loss, reference(input_ids=ids, labels=labels).loss, torch.float32, "positional")
 

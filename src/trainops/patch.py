@@ -306,7 +306,8 @@ def _change_classes(changes: list[tuple[torch.nn.Module, type, dict | tuple]]) -
                     module.__dict__.pop(name, None)
                 _PATCHED.pop(module, None)
     except BaseException:
-        for (module, old_class, before, record), (_, _, attributes) in zip(reversed(done), reversed(changes[:len(done)])):
+        undone = zip(reversed(done), reversed(changes[:len(done)]))
+        for (module, old_class, before, record), (_, _, attributes) in undone:
             for name in attributes:
                 module.__dict__.pop(name, None)
             module.__dict__.update(before)

@@ -340,7 +340,8 @@ class Router(Kind):
     def instance_reasons(self, module):
         weight = getattr(module, "weight", None)
         needed = ("top_k", "hidden_dim") + (() if self.normalize_always else ("norm_topk_prob",))
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or not all(hasattr(module, a) for a in needed):
+        if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2
+                or not all(hasattr(module, a) for a in needed)):
             return [f"it has no 2-D weight and {', '.join(needed)} as {type(module).__name__} has in transformers"]
         return []
 

@@ -1,4 +1,5 @@
-"""transformers.activations: the tanh GELUs (GPT-2's NewGELUActivation, Gemma's GELUTanh) -> trainops.gelu(approximate="tanh")."""
+"""transformers.activations: the tanh GELUs (GPT-2's NewGELUActivation, Gemma's GELUTanh) ->
+trainops.gelu(approximate="tanh")."""
 
 from ._common import TANH_GELU
 
