@@ -428,6 +428,18 @@ def hf_cases(rank, world, mesh, out, tmp):
     out["hf grads"] = rel(patched_grads, grads)
     out["hf grads against one process"] = rel(patched_grads, full(p.grad for p in whole.parameters()))
     out["hf logits skipped"] = logits is None
+    # unpatch of a model fully_shard wrapped after patch: the FSDP wrappers stay, around transformers's classes
+    from torch.distributed.fsdp import FSDPModule
+
+    model = make(True)
+    restored = {name for name, *_ in trainops.unpatch(model).swapped}
+    out["hf unpatched"] = (restored >= {"", "model.norm", "model.layers.0.mlp", "model.layers.1.self_attn"}
+                           and isinstance(model, FSDPModule) and isinstance(model.model.layers[0], FSDPModule)
+                           and type(model).__mro__[2] is transformers.LlamaForCausalLM
+                           and type(model.model.norm) is transformers.models.llama.modeling_llama.LlamaRMSNorm)
+    unpatched_out = model(input_ids=ids, labels=ids)
+    out["hf unpatched loss"] = rel([unpatched_out.loss.detach()], [loss])
+    out["hf unpatched logits"] = unpatched_out.logits is not None
 
 
 SAVE_CASES = (torch_cases, lamb_cases, skip_cases, error_cases, checkpoint_cases, module_cases, hf_cases)
@@ -607,6 +619,7 @@ def test_hf_fused_loss_with_a_sharded_lm_head(runs):
         assert out["hf loss"] <= 1e-6 and out["hf grads"] <= 1e-6, out
         # against the patched model in one process on the global batch: float64's
         assert out["hf grads against one process"] <= 1e-12, out["hf grads against one process"]
+        assert out["hf unpatched"] and out["hf unpatched logits"] and out["hf unpatched loss"] <= 1e-12, out
 
 
 def disagree_2d_worker(rank, world, port, results):
