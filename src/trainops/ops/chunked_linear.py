@@ -1,0 +1,248 @@
+"""The chunking base of the fused linear post-training losses (linear_distillation,
+linear_preference): an LM head's logits computed ``rows`` tokens at a time, transformed, handed to
+a loss's per-chunk function, and the gradient of each chunk's logits pushed back through the
+transform and the head's matmuls into dhidden, dweight and dbias.
+
+    logits_c = hidden_c @ W^T (+ b)                          one matmul in hidden's dtype
+    u_c      = softcap(logit_scale * logits_c)               float32 (float64 for float64)
+                                                             softcap(v) = c tanh(v / c); none when c is None
+    (the loss divides u by its temperature itself: distillation's hard loss reads u at temperature 1)
+    du_c     from the loss's chunk function                   float32
+    dlogits  = du_c * (1 - tanh^2) * logit_scale              rounded once to the matmuls' dtype
+    dhidden_c = dlogits @ W                                   float32 output, rounded once into dhidden's rows
+    dW (+)= dlogits^T @ hidden_c                              a float32 accumulator (a float32 weight's gradient itself)
+    db += column sums of dlogits                              float32
+
+Chunks go in a fixed order and nothing uses atomics: the gradients are bit-identical run to run.
+Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
+costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
+
+Not an op family: this module registers no op and no kernel. ChunkedLinearHeuristics sets the
+chunk size of both losses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..plan import heuristics_for
+
+NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkedLinearHeuristics:
+    """chunk_bytes: the most bytes one chunk's logits may take in float32 (the per-chunk math holds
+    a few float32 buffers of that size: about five for distillation, three for the preference
+    losses); a chunk's rows are the largest power of two that fits, at least ``min_rows``. Each chunk
+    after the first rereads and rewrites the float32 dW accumulator (8 bytes a weight element), so
+    fewer, larger chunks are faster and hold more memory. The default, 1 GiB, is 2048 rows of a
+    128256-class vocabulary (unmeasured here: chosen as linear_cross_entropy's 2048-row chunks at
+    that vocabulary, whose choice the H100 measured; benchmarks/bench_linear_post_training.py
+    reports the peak memory and time to revisit it)."""
+
+    chunk_bytes: int = 2**30
+    min_rows: int = 16
+
+    def rows(self, n: int, classes: int) -> int:
+        fit = self.chunk_bytes // max(1, classes * 4)
+        rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
+        return max(1, min(n, rows))
+
+
+def heuristic_rows(n: int, classes: int) -> int:
+    """Tokens a chunk from the ChunkedLinearHeuristics in force (read at run time, not traced)."""
+    return heuristics_for(ChunkedLinearHeuristics).rows(n, classes)
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b, ``out`` in the accumulator dtype, a and b maybe half: on CUDA the matmul reads
+    and writes ``out`` itself (torch.mm / addmm's out_dtype); on the CPU a and b are converted first."""
+    if out.dtype != a.dtype and out.device.type == "cuda":
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+class ChunkedHead:
+    """One LM head over one call's tokens: ``logits(start, stop)`` gives a chunk's transformed
+    logits u (float32) and what their gradient needs; ``backward(start, stop, du, saved)``
+    accumulates that chunk's gradients (the chunk function has normalised du by the loss's global
+    counts); ``finish()`` returns (dhidden, dweight, dbias), each rounded once to its tensor's dtype,
+    None where not in ``needs``.
+
+    hidden (N, H) in the matmuls' dtype; weight (V, H) and bias (V,) any float dtype (cast once to
+    hidden's). logit_scale multiplies the logits, softcap caps them (None: no cap)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logit_scale: float,
+                 softcap: Optional[float], needs: int = 0):
+        self.x, self.weight, self.bias = hidden, weight, bias
+        self.acc = accumulator(hidden.dtype)
+        self.w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        self.b = None if bias is None else bias if bias.dtype == hidden.dtype else bias.to(hidden.dtype)
+        self.logit_scale, self.softcap = logit_scale, softcap
+        n, h = hidden.shape
+        dev = hidden.device
+        self.dx = torch.empty_like(hidden) if needs & NEEDS_HIDDEN else None
+        # dW in the accumulator dtype: a float32 weight's gradient itself, else a buffer rounded at the end
+        self.dw = torch.zeros(weight.shape, dtype=self.acc, device=dev) if needs & NEEDS_WEIGHT else None
+        self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
+                   if bias is not None and needs & NEEDS_BIAS else None)
+        self._dx_chunk = None
+        self._first = True
+
+    def logits(self, start: int, stop: int) -> tuple[Tensor, Optional[Tensor]]:
+        """(u, tanh of the capped logits or None): u = softcap(logit_scale * (x W^T + b)) of rows
+        [start, stop) in the accumulator dtype (a new buffer the caller may overwrite)."""
+        xc = self.x[start:stop]
+        logits = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
+        u = logits if logits.dtype == self.acc else logits.to(self.acc)
+        del logits
+        if self.logit_scale != 1.0:
+            u.mul_(self.logit_scale)
+        if self.softcap is None:
+            return u, None
+        t = u.div_(self.softcap).tanh_()
+        return t * self.softcap, t
+
+    def backward(self, start: int, stop: int, du: Tensor, t: Optional[Tensor]) -> None:
+        """Accumulate the gradients of rows [start, stop) from du = d loss / d u (overwritten)."""
+        if self.dx is None and self.dw is None and self.db is None:
+            return
+        if t is not None:   # d softcap(v) / dv = 1 - tanh^2
+            du.mul_(t.square_().neg_().add_(1))
+        if self.logit_scale != 1.0:
+            du.mul_(self.logit_scale)
+        dlogits = du if du.dtype == self.x.dtype else du.to(self.x.dtype)
+        xc = self.x[start:stop]
+        if self.dx is not None:   # in the accumulator dtype, rounded once into dx's rows
+            if self.acc == self.x.dtype:
+                torch.mm(dlogits, self.w, out=self.dx[start:stop])
+            else:
+                if self._dx_chunk is None or self._dx_chunk.shape[0] != stop - start:
+                    self._dx_chunk = torch.empty(stop - start, self.x.shape[1], dtype=self.acc, device=self.x.device)
+                _matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
+                self.dx[start:stop].copy_(self._dx_chunk)
+        if self.dw is not None:
+            _matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
+        if self.db is not None:
+            self.db += du.sum(0) if du.dtype == self.acc else dlogits.sum(0, dtype=self.acc)
+        self._first = False
+
+    def finish(self) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
+        dx, dw, db = self.dx, self.dw, self.db
+        self.dx = self.dw = self.db = self._dx_chunk = None
+        if dw is not None and self.weight.dtype != self.acc:   # rounded once; the float32 buffer freed
+            dw = dw.to(self.weight.dtype)
+        if db is not None and self.bias.dtype != self.acc:
+            db = db.to(self.bias.dtype)
+        return dx, dw, db
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks both losses share (errors name the op and the argument)
+# ----------------------------------------------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_transform(op: str, logit_scale, softcap, temperature) -> None:
+    """z = softcap(logit_scale * logits) / temperature: logit_scale finite and nonzero, softcap None
+    or finite > 0, temperature finite > 0."""
+    if not _number(logit_scale) or not math.isfinite(logit_scale) or logit_scale == 0:
+        raise argument_error(InvalidProblemError, op, "logit_scale", f"must be a finite nonzero number, got "
+                             f"{logit_scale!r}")
+    if softcap is not None and (not _number(softcap) or not 0.0 < softcap < math.inf):
+        raise argument_error(InvalidProblemError, op, "softcap", f"must be None or a finite number > 0, got {softcap!r}")
+    if not _number(temperature) or not 0.0 < temperature < math.inf:
+        raise argument_error(InvalidProblemError, op, "temperature", f"must be a finite number > 0, got "
+                             f"{temperature!r}")
+
+
+def check_number(op: str, name: str, value, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
+    """A real number in [low, high] ((low, high] with open_low); errors name the argument."""
+    if not _number(value) or not math.isfinite(value) or value < low or value > high or open_low and value == low:
+        interval = f"{'(' if open_low else '['}{low}, {high}]"
+        raise argument_error(InvalidProblemError, op, name, f"must be a finite number in {interval}, got {value!r}")
+
+
+def check_ignore_index(op: str, ignore_index) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
+        raise argument_error(InvalidProblemError, op, "ignore_index", f"must be an int in the int64 range, got "
+                             f"{ignore_index!r}")
+
+
+def check_head(op: str, names: tuple[str, str, str], hidden, weight, bias) -> None:
+    """hidden (..., H) and an LM head weight (V, H), bias (V,) or None: tensors of float dtypes on
+    one CPU or CUDA device."""
+    for name, t in zip(names, (hidden, weight, bias)):
+        if t is None and name == names[2]:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
+                                 "bfloat16, float64")
+    if hidden.device.type not in ("cpu", "cuda"):
+        raise argument_error(UnsupportedError, op, names[0], f"is on {hidden.device}; supported: CPU and CUDA tensors")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise argument_error(InvalidProblemError, op, names[0], f"has shape {tuple(hidden.shape)}; it must be "
+                             "(..., H) with H >= 1")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise argument_error(InvalidProblemError, op, names[1], f"has shape {tuple(weight.shape)}; expected (V, "
+                             f"{hidden.shape[-1]}) with V >= 1: classes x {names[0]}'s last axis")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise argument_error(InvalidProblemError, op, names[2], f"has shape {tuple(bias.shape)}; expected "
+                             f"({weight.shape[0]},)")
+    for name, t in zip(names[1:], (weight, bias)):
+        if t is not None and t.device != hidden.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but {names[0]} is on "
+                                 f"{hidden.device}")
+
+
+def check_labels(op: str, labels, shape, device) -> None:
+    if not isinstance(labels, Tensor):
+        raise argument_error(InvalidProblemError, op, "labels", f"must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise argument_error(InvalidProblemError, op, "labels", f"has dtype {labels.dtype}; class indices are int64 "
+                             "or int32")
+    if tuple(labels.shape) != tuple(shape):
+        raise argument_error(InvalidProblemError, op, "labels", f"has shape {tuple(labels.shape)}; expected the "
+                             f"hidden states' leading axes {tuple(shape)}")
+    if labels.device != device:
+        raise argument_error(InvalidProblemError, op, "labels", f"is on {labels.device} but the hidden states are on "
+                             f"{device}")
+
+
+def gradient_bits(*pairs) -> int:
+    """The NEEDS_* bits of the (tensor, bit) pairs whose tensor requires grad, in grad mode."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(bit for t, bit in pairs if t is not None and t.requires_grad)
+
+
+__all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT", "accumulator",
+           "check_head", "check_ignore_index", "check_labels", "check_number", "check_transform", "gradient_bits",
+           "heuristic_rows"]
