@@ -1,0 +1,338 @@
+"""Fused linear preference losses (DPO, IPO, SimPO, CPO, ORPO) from the last hidden states and the
+LM head, never holding more than one chunk of logits.
+
+Two pieces:
+
+1. ``linear_token_logprobs`` (a custom op): per token, log_softmax(z)[label] and sum_v z_v, with
+   z = softcap(logit_scale * (hidden W^T + b)) / temperature, over chunks of tokens
+   (ops/chunked_linear.ChunkedHead); ignored tokens give 0. Its forward is one matmul a chunk and
+   keeps each token's logsumexp; its backward takes d loss / d logp per token and runs the chunks
+   again: dz = dlogp (onehot(label) - exp(z - lse)), then the two gradient matmuls.
+2. The losses themselves, torch ops on the (B,)-sized sequence log-probabilities, differentiated
+   by autograd into the per-token dlogp.
+
+Why two passes. A preference loss is a nonlinear function of whole sequences' log-probabilities,
+so a chunk's dlogits (d loss / d logp_seq times d logp_seq / d logits) is known only once every
+token of the chunk's sequences has been seen. Chunks are tokens, not sequence pairs (a pair of long
+sequences would be 2 x T x V logits a chunk), and the chosen and rejected rows sit in the two
+halves of the batch, so no token chunk completes a pair in general. Storing the per-token factors
+instead would take a V-sized softmax a token (the logits themselves). So the policy costs four
+matmuls (forward: logits; backward: logits again, dhidden, dweight) where an unfused formulation
+costs three, and the reference one (its logits, no gradient); without gradients (evaluation) the
+policy costs one. Liger's chunks of sequence pairs cost three with 2 x T x V floats a chunk.
+
+Conventions (TRL's trainers): the batch is the P chosen rows, then the P rejected rows; labels are
+aligned with the hidden states (the caller shifts) and ``ignore_index`` tokens count for nothing.
+Sequence log-probabilities are summed over the kept tokens for DPO and CPO, averaged (divided by
+max(1, kept tokens)) for IPO, SimPO and ORPO. With delta = (c - c_ref) - (r - r_ref) (c, r: the
+chosen and rejected sequence log-probabilities), sigma_ls(x) = -(1 - ls) log sigmoid(x) - ls log sigmoid(-x):
+
+    dpo    sigma_ls(beta delta)                      TRL's DPO "sigmoid" loss (ls: cDPO's label smoothing,
+                                                     TRL < 1.0's DPO and TRL's CPO trainer)
+    ipo    (delta - 1 / (2 beta))^2                  TRL's DPO "ipo" (its log-ratios over the completion's tokens)
+    simpo  sigma_ls(beta (c - r) - gamma)            TRL's CPO trainer, loss_type "simpo" (gamma: simpo_gamma)
+    cpo    sigma_ls(beta (c - r)) + nll_weight NLL   TRL's CPO trainer, loss_type "sigmoid" (nll_weight: cpo_alpha)
+    orpo   NLL - beta log sigmoid(log_odds)          TRL's ORPO trainer; log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))
+
+each the mean over the pairs (plus nll_weight times the chosen rows' NLL: -sum of their kept
+tokens' log-probabilities / max(1, their count); its weight is 1 for CPO and ORPO, 0 otherwise by
+default). Rewards: beta (logps - ref_logps) with a reference, beta logps without (TRL's CPO and
+ORPO); ``chosen_logits_mean`` / ``rejected_logits_mean``: the mean over the vocabulary of z,
+averaged over the kept tokens of the chosen / rejected rows (TRL's ``logits/chosen`` metric).
+ORPO's log(1 - e^x) reads min(x, -1e-7) (a row with no kept token has log-probability 0, whose odds
+are infinite; the clamp keeps its loss and gradients finite).
+
+Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast its
+dtype); weight and bias any float dtype; log-probabilities, losses and rewards float32 (float64).
+Deterministic: fixed chunk order, no atomics; no host syncs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..library import custom_op
+from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
+                             check_ignore_index, check_labels, check_number, check_transform, heuristic_rows)
+
+OP = "linear_preference_loss"
+TOKENS_OP = "linear_token_logprobs"
+KINDS = ("dpo", "ipo", "orpo", "simpo", "cpo")
+_NEEDS_REFERENCE = ("dpo", "ipo")
+_AVERAGED = ("ipo", "simpo", "orpo")
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token log-probabilities: torch.ops.trainops.linear_token_logprobs (+ its backward op)
+# ----------------------------------------------------------------------------------------------
+
+def _tokens_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+                 logit_scale: float, softcap: Optional[float], temperature: float,
+                 rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, logit_sum, lse), each (N,) in the accumulator dtype; ignored tokens: 0, 0 and their lse."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = accumulator(hidden.dtype)
+    rows = rows or heuristic_rows(n, v)
+    logp = torch.empty(n, dtype=acc, device=hidden.device)
+    logit_sum = torch.empty(n, dtype=acc, device=hidden.device)
+    lse = torch.empty(n, dtype=acc, device=hidden.device)
+    kept = labels != ignore_index
+    index = torch.where(kept, labels, 0)[:, None]
+    with torch.autocast(hidden.device.type, enabled=False):
+        head = ChunkedHead(hidden, weight, bias, logit_scale, softcap)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            z, _ = head.logits(start, stop)
+            if temperature != 1.0:
+                z.div_(temperature)
+            torch.logsumexp(z, -1, out=lse[start:stop])
+            keep = kept[start:stop]
+            logp[start:stop] = (z.gather(1, index[start:stop]).squeeze(1) - lse[start:stop]) * keep
+            logit_sum[start:stop] = z.sum(-1) * keep
+            del z
+    return logp, logit_sum, lse
+
+
+def _tokens_fake(hidden, weight, labels, bias, ignore_index, logit_scale, softcap, temperature, rows):
+    out = hidden.new_empty(hidden.shape[0], dtype=accumulator(hidden.dtype))
+    return out, torch.empty_like(out), torch.empty_like(out)
+
+
+def _tokens_save(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.labels, inputs.bias, output[2])
+    # the forward's chunk size: the backward may run on another thread, outside its heuristics block
+    ctx.arguments = (inputs.ignore_index, inputs.logit_scale, inputs.softcap, inputs.temperature,
+                     inputs.rows or heuristic_rows(inputs.hidden.shape[0], inputs.weight.shape[0]))
+
+
+def _tokens_grad(ctx, dlogp: Tensor, *unused) -> dict:
+    if dlogp is None:
+        return {}
+    if torch.is_grad_enabled():
+        raise UnsupportedError(f"trainops.{TOKENS_OP}: double backward is not supported")
+    hidden, weight, labels, bias, lse = ctx.saved_tensors
+    need = ctx.needs_grad
+    needs = NEEDS_HIDDEN * need.hidden + NEEDS_WEIGHT * need.weight + NEEDS_BIAS * (bias is not None and need.bias)
+    if not needs:
+        return {}
+    dx, dw, db = tokens_backward_op(dlogp, hidden, weight, labels, bias, lse, *ctx.arguments, needs)
+    return {name: g for name, g, bit in (("hidden", dx, NEEDS_HIDDEN), ("weight", dw, NEEDS_WEIGHT),
+                                         ("bias", db, NEEDS_BIAS)) if needs & bit}
+
+
+def _tokens_backward_impl(dlogp: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
+                          lse: Tensor, ignore_index: int, logit_scale: float, softcap: Optional[float],
+                          temperature: float, rows: int, needs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dhidden, dweight, dbias) of per-token upstream gradients dlogp; one not in ``needs`` is an
+    empty tensor. The chunks again: dz = dlogp (onehot - exp(z - lse)) on kept tokens, / temperature."""
+    n = hidden.shape[0]
+    acc = accumulator(hidden.dtype)
+    kept = labels != ignore_index
+    index = torch.where(kept, labels, 0)[:, None]
+    # ignored tokens get no gradient whatever their upstream one; 1 / T folded in
+    factor = torch.where(kept, dlogp.to(acc), 0) / temperature
+    with torch.autocast(hidden.device.type, enabled=False):
+        head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            z, t = head.logits(start, stop)
+            if temperature != 1.0:
+                z.div_(temperature)
+            f = factor[start:stop, None]
+            dz = z.sub_(lse[start:stop, None]).exp_().mul_(-f)          # -dlogp softmax(z)
+            chunk_index = index[start:stop]
+            dz.scatter_(1, chunk_index, dz.gather(1, chunk_index) + f)   # + dlogp onehot(label)
+            head.backward(start, stop, dz, t)
+            del z, dz, t
+        dx, dw, db = head.finish()
+    return tuple(hidden.new_empty(0) if g is None else g for g in (dx, dw, db))
+
+
+def _tokens_backward_fake(dlogp, hidden, weight, labels, bias, lse, ignore_index, logit_scale, softcap, temperature,
+                          rows, needs):
+    return (hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0),
+            weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0),
+            hidden.new_empty(0) if bias is None or not needs & NEEDS_BIAS else bias.new_empty(bias.shape))
+
+
+tokens_backward_op = custom_op(f"{TOKENS_OP}_backward", _tokens_backward_impl, _tokens_backward_fake)
+linear_token_logprobs_op = custom_op(TOKENS_OP, _tokens_impl, _tokens_fake, backward=_tokens_grad,
+                                     save=_tokens_save)
+
+
+def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, *,
+                          ignore_index: int = -100, logit_scale: float = 1.0, softcap: float | None = None,
+                          temperature: float = 1.0, op: str = TOKENS_OP) -> tuple[Tensor, Tensor]:
+    """(log_softmax(z)[label], sum_v z_v) of each token, hidden's leading shape, float32 (float64);
+    ignored tokens 0. Differentiable in the log-probabilities (hidden, weight, bias)."""
+    check_ignore_index(op, ignore_index)
+    check_transform(op, logit_scale, softcap, temperature)
+    check_head(op, ("hidden", "weight", "bias"), hidden, weight, bias)
+    check_labels(op, labels, hidden.shape[:-1], hidden.device)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    x = hidden.reshape(-1, hidden.shape[-1])
+    logp, logit_sum, _ = linear_token_logprobs_op(x, weight, labels.reshape(-1), bias, ignore_index,
+                                                  float(logit_scale), None if softcap is None else float(softcap),
+                                                  float(temperature), 0)
+    return logp.reshape(labels.shape), logit_sum.reshape(labels.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The losses
+# ----------------------------------------------------------------------------------------------
+
+class PreferenceOutput(NamedTuple):
+    """What trainops.linear_preference_loss returns: the loss (a scalar) and, per pair (P,), the
+    sequence log-probabilities and rewards (no gradient), and the two logits means (scalars)."""
+    loss: Tensor
+    chosen_logps: Tensor
+    rejected_logps: Tensor
+    chosen_rewards: Tensor
+    rejected_rewards: Tensor
+    chosen_logits_mean: Tensor
+    rejected_logits_mean: Tensor
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - e^x) for x <= 0, accurate on both sides of -log 2; x clamped to <= -1e-7 (module docstring)."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def _sigmoid_ls(x: Tensor, label_smoothing: float) -> Tensor:
+    loss = -F.logsigmoid(x)
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-x)
+    return loss
+
+
+def check_settings(kind, beta, gamma, label_smoothing, nll_weight, ignore_index, logit_scale, softcap,
+                   temperature) -> None:
+    """The loss's settings (what trainops.nn.LinearPreferenceLoss's constructor takes)."""
+    if kind not in KINDS:
+        raise argument_error(InvalidProblemError, OP, "kind", f"is {kind!r}; expected one of {KINDS}")
+    check_number(OP, "beta", beta, 0.0, open_low=True)
+    check_number(OP, "gamma", gamma, -float("inf"))
+    check_number(OP, "label_smoothing", label_smoothing, 0.0, 0.5)
+    if label_smoothing and kind in ("ipo", "orpo"):
+        raise argument_error(InvalidProblemError, OP, "label_smoothing", f"applies to the sigmoid losses (dpo, simpo, "
+                             f"cpo), not to kind={kind!r}")
+    if nll_weight is not None:
+        check_number(OP, "nll_weight", nll_weight, 0.0)
+    check_ignore_index(OP, ignore_index)
+    check_transform(OP, logit_scale, softcap, temperature)
+
+
+def _sequence(logp: Tensor, logit_sum: Tensor, kept: Tensor, averaged: bool):
+    """(sequence log-probabilities (B,), kept tokens a row (B,)) from per-token values (B, T)."""
+    count = kept.sum(-1).to(logp.dtype)
+    seq = logp.sum(-1)
+    return (seq / count.clamp_min(1) if averaged else seq), count
+
+
+def linear_preference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
+                           kind: str = "dpo", beta: float = 0.1, ref_hidden: Tensor | None = None,
+                           ref_weight: Tensor | None = None, ref_bias: Tensor | None = None,
+                           ref_chosen_logps: Tensor | None = None, ref_rejected_logps: Tensor | None = None,
+                           gamma: float = 0.5, label_smoothing: float = 0.0, nll_weight: float | None = None,
+                           ignore_index: int = -100, logit_scale: float = 1.0, softcap: float | None = None,
+                           temperature: float = 1.0) -> PreferenceOutput:
+    """See trainops.functional.linear_preference_loss."""
+    check_settings(kind, beta, gamma, label_smoothing, nll_weight, ignore_index, logit_scale, softcap, temperature)
+    check_head(OP, ("hidden", "weight", "bias"), hidden, weight, bias)
+    if hidden.dim() != 3 or hidden.shape[0] % 2:
+        raise argument_error(InvalidProblemError, OP, "hidden", f"has shape {tuple(hidden.shape)}; expected (B, T, H) "
+                             "with B even: the chosen rows, then the rejected rows")
+    check_labels(OP, labels, hidden.shape[:-1], hidden.device)
+    pairs = hidden.shape[0] // 2
+    by_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
+    by_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
+    if by_head and by_logps:
+        raise argument_error(InvalidProblemError, OP, "ref_chosen_logps", "and ref_hidden / ref_weight were both "
+                             "given: pass the reference as hidden states and head, or as log-probabilities")
+    if by_head:
+        if ref_hidden is None or ref_weight is None:
+            name = "ref_hidden" if ref_hidden is None else "ref_weight"
+            raise argument_error(InvalidProblemError, OP, name, "is None: a reference given as hidden states and "
+                                 "head needs both ref_hidden and ref_weight")
+        check_head(OP, ("ref_hidden", "ref_weight", "ref_bias"), ref_hidden, ref_weight, ref_bias)
+        if tuple(ref_hidden.shape[:-1]) != tuple(hidden.shape[:-1]) or ref_weight.shape[0] != weight.shape[0]:
+            raise argument_error(InvalidProblemError, OP, "ref_hidden", f"has shape {tuple(ref_hidden.shape)} with a "
+                                 f"{ref_weight.shape[0]}-class head; expected leading axes {tuple(hidden.shape[:-1])} "
+                                 f"and {weight.shape[0]} classes (the policy's tokens and vocabulary)")
+        if ref_hidden.device != hidden.device:
+            raise argument_error(InvalidProblemError, OP, "ref_hidden", f"is on {ref_hidden.device} but hidden is on "
+                                 f"{hidden.device}")
+    if by_logps:
+        for name, t in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+            if not isinstance(t, Tensor) or tuple(t.shape) != (pairs,) or not t.is_floating_point():
+                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise argument_error(InvalidProblemError, OP, name, f"must be a float tensor of shape ({pairs},) "
+                                     f"(one log-probability a pair, as this kind's sequence log-probabilities), got "
+                                     f"{shape}")
+            if t.device != hidden.device:
+                raise argument_error(InvalidProblemError, OP, name, f"is on {t.device} but hidden is on "
+                                     f"{hidden.device}")
+    has_reference = by_head or by_logps
+    if kind in _NEEDS_REFERENCE and not has_reference:
+        raise argument_error(InvalidProblemError, OP, "ref_hidden", f"is None: kind={kind!r} needs a reference (as "
+                             "ref_hidden and ref_weight, or ref_chosen_logps and ref_rejected_logps)")
+    if kind not in _NEEDS_REFERENCE and has_reference:
+        raise argument_error(InvalidProblemError, OP, "ref_hidden" if by_head else "ref_chosen_logps",
+                             f"was given, but kind={kind!r} uses no reference model")
+
+    transform = dict(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+                     op=OP)
+    averaged = kind in _AVERAGED
+    kept = labels != ignore_index
+    logp, logit_sum = linear_token_logprobs(hidden, weight, labels, bias, **transform)
+    seq, count = _sequence(logp, logit_sum, kept, averaged)
+    chosen, rejected = seq[:pairs], seq[pairs:]
+    if by_head:
+        with torch.no_grad():
+            ref_logp, _ = linear_token_logprobs(ref_hidden, ref_weight, labels, ref_bias, **transform)
+            ref_seq, _ = _sequence(ref_logp, ref_logp, kept, averaged)
+        ref_chosen, ref_rejected = ref_seq[:pairs].to(seq.dtype), ref_seq[pairs:].to(seq.dtype)
+    elif by_logps:
+        ref_chosen, ref_rejected = ref_chosen_logps.detach().to(seq.dtype), ref_rejected_logps.detach().to(seq.dtype)
+
+    if has_reference:
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    else:
+        chosen_ratio, rejected_ratio = chosen, rejected
+    if kind == "dpo":
+        per_pair = _sigmoid_ls(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    elif kind == "ipo":
+        per_pair = (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2
+    elif kind == "simpo":
+        per_pair = _sigmoid_ls(beta * (chosen - rejected) - gamma, label_smoothing)
+    elif kind == "cpo":
+        per_pair = _sigmoid_ls(beta * (chosen - rejected), label_smoothing)
+    else:   # orpo
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+        per_pair = -beta * F.logsigmoid(log_odds)
+    loss = per_pair.mean() if pairs else per_pair.sum()
+    weight_nll = (1.0 if kind in ("cpo", "orpo") else 0.0) if nll_weight is None else float(nll_weight)
+    chosen_count = count[:pairs].sum()
+    if weight_nll:
+        loss = loss + weight_nll * (-logp[:pairs].sum() / chosen_count.clamp_min(1))
+    with torch.no_grad():
+        classes = weight.shape[0]
+        rejected_count = count[pairs:].sum()
+        chosen_logits_mean = logit_sum[:pairs].sum() / classes / chosen_count.clamp_min(1)
+        rejected_logits_mean = logit_sum[pairs:].sum() / classes / rejected_count.clamp_min(1)
+        return PreferenceOutput(loss, chosen.detach(), rejected.detach(), beta * chosen_ratio.detach(),
+                                beta * rejected_ratio.detach(), chosen_logits_mean, rejected_logits_mean)
+
+
+__all__ = ["KINDS", "PreferenceOutput", "check_settings", "linear_preference_loss", "linear_token_logprobs",
+           "linear_token_logprobs_op"]
