@@ -23,6 +23,7 @@ from .functional import bias_gelu, geglu, gelu, quick_gelu, silu, swiglu
 from .functional import bias_dropout_add, dropout
 from .functional import attention_softmax
 from .functional import linear_cross_entropy
+from .functional import linear_distillation_loss, linear_preference_loss
 from .functional import batch_norm, sync_batch_norm
 from .functional import conv2d, sum_to_shape
 from .ops._common import check_pending
@@ -40,4 +41,5 @@ __all__ = [
     "bias_dropout_add", "dropout",
     "attention_softmax", "linear_cross_entropy", "check_pending", "batch_norm",
     "sync_batch_norm", "sum_to_shape", "conv2d",
+    "linear_distillation_loss", "linear_preference_loss",
 ]

@@ -11,3 +11,4 @@ from . import batch_norm  # noqa: F401
 from . import gist  # noqa: F401
 from . import broadcast  # noqa: F401
 from . import convolution  # noqa: F401
+from . import linear_distillation, linear_preference  # noqa: F401
