@@ -103,16 +103,28 @@ class ChunkedHead:
         self.dw = torch.zeros(weight.shape, dtype=self.acc, device=dev) if needs & NEEDS_WEIGHT else None
         self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
                    if bias is not None and needs & NEEDS_BIAS else None)
-        self._dx_chunk = None
+        self._dx_chunk = self._w_acc = None
+        self.b_acc = None if bias is None else bias.to(self.acc)
         self._first = True
 
     def logits(self, start: int, stop: int) -> tuple[Tensor, Optional[Tensor]]:
         """(u, tanh of the capped logits or None): u = softcap(logit_scale * (x W^T + b)) of rows
-        [start, stop) in the accumulator dtype (a new buffer the caller may overwrite)."""
+        [start, stop) in the accumulator dtype (a new buffer the caller may overwrite). The matmul
+        writes float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU):
+        the logits are never rounded to the half dtype."""
         xc = self.x[start:stop]
-        logits = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
-        u = logits if logits.dtype == self.acc else logits.to(self.acc)
-        del logits
+        if self.acc == self.x.dtype:
+            u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
+        else:
+            u = torch.empty(stop - start, self.w.shape[0], dtype=self.acc, device=xc.device)
+            if xc.device.type == "cuda":
+                torch.mm(xc, self.w.t(), out_dtype=self.acc, out=u)
+            else:
+                if self._w_acc is None:   # the CPU path: one converted copy of the head a call
+                    self._w_acc = self.w.to(self.acc)
+                torch.mm(xc.to(self.acc), self._w_acc.t(), out=u)
+            if self.b is not None:
+                u += self.b_acc
         if self.logit_scale != 1.0:
             u.mul_(self.logit_scale)
         if self.softcap is None:
@@ -147,7 +159,7 @@ class ChunkedHead:
     def finish(self) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
         dx, dw, db = self.dx, self.dw, self.db
-        self.dx = self.dw = self.db = self._dx_chunk = None
+        self.dx = self.dw = self.db = self._dx_chunk = self._w_acc = None
         if dw is not None and self.weight.dtype != self.acc:   # rounded once; the float32 buffer freed
             dw = dw.to(self.weight.dtype)
         if db is not None and self.bias.dtype != self.acc:
