@@ -129,6 +129,18 @@ def test_ignored_all_ignored_and_empty():
     assert loss.item() == 0.0 and torch.count_nonzero(dw) == 0
 
 
+def test_num_items_in_batch_divides_the_sum():
+    xs, ws, bs, xt, wt, labels = inputs(10, 8, 8, 7, torch.float64, ignored=(1, 2))
+    settings = dict(beta=0.4, weight_hard_loss=0.5)
+    whole = reference(xs, ws, xt, wt, labels, bs=bs, **settings) * 8   # 8 kept tokens: the sum
+    for num_items in (23, torch.tensor([23])):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, num_items_in_batch=num_items,
+                                                 **settings)
+        assert_close(loss, whole / 23, torch.float64, "loss")
+        assert_close(torch.autograd.grad(loss, (xs,))[0], torch.autograd.grad(whole / 23, (xs,))[0], torch.float64,
+                     "dx")
+
+
 def test_leading_axes_and_non_contiguous_hidden():
     xs, ws, bs, xt, wt, labels = inputs(0, 8, 6, 13, torch.float64, lead=(3, 5))
     xs_t = xs.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
@@ -241,6 +253,10 @@ def test_the_module():
      "argument 'weight_hard_loss'"),
     (lambda a: trainops.linear_distillation_loss(*a, ignore_index=1.5), InvalidProblemError, "argument 'ignore_index'"),
     (lambda a: trainops.linear_distillation_loss(*a, logit_scale=0.0), InvalidProblemError, "argument 'logit_scale'"),
+    (lambda a: trainops.linear_distillation_loss(*a, num_items_in_batch=0), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
+    (lambda a: trainops.linear_distillation_loss(*a, num_items_in_batch=torch.ones(2)), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
     (lambda a: trainops.linear_distillation_loss(*a, softcap=-1.0), InvalidProblemError, "argument 'softcap'"),
     (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3], None, weight_hard_loss=1.0),
      InvalidProblemError, "argument 'labels'"),

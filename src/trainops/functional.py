@@ -928,7 +928,8 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
                              teacher_weight: Tensor, labels: Tensor | None = None, *, student_bias: Tensor | None = None,
                              teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
                              weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
-                             logit_scale: float = 1.0, softcap: float | None = None) -> Tensor:
+                             logit_scale: float = 1.0, softcap: float | None = None,
+                             num_items_in_batch: int | Tensor | None = None) -> Tensor:
     """Knowledge distillation from a teacher's LM head to a student's, without either model's N x V
     logits held whole (ops/linear_distillation.py: chunks of tokens, gradients in the forward).
 
@@ -940,7 +941,9 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
 
     Both are means over the tokens whose label is not ``ignore_index`` (every token when labels is
     None), divided by max(1, their count): an all-ignored batch gives 0 and zero gradients (TRL's
-    "batchmean"). Labels are aligned with the hidden states (the caller shifts).
+    "batchmean"). ``num_items_in_batch`` (an int or a one-element tensor, read on the device) replaces
+    that count (TRL's and Hugging Face's loss under gradient accumulation). Labels are aligned with
+    the hidden states (the caller shifts).
 
     student_hidden (..., Hs), teacher_hidden (..., Ht) with the same leading axes; student_weight
     (V, Hs), teacher_weight (V, Ht), biases (V,); labels (...) int64 / int32 or None (then
@@ -955,7 +958,8 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     return linear_distillation_ops.linear_distillation_loss(
         student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias=student_bias,
         teacher_bias=teacher_bias, beta=beta, temperature=temperature, weight_soft_loss=weight_soft_loss,
-        weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap)
+        weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap,
+        num_items_in_batch=num_items_in_batch)
 
 
 def linear_preference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,

@@ -12,7 +12,8 @@ either model's logits.
 
 Kept tokens: label != ignore_index (every token when labels is None); count = max(1, kept tokens)
 (TRL's ``generalized_jsd_loss`` with reduction "batchmean": an all-ignored batch gives 0, with zero
-gradients). No T^2 factor (TRL's). The teacher takes no gradient.
+gradients); ``num_items_in_batch`` replaces count (TRL's and Hugging Face's loss under gradient
+accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 factor (TRL's). The teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
 per chunk one teacher matmul, one student matmul, the chunk's loss terms and d loss / d zs in
@@ -97,9 +98,9 @@ def _hard_chunk(us: Tensor, labels: Tensor, grad: bool):
 
 
 def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
-          labels: Optional[Tensor], student_bias: Optional[Tensor], teacher_bias: Optional[Tensor], beta: float,
-          temperature: float, weight_soft: float, weight_hard: float, ignore_index: int, logit_scale: float,
-          softcap: Optional[float], needs: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+          labels: Optional[Tensor], student_bias: Optional[Tensor], teacher_bias: Optional[Tensor],
+          num_items: Optional[Tensor], beta: float, temperature: float, weight_soft: float, weight_hard: float,
+          ignore_index: int, logit_scale: float, softcap: Optional[float], needs: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, dstudent_hidden, dstudent_weight, dstudent_bias): the losses in the
     accumulator dtype, the gradients (of an upstream gradient of 1) in their tensors' dtypes, an
     empty tensor where not in ``needs``. rows: tokens a chunk, 0 for ChunkedLinearHeuristics'."""
@@ -109,11 +110,12 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
     dev = x.device
     rows = rows or heuristic_rows(n, v)
     with torch.autocast(dev.type, enabled=False):
-        if labels is None:
-            kept = None
+        kept = None if labels is None else labels != ignore_index
+        if num_items is not None:   # the tokens of the whole (accumulated) batch
+            count = num_items.to(acc)
+        elif labels is None:
             count = torch.full((), max(n, 1), dtype=acc, device=dev)
         else:
-            kept = labels != ignore_index
             count = kept.sum().to(acc).clamp_min(1)
         inv_count = 1 / count
         student = ChunkedHead(x, student_weight, student_bias, logit_scale, softcap, needs)
@@ -153,8 +155,8 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
             empty if db is None else db)
 
 
-def _fake(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias, teacher_bias, beta,
-          temperature, weight_soft, weight_hard, ignore_index, logit_scale, softcap, needs, rows):
+def _fake(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias, teacher_bias, num_items,
+          beta, temperature, weight_soft, weight_hard, ignore_index, logit_scale, softcap, needs, rows):
     acc = accumulator(student_hidden.dtype)
     loss = student_hidden.new_empty((), dtype=acc)
     return (loss, torch.empty_like(loss), torch.empty_like(loss),
@@ -212,7 +214,8 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
                              teacher_weight: Tensor, labels: Tensor | None = None, *, student_bias: Tensor | None = None,
                              teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
                              weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
-                             logit_scale: float = 1.0, softcap: float | None = None) -> Tensor:
+                             logit_scale: float = 1.0, softcap: float | None = None,
+                             num_items_in_batch: int | Tensor | None = None) -> Tensor:
     """See trainops.functional.linear_distillation_loss."""
     check_settings(beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index, logit_scale, softcap)
     check_head(OP, ("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias)
@@ -232,6 +235,21 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     elif weight_hard_loss:
         raise argument_error(InvalidProblemError, OP, "labels", "is None, but weight_hard_loss > 0 needs them (the "
                              "hard loss is the student's cross-entropy against the labels)")
+    num_items = None
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, Tensor)) or (
+                isinstance(num_items_in_batch, Tensor) and (num_items_in_batch.numel() != 1
+                                                            or num_items_in_batch.dtype == torch.bool
+                                                            or num_items_in_batch.is_complex())):
+            raise argument_error(InvalidProblemError, OP, "num_items_in_batch", "must be an int or a one-element "
+                                 f"real tensor, got {num_items_in_batch!r}")
+        if isinstance(num_items_in_batch, int) and num_items_in_batch <= 0:
+            raise argument_error(InvalidProblemError, OP, "num_items_in_batch", f"must be > 0, got "
+                                 f"{num_items_in_batch}")
+        # an int is filled on the device: a copy from pageable host memory would wait for the GPU's queue
+        num_items = (num_items_in_batch.reshape(()).to(student_hidden.device, non_blocking=True)
+                     if isinstance(num_items_in_batch, Tensor)
+                     else torch.full((), num_items_in_batch, dtype=torch.int64, device=student_hidden.device))
     device = student_hidden.device.type
     if torch.is_autocast_enabled(device):   # the matmuls in autocast's dtype, as F.linear under autocast
         dtype = torch.get_autocast_dtype(device)
@@ -244,7 +262,7 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     xt = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     return linear_distillation_op(x, student_weight, xt.detach(), teacher_weight.detach(),
                                   None if labels is None else labels.reshape(-1), student_bias,
-                                  None if teacher_bias is None else teacher_bias.detach(), float(beta),
+                                  None if teacher_bias is None else teacher_bias.detach(), num_items, float(beta),
                                   float(temperature), float(weight_soft_loss), float(weight_hard_loss), ignore_index,
                                   float(logit_scale), None if softcap is None else float(softcap), needs, 0)[0]
 
