@@ -26,6 +26,15 @@ def small_chunks(rows):
     return trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=1, min_rows=rows))
 
 
+def path_chunks(path, length):
+    """Chunks that take the given path: "pairs" (one pair of ``length``-token rows a chunk: the
+    gradients in the forward) or "two-pass" (chunks shorter than a pair: the backward recomputes)."""
+    return small_chunks(2 * length if path == "pairs" else max(1, length - 1))
+
+
+PATHS = ["pairs", "two-pass"]
+
+
 def sequence_logps(x, w, b, labels, averaged, *, logit_scale=1.0, softcap=None, temperature=1.0, ignore_index=-100):
     """float64: (sequence logps (B,), token logps (B, T), mask (B, T), logits (B, T, V))."""
     z = F.linear(x.double(), w.double(), None if b is None else b.double()) * logit_scale
@@ -93,20 +102,28 @@ def reference_kwargs(kind, rx, rw):
     return dict(ref_hidden=rx, ref_weight=rw) if kind in ("dpo", "ipo") else {}
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("settings", [dict(), dict(label_smoothing=0.2, beta=0.5, gamma=0.3),
                                       dict(logit_scale=0.7, softcap=3.0, temperature=1.5, nll_weight=0.5)],
                          ids=["plain", "smoothing", "transform"])
-def test_float64_matches_the_reference_over_chunks(kind, settings):
+def test_float64_matches_the_reference_over_chunks(kind, settings, path, monkeypatch):
     settings = dict(settings)
     if kind in ("ipo", "orpo"):
         settings.pop("label_smoothing", None)
     x, w, b, labels, rx, rw = inputs(3, 7, 8, 13, torch.float64, ref_h=6)
-    transform = {k: settings[k] for k in ("logit_scale", "softcap", "temperature") if k in settings}
-    with small_chunks(5):
+    whole = []   # ChunkedHead.logits: the two-pass path's chunks of consecutive tokens
+    original = chunked_linear.ChunkedHead.logits
+    monkeypatch.setattr(chunked_linear.ChunkedHead, "logits", lambda self, *a: (whole.append(1), original(self, *a))[1])
+    with path_chunks(path, 7):
         out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw),
                                               **settings)
         got = torch.autograd.grad(out.loss * 0.75, (x, w, b))
+    # the reference's chunks always go through logits(): 42 tokens, 14 or 6 rows a chunk; the two-pass
+    # policy: 7 chunks forward, 7 backward
+    reference_chunks = 3 if path == "pairs" else 7
+    policy_chunks = len(whole) - (reference_chunks if kind in ("dpo", "ipo") else 0)
+    assert policy_chunks == (0 if path == "pairs" else 14), len(whole)
     want = reference(kind, x, w, labels, b, ref=(rx, rw, None) if kind in ("dpo", "ipo") else None, **settings)
     expected = torch.autograd.grad(want[0] * 0.75, (x, w, b))
     assert isinstance(out, trainops.ops.linear_preference.PreferenceOutput)
@@ -115,7 +132,6 @@ def test_float64_matches_the_reference_over_chunks(kind, settings):
         assert not (a.requires_grad and name != "loss")
     for name, a, e in zip(("dx", "dw", "db"), got, expected):
         assert_close(a, e, torch.float64, name)
-    del transform
 
 
 @pytest.mark.parametrize("kind", ["dpo", "ipo"])
@@ -132,12 +148,13 @@ def test_the_reference_as_log_probabilities(kind):
         assert_close(h, e, torch.float64, name)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_and_bf16_against_float64(dtype, kind):
+def test_float32_and_bf16_against_float64(dtype, kind, path):
     x, w, b, labels, rx, rw = inputs(2, 9, 16, 37, dtype)
     smoothing = 0.1 if kind in ("dpo", "simpo", "cpo") else 0.0
-    with small_chunks(8):
+    with path_chunks(path, 9):
         out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, label_smoothing=smoothing, beta=0.5,
                                               **reference_kwargs(kind, rx, rw))
         got = torch.autograd.grad(out.loss, (x, w, b))
@@ -152,15 +169,17 @@ def test_float32_and_bf16_against_float64(dtype, kind):
         assert_close(a, e, dtype, name)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_ignored_rows(kind):
+def test_all_ignored_rows(kind, path):
     """A rejected row (and a chosen one) with no kept token: finite, as the textbook formula on
     logps 0 (averaged: 0 / max(1, 0))."""
     x, w, b, labels, rx, rw = inputs(3, 5, 8, 9, torch.float64)
     labels[1] = -100
     labels[4] = -100
-    out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw))
-    got = torch.autograd.grad(out.loss, (x, w, b))
+    with path_chunks(path, 5):
+        out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw))
+        got = torch.autograd.grad(out.loss, (x, w, b))
     want = reference(kind, x, w, labels, b, ref=(rx, rw, None) if kind in ("dpo", "ipo") else None)
     expected = torch.autograd.grad(want[0], (x, w, b))
     assert out.chosen_logps[1] == 0 and out.rejected_logps[1] == 0
@@ -186,43 +205,64 @@ def test_token_logprobs_against_log_softmax_and_ignored_tokens():
         assert_close(a, e, torch.float64, "gradient")
 
 
-def test_no_gradient_work_under_no_grad_and_only_what_is_asked(monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_no_gradient_work_under_no_grad_and_only_what_is_asked(monkeypatch, path):
     x, w, b, labels, rx, rw = inputs(2, 6, 8, 9, torch.float32)
     calls = []
-    original = chunked_linear.ChunkedHead.backward
-    monkeypatch.setattr(chunked_linear.ChunkedHead, "backward",
+    original = chunked_linear.ChunkedHead.backward_of
+    monkeypatch.setattr(chunked_linear.ChunkedHead, "backward_of",
                         lambda self, *a: (calls.append((self.dx is not None, self.dw is not None)), original(self, *a)))
-    with torch.no_grad():
-        out = trainops.linear_preference_loss(x, w, labels, bias=b, ref_hidden=rx, ref_weight=rw)
-    assert not calls and not out.loss.requires_grad
-    out = trainops.linear_preference_loss(x, w.detach(), labels, ref_hidden=rx, ref_weight=rw)
-    assert not calls   # the forward computes no gradient
-    out.loss.backward()
+    with path_chunks(path, 6):
+        with torch.no_grad():
+            out = trainops.linear_preference_loss(x, w, labels, bias=b, ref_hidden=rx, ref_weight=rw)
+        assert not calls and not out.loss.requires_grad
+        out = trainops.linear_preference_loss(x, w.detach(), labels, ref_hidden=rx, ref_weight=rw)
+        # the pairs path computes the gradients in the forward, the two-pass path in the backward
+        assert bool(calls) == (path == "pairs")
+        out.loss.backward()
     assert calls and set(calls) == {(True, False)}
+    assert x.grad is not None and w.grad is None
 
 
-def test_deterministic_run_to_run():
+def test_the_pairs_path_refuses_a_second_backward_but_float64_allows_it():
+    x, w, b, labels, rx, rw = inputs(2, 6, 8, 9, torch.float32)
+    with path_chunks("pairs", 6):
+        out = trainops.linear_preference_loss(x, w, labels, ref_hidden=rx, ref_weight=rw)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(UnsupportedError, match="second backward"):
+        out.loss.backward()
+    x, w, b, labels, rx, rw = inputs(2, 6, 8, 9, torch.float64)
+    with path_chunks("pairs", 6):
+        out = trainops.linear_preference_loss(x, w, labels, ref_hidden=rx, ref_weight=rw)
+    first = torch.autograd.grad(out.loss, (x,), retain_graph=True)[0]
+    assert torch.equal(first, torch.autograd.grad(out.loss, (x,))[0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_deterministic_run_to_run(path):
     x, w, b, labels, rx, rw = inputs(3, 8, 16, 21, torch.float32)
     runs = []
     for _ in range(2):
-        with small_chunks(8):
+        with path_chunks(path, 8):
             out = trainops.linear_preference_loss(x, w, labels, bias=b, ref_hidden=rx, ref_weight=rw)
             runs.append((*out, *torch.autograd.grad(out.loss, (x, w, b))))
     assert all(torch.equal(a, c) for a, c in zip(*runs))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
-def test_gradcheck(kind):
-    x, w, b, labels, rx, rw = inputs(1, 4, 3, 5, torch.float64)
+def test_gradcheck(kind, path):
+    x, w, b, labels, rx, rw = inputs(2, 4, 3, 5, torch.float64)
 
     def f(x, w, b):
         return trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, beta=0.7, softcap=2.0,
                                                **reference_kwargs(kind, rx, rw)).loss
-    with small_chunks(3):
+    with path_chunks(path, 4):
         assert torch.autograd.gradcheck(f, (x, w, b))
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("path", PATHS)
+def test_torch_compile_fullgraph(path):
     x, w, b, labels, rx, rw = inputs(2, 6, 8, 11, torch.float32)
 
     def f(x, w, b):
@@ -231,10 +271,11 @@ def test_torch_compile_fullgraph():
         return out.loss, out.chosen_rewards
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss, rewards = compiled(x, w, b)
-    got = torch.autograd.grad(loss, (x, w, b))
-    want_loss, want_rewards = f(x, w, b)
-    want = torch.autograd.grad(want_loss, (x, w, b))
+    with path_chunks(path, 6):
+        loss, rewards = compiled(x, w, b)
+        got = torch.autograd.grad(loss, (x, w, b))
+        want_loss, want_rewards = f(x, w, b)
+        want = torch.autograd.grad(want_loss, (x, w, b))
     assert_close(loss, want_loss, torch.float32, "loss")
     assert_close(rewards, want_rewards, torch.float32, "rewards")
     for a, e in zip(got, want):

@@ -112,11 +112,14 @@ class ChunkedHead:
         [start, stop) in the accumulator dtype (a new buffer the caller may overwrite). The matmul
         writes float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU):
         the logits are never rounded to the half dtype."""
-        xc = self.x[start:stop]
+        return self.logits_of(self.x[start:stop])
+
+    def logits_of(self, xc: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """``logits`` of rows gathered by the caller (xc: (rows, H) in hidden's dtype)."""
         if self.acc == self.x.dtype:
             u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
         else:
-            u = torch.empty(stop - start, self.w.shape[0], dtype=self.acc, device=xc.device)
+            u = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
             if xc.device.type == "cuda":
                 torch.mm(xc, self.w.t(), out_dtype=self.acc, out=u)
             else:
@@ -134,6 +137,11 @@ class ChunkedHead:
 
     def backward(self, start: int, stop: int, du: Tensor, t: Optional[Tensor]) -> None:
         """Accumulate the gradients of rows [start, stop) from du = d loss / d u (overwritten)."""
+        self.backward_of(self.x[start:stop], du, t, ((start, stop),))
+
+    def backward_of(self, xc: Tensor, du: Tensor, t: Optional[Tensor], parts) -> None:
+        """``backward`` of gathered rows xc: ``parts``, the (start, stop) ranges of x that xc's rows
+        are, in order (dhidden's rows are written there)."""
         if self.dx is None and self.dw is None and self.db is None:
             return
         if t is not None:   # d softcap(v) / dv = 1 - tanh^2
@@ -141,15 +149,18 @@ class ChunkedHead:
         if self.logit_scale != 1.0:
             du.mul_(self.logit_scale)
         dlogits = du if du.dtype == self.x.dtype else du.to(self.x.dtype)
-        xc = self.x[start:stop]
+        rows = xc.shape[0]
         if self.dx is not None:   # in the accumulator dtype, rounded once into dx's rows
-            if self.acc == self.x.dtype:
-                torch.mm(dlogits, self.w, out=self.dx[start:stop])
+            if self.acc == self.x.dtype and len(parts) == 1:
+                torch.mm(dlogits, self.w, out=self.dx[parts[0][0]:parts[0][1]])
             else:
-                if self._dx_chunk is None or self._dx_chunk.shape[0] != stop - start:
-                    self._dx_chunk = torch.empty(stop - start, self.x.shape[1], dtype=self.acc, device=self.x.device)
+                if self._dx_chunk is None or self._dx_chunk.shape[0] != rows:
+                    self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
                 _matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
-                self.dx[start:stop].copy_(self._dx_chunk)
+                offset = 0
+                for start, stop in parts:
+                    self.dx[start:stop].copy_(self._dx_chunk[offset:offset + stop - start])
+                    offset += stop - start
         if self.dw is not None:
             _matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
         if self.db is not None:
@@ -167,6 +178,33 @@ class ChunkedHead:
         return dx, dw, db
 
 
+def save_scaled_gradients(ctx, needs: int, gradients) -> None:
+    """A custom op's save for a loss whose gradients its forward computed: (dhidden, dweight, dbias)."""
+    ctx.set_materialize_grads(False)
+    ctx.needs = needs
+    ctx.consumed = False
+    ctx.save_for_backward(*gradients)
+
+
+def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -> dict:
+    """The backward of such a loss: the saved gradients times the upstream gradient, on the device
+    (in place in eager mode, exact when dloss is 1; a second backward through the same loss raises;
+    out of place while tracing (torch.compile) and in float64, any number of times)."""
+    if dloss is None:
+        return {}
+    if torch.is_grad_enabled():
+        raise UnsupportedError(f"trainops.{op}: double backward is not supported")
+    if ctx.consumed:
+        raise UnsupportedError(f"trainops.{op}: a second backward through the same loss (retain_graph=True) is not "
+                               "supported: the first one scaled the gradients the forward computed, in place")
+    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
+    out_of_place = tracing or dloss.dtype == torch.float64
+    ctx.consumed = not out_of_place
+    grads = {}
+    for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
+        if ctx.needs & bit:
+            grads[name] = (g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place else g.mul_(dloss)
+    return grads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,5 +294,5 @@ def gradient_bits(*pairs) -> int:
 
 
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT", "accumulator",
-           "check_head", "check_ignore_index", "check_labels", "check_number", "check_transform", "gradient_bits",
+           "save_scaled_gradients", "scaled_gradients", "check_head", "check_ignore_index", "check_labels", "check_number", "check_transform", "gradient_bits",
            "heuristic_rows"]

@@ -46,11 +46,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..errors import InvalidProblemError, argument_error
 from ..library import custom_op
 from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_labels, check_number, check_transform, gradient_bits,
-                             heuristic_rows)
+                             heuristic_rows, save_scaled_gradients, scaled_gradients)
 
 OP = "linear_distillation"
 
@@ -167,31 +167,12 @@ def _fake(student_hidden, student_weight, teacher_hidden, teacher_weight, labels
 
 
 def _save(ctx, inputs, output) -> None:
-    ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.needs = inputs.needs
-    ctx.consumed = False
-    ctx.save_for_backward(*output[3:])
+    save_scaled_gradients(ctx, inputs.needs, output[3:])
 
 
 def _grad(ctx, dloss: Tensor, *unused) -> dict:
-    if dloss is None:
-        return {}
-    if torch.is_grad_enabled():
-        raise UnsupportedError(f"trainops.{OP}: double backward is not supported")
-    if ctx.consumed:
-        raise UnsupportedError(f"trainops.{OP}: a second backward through the same loss (retain_graph=True) is not "
-                               "supported: the first one scaled the gradients the forward computed, in place")
-    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
-    # in eager mode the forward's buffers are scaled in place (on the device; exact when dloss is 1)
-    out_of_place = tracing or dloss.dtype == torch.float64
-    ctx.consumed = not out_of_place
-    grads = {}
-    for name, g, bit in zip(("student_hidden", "student_weight", "student_bias"), ctx.saved_tensors,
-                            (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
-        if ctx.needs & bit:
-            grads[name] = (g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place else g.mul_(dloss)
-    return grads
+    return scaled_gradients(OP, ctx, dloss, ("student_hidden", "student_weight", "student_bias"))
 
 
 linear_distillation_op = custom_op(OP, _impl, _fake, backward=_grad, save=_save)

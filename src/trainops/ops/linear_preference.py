@@ -58,10 +58,12 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
-                             check_ignore_index, check_labels, check_number, check_transform, heuristic_rows)
+                             check_ignore_index, check_labels, check_number, check_transform, gradient_bits,
+                             heuristic_rows, save_scaled_gradients, scaled_gradients)
 
 OP = "linear_preference_loss"
 TOKENS_OP = "linear_token_logprobs"
+PAIRS_OP = "linear_preference_pairs"
 KINDS = ("dpo", "ipo", "orpo", "simpo", "cpo")
 _NEEDS_REFERENCE = ("dpo", "ipo")
 _AVERAGED = ("ipo", "simpo", "orpo")
@@ -294,44 +296,201 @@ def linear_preference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bi
                      op=OP)
     averaged = kind in _AVERAGED
     kept = labels != ignore_index
-    logp, logit_sum = linear_token_logprobs(hidden, weight, labels, bias, **transform)
-    seq, count = _sequence(logp, logit_sum, kept, averaged)
-    chosen, rejected = seq[:pairs], seq[pairs:]
+    count = kept.sum(-1)
+    ref_logps = None
     if by_head:
         with torch.no_grad():
             ref_logp, _ = linear_token_logprobs(ref_hidden, ref_weight, labels, ref_bias, **transform)
-            ref_seq, _ = _sequence(ref_logp, ref_logp, kept, averaged)
-        ref_chosen, ref_rejected = ref_seq[:pairs].to(seq.dtype), ref_seq[pairs:].to(seq.dtype)
+            ref_logps, _ = _sequence(ref_logp, ref_logp, kept, averaged)
     elif by_logps:
-        ref_chosen, ref_rejected = ref_chosen_logps.detach().to(seq.dtype), ref_rejected_logps.detach().to(seq.dtype)
-
-    if has_reference:
-        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    else:
-        chosen_ratio, rejected_ratio = chosen, rejected
-    if kind == "dpo":
-        per_pair = _sigmoid_ls(beta * (chosen_ratio - rejected_ratio), label_smoothing)
-    elif kind == "ipo":
-        per_pair = (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2
-    elif kind == "simpo":
-        per_pair = _sigmoid_ls(beta * (chosen - rejected) - gamma, label_smoothing)
-    elif kind == "cpo":
-        per_pair = _sigmoid_ls(beta * (chosen - rejected), label_smoothing)
-    else:   # orpo
-        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-        per_pair = -beta * F.logsigmoid(log_odds)
-    loss = per_pair.mean() if pairs else per_pair.sum()
+        ref_logps = torch.cat([ref_chosen_logps.detach(), ref_rejected_logps.detach()])
     weight_nll = (1.0 if kind in ("cpo", "orpo") else 0.0) if nll_weight is None else float(nll_weight)
-    chosen_count = count[:pairs].sum()
-    if weight_nll:
-        loss = loss + weight_nll * (-logp[:pairs].sum() / chosen_count.clamp_min(1))
+    settings = (kind, float(beta), float(gamma), float(label_smoothing), weight_nll)
+    steps, length = hidden.shape[0], hidden.shape[1]
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    per_chunk = _pairs_per_chunk(hidden.shape[0] * length, weight.shape[0], length) if pairs and length else 0
+    if per_chunk:   # whole pairs fit a chunk: gradients in the forward
+        acc = accumulator(hidden.dtype)
+        needs = gradient_bits((hidden, NEEDS_HIDDEN), (weight, NEEDS_WEIGHT), (bias, NEEDS_BIAS))
+        loss, seq, logit_sum, *_ = linear_preference_pairs_op(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), bias,
+            None if ref_logps is None else ref_logps.to(acc), length, *settings, ignore_index, float(logit_scale),
+            None if softcap is None else float(softcap), float(temperature), needs, per_chunk)
+    else:   # the two passes: per-token log-probabilities (a custom op), the loss by autograd
+        logp, logit_sum = linear_token_logprobs(hidden, weight, labels, bias, **transform)
+        seq, _ = _sequence(logp, logit_sum, kept, averaged)
+        logit_sum = logit_sum.sum(-1)
+        per_pair = _pair_losses(seq[:pairs], seq[pairs:], None if ref_logps is None else ref_logps.to(seq.dtype),
+                                *settings[:4])
+        loss = per_pair.mean() if pairs else per_pair.sum()
+        if weight_nll:
+            loss = loss + weight_nll * (-logp[:pairs].sum() / count[:pairs].sum().clamp_min(1))
+    del steps
     with torch.no_grad():
+        chosen, rejected = seq[:pairs].detach(), seq[pairs:].detach()
+        if ref_logps is not None:
+            ref_logps = ref_logps.to(seq.dtype)
+            chosen_ratio, rejected_ratio = chosen - ref_logps[:pairs], rejected - ref_logps[pairs:]
+        else:
+            chosen_ratio, rejected_ratio = chosen, rejected
         classes = weight.shape[0]
-        rejected_count = count[pairs:].sum()
-        chosen_logits_mean = logit_sum[:pairs].sum() / classes / chosen_count.clamp_min(1)
-        rejected_logits_mean = logit_sum[pairs:].sum() / classes / rejected_count.clamp_min(1)
-        return PreferenceOutput(loss, chosen.detach(), rejected.detach(), beta * chosen_ratio.detach(),
-                                beta * rejected_ratio.detach(), chosen_logits_mean, rejected_logits_mean)
+        chosen_logits_mean = logit_sum[:pairs].sum() / classes / count[:pairs].sum().clamp_min(1)
+        rejected_logits_mean = logit_sum[pairs:].sum() / classes / count[pairs:].sum().clamp_min(1)
+        return PreferenceOutput(loss, chosen, rejected, beta * chosen_ratio, beta * rejected_ratio,
+                                chosen_logits_mean, rejected_logits_mean)
+
+
+@torch.compiler.assume_constant_result
+def _pairs_per_chunk(tokens: int, classes: int, length: int) -> int:
+    """Whole pairs a chunk of ChunkedLinearHeuristics' size holds (0: a pair does not fit, the two
+    passes). Read when the call is traced: torch.compile keeps the path of its first call's
+    heuristics (the chunk size itself is read again in each call)."""
+    return heuristic_rows(tokens, classes) // (2 * length)
+
+
+def _pair_losses(chosen: Tensor, rejected: Tensor, ref_logps: Optional[Tensor], kind: str, beta: float, gamma: float,
+                 label_smoothing: float) -> Tensor:
+    """Each pair's loss (P,) from its sequence log-probabilities (the module docstring's table);
+    ref_logps (2P,): the reference's, chosen then rejected, or None."""
+    p = chosen.shape[0]
+    if ref_logps is not None:
+        chosen_ratio, rejected_ratio = chosen - ref_logps[:p], rejected - ref_logps[p:]
+    if kind == "dpo":
+        return _sigmoid_ls(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    if kind == "ipo":
+        return (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2
+    if kind == "simpo":
+        return _sigmoid_ls(beta * (chosen - rejected) - gamma, label_smoothing)
+    if kind == "cpo":
+        return _sigmoid_ls(beta * (chosen - rejected), label_smoothing)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))   # orpo
+    return -beta * F.logsigmoid(log_odds)
+
+
+def _pair_gradients(chosen: Tensor, rejected: Tensor, ref_logps: Optional[Tensor], kind: str, beta: float,
+                    gamma: float, label_smoothing: float) -> Tensor:
+    """d _pair_losses / d (chosen, rejected), concatenated (2P,): written out, since a custom op's
+    kernel runs below autograd (torch.autograd.grad cannot trace it there). With
+    sigma_ls'(x) = -(1 - ls) sigmoid(-x) + ls sigmoid(x):
+    dpo, simpo, cpo: +-beta sigma_ls'(x); ipo: +-2 (delta - 1 / (2 beta)); orpo:
+    -beta sigmoid(-log_odds) times d log_odds / dc = 1 / (1 - e^c) (1 where the clamp holds c),
+    d log_odds / dr = -1 / (1 - e^r) likewise."""
+    p = chosen.shape[0]
+    if kind == "ipo":
+        delta = (chosen - ref_logps[:p]) - (rejected - ref_logps[p:])
+        d = 2 * (delta - 1 / (2 * beta))
+        return torch.cat([d, -d])
+    if kind == "orpo":
+        def dlog_odds(x):   # d (x - log(1 - e^x)) / dx on the clamped argument
+            return torch.where(x < -1e-7, -1 / torch.expm1(x.clamp(max=-1e-7)), 1.0)
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+        outer = -beta * torch.sigmoid(-log_odds)
+        return torch.cat([outer * dlog_odds(chosen), -outer * dlog_odds(rejected)])
+    if kind == "dpo":
+        x = beta * ((chosen - ref_logps[:p]) - (rejected - ref_logps[p:]))
+    elif kind == "simpo":
+        x = beta * (chosen - rejected) - gamma
+    else:   # cpo
+        x = beta * (chosen - rejected)
+    d = beta * (-(1 - label_smoothing) * torch.sigmoid(-x) + label_smoothing * torch.sigmoid(x))
+    return torch.cat([d, -d])
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole pairs a chunk: torch.ops.trainops.linear_preference_pairs (gradients in the forward)
+# ----------------------------------------------------------------------------------------------
+
+def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ref_logps: Optional[Tensor],
+                length: int, kind: str, beta: float, gamma: float, label_smoothing: float, nll_weight: float,
+                ignore_index: int, logit_scale: float, softcap: Optional[float], temperature: float, needs: int,
+                pairs_per_chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, sequence logps (B,), summed logits of the kept tokens (B,), dhidden, dweight, dbias).
+
+    hidden (B * T, H) with B = 2P rows of ``length`` T tokens, chosen then rejected. A chunk is
+    ``pairs_per_chunk`` pairs: chosen rows i0..i1 and rejected rows P + i0..P + i1, gathered (one
+    copy of 2 (i1 - i0) T hidden rows). Its sequences are whole, so its pairs' losses and their
+    gradients d loss / d logp_seq (_pair_gradients) are known in the chunk:
+    dz = dlogp (onehot - softmax(z)) / T with dlogp = d loss / d logp_seq (/ the row's count when
+    averaged) plus the NLL's -nll_weight / (the chosen rows' kept tokens), then dX and dW: three
+    matmuls, as the unfused formulation."""
+    n = hidden.shape[0]
+    rows_total = n // length
+    pairs = rows_total // 2
+    acc = accumulator(hidden.dtype)
+    dev = hidden.device
+    averaged = kind in _AVERAGED
+    grad = needs != 0
+    kept = labels != ignore_index
+    count = kept.view(rows_total, length).sum(-1).to(acc)
+    norm = 1 / count.clamp_min(1) if averaged else torch.ones_like(count)
+    nll_scale = -nll_weight / count[:pairs].sum().clamp_min(1)
+    seq = torch.empty(rows_total, dtype=acc, device=dev)
+    logit_sum = torch.empty(rows_total, dtype=acc, device=dev)
+    pair_sum = torch.zeros((), dtype=acc, device=dev)
+    nll_sum = torch.zeros((), dtype=acc, device=dev)
+    with torch.autocast(dev.type, enabled=False):
+        head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
+        for i0 in range(0, pairs, pairs_per_chunk):
+            i1 = min(pairs, i0 + pairs_per_chunk)
+            m = i1 - i0
+            parts = ((i0 * length, i1 * length), ((pairs + i0) * length, (pairs + i1) * length))
+            xc = torch.cat([hidden[a:b] for a, b in parts])
+            keep = torch.cat([kept[a:b] for a, b in parts])
+            index = torch.where(keep, torch.cat([labels[a:b] for a, b in parts]), 0)[:, None]
+            row_index = torch.cat([torch.arange(i0, i1, device=dev), torch.arange(pairs + i0, pairs + i1, device=dev)])
+            u, t = head.logits_of(xc)
+            z = u.div_(temperature) if temperature != 1.0 else u
+            lse = torch.logsumexp(z, -1)
+            keep_f = keep.to(acc)
+            tokens = (z.gather(1, index).squeeze(1) - lse) * keep_f
+            logit_sum[row_index] = (z.sum(-1) * keep_f).view(2 * m, length).sum(-1)
+            chunk_seq = tokens.view(2 * m, length).sum(-1) * norm[row_index]
+            seq[row_index] = chunk_seq
+            nll_sum += tokens[: m * length].sum()
+            ref = None if ref_logps is None else torch.cat([ref_logps[i0:i1], ref_logps[pairs + i0:pairs + i1]])
+            per_pair = _pair_losses(chunk_seq[:m], chunk_seq[m:], ref, kind, beta, gamma, label_smoothing)
+            pair_sum += per_pair.sum()
+            if grad:
+                dseq = _pair_gradients(chunk_seq[:m], chunk_seq[m:], ref, kind, beta, gamma, label_smoothing)
+                dlogp = (dseq * norm[row_index] / pairs).repeat_interleave(length)
+                if nll_weight:
+                    dlogp[: m * length] += nll_scale
+                f = (dlogp * keep_f / temperature)[:, None]
+                dz = z.sub_(lse[:, None]).exp_().mul_(-f)                     # -dlogp softmax(z)
+                dz.scatter_(1, index, dz.gather(1, index) + f)               # + dlogp onehot(label)
+                head.backward_of(xc, dz, t, parts)
+            del u, z, t, xc
+        dx, dw, db = head.finish()
+    loss = pair_sum / pairs
+    if nll_weight:
+        loss = loss + nll_scale * nll_sum
+    empty = hidden.new_empty(0)
+    return (loss, seq, logit_sum, empty if dx is None else dx, weight.new_empty(0) if dw is None else dw,
+            empty if db is None else db)
+
+
+def _pairs_fake(hidden, weight, labels, bias, ref_logps, length, kind, beta, gamma, label_smoothing, nll_weight,
+                ignore_index, logit_scale, softcap, temperature, needs, pairs_per_chunk):
+    acc = accumulator(hidden.dtype)
+    rows = hidden.shape[0] // length
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty(rows, dtype=acc), hidden.new_empty(rows, dtype=acc),
+            hidden.new_empty(hidden.shape if needs & NEEDS_HIDDEN else 0),
+            weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0),
+            bias.new_empty(bias.shape) if bias is not None and needs & NEEDS_BIAS else hidden.new_empty(0))
+
+
+def _pairs_save(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1:])
+    save_scaled_gradients(ctx, inputs.needs, output[3:])
+
+
+def _pairs_grad(ctx, dloss: Tensor, *unused) -> dict:
+    return scaled_gradients(PAIRS_OP, ctx, dloss, ("hidden", "weight", "bias"))
+
+
+linear_preference_pairs_op = custom_op(PAIRS_OP, _pairs_impl, _pairs_fake, backward=_pairs_grad, save=_pairs_save)
 
 
 __all__ = ["KINDS", "PreferenceOutput", "check_settings", "linear_preference_loss", "linear_token_logprobs",
