@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import trainops
-from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
 from trainops.ops import chunked_linear
 from trainops.ops.chunked_linear import ChunkedLinearHeuristics
 
@@ -93,9 +93,29 @@ def test_float64_matches_the_reference_over_chunks(settings):
         assert_close(a, e, torch.float64, name)
 
 
+@pytest.mark.parametrize("settings", SETTINGS + [dict(weight_soft_loss=0.0, weight_hard_loss=1.0)],
+                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_float32_each_backend_against_float64(backend, device, settings):
+    """The per-chunk kernel (Triton under the interpreter here; torch ops on the CPU backend) over
+    every mode, a vocabulary that is not a multiple of its block, ignored rows."""
+    xs, ws, bs, xt, wt, labels = inputs(19, 12, 10, 37, torch.float32, ignored=(0, 5))
+    with small_chunks(8):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
+        got = torch.autograd.grad(loss, (xs, ws, bs))
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
+    want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
+    expected = torch.autograd.grad(want, leaves)
+    assert_close(loss, want, torch.float32, "loss")
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, torch.float32, name)
+    with torch.no_grad(), small_chunks(8):
+        assert_close(trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings), want,
+                     torch.float32, "no_grad")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_labels", [True, False])
-def test_float32_and_bf16_against_float64(dtype, with_labels):
+def test_float32_and_bf16_against_float64(backend, dtype, with_labels):
     xs, ws, bs, xt, wt, labels = inputs(40, 16, 24, 33, dtype, ignored=(0, 7, 8))
     settings = dict(beta=0.4, temperature=1.5, weight_hard_loss=0.3 if with_labels else 0.0, softcap=6.0)
     labels = labels if with_labels else None
@@ -173,7 +193,7 @@ def test_only_the_gradients_asked_for_and_none_under_no_grad(monkeypatch):
     assert torch.autograd.grad(loss, (wt,), allow_unused=True) == (None,)
 
 
-def test_deterministic_run_to_run():
+def test_deterministic_run_to_run(backend):
     xs, ws, bs, xt, wt, labels = inputs(50, 16, 16, 21, torch.float32)
     runs = []
     for _ in range(2):
@@ -283,6 +303,18 @@ def test_errors_name_the_argument(call, error, match):
     xs, ws, bs, xt, wt, labels = inputs(5, 8, 8, 6, torch.float32, bias=False)
     with pytest.raises(error, match=match):
         call((xs, ws, xt, wt, labels))
+
+
+def test_a_label_out_of_range_raises_but_ignored_ones_do_not(backend):
+    xs, ws, bs, xt, wt, labels = inputs(6, 8, 8, 5, torch.float32)
+    labels[2] = -7   # a negative index that is not ignore_index
+    with pytest.raises(IndexOutOfRangeError, match="argument 'labels'"):
+        trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
+    labels[2] = 5
+    with pytest.raises(IndexOutOfRangeError, match="argument 'labels'"):
+        trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
+    labels[2] = -100
+    trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
 
 
 # ---- GPU: LM-head sizes ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import trainops
-from trainops.errors import InvalidProblemError, UnsupportedError
+from trainops.errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
 from trainops.ops import chunked_linear
 from trainops.ops.chunked_linear import ChunkedLinearHeuristics
 from trainops.ops.linear_preference import linear_token_logprobs
@@ -334,6 +334,14 @@ def _call(**overrides):
 def test_errors_name_the_argument(overrides, error, match):
     with pytest.raises(error, match=match):
         _call(**overrides)()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_label_out_of_range_raises(path):
+    x, w, b, labels, rx, rw = inputs(2, 5, 8, 9, torch.float32)
+    labels[1, 3] = 9
+    with path_chunks(path, 5), pytest.raises(IndexOutOfRangeError, match="argument 'labels'"):
+        trainops.linear_preference_loss(x, w, labels, kind="simpo")
 
 
 # ---- GPU: LM-head sizes ---------------------------------------------------------------------------

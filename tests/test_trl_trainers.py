@@ -121,7 +121,8 @@ def distillation_data():
     gen = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(40):
-        prompt, completion = int(torch.randint(2, 6, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        prompt = int(torch.randint(2, 6, (1,), generator=gen))
+        completion = int(torch.randint(1, 6, (1,), generator=gen))
         rows.append(dict(input_ids=torch.randint(3, len(WORDS), (prompt + completion,), generator=gen).tolist(),
                          prompt_len=prompt))
     return datasets.Dataset.from_list(rows)

@@ -925,9 +925,10 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
 
 
 def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
-                             teacher_weight: Tensor, labels: Tensor | None = None, *, student_bias: Tensor | None = None,
-                             teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
-                             weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                             teacher_weight: Tensor, labels: Tensor | None = None, *,
+                             student_bias: Tensor | None = None, teacher_bias: Tensor | None = None,
+                             beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                             weight_hard_loss: float = 0.0, ignore_index: int = -100,
                              logit_scale: float = 1.0, softcap: float | None = None,
                              num_items_in_batch: int | Tensor | None = None) -> Tensor:
     """Knowledge distillation from a teacher's LM head to a student's, without either model's N x V

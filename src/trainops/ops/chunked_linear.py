@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..plan import heuristics_for
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
@@ -225,7 +225,8 @@ def check_transform(op: str, logit_scale, softcap, temperature) -> None:
         raise argument_error(InvalidProblemError, op, "logit_scale", f"must be a finite nonzero number, got "
                              f"{logit_scale!r}")
     if softcap is not None and (not _number(softcap) or not 0.0 < softcap < math.inf):
-        raise argument_error(InvalidProblemError, op, "softcap", f"must be None or a finite number > 0, got {softcap!r}")
+        raise argument_error(InvalidProblemError, op, "softcap", f"must be None or a finite number > 0, got "
+                             f"{softcap!r}")
     if not _number(temperature) or not 0.0 < temperature < math.inf:
         raise argument_error(InvalidProblemError, op, "temperature", f"must be a finite number > 0, got "
                              f"{temperature!r}")
@@ -286,6 +287,18 @@ def check_labels(op: str, labels, shape, device) -> None:
                              f"{device}")
 
 
+def check_label_range(op: str, labels: Tensor, kept: Tensor, classes: int) -> None:
+    """Kept labels must be class indices in [0, classes): on the CPU an IndexOutOfRangeError naming
+    'labels' (no synchronisation to avoid there); on CUDA a device-side assert queued before the
+    kernels (no host sync; as torch's own index kernels, a failure loses the CUDA context)."""
+    bad = ((labels < 0) | (labels >= classes)) & kept
+    if labels.device.type == "cuda":
+        torch._assert_async(~bad.any())
+    elif bad.any():
+        raise IndexOutOfRangeError(f"trainops.{op}: argument 'labels' holds a class index out of range "
+                                   f"[0, {classes - 1}] that is not ignore_index")
+
+
 def gradient_bits(*pairs) -> int:
     """The NEEDS_* bits of the (tensor, bit) pairs whose tensor requires grad, in grad mode."""
     if not torch.is_grad_enabled():
@@ -294,5 +307,5 @@ def gradient_bits(*pairs) -> int:
 
 
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT", "accumulator",
-           "save_scaled_gradients", "scaled_gradients", "check_head", "check_ignore_index", "check_labels", "check_number", "check_transform", "gradient_bits",
-           "heuristic_rows"]
+           "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
+           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients"]

@@ -13,7 +13,8 @@ either model's logits.
 Kept tokens: label != ignore_index (every token when labels is None); count = max(1, kept tokens)
 (TRL's ``generalized_jsd_loss`` with reduction "batchmean": an all-ignored batch gives 0, with zero
 gradients); ``num_items_in_batch`` replaces count (TRL's and Hugging Face's loss under gradient
-accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 factor (TRL's). The teacher takes no gradient.
+accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 factor (TRL's). The
+teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
 per chunk one teacher matmul, one student matmul, the chunk's loss terms and d loss / d zs in
@@ -47,16 +48,57 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidProblemError, argument_error
+from ..launch import launcher
 from ..library import custom_op
+from ..plan import KernelChoice
+from ..registry import ACCUMULATOR, register, register_op, triton_available
+from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
 from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
-                             check_ignore_index, check_labels, check_number, check_transform, gradient_bits,
-                             heuristic_rows, save_scaled_gradients, scaled_gradients)
+                             check_ignore_index, check_label_range, check_labels, check_number, check_transform,
+                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients)
 
 OP = "linear_distillation"
 
 
-def _soft_chunk(us: Tensor, ut: Tensor, beta: float, temperature: float, grad: bool):
-    """(per-row jsd_beta, its gradient w.r.t. us / T or None) of one chunk; ``ut`` is overwritten."""
+# ----------------------------------------------------------------------------------------------
+# The per-chunk math: op "linear_distillation_rows" (a Triton kernel on the GPU, torch ops on the CPU)
+# ----------------------------------------------------------------------------------------------
+
+ROWS_OP = "linear_distillation_rows"
+register_op(ROWS_OP, multi_tensor_describer(ROWS_OP),
+            doc="per row of student / teacher logits u (before the temperature): the generalised JSD and the hard "
+                "cross-entropy, and their weighted gradient written over the student's row")
+
+
+def _mode(beta: float) -> int:
+    """0: forward KL (beta 0), 1: reverse KL (beta 1), 2: the mixture's JSD."""
+    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+
+
+def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_weight: Optional[Tensor],
+                      hard_weight: Optional[Tensor], beta: float, temperature: float, *, hard: bool,
+                      grad: bool) -> tuple[Tensor, Tensor]:
+    """(jsd_beta per row (zeros without ``ut``), -log_softmax(us)[label] per row (zeros unless
+    ``hard``)) of a chunk's rows. us, ut: (rows, V) contiguous float32 / float64, the student's and
+    the teacher's logits before the temperature; ut None: no soft loss. labels (rows,): class indices
+    in range (ignored rows: any, e.g. 0). grad: du = soft_weight * d jsd / d us + hard_weight *
+    d hard / d us (soft_weight, hard_weight (rows,)) written over ``us``. ``ut`` may be overwritten.
+    Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU); float64
+    (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
+    options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad)
+    soft_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
+    hard_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
+    if us.dtype == torch.float64:
+        _rows_torch(options, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature)
+    else:
+        launch = multi_tensor_launch(ROWS_OP, us.device, us.dtype, **options)
+        launch.run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, float(beta), float(temperature))
+    return soft_out, hard_out
+
+
+def _soft_rows(us: Tensor, ut: Tensor, beta: float, temperature: float, grad: bool):
+    """The CPU path's soft half: (per-row jsd_beta, its gradient w.r.t. us / T or None); ``ut`` is
+    overwritten."""
     zs = us / temperature if temperature != 1.0 else us
     ls = torch.log_softmax(zs, -1)
     del zs
@@ -85,22 +127,193 @@ def _soft_chunk(us: Tensor, ut: Tensor, beta: float, temperature: float, grad: b
     return row, p.mul_(b.sub_(student_term[:, None])).mul_(1 - beta) if grad else None
 
 
-def _hard_chunk(us: Tensor, labels: Tensor, grad: bool):
-    """(per-row -log_softmax(us)[label], its gradient softmax(us) - onehot(label) or None); ``us`` is
-    overwritten. labels: ignored rows already replaced by 0."""
-    lse = torch.logsumexp(us, -1, keepdim=True)
-    index = labels[:, None]
-    row = (lse - us.gather(1, index)).squeeze(1)
-    if not grad:
-        return row, None
-    probs = us.sub_(lse).exp_()
-    return row, probs.scatter_(1, index, probs.gather(1, index) - 1)   # one index a row: no collision
+def _rows_torch(opts: dict, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature) -> None:
+    """distillation_rows in torch ops (the CPU kernel; float64 everywhere)."""
+    grad = opts["grad"]
+    du = None
+    if opts["soft"]:
+        row, g = _soft_rows(us, ut, beta, temperature, grad)
+        soft_out.copy_(row)
+        if grad:
+            du = g.mul_((soft_weight / temperature)[:, None])
+    if opts["hard"]:
+        lse = torch.logsumexp(us, -1, keepdim=True)
+        index = labels[:, None]
+        hard_out.copy_((lse - us.gather(1, index)).squeeze(1))
+        if grad:
+            probs = torch.sub(us, lse).exp_()
+            probs.scatter_(1, index, probs.gather(1, index) - 1)   # one index a row: no collision
+            probs.mul_(hard_weight[:, None])
+            du = probs if du is None else du.add_(probs)
+    if grad:
+        us.copy_(du) if du is not None else us.zero_()
+
+
+def _prepare_rows_cpu(problem) -> MultiTensorLaunch:
+    opts = dict(problem.options)
+
+    def run(*args):
+        _rows_torch(opts, *args)
+
+    return MultiTensorLaunch(run, KernelChoice(f"{ROWS_OP}_cpu", "cpu"), problem.dtype)
+
+
+register(ROWS_OP, backend="cpu", dtypes=(torch.float32,), deterministic=True, accumulator=ACCUMULATOR,
+         name=f"{ROWS_OP}_cpu")(_prepare_rows_cpu)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _distillation_rows(
+        us_ptr,              # (rows, V) student logits before the temperature; du written over them (GRAD)
+        ut_ptr,              # (rows, V) teacher logits before the temperature (SOFT)
+        labels_ptr,          # (rows,) class indices in range (HARD)
+        soft_weight_ptr,     # (rows,) each row's factor of d soft / d us (GRAD and SOFT)
+        hard_weight_ptr,     # (rows,) each row's factor of d hard / d us (GRAD and HARD)
+        soft_out_ptr,        # (rows,) jsd_beta of each row
+        hard_out_ptr,        # (rows,) -log_softmax(us)[label] of each row
+        V, stride_s, stride_t,
+        inv_t, beta, log_1mb, log_b,
+        MODE: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """One row a program. Pass 1: the logsumexps of us / T, ut / T (and of us, the hard loss's) by
+        blocks. Pass 2: the row's loss sums (MODE 0 writes its gradient here: p - q needs no sum).
+        Pass 3 (MODE 1, 2 with GRAD): the gradient, p (g - <p, g>), written over the student's row."""
+        row = tl.program_id(0).to(tl.int64)
+        s_row = us_ptr + row * stride_s
+        t_row = ut_ptr + row * stride_t
+        offs = tl.arange(0, BLOCK)
+        neg_inf = float("-inf")
+        m_s = neg_inf
+        l_s = 0.0
+        m_t = neg_inf
+        l_t = 0.0
+        m_1 = neg_inf
+        l_1 = 0.0
+        for start in range(0, V, BLOCK):
+            mask = start + offs < V
+            u = tl.load(s_row + start + offs, mask=mask, other=neg_inf)
+            if SOFT:
+                zs = u * inv_t
+                new = tl.maximum(m_s, tl.max(zs, 0))
+                l_s = l_s * tl.exp(m_s - new) + tl.sum(tl.exp(zs - new), 0)
+                m_s = new
+                zt = tl.load(t_row + start + offs, mask=mask, other=neg_inf) * inv_t
+                new = tl.maximum(m_t, tl.max(zt, 0))
+                l_t = l_t * tl.exp(m_t - new) + tl.sum(tl.exp(zt - new), 0)
+                m_t = new
+            if HARD:
+                new = tl.maximum(m_1, tl.max(u, 0))
+                l_1 = l_1 * tl.exp(m_1 - new) + tl.sum(tl.exp(u - new), 0)
+                m_1 = new
+        if SOFT:
+            lse_s = m_s + tl.log(l_s)
+            lse_t = m_t + tl.log(l_t)
+        if HARD:
+            lse_1 = m_1 + tl.log(l_1)
+        hard_w = 0.0
+        soft_w = 0.0
+        if HARD:
+            label = tl.load(labels_ptr + row)
+            tl.store(hard_out_ptr + row, lse_1 - tl.load(s_row + label))
+            if GRAD:
+                hard_w = tl.load(hard_weight_ptr + row)
+        if GRAD:
+            if SOFT:
+                soft_w = tl.load(soft_weight_ptr + row) * inv_t
+        teacher_term = 0.0
+        student_term = 0.0
+        if SOFT:
+            for start in range(0, V, BLOCK):
+                mask = start + offs < V
+                u = tl.load(s_row + start + offs, mask=mask, other=0.0)
+                ls = u * inv_t - lse_s
+                lt = tl.load(t_row + start + offs, mask=mask, other=0.0) * inv_t - lse_t
+                p = tl.exp(ls)
+                q = tl.exp(lt)
+                if MODE == 0:
+                    teacher_term += tl.sum(tl.where(mask, q * (lt - ls), 0.0), 0)
+                    if GRAD:
+                        du = soft_w * (p - q)
+                        if HARD:
+                            du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
+                        tl.store(s_row + start + offs, du, mask=mask)
+                elif MODE == 1:
+                    student_term += tl.sum(tl.where(mask, p * (ls - lt), 0.0), 0)
+                else:
+                    a = ls + log_1mb
+                    c = lt + log_b
+                    hi = tl.maximum(a, c)
+                    lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                    teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
+                    student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
+            if MODE == 0:
+                tl.store(soft_out_ptr + row, teacher_term)
+            elif MODE == 1:
+                tl.store(soft_out_ptr + row, student_term)
+            else:
+                tl.store(soft_out_ptr + row, beta * teacher_term + (1 - beta) * student_term)
+        if GRAD and (MODE != 0 or not SOFT):
+            for start in range(0, V, BLOCK):
+                mask = start + offs < V
+                u = tl.load(s_row + start + offs, mask=mask, other=0.0)
+                du = tl.zeros([BLOCK], dtype=u.dtype)
+                if SOFT:
+                    ls = u * inv_t - lse_s
+                    lt = tl.load(t_row + start + offs, mask=mask, other=0.0) * inv_t - lse_t
+                    p = tl.exp(ls)
+                    if MODE == 1:
+                        du = soft_w * p * ((ls - lt) - student_term)
+                    else:
+                        a = ls + log_1mb
+                        c = lt + log_b
+                        hi = tl.maximum(a, c)
+                        lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                        du = (soft_w * (1 - beta)) * p * ((ls - lm) - student_term)
+                if HARD:
+                    du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
+                tl.store(s_row + start + offs, du, mask=mask)
+
+    def _prepare_rows_triton(problem) -> MultiTensorLaunch:
+        opts = dict(problem.options)
+        meta = dict(MODE=opts["mode"], SOFT=opts["soft"], HARD=opts["hard"], GRAD=opts["grad"],
+                    BLOCK=_ROWS_BLOCK, num_warps=_ROWS_WARPS)
+        launches: dict[int, object] = {}
+
+        def run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature):
+            rows = us.shape[0]
+            if not rows:
+                return
+            launch = launches.get(rows)
+            if launch is None:
+                launch = launches[rows] = launcher(_distillation_rows, (rows,), **meta)
+            mixture = 0.0 < beta < 1.0
+            launch(us, us if ut is None else ut, labels, us if soft_weight is None else soft_weight,
+                   us if hard_weight is None else hard_weight, soft_out, hard_out, us.shape[1], us.stride(0),
+                   us.stride(0) if ut is None else ut.stride(0), 1.0 / temperature, beta,
+                   math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0)
+
+        return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton", (("BLOCK", _ROWS_BLOCK),)),
+                                 problem.dtype)
+
+    register(ROWS_OP, backend="triton", dtypes=(torch.float32,), deterministic=True,
+             accumulator=ACCUMULATOR, name=f"{ROWS_OP}_triton")(_prepare_rows_triton)
+
+
+# Block of vocabulary entries a program reads at a time, and its warps: unmeasured (a 4096-entry float32
+# block is 16 KiB a load, the cross-entropy kernel's order of size); bench_linear_post_training.py times it.
+_ROWS_BLOCK = 4096
+_ROWS_WARPS = 8
 
 
 def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
           labels: Optional[Tensor], student_bias: Optional[Tensor], teacher_bias: Optional[Tensor],
           num_items: Optional[Tensor], beta: float, temperature: float, weight_soft: float, weight_hard: float,
-          ignore_index: int, logit_scale: float, softcap: Optional[float], needs: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+          ignore_index: int, logit_scale: float, softcap: Optional[float], needs: int,
+          rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, dstudent_hidden, dstudent_weight, dstudent_bias): the losses in the
     accumulator dtype, the gradients (of an upstream gradient of 1) in their tensors' dtypes, an
     empty tensor where not in ``needs``. rows: tokens a chunk, 0 for ChunkedLinearHeuristics'."""
@@ -111,6 +324,8 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
     rows = rows or heuristic_rows(n, v)
     with torch.autocast(dev.type, enabled=False):
         kept = None if labels is None else labels != ignore_index
+        if weight_hard:
+            check_label_range(OP, labels, kept, v)
         if num_items is not None:   # the tokens of the whole (accumulated) batch
             count = num_items.to(acc)
         elif labels is None:
@@ -123,30 +338,27 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
         soft = torch.zeros((), dtype=acc, device=dev)
         hard = torch.zeros((), dtype=acc, device=dev)
         grad = needs != 0
+        ones = torch.ones(min(n, rows), dtype=acc, device=dev) if kept is None else None
         for start in range(0, n, rows):
             stop = min(n, start + rows)
             us, t = student.logits(start, stop)
-            keep = None if kept is None else kept[start:stop].to(acc)
-            du = None
+            keep = ones[: stop - start] if kept is None else kept[start:stop].to(acc)
+            ut = teacher.logits(start, stop)[0].to(acc) if weight_soft else None
+            chunk_labels = torch.where(kept[start:stop], labels[start:stop], 0) if weight_hard else None
+            # each row's factors of the two gradients: d / d us = d / d (us / T) / T (the kernel's
+            # 1 / T), normalised by the count; ignored rows 0
+            soft_weight = keep * (inv_count * weight_soft) if grad and weight_soft else None
+            hard_weight = keep * (inv_count * weight_hard) if grad and weight_hard else None
+            soft_row, hard_row = distillation_rows(us, ut, chunk_labels, soft_weight, hard_weight, beta, temperature,
+                                                   hard=bool(weight_hard), grad=grad)
+            del ut
             if weight_soft:
-                ut, _ = teacher.logits(start, stop)
-                row, g = _soft_chunk(us, ut.to(acc), beta, temperature, grad)
-                del ut
-                soft += row.sum() if keep is None else (row * keep).sum()
-                if grad:   # d / d us = d / d (us / T) / T, normalised by the count
-                    factor = inv_count * (weight_soft / temperature)
-                    du = g.mul_(factor if keep is None else (keep * factor)[:, None])
+                soft += (soft_row * keep).sum()
             if weight_hard:
-                chunk_labels = torch.where(kept[start:stop], labels[start:stop], 0)
-                row, g = _hard_chunk(us, chunk_labels, grad)
-                hard += (row * keep).sum()
-                if grad:
-                    g.mul_((keep * (inv_count * weight_hard))[:, None])
-                    du = g if du is None else du.add_(g)
-            del us
-            if grad:
-                student.backward(start, stop, du, t)
-            del du, t
+                hard += (hard_row * keep).sum()
+            if grad:   # the kernel wrote du over us
+                student.backward(start, stop, us, t)
+            del us, t
         soft, hard = soft * inv_count, hard * inv_count
         loss = weight_soft * soft + weight_hard * hard
         dx, dw, db = student.finish()
@@ -192,9 +404,10 @@ def check_settings(beta, temperature, weight_soft_loss, weight_hard_loss, ignore
 
 
 def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
-                             teacher_weight: Tensor, labels: Tensor | None = None, *, student_bias: Tensor | None = None,
-                             teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
-                             weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                             teacher_weight: Tensor, labels: Tensor | None = None, *,
+                             student_bias: Tensor | None = None, teacher_bias: Tensor | None = None,
+                             beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                             weight_hard_loss: float = 0.0, ignore_index: int = -100,
                              logit_scale: float = 1.0, softcap: float | None = None,
                              num_items_in_batch: int | Tensor | None = None) -> Tensor:
     """See trainops.functional.linear_distillation_loss."""

@@ -32,7 +32,8 @@ chosen and rejected sequence log-probabilities), sigma_ls(x) = -(1 - ls) log sig
     ipo    (delta - 1 / (2 beta))^2                  TRL's DPO "ipo" (its log-ratios over the completion's tokens)
     simpo  sigma_ls(beta (c - r) - gamma)            TRL's CPO trainer, loss_type "simpo" (gamma: simpo_gamma)
     cpo    sigma_ls(beta (c - r)) + nll_weight NLL   TRL's CPO trainer, loss_type "sigmoid" (nll_weight: cpo_alpha)
-    orpo   NLL - beta log sigmoid(log_odds)          TRL's ORPO trainer; log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))
+    orpo   NLL - beta log sigmoid(log_odds)          TRL's ORPO trainer;
+                                                     log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))
 
 each the mean over the pairs (plus nll_weight times the chosen rows' NLL: -sum of their kept
 tokens' log-probabilities / max(1, their count); its weight is 1 for CPO and ORPO, 0 otherwise by
@@ -58,8 +59,8 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
-                             check_ignore_index, check_labels, check_number, check_transform, gradient_bits,
-                             heuristic_rows, save_scaled_gradients, scaled_gradients)
+                             check_ignore_index, check_label_range, check_labels, check_number, check_transform,
+                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients)
 
 OP = "linear_preference_loss"
 TOKENS_OP = "linear_token_logprobs"
@@ -84,6 +85,7 @@ def _tokens_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[
     logit_sum = torch.empty(n, dtype=acc, device=hidden.device)
     lse = torch.empty(n, dtype=acc, device=hidden.device)
     kept = labels != ignore_index
+    check_label_range(TOKENS_OP, labels, kept, v)
     index = torch.where(kept, labels, 0)[:, None]
     with torch.autocast(hidden.device.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap)
@@ -423,6 +425,7 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     averaged = kind in _AVERAGED
     grad = needs != 0
     kept = labels != ignore_index
+    check_label_range(OP, labels, kept, weight.shape[0])
     count = kept.view(rows_total, length).sum(-1).to(acc)
     norm = 1 / count.clamp_min(1) if averaged else torch.ones_like(count)
     nll_scale = -nll_weight / count[:pairs].sum().clamp_min(1)
