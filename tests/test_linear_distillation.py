@@ -99,9 +99,10 @@ def test_float32_each_backend_against_float64(backend, device, settings):
     """The per-chunk kernel (Triton under the interpreter here; torch ops on the CPU backend) over
     every mode, a vocabulary that is not a multiple of its block, ignored rows."""
     xs, ws, bs, xt, wt, labels = inputs(19, 12, 10, 37, torch.float32, ignored=(0, 5))
-    with small_chunks(8):
+    with small_chunks(8), trainops.track_kernels() as used:
         loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
         got = torch.autograd.grad(loss, (xs, ws, bs))
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", backend)}
     leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
     want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
     expected = torch.autograd.grad(want, leaves)

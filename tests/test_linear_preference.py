@@ -108,6 +108,7 @@ def reference_kwargs(kind, rx, rw):
                                       dict(logit_scale=0.7, softcap=3.0, temperature=1.5, nll_weight=0.5)],
                          ids=["plain", "smoothing", "transform"])
 def test_float64_matches_the_reference_over_chunks(kind, settings, path, monkeypatch):
+    """float64 runs the torch ops (the kernels are float32); test_float32_each_backend runs the kernels."""
     settings = dict(settings)
     if kind in ("ipo", "orpo"):
         settings.pop("label_smoothing", None)
@@ -134,6 +135,33 @@ def test_float64_matches_the_reference_over_chunks(kind, settings, path, monkeyp
         assert_close(a, e, torch.float64, name)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("settings", [dict(label_smoothing=0.2, beta=0.5, gamma=0.3),
+                                      dict(logit_scale=0.7, softcap=3.0, temperature=1.5, nll_weight=0.5)],
+                         ids=["smoothing", "transform"])
+def test_float32_each_backend(backend, kind, settings, path):
+    """The per-chunk kernels (Triton under the interpreter; torch ops on the CPU backend), float32
+    against the float64 reference, a vocabulary that is not a multiple of the kernels' block."""
+    settings = dict(settings)
+    if kind in ("ipo", "orpo"):
+        settings.pop("label_smoothing", None)
+    x, w, b, labels, rx, rw = inputs(2, 6, 8, 37, torch.float32)
+    with path_chunks(path, 6), trainops.track_kernels() as used:
+        out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw),
+                                              **settings)
+        got = torch.autograd.grad(out.loss, (x, w, b))
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_token_rows", backend)}
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = reference(kind, *leaves[:2], labels, leaves[2], ref=(rx, rw, None) if kind in ("dpo", "ipo") else None,
+                     **settings)
+    expected = torch.autograd.grad(want[0], leaves)
+    for name, a, e in zip(out._fields, out, want):
+        assert_close(a, e, torch.float32, name)
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, torch.float32, name)
+
+
 @pytest.mark.parametrize("kind", ["dpo", "ipo"])
 def test_the_reference_as_log_probabilities(kind):
     x, w, b, labels, rx, rw = inputs(2, 6, 8, 11, torch.float64)
@@ -151,7 +179,7 @@ def test_the_reference_as_log_probabilities(kind):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_and_bf16_against_float64(dtype, kind, path):
+def test_float32_and_bf16_against_float64(backend, dtype, kind, path):
     x, w, b, labels, rx, rw = inputs(2, 9, 16, 37, dtype)
     smoothing = 0.1 if kind in ("dpo", "simpo", "cpo") else 0.0
     with path_chunks(path, 9):
@@ -191,18 +219,21 @@ def test_all_ignored_rows(kind, path):
     assert torch.count_nonzero(got[0][1]) == 0 and torch.count_nonzero(got[0][4]) == 0
 
 
-def test_token_logprobs_against_log_softmax_and_ignored_tokens():
-    x, w, b, labels, _, _ = inputs(2, 5, 8, 9, torch.float64)
-    logp, logit_sum = linear_token_logprobs(x, w, labels, b, softcap=2.0, temperature=0.5)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_logprobs_against_log_softmax_and_ignored_tokens(backend, dtype):
+    x, w, b, labels, _, _ = inputs(2, 5, 8, 9, dtype)
+    with small_chunks(3):
+        logp, logit_sum = linear_token_logprobs(x, w, labels, b, softcap=2.0, temperature=0.5)
     _, tokens, mask, z = sequence_logps(x, w, b, labels, False, softcap=2.0, temperature=0.5)
-    assert_close(logp, tokens, torch.float64, "logp")
-    assert_close(logit_sum, z.sum(-1) * mask, torch.float64, "logit_sum")
+    assert_close(logp, tokens, dtype, "logp")
+    assert_close(logit_sum, z.sum(-1) * mask, dtype, "logit_sum")
     assert torch.count_nonzero(logp[~mask]) == 0 and not logit_sum.requires_grad
     upstream = torch.randn(logp.shape, dtype=torch.float64)
-    got = torch.autograd.grad(logp, (x, w, b), upstream)
+    with small_chunks(3):
+        got = torch.autograd.grad(logp, (x, w, b), upstream.to(dtype))
     expected = torch.autograd.grad(tokens, (x, w, b), upstream)
     for a, e in zip(got, expected):
-        assert_close(a, e, torch.float64, "gradient")
+        assert_close(a, e, dtype, "gradient")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -239,7 +270,7 @@ def test_the_pairs_path_refuses_a_second_backward_but_float64_allows_it():
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_deterministic_run_to_run(path):
+def test_deterministic_run_to_run(backend, path):
     x, w, b, labels, rx, rw = inputs(3, 8, 16, 21, torch.float32)
     runs = []
     for _ in range(2):

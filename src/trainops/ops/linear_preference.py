@@ -57,7 +57,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
+from ..launch import launcher
 from ..library import custom_op
+from ..plan import KernelChoice
+from ..registry import ACCUMULATOR, register, register_op, triton_available
+from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
 from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_label_range, check_labels, check_number, check_transform,
                              gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients)
@@ -68,6 +72,155 @@ PAIRS_OP = "linear_preference_pairs"
 KINDS = ("dpo", "ipo", "orpo", "simpo", "cpo")
 _NEEDS_REFERENCE = ("dpo", "ipo")
 _AVERAGED = ("ipo", "simpo", "orpo")
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-chunk math: op "linear_token_rows" (a Triton kernel on the GPU, torch ops on the CPU)
+# ----------------------------------------------------------------------------------------------
+
+ROWS_OP = "linear_token_rows"
+register_op(ROWS_OP, multi_tensor_describer(ROWS_OP),
+            doc="per row of logits u (before the temperature): logsumexp, the label's log-probability and the "
+                "logits' sum (stage forward); dlogp (onehot - softmax) written over the row (stage backward)")
+
+
+def token_rows_forward(u: Tensor, index: Tensor, keep: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, logp, logit_sum) (rows,) of z = u / T: logsumexp(z), (z[label] - lse) keep,
+    sum(z) keep. u (rows, V) contiguous float32 / float64; index (rows,) labels in range (ignored:
+    0); keep (rows,) 1 / 0 in u's dtype. Float64 runs the torch ops everywhere (the Triton kernel is
+    float32 only)."""
+    outs = tuple(torch.empty(u.shape[0], dtype=u.dtype, device=u.device) for _ in range(3))
+    if u.dtype == torch.float64:
+        _rows_torch("forward", u, index, keep, *outs, temperature)
+    else:
+        multi_tensor_launch(ROWS_OP, u.device, u.dtype, stage="forward").run(u, index, keep, *outs, temperature)
+    return outs
+
+
+def token_rows_backward_(u: Tensor, index: Tensor, lse: Tensor, factor: Tensor, temperature: float) -> Tensor:
+    """du = factor (onehot(label) - exp(u / T - lse)) / T written over ``u`` (returned): the gradient
+    of sum factor * logp w.r.t. u. factor (rows,): dlogp, 0 on ignored rows."""
+    if u.dtype == torch.float64:
+        _rows_torch("backward", u, index, factor, lse, None, None, temperature)
+    else:
+        multi_tensor_launch(ROWS_OP, u.device, u.dtype, stage="backward").run(u, index, factor, lse, None, None,
+                                                                             temperature)
+    return u
+
+
+def _rows_torch(stage: str, u, index, weights, lse, logp, logit_sum, temperature) -> None:
+    """Both stages in torch ops (the CPU kernel; float64 everywhere). forward: weights = keep, writes
+    lse, logp, logit_sum, ``u`` kept; backward: weights = factor, reads lse, writes du over u."""
+    index = index[:, None]
+    if stage == "forward":
+        z = u / temperature if temperature != 1.0 else u
+        torch.logsumexp(z, -1, out=lse)
+        torch.mul(z.gather(1, index).squeeze(1) - lse, weights, out=logp)
+        torch.mul(z.sum(-1), weights, out=logit_sum)
+        return
+    z = u.div_(temperature) if temperature != 1.0 else u
+    f = (weights / temperature)[:, None]
+    dz = z.sub_(lse[:, None]).exp_().mul_(-f)              # -dlogp softmax(z)
+    dz.scatter_(1, index, dz.gather(1, index) + f)         # + dlogp onehot(label): one index a row
+
+
+def _prepare_rows_cpu(problem) -> MultiTensorLaunch:
+    stage = dict(problem.options)["stage"]
+
+    def run(*args):
+        _rows_torch(stage, *args)
+
+    return MultiTensorLaunch(run, KernelChoice(f"{ROWS_OP}_cpu", "cpu"), problem.dtype)
+
+
+register(ROWS_OP, backend="cpu", dtypes=(torch.float32,), deterministic=True, accumulator=ACCUMULATOR,
+         name=f"{ROWS_OP}_cpu")(_prepare_rows_cpu)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _token_rows_forward(
+        u_ptr,           # (rows, V) logits before the temperature
+        index_ptr,       # (rows,) labels in range
+        keep_ptr,        # (rows,) 1 for kept rows, 0 for ignored ones
+        lse_ptr,         # (rows,) out: logsumexp(u / T)
+        logp_ptr,        # (rows,) out: (u[label] / T - lse) keep
+        sum_ptr,         # (rows,) out: sum(u / T) keep
+        V, stride, inv_t,
+        BLOCK: tl.constexpr,
+    ):
+        """One row a program, one pass: online logsumexp and sum of z = u / T by blocks."""
+        row = tl.program_id(0).to(tl.int64)
+        base = u_ptr + row * stride
+        offs = tl.arange(0, BLOCK)
+        m = float("-inf")
+        s = 0.0
+        total = 0.0
+        for start in range(0, V, BLOCK):
+            mask = start + offs < V
+            z = tl.load(base + start + offs, mask=mask, other=float("-inf")) * inv_t
+            new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - new) + tl.sum(tl.exp(z - new), 0)
+            m = new
+            total += tl.sum(tl.where(mask, z, 0.0), 0)
+        lse = m + tl.log(s)
+        keep = tl.load(keep_ptr + row)
+        tl.store(lse_ptr + row, lse)
+        tl.store(logp_ptr + row, (tl.load(base + tl.load(index_ptr + row)) * inv_t - lse) * keep)
+        tl.store(sum_ptr + row, total * keep)
+
+    @triton.jit
+    def _token_rows_backward(
+        u_ptr,           # (rows, V) logits before the temperature; du written over them
+        index_ptr,       # (rows,) labels in range
+        factor_ptr,      # (rows,) dlogp (0 on ignored rows)
+        lse_ptr,         # (rows,) logsumexp(u / T) of the forward
+        V, stride, inv_t,
+        BLOCK: tl.constexpr,
+    ):
+        """One row a program, one pass: du = dlogp (onehot(label) - exp(u / T - lse)) / T."""
+        row = tl.program_id(0).to(tl.int64)
+        base = u_ptr + row * stride
+        offs = tl.arange(0, BLOCK)
+        f = tl.load(factor_ptr + row) * inv_t
+        lse = tl.load(lse_ptr + row)
+        label = tl.load(index_ptr + row)
+        for start in range(0, V, BLOCK):
+            mask = start + offs < V
+            z = tl.load(base + start + offs, mask=mask, other=0.0) * inv_t
+            du = f * (tl.where(start + offs == label, 1.0, 0.0) - tl.exp(z - lse))
+            tl.store(base + start + offs, du, mask=mask)
+
+    def _prepare_rows_triton(problem) -> MultiTensorLaunch:
+        forward = dict(problem.options)["stage"] == "forward"
+        kernel = _token_rows_forward if forward else _token_rows_backward
+        launches: dict[int, object] = {}
+
+        def run(u, index, weights, lse, logp, logit_sum, temperature):
+            rows = u.shape[0]
+            if not rows:
+                return
+            launch = launches.get(rows)
+            if launch is None:
+                launch = launches[rows] = launcher(kernel, (rows,), BLOCK=_ROWS_BLOCK, num_warps=_ROWS_WARPS)
+            if forward:
+                launch(u, index, weights, lse, logp, logit_sum, u.shape[1], u.stride(0), 1.0 / temperature)
+            else:
+                launch(u, index, weights, lse, u.shape[1], u.stride(0), 1.0 / temperature)
+
+        return MultiTensorLaunch(run, KernelChoice(kernel.__name__.lstrip("_"), "triton", (("BLOCK", _ROWS_BLOCK),)),
+                                 problem.dtype)
+
+    register(ROWS_OP, backend="triton", dtypes=(torch.float32,), deterministic=True, accumulator=ACCUMULATOR,
+             name=f"{ROWS_OP}_triton")(_prepare_rows_triton)
+
+
+# Vocabulary entries a program reads at a time, and its warps: unmeasured (as linear_distillation_rows').
+_ROWS_BLOCK = 4096
+_ROWS_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,19 +239,16 @@ def _tokens_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[
     lse = torch.empty(n, dtype=acc, device=hidden.device)
     kept = labels != ignore_index
     check_label_range(TOKENS_OP, labels, kept, v)
-    index = torch.where(kept, labels, 0)[:, None]
+    index = torch.where(kept, labels, 0)
+    keep_f = kept.to(acc)
     with torch.autocast(hidden.device.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap)
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            z, _ = head.logits(start, stop)
-            if temperature != 1.0:
-                z.div_(temperature)
-            torch.logsumexp(z, -1, out=lse[start:stop])
-            keep = kept[start:stop]
-            logp[start:stop] = (z.gather(1, index[start:stop]).squeeze(1) - lse[start:stop]) * keep
-            logit_sum[start:stop] = z.sum(-1) * keep
-            del z
+            u, _ = head.logits(start, stop)
+            lse[start:stop], logp[start:stop], logit_sum[start:stop] = token_rows_forward(
+                u, index[start:stop], keep_f[start:stop], temperature)
+            del u
     return logp, logit_sum, lse
 
 
@@ -139,22 +289,16 @@ def _tokens_backward_impl(dlogp: Tensor, hidden: Tensor, weight: Tensor, labels:
     n = hidden.shape[0]
     acc = accumulator(hidden.dtype)
     kept = labels != ignore_index
-    index = torch.where(kept, labels, 0)[:, None]
-    # ignored tokens get no gradient whatever their upstream one; 1 / T folded in
-    factor = torch.where(kept, dlogp.to(acc), 0) / temperature
+    index = torch.where(kept, labels, 0)
+    factor = torch.where(kept, dlogp.to(acc), 0)   # ignored tokens get no gradient whatever their upstream one
     with torch.autocast(hidden.device.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            z, t = head.logits(start, stop)
-            if temperature != 1.0:
-                z.div_(temperature)
-            f = factor[start:stop, None]
-            dz = z.sub_(lse[start:stop, None]).exp_().mul_(-f)          # -dlogp softmax(z)
-            chunk_index = index[start:stop]
-            dz.scatter_(1, chunk_index, dz.gather(1, chunk_index) + f)   # + dlogp onehot(label)
-            head.backward(start, stop, dz, t)
-            del z, dz, t
+            u, t = head.logits(start, stop)
+            du = token_rows_backward_(u, index[start:stop], lse[start:stop], factor[start:stop], temperature)
+            head.backward(start, stop, du, t)
+            del u, du, t
         dx, dw, db = head.finish()
     return tuple(hidden.new_empty(0) if g is None else g for g in (dx, dw, db))
 
@@ -441,14 +585,12 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
             parts = ((i0 * length, i1 * length), ((pairs + i0) * length, (pairs + i1) * length))
             xc = torch.cat([hidden[a:b] for a, b in parts])
             keep = torch.cat([kept[a:b] for a, b in parts])
-            index = torch.where(keep, torch.cat([labels[a:b] for a, b in parts]), 0)[:, None]
+            index = torch.where(keep, torch.cat([labels[a:b] for a, b in parts]), 0)
             row_index = torch.cat([torch.arange(i0, i1, device=dev), torch.arange(pairs + i0, pairs + i1, device=dev)])
             u, t = head.logits_of(xc)
-            z = u.div_(temperature) if temperature != 1.0 else u
-            lse = torch.logsumexp(z, -1)
             keep_f = keep.to(acc)
-            tokens = (z.gather(1, index).squeeze(1) - lse) * keep_f
-            logit_sum[row_index] = (z.sum(-1) * keep_f).view(2 * m, length).sum(-1)
+            lse, tokens, token_sums = token_rows_forward(u, index, keep_f, temperature)
+            logit_sum[row_index] = token_sums.view(2 * m, length).sum(-1)
             chunk_seq = tokens.view(2 * m, length).sum(-1) * norm[row_index]
             seq[row_index] = chunk_seq
             nll_sum += tokens[: m * length].sum()
@@ -460,11 +602,9 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
                 dlogp = (dseq * norm[row_index] / pairs).repeat_interleave(length)
                 if nll_weight:
                     dlogp[: m * length] += nll_scale
-                f = (dlogp * keep_f / temperature)[:, None]
-                dz = z.sub_(lse[:, None]).exp_().mul_(-f)                     # -dlogp softmax(z)
-                dz.scatter_(1, index, dz.gather(1, index) + f)               # + dlogp onehot(label)
-                head.backward_of(xc, dz, t, parts)
-            del u, z, t, xc
+                du = token_rows_backward_(u, index, lse, dlogp * keep_f, temperature)
+                head.backward_of(xc, du, t, parts)
+            del u, t, xc
         dx, dw, db = head.finish()
     loss = pair_sum / pairs
     if nll_weight:
