@@ -3,13 +3,15 @@ and DPO from the last hidden states and LM heads, forward + backward.
 
     python benchmarks/bench_linear_post_training.py [--tokens 8192] [--seq 1024] [--out results.json]
 
-Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256:
+Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
+at its default chunk (ChunkedLinearHeuristics: 2048 tokens here) and at --chunks sizes:
 - distillation (beta 0.5, temperature 1): trainops.linear_distillation_loss; the unfused formulation
   (F.linear, float32 log-softmaxes, TRL's generalized_jsd_loss) under torch.compile; Liger's
   LigerFusedLinearJSDLoss when installed; the four matmuls alone (student logits, dX, dW, teacher
   logits: the time floor).
 - DPO (N policy tokens as N / seq sequences: chosen then rejected, plus a reference of as many):
-  trainops.linear_preference_loss(kind="dpo"); the unfused formulation under torch.compile;
+  trainops.linear_preference_loss(kind="dpo") (whole pairs a chunk at the default chunk; chunk 1024 < a
+  pair's 2048 tokens runs the two-pass path); the unfused formulation under torch.compile;
   Liger's LigerFusedLinearDPOLoss when installed; the four matmuls alone (policy logits, dX, dW,
   reference logits).
 Time: triton.testing.do_bench median of a forward + backward, gradients set to None before each.
@@ -97,6 +99,18 @@ def liger_dpo():
     return loss
 
 
+def chunked(fn, rows: int):
+    """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass path)."""
+    from trainops.ops.chunked_linear import ChunkedLinearHeuristics
+
+    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1)
+
+    def loss(*args):
+        with trainops.heuristics(config):
+            return fn(*args)
+    return loss
+
+
 def measure(fn, args, leaves, reps):
     from triton.testing import do_bench
 
@@ -170,6 +184,8 @@ def main():
     parser.add_argument("--seq", type=int, default=1024, help="DPO sequence length (tokens / seq sequences)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", choices=["distillation", "dpo"], default=None)
+    parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
+                        help="trainops chunk sizes (tokens) to run besides the default (2048 at this vocabulary)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -190,8 +206,10 @@ def main():
         print(f"== distillation, {n} tokens, H {H}, V {V}: four matmuls alone {floor:.2f} ms", flush=True)
         call = (xs, ws, xt, wt, labels)
         reference = float32_reference(unfused_distillation, call, (0, 1))
-        runs = {"trainops": lambda xs, ws, xt, wt, labels: trainops.linear_distillation_loss(xs, ws, xt, wt, labels),
-                "torch.compile unfused": torch.compile(unfused_distillation)}
+        def distill(xs, ws, xt, wt, labels):
+            return trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
+        runs = {"trainops": distill, "torch.compile unfused": torch.compile(unfused_distillation)}
+        runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
@@ -216,6 +234,7 @@ def main():
             return trainops.linear_preference_loss(x, w, labels, kind="dpo", beta=0.1, ref_hidden=rx,
                                                    ref_weight=w.detach()).loss
         runs = {"trainops": ours, "torch.compile unfused": torch.compile(unfused_dpo)}
+        runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger
