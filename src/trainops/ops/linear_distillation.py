@@ -291,7 +291,9 @@ if triton_available():
             if launch is None:
                 launch = launches[rows] = launcher(_distillation_rows, (rows,), **meta)
             mixture = 0.0 < beta < 1.0
-            launch(us, us if ut is None else ut, labels, us if soft_weight is None else soft_weight,
+            # an operand a variant does not read gets ``us`` (any pointer): no None specialisations
+            launch(us, us if ut is None else ut, us if labels is None else labels,
+                   us if soft_weight is None else soft_weight,
                    us if hard_weight is None else hard_weight, soft_out, hard_out, us.shape[1], us.stride(0),
                    us.stride(0) if ut is None else ut.stride(0), 1.0 / temperature, beta,
                    math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0)
