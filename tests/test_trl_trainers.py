@@ -14,7 +14,6 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
-pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
