@@ -378,9 +378,11 @@ def test_a_label_out_of_range_raises(path):
 # ---- GPU: LM-head sizes ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1024, 512], ids=["pairs", "two-pass"])
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
-def test_gpu_lm_head_against_float64(kind):
-    """bf16 policy and reference at a 32000-class head: 4 pairs of 512 tokens, several chunks."""
+def test_gpu_lm_head_against_float64(kind, rows):
+    """bf16 policy and reference at a 32000-class head: 4 pairs of 512 tokens, chunks of ``rows``
+    tokens (1024: one pair a chunk; 512: the two-pass path)."""
     torch.manual_seed(0)
     b, t, h, v = 8, 512, 1024, 32000
     x = torch.randn(b, t, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -389,7 +391,7 @@ def test_gpu_lm_head_against_float64(kind):
     labels = torch.randint(0, v, (b, t), device="cuda")
     labels[:, :100] = -100
     kwargs = dict(ref_hidden=rx, ref_weight=w.detach()) if kind == "dpo" else {}
-    with trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=1024 * v * 4)):
+    with trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=rows * v * 4)):
         out = trainops.linear_preference_loss(x, w, labels, kind=kind, beta=0.5, **kwargs)
         dx, dw = torch.autograd.grad(out.loss, (x, w))
     leaves = [t_.detach().double().requires_grad_() for t_ in (x, w)]
