@@ -3,7 +3,7 @@ linear_preference): an LM head's logits computed ``rows`` tokens at a time, tran
 a loss's per-chunk function, and the gradient of each chunk's logits pushed back through the
 transform and the head's matmuls into dhidden, dweight and dbias.
 
-    logits_c = hidden_c @ W^T (+ b)                          one matmul in hidden's dtype
+    logits_c = hidden_c @ W^T (+ b)                          one matmul in hidden's dtype, float32 output
     u_c      = softcap(logit_scale * logits_c)               float32 (float64 for float64)
                                                              softcap(v) = c tanh(v / c); none when c is None
     (the loss divides u by its temperature itself: distillation's hard loss reads u at temperature 1)
@@ -17,8 +17,10 @@ Chunks go in a fixed order and nothing uses atomics: the gradients are bit-ident
 Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
 costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
 
-Not an op family: this module registers no op and no kernel. ChunkedLinearHeuristics sets the
-chunk size of both losses.
+Not an op family: this module registers no op and no kernel (each loss registers its per-chunk
+row kernels). ChunkedLinearHeuristics sets the chunk size of both losses. Also here: the backward
+both losses use when their forward computed the gradients (``scaled_gradients``) and the argument
+checks they share.
 """
 
 from __future__ import annotations

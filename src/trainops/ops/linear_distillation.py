@@ -17,8 +17,10 @@ accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 fact
 teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
-per chunk one teacher matmul, one student matmul, the chunk's loss terms and d loss / d zs in
-float32 torch ops, then the student's two gradient matmuls. The gradients (for an upstream
+per chunk one teacher matmul, one student matmul (float32 logits from the matmul), the chunk's
+loss terms and du written over the student's logits by the row kernel (op
+"linear_distillation_rows": Triton on the GPU, torch ops on the CPU), then the student's two
+gradient matmuls. The gradients (for an upstream
 gradient of 1, normalised by the count, known on the device before the loop) are computed in the
 forward pass: four matmuls in all, as an unfused student + teacher forward and student backward.
 The backward scales them by the upstream gradient on the device (in place in eager mode: a second
@@ -31,12 +33,13 @@ and p - q for beta = 0; the hard loss's gradient softmax(zs) - onehot(label).
 Dtypes: each model's hidden float32 / float16 / bfloat16 / float64 sets its matmuls' dtype (under
 autocast the autocast dtype); weights and biases any float dtype (cast once). Math in float32
 (float64 for a float64 student); dW accumulates in float32 across chunks and is rounded once. The
-loss is float32 (float64). Deterministic: fixed chunk order, no atomics, no host syncs. A label
-out of [0, V) that is not ignore_index makes torch's gather raise (a device-side assert on the GPU).
+loss is float32 (float64). Deterministic: fixed chunk order, no atomics, no host syncs. With the
+hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRangeError on the CPU
+and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
-Memory beyond inputs and gradients: one chunk's logits of each model in float32 and about three
-more float32 chunk-sized buffers of the per-chunk math, the float32 dW accumulator of a half
-weight, a float32 dhidden chunk.
+Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
+works in place; the CPU kernel's torch ops take about three more chunk-sized buffers), du's copy
+in the matmuls' dtype, a float32 dhidden chunk, and the float32 dW accumulator of a half weight.
 """
 
 from __future__ import annotations
