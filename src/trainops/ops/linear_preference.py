@@ -1,25 +1,29 @@
 """Fused linear preference losses (DPO, IPO, SimPO, CPO, ORPO) from the last hidden states and the
 LM head, never holding more than one chunk of logits.
 
-Two pieces:
+A preference loss is a nonlinear function of whole sequences' log-probabilities, so a chunk's
+dlogits (d loss / d logp_seq times d logp_seq / d logits) is known only once every token of the
+chunk's sequences has been seen. Storing per-token factors instead would take a V-sized softmax a
+token (the logits themselves). But the loss is separable by pairs (a mean over the pairs plus an
+NLL linear in the tokens over a count known up front), hence two paths, chosen by the chunk size
+(ChunkedLinearHeuristics):
 
-1. ``linear_token_logprobs`` (a custom op): per token, log_softmax(z)[label] and sum_v z_v, with
-   z = softcap(logit_scale * (hidden W^T + b)) / temperature, over chunks of tokens
-   (ops/chunked_linear.ChunkedHead); ignored tokens give 0. Its forward is one matmul a chunk and
-   keeps each token's logsumexp; its backward takes d loss / d logp per token and runs the chunks
-   again: dz = dlogp (onehot(label) - exp(z - lse)), then the two gradient matmuls.
-2. The losses themselves, torch ops on the (B,)-sized sequence log-probabilities, differentiated
-   by autograd into the per-token dlogp.
+1. Whole pairs a chunk (``linear_preference_pairs``, a custom op), when a pair's 2T tokens fit a
+   chunk: chosen rows i.. and rejected rows P + i.. gathered, their logits (one matmul), the row
+   kernel's logsumexp / label log-probability / logits sum, the pairs' losses and their gradients
+   w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), du written over the
+   logits by the row kernel, dX and dW: three policy matmuls (the unfused formulation's count),
+   gradients computed in the forward and scaled by the upstream gradient in the backward. Liger's
+   chunking by pairs, kept to pairs that fit the token budget.
+2. Two passes otherwise (``linear_token_logprobs``, a custom op): per token log_softmax(z)[label]
+   and sum_v z_v, one matmul a chunk, the logsumexp kept; the losses are torch ops on the
+   (B,)-sized sequence log-probabilities differentiated by autograd into a per-token dlogp, and the
+   op's backward runs the chunks again (logits, du = dlogp (onehot - softmax), dX, dW): four policy
+   matmuls.
 
-Why two passes. A preference loss is a nonlinear function of whole sequences' log-probabilities,
-so a chunk's dlogits (d loss / d logp_seq times d logp_seq / d logits) is known only once every
-token of the chunk's sequences has been seen. Chunks are tokens, not sequence pairs (a pair of long
-sequences would be 2 x T x V logits a chunk), and the chosen and rejected rows sit in the two
-halves of the batch, so no token chunk completes a pair in general. Storing the per-token factors
-instead would take a V-sized softmax a token (the logits themselves). So the policy costs four
-matmuls (forward: logits; backward: logits again, dhidden, dweight) where an unfused formulation
-costs three, and the reference one (its logits, no gradient); without gradients (evaluation) the
-policy costs one. Liger's chunks of sequence pairs cost three with 2 x T x V floats a chunk.
+z = softcap(logit_scale * (hidden W^T + b)) / temperature (ops/chunked_linear.ChunkedHead). The
+reference costs one matmul a chunk (no gradient), and without gradients (evaluation) the policy one.
+The row kernels (op "linear_token_rows") are Triton on the GPU, torch ops on the CPU.
 
 Conventions (TRL's trainers): the batch is the P chosen rows, then the P rejected rows; labels are
 aligned with the hidden states (the caller shifts) and ``ignore_index`` tokens count for nothing.
@@ -45,7 +49,8 @@ are infinite; the clamp keeps its loss and gradients finite).
 
 Dtypes: hidden float32 / float16 / bfloat16 / float64 (the matmuls' dtype; under autocast its
 dtype); weight and bias any float dtype; log-probabilities, losses and rewards float32 (float64).
-Deterministic: fixed chunk order, no atomics; no host syncs.
+Deterministic: fixed chunk order, no atomics; no host syncs. A kept label out of [0, V) raises
+IndexOutOfRangeError on the CPU, a device-side assert on CUDA.
 """
 
 from __future__ import annotations
