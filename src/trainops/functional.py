@@ -989,9 +989,12 @@ def linear_preference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bi
     Returns a PreferenceOutput (a NamedTuple): loss; chosen_logps, rejected_logps (B / 2,);
     chosen_rewards, rejected_rewards (beta (logps - ref logps), or beta logps without a reference);
     chosen_logits_mean, rejected_logits_mean (mean of z over the vocabulary and the kept tokens);
-    all but the loss without gradient. Float32 (float64 for float64 hidden). The policy costs four
-    matmuls with gradients (the backward recomputes the chunks' logits), one without; the reference
-    one. Deterministic, no host syncs. Errors name the argument (InvalidProblemError, UnsupportedError).
+    all but the loss without gradient. Float32 (float64 for float64 hidden). With gradients the
+    policy costs three matmuls when a pair's 2T tokens fit a chunk (whole pairs a chunk, gradients
+    in the forward; a second backward through the loss then raises, except in float64 and under
+    torch.compile), four otherwise (the backward recomputes the chunks' logits); one without; the
+    reference one. Deterministic, no host syncs. Errors name the argument (InvalidProblemError,
+    UnsupportedError; IndexOutOfRangeError for a kept label out of range on the CPU).
     """
     return linear_preference_ops.linear_preference_loss(
         hidden, weight, labels, bias=bias, kind=kind, beta=beta, ref_hidden=ref_hidden, ref_weight=ref_weight,
