@@ -4,7 +4,8 @@ and DPO from the last hidden states and LM heads, forward + backward.
     python benchmarks/bench_linear_post_training.py [--tokens 8192] [--seq 1024] [--out results.json]
 
 Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
-at its default chunk (ChunkedLinearHeuristics: 2048 tokens here) and at --chunks sizes:
+at its default chunk (ChunkedLinearHeuristics: 2048 tokens here), at --chunks sizes, and with the
+weight gradient accumulated in bf16 (weight_grad_accumulator="weight"):
 - distillation (beta 0.5, temperature 1): trainops.linear_distillation_loss; the unfused formulation
   (F.linear, float32 log-softmaxes, TRL's generalized_jsd_loss) under torch.compile; Liger's
   LigerFusedLinearJSDLoss when installed; the four matmuls alone (student logits, dX, dW, teacher
@@ -107,11 +108,12 @@ def liger_dpo():
     return loss
 
 
-def chunked(fn, rows: int):
-    """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass path)."""
+def chunked(fn, rows: int = 2048, accumulator: str = "float32"):
+    """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass
+    path) and the weight gradient accumulated in ``accumulator`` ("float32" or "weight": bf16)."""
     from trainops.ops.chunked_linear import ChunkedLinearHeuristics
 
-    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1)
+    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1, weight_grad_accumulator=accumulator)
 
     def loss(*args):
         with trainops.heuristics(config):
@@ -219,6 +221,7 @@ def main():
             return trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
         runs = {"trainops": distill, "torch.compile unfused": torch.compile(unfused_distillation)}
         runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
+        runs["trainops dW in bf16"] = chunked(distill, accumulator="weight")
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
@@ -244,6 +247,7 @@ def main():
                                                    ref_weight=w.detach()).loss
         runs = {"trainops": ours, "torch.compile unfused": torch.compile(unfused_dpo)}
         runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
+        runs["trainops dW in bf16"] = chunked(ours, accumulator="weight")
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger

@@ -133,6 +133,31 @@ def test_float32_and_bf16_against_float64(backend, dtype, with_labels):
         assert_close(a, e, dtype, name)
 
 
+def test_weight_gradient_accumulated_in_the_weight_dtype():
+    """ChunkedLinearHeuristics(weight_grad_accumulator="weight"): a bf16 head's dW summed in bf16 over
+    the chunks (one rounding a chunk), within bf16 tolerance; a float32 head's unchanged."""
+    xs, ws, bs, xt, wt, labels = inputs(40, 16, 16, 33, torch.bfloat16)
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws)]
+    want = torch.autograd.grad(reference(*leaves, xt, wt, labels, beta=0.3, weight_hard_loss=0.5), leaves)
+    for accumulator in ("float32", "weight"):
+        config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=8, weight_grad_accumulator=accumulator)
+        with trainops.heuristics(config):
+            loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, beta=0.3, weight_hard_loss=0.5)
+            dx, dw = torch.autograd.grad(loss, (xs, ws))
+        assert dw.dtype == torch.bfloat16
+        assert_close(dx, want[0], torch.bfloat16, f"dx {accumulator}")
+        assert_close(dw, want[1], torch.bfloat16, f"dw {accumulator}")
+    xs, ws, bs, xt, wt, labels = inputs(20, 8, 8, 9, torch.float32)
+    grads = []
+    for accumulator in ("float32", "weight"):
+        config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=8, weight_grad_accumulator=accumulator)
+        with trainops.heuristics(config):
+            grads.append(torch.autograd.grad(trainops.linear_distillation_loss(xs, ws, xt, wt, labels), (ws,))[0])
+    assert torch.equal(*grads)
+    with pytest.raises(InvalidProblemError, match="weight_grad_accumulator"):
+        ChunkedLinearHeuristics(weight_grad_accumulator="bf16")
+
+
 def test_ignored_all_ignored_and_empty():
     xs, ws, bs, xt, wt, labels = inputs(9, 8, 8, 7, torch.float64, ignored=range(9))
     loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, weight_hard_loss=1.0)

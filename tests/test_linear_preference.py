@@ -162,6 +162,23 @@ def test_float32_each_backend(backend, kind, settings, path):
         assert_close(a, e, torch.float32, name)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_weight_gradient_accumulated_in_the_weight_dtype(path):
+    """weight_grad_accumulator="weight": a bf16 head's dW summed in bf16 over the chunks, on both
+    paths (the two-pass backward reads the setting its forward saw)."""
+    x, w, b, labels, rx, rw = inputs(3, 6, 16, 37, torch.bfloat16)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    want = torch.autograd.grad(reference("dpo", *leaves, labels, ref=(rx, rw, None), beta=0.5)[0], leaves)
+    rows = 12 if path == "pairs" else 5
+    config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=rows, weight_grad_accumulator="weight")
+    with trainops.heuristics(config):
+        out = trainops.linear_preference_loss(x, w, labels, ref_hidden=rx, ref_weight=rw, beta=0.5)
+    got = torch.autograd.grad(out.loss, (x, w))   # outside the block: the forward's setting holds
+    assert got[1].dtype == torch.bfloat16
+    assert_close(got[0], want[0], torch.bfloat16, "dx")
+    assert_close(got[1], want[1], torch.bfloat16, "dw")
+
+
 @pytest.mark.parametrize("kind", ["dpo", "ipo"])
 def test_the_reference_as_log_probabilities(kind):
     x, w, b, labels, rx, rw = inputs(2, 6, 8, 11, torch.float64)

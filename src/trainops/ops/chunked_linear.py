@@ -36,6 +36,8 @@ from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
 from ..plan import heuristics_for
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
+GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
+WEIGHT_DTYPE_DW = 8   # with NEEDS_WEIGHT: accumulate a half weight's gradient in its own dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,15 +49,32 @@ class ChunkedLinearHeuristics:
     fewer, larger chunks are faster and hold more memory. The default, 1 GiB, is 2048 rows of a
     128256-class vocabulary (unmeasured here: chosen as linear_cross_entropy's 2048-row chunks at
     that vocabulary, whose choice the H100 measured; benchmarks/bench_linear_post_training.py
-    reports the peak memory and time to revisit it)."""
+    reports the peak memory and time to revisit it).
+
+    weight_grad_accumulator: "float32" (default) accumulates a half weight's gradient across chunks
+    in a float32 buffer rounded once at the end (4 bytes a weight element alive during the call,
+    reread and rewritten by every chunk's dW matmul); "weight" accumulates it in the weight's own
+    dtype (the dW matmul adds into it: one rounding a chunk; no buffer, half the traffic). Float32
+    weights are accumulated in float32 either way. Unmeasured; the bench runs both."""
 
     chunk_bytes: int = 2**30
     min_rows: int = 16
+    weight_grad_accumulator: str = "float32"
+
+    def __post_init__(self):
+        if self.weight_grad_accumulator not in ("float32", "weight"):
+            raise argument_error(InvalidProblemError, "ChunkedLinearHeuristics", "weight_grad_accumulator",
+                                 f"is {self.weight_grad_accumulator!r}; expected 'float32' or 'weight'")
 
     def rows(self, n: int, classes: int) -> int:
         fit = self.chunk_bytes // max(1, classes * 4)
         rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
         return max(1, min(n, rows))
+
+
+def weight_dtype_bit() -> int:
+    """WEIGHT_DTYPE_DW when the ChunkedLinearHeuristics in force say "weight", else 0 (read at run time)."""
+    return WEIGHT_DTYPE_DW if heuristics_for(ChunkedLinearHeuristics).weight_grad_accumulator == "weight" else 0
 
 
 def heuristic_rows(n: int, classes: int) -> int:
@@ -101,8 +120,11 @@ class ChunkedHead:
         n, h = hidden.shape
         dev = hidden.device
         self.dx = torch.empty_like(hidden) if needs & NEEDS_HIDDEN else None
-        # dW in the accumulator dtype: a float32 weight's gradient itself, else a buffer rounded at the end
-        self.dw = torch.zeros(weight.shape, dtype=self.acc, device=dev) if needs & NEEDS_WEIGHT else None
+        # dW in the accumulator dtype: a float32 weight's gradient itself, else a buffer rounded at the end;
+        # or in a half weight's own dtype (WEIGHT_DTYPE_DW)
+        dw_dtype = (weight.dtype if needs & WEIGHT_DTYPE_DW and weight.dtype in (torch.float16, torch.bfloat16)
+                    else self.acc)
+        self.dw = torch.zeros(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
         self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
                    if bias is not None and needs & NEEDS_BIAS else None)
         self._dx_chunk = self._w_acc = None
@@ -173,7 +195,7 @@ class ChunkedHead:
         """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
         dx, dw, db = self.dx, self.dw, self.db
         self.dx = self.dw = self.db = self._dx_chunk = self._w_acc = None
-        if dw is not None and self.weight.dtype != self.acc:   # rounded once; the float32 buffer freed
+        if dw is not None and self.weight.dtype != dw.dtype:   # rounded once; the float32 buffer freed
             dw = dw.to(self.weight.dtype)
         if db is not None and self.bias.dtype != self.acc:
             db = db.to(self.bias.dtype)
@@ -308,6 +330,7 @@ def gradient_bits(*pairs) -> int:
     return sum(bit for t, bit in pairs if t is not None and t.requires_grad)
 
 
-__all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT", "accumulator",
+__all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
+           "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
            "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients"]

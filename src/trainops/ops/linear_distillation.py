@@ -56,9 +56,10 @@ from ..library import custom_op
 from ..plan import KernelChoice
 from ..registry import ACCUMULATOR, register, register_op, triton_available
 from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
-from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
+from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_label_range, check_labels, check_number, check_transform,
-                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients)
+                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients,
+                             weight_dtype_bit)
 
 OP = "linear_distillation"
 
@@ -338,11 +339,13 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
         else:
             count = kept.sum().to(acc).clamp_min(1)
         inv_count = 1 / count
+        grad = needs & GRADIENTS != 0
+        if needs & NEEDS_WEIGHT:
+            needs |= weight_dtype_bit()
         student = ChunkedHead(x, student_weight, student_bias, logit_scale, softcap, needs)
         teacher = ChunkedHead(xt, teacher_weight, teacher_bias, logit_scale, softcap) if weight_soft else None
         soft = torch.zeros((), dtype=acc, device=dev)
         hard = torch.zeros((), dtype=acc, device=dev)
-        grad = needs != 0
         ones = torch.ones(min(n, rows), dtype=acc, device=dev) if kept is None else None
         for start in range(0, n, rows):
             stop = min(n, start + rows)

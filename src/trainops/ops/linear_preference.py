@@ -67,9 +67,10 @@ from ..library import custom_op
 from ..plan import KernelChoice
 from ..registry import ACCUMULATOR, register, register_op, triton_available
 from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
-from .chunked_linear import (NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
+from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_label_range, check_labels, check_number, check_transform,
-                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients)
+                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients,
+                             weight_dtype_bit)
 
 OP = "linear_preference_loss"
 TOKENS_OP = "linear_token_logprobs"
@@ -269,6 +270,7 @@ def _tokens_save(ctx, inputs, output) -> None:
     # the forward's chunk size: the backward may run on another thread, outside its heuristics block
     ctx.arguments = (inputs.ignore_index, inputs.logit_scale, inputs.softcap, inputs.temperature,
                      inputs.rows or heuristic_rows(inputs.hidden.shape[0], inputs.weight.shape[0]))
+    ctx.weight_bit = weight_dtype_bit()
 
 
 def _tokens_grad(ctx, dlogp: Tensor, *unused) -> dict:
@@ -281,6 +283,8 @@ def _tokens_grad(ctx, dlogp: Tensor, *unused) -> dict:
     needs = NEEDS_HIDDEN * need.hidden + NEEDS_WEIGHT * need.weight + NEEDS_BIAS * (bias is not None and need.bias)
     if not needs:
         return {}
+    if needs & NEEDS_WEIGHT:
+        needs |= ctx.weight_bit
     dx, dw, db = tokens_backward_op(dlogp, hidden, weight, labels, bias, lse, *ctx.arguments, needs)
     return {name: g for name, g, bit in (("hidden", dx, NEEDS_HIDDEN), ("weight", dw, NEEDS_WEIGHT),
                                          ("bias", db, NEEDS_BIAS)) if needs & bit}
@@ -572,7 +576,9 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     acc = accumulator(hidden.dtype)
     dev = hidden.device
     averaged = kind in _AVERAGED
-    grad = needs != 0
+    grad = needs & GRADIENTS != 0
+    if needs & NEEDS_WEIGHT:
+        needs |= weight_dtype_bit()
     kept = labels != ignore_index
     check_label_range(OP, labels, kept, weight.shape[0])
     count = kept.view(rows_total, length).sum(-1).to(acc)
