@@ -359,6 +359,7 @@ def _call(**overrides):
     (dict(nll_weight=-1.0), InvalidProblemError, "argument 'nll_weight'"),
     (dict(temperature=-1.0), InvalidProblemError, "argument 'temperature'"),
     (dict(logit_scale=float("inf")), InvalidProblemError, "argument 'logit_scale'"),
+    (dict(logit_scale=-1.0), InvalidProblemError, "argument 'logit_scale'"),
     (dict(softcap=0), InvalidProblemError, "argument 'softcap'"),
     (dict(ignore_index=True), InvalidProblemError, "argument 'ignore_index'"),
     (dict(ref_hidden=None, ref_weight=None), InvalidProblemError, "argument 'ref_hidden'"),

@@ -243,10 +243,10 @@ def _number(value) -> bool:
 
 
 def check_transform(op: str, logit_scale, softcap, temperature) -> None:
-    """z = softcap(logit_scale * logits) / temperature: logit_scale finite and nonzero, softcap None
-    or finite > 0, temperature finite > 0."""
-    if not _number(logit_scale) or not math.isfinite(logit_scale) or logit_scale == 0:
-        raise argument_error(InvalidProblemError, op, "logit_scale", f"must be a finite nonzero number, got "
+    """z = softcap(logit_scale * logits) / temperature: logit_scale and temperature finite > 0 (as
+    linear_cross_entropy's), softcap None or finite > 0."""
+    if not _number(logit_scale) or not 0.0 < logit_scale < math.inf:
+        raise argument_error(InvalidProblemError, op, "logit_scale", f"must be a finite number > 0, got "
                              f"{logit_scale!r}")
     if softcap is not None and (not _number(softcap) or not 0.0 < softcap < math.inf):
         raise argument_error(InvalidProblemError, op, "softcap", f"must be None or a finite number > 0, got "
