@@ -74,13 +74,14 @@ def losses_of(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def run_dpo(cls, steps, loss_type="sigmoid"):
+def run_dpo(cls, steps, loss_type="sigmoid", precompute=False):
     with tempfile.TemporaryDirectory() as out:
         args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=4, max_steps=steps, logging_steps=1,
                              learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                             loss_type=[loss_type], disable_tqdm=True, bf16=False)
-        trainer = cls(tiny_llama(0), ref_model=tiny_llama(0), args=args, train_dataset=preference_data(),
-                      processing_class=tokenizer())
+                             loss_type=[loss_type], disable_tqdm=True, bf16=False,
+                             precompute_ref_log_probs=precompute)
+        trainer = cls(tiny_llama(0), ref_model=None if precompute else tiny_llama(0), args=args,
+                      train_dataset=preference_data(), processing_class=tokenizer())
         trainer.train()
     return trainer
 
@@ -98,6 +99,15 @@ def test_dpo_trainer_matches_trl_step_by_step(steps, loss_type):
     assert_steps_match(trainer.pairs, steps, 1e-5)
     logged = trainer.state.log_history[0]
     assert {"rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen"} <= logged.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_trainer_with_precomputed_reference_log_probabilities(loss_type):
+    """TRL's precomputed reference sums (divided by the count for IPO's averages by the hook)."""
+    trainer = run_dpo(both_losses(trl_trainers.DPOTrainer), 3, loss_type, precompute=True)
+    assert trainer.ref_model is None
+    assert_steps_match(trainer.pairs, 3, 1e-5)
 
 
 @pytest.mark.slow
