@@ -118,6 +118,17 @@ def test_dpo_trainer_and_a_trl_run_of_its_own():
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+def test_return_outputs_gives_the_models_logits():
+    """TRL's prediction_step (with compute_metrics) reads outputs.logits from compute_loss."""
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.DPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=False, per_device_eval_batch_size=2)
+        trainer = trl_trainers.DPOTrainer(tiny_llama(0), ref_model=tiny_llama(0), args=args,
+                                          train_dataset=preference_data(), processing_class=tokenizer())
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        loss, logits, labels = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
+    assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(loss)
+
+
 def test_dpo_trainer_refuses_what_it_does_not_compute():
     with tempfile.TemporaryDirectory() as out:
         args = trl.DPOConfig(output_dir=out, report_to=[], use_cpu=True, loss_type=["hinge"], bf16=False)

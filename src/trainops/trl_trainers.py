@@ -89,7 +89,7 @@ class DPOTrainer(trl.DPOTrainer):
         out = linear_preference_loss(hidden[:, :-1], weight, labels, bias=bias, kind=kind, beta=self.beta,
                                      **reference)
         self._log_preference_metrics(out)
-        return (out.loss, out) if return_outputs else out.loss
+        return (out.loss, _model_outputs(model, inputs)) if return_outputs else out.loss
 
     def _log_preference_metrics(self, out) -> None:
         mode = "train" if self.model.training else "eval"
@@ -117,7 +117,16 @@ class GKDTrainer(_TRLGKDTrainer):
         loss = linear_distillation_loss(hidden[:, :-1], weight, teacher_hidden[:, :-1], teacher_weight,
                                         inputs["labels"][:, 1:], student_bias=bias, teacher_bias=teacher_bias,
                                         beta=self.beta, num_items_in_batch=num_items_in_batch)
-        return (loss, None) if return_outputs else loss
+        return (loss, _model_outputs(model, inputs)) if return_outputs else loss
+
+
+def _model_outputs(model, inputs: dict):
+    """The model's own outputs (with its logits), for callers of compute_loss(return_outputs=True)
+    (TRL's prediction_step with compute_metrics): an extra forward without gradient, as TRL's DPO
+    trainer does since its LM head became fused."""
+    kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
+    with torch.no_grad():
+        return model(**kwargs, use_cache=False)
 
 
 __all__ = ["DPOTrainer", "GKDTrainer", "hidden_and_head"]
