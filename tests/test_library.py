@@ -99,6 +99,14 @@ def _recorded_calls():
         run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5).to(memory_format=torch.channels_last), 2))
         run(trainops.sum_to_shape(leaf(4, 3, 5), (3, 1)))
         run(trainops.conv2d(leaf(2, 3, 5, 4), leaf(3, 1, 3, 3), leaf(3), padding=1, groups=3))
+        run(trainops.linear_distillation_loss(leaf(5, 16), leaf(10, 16), leaf(5, 8), leaf(10, 8),
+                                              torch.randint(0, 10, (5,)), weight_hard_loss=0.5))
+        run(trainops.linear_preference_loss(leaf(2, 3, 16), leaf(10, 16), torch.randint(0, 10, (2, 3)),
+                                            ref_hidden=leaf(2, 3, 16), ref_weight=leaf(10, 16)).loss)
+        from trainops.ops.chunked_linear import ChunkedLinearHeuristics
+        with trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=1, min_rows=2)):   # the two-pass path
+            run(trainops.linear_preference_loss(leaf(2, 3, 16), leaf(10, 16), torch.randint(0, 10, (2, 3)),
+                                                kind="simpo").loss)
     finally:
         library.CustomOp.__call__ = original
     return calls

@@ -23,6 +23,7 @@ from .functional import bias_gelu, geglu, gelu, quick_gelu, silu, swiglu
 from .functional import bias_dropout_add, dropout
 from .functional import attention_softmax
 from .functional import linear_cross_entropy
+from .functional import linear_distillation_loss, linear_preference_loss
 from .functional import batch_norm, sync_batch_norm
 from .functional import conv2d, sum_to_shape
 from .functional import qk_norm_rotary
@@ -44,4 +45,5 @@ __all__ = [
     "sync_batch_norm", "sum_to_shape", "conv2d",
     "unpatch",
     "qk_norm_rotary",
+    "linear_distillation_loss", "linear_preference_loss",
 ]

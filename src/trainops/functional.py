@@ -26,6 +26,8 @@ from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
 from .ops import linear_cross_entropy as linear_cross_entropy_ops
+from .ops import linear_distillation as linear_distillation_ops
+from .ops import linear_preference as linear_preference_ops
 from .ops._common import check_mode, raise_flagged
 from .ops import normalization as norm_ops
 from .ops import rotary as rotary_ops
@@ -978,3 +980,82 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
         raise argument_error(InvalidProblemError, op, "bias", f"must be (O,), got shape {tuple(bias.shape)}")
     y = convolution_ops.conv2d_op(x, weight, bias, list(stride), list(padding), list(dilation), groups)
     return y.squeeze(0) if unbatched else y
+
+
+def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
+                             teacher_weight: Tensor, labels: Tensor | None = None, *,
+                             student_bias: Tensor | None = None, teacher_bias: Tensor | None = None,
+                             beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                             weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                             logit_scale: float = 1.0, softcap: float | None = None,
+                             num_items_in_batch: int | Tensor | None = None) -> Tensor:
+    """Knowledge distillation from a teacher's LM head to a student's, without either model's N x V
+    logits held whole (ops/linear_distillation.py: chunks of tokens, gradients in the forward).
+
+        z = softcap(logit_scale * (hidden W^T + b)) / temperature          each model's logits
+        soft = TRL's generalized_jsd_loss(z_student, z_teacher, labels, beta)   beta 0: KL(teacher || student),
+               1: KL(student || teacher), else the JSD of the mixture (1 - beta) student + beta teacher; no T^2
+        hard = cross-entropy of the student at temperature 1 against labels
+        loss = weight_soft_loss * soft + weight_hard_loss * hard
+
+    Both are means over the tokens whose label is not ``ignore_index`` (every token when labels is
+    None), divided by max(1, their count): an all-ignored batch gives 0 and zero gradients (TRL's
+    "batchmean"). ``num_items_in_batch`` (an int or a one-element tensor, read on the device) replaces
+    that count (TRL's and Hugging Face's loss under gradient accumulation). Labels are aligned with
+    the hidden states (the caller shifts).
+
+    student_hidden (..., Hs), teacher_hidden (..., Ht) with the same leading axes; student_weight
+    (V, Hs), teacher_weight (V, Ht), biases (V,); labels (...) int64 / int32 or None (then
+    weight_hard_loss must be 0). Each model's matmuls run in its hidden's dtype (autocast's under
+    autocast); math and the loss in float32 (float64 for a float64 student); dW accumulates in
+    float32. The teacher takes no gradient. Only the student gradients that are needed are computed
+    (none under no_grad); they are computed in the forward and scaled by the upstream gradient in the
+    backward (a second backward through the same loss raises, except in float64 and under
+    torch.compile). Deterministic (fixed chunk order, no atomics), no host syncs. Errors name the
+    argument (InvalidProblemError, UnsupportedError).
+    """
+    return linear_distillation_ops.linear_distillation_loss(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias=student_bias,
+        teacher_bias=teacher_bias, beta=beta, temperature=temperature, weight_soft_loss=weight_soft_loss,
+        weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap,
+        num_items_in_batch=num_items_in_batch)
+
+
+def linear_preference_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
+                           kind: str = "dpo", beta: float = 0.1, ref_hidden: Tensor | None = None,
+                           ref_weight: Tensor | None = None, ref_bias: Tensor | None = None,
+                           ref_chosen_logps: Tensor | None = None, ref_rejected_logps: Tensor | None = None,
+                           gamma: float = 0.5, label_smoothing: float = 0.0, nll_weight: float | None = None,
+                           ignore_index: int = -100, logit_scale: float = 1.0, softcap: float | None = None,
+                           temperature: float = 1.0):
+    """A paired preference loss (``kind``: "dpo", "ipo", "simpo", "cpo", "orpo") from the policy's
+    last hidden states and LM head, without the logits held whole (ops/linear_preference.py).
+
+    hidden (B, T, H), labels (B, T): the B / 2 chosen rows, then the B / 2 rejected rows (TRL's
+    layout), labels aligned with the hidden states, ``ignore_index`` tokens left out; weight (V, H),
+    bias (V,); z = softcap(logit_scale * (hidden W^T + b)) / temperature. Sequence log-probabilities
+    are summed over the kept tokens (dpo, cpo) or averaged (ipo, simpo, orpo), as TRL's trainers.
+    The reference (dpo, ipo; none for the others) is ref_hidden (B, T, H') with ref_weight (V, H')
+    and ref_bias, run without gradient, or ref_chosen_logps and ref_rejected_logps (B / 2,) in this
+    kind's normalisation (summed or averaged). Losses, averaged over the pairs, with
+    delta = (c - c_ref) - (r - r_ref) and sigma_ls(x) = -(1 - ls) log sigmoid(x) - ls log sigmoid(-x):
+    dpo sigma_ls(beta delta); ipo (delta - 1 / (2 beta))^2; simpo sigma_ls(beta (c - r) - gamma);
+    cpo sigma_ls(beta (c - r)); orpo -beta log sigmoid(log odds ratio); plus ``nll_weight`` (default 1
+    for cpo and orpo, else 0) times the chosen rows' token-mean NLL. label_smoothing (ls) in [0, 0.5]
+    for dpo, simpo and cpo.
+
+    Returns a PreferenceOutput (a NamedTuple): loss; chosen_logps, rejected_logps (B / 2,);
+    chosen_rewards, rejected_rewards (beta (logps - ref logps), or beta logps without a reference);
+    chosen_logits_mean, rejected_logits_mean (mean of z over the vocabulary and the kept tokens);
+    all but the loss without gradient. Float32 (float64 for float64 hidden). With gradients the
+    policy costs three matmuls when a pair's 2T tokens fit a chunk (whole pairs a chunk, gradients
+    in the forward; a second backward through the loss then raises, except in float64 and under
+    torch.compile), four otherwise (the backward recomputes the chunks' logits); one without; the
+    reference one. Deterministic, no host syncs. Errors name the argument (InvalidProblemError,
+    UnsupportedError; IndexOutOfRangeError for a kept label out of range on the CPU).
+    """
+    return linear_preference_ops.linear_preference_loss(
+        hidden, weight, labels, bias=bias, kind=kind, beta=beta, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps, gamma=gamma,
+        label_smoothing=label_smoothing, nll_weight=nll_weight, ignore_index=ignore_index, logit_scale=logit_scale,
+        softcap=softcap, temperature=temperature)

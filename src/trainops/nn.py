@@ -334,3 +334,74 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
                 f"logit_scale={self.logit_scale}, temperature={self.temperature}")
+
+
+class LinearDistillationLoss(torch.nn.Module):
+    """``trainops.functional.linear_distillation_loss`` as a loss module (no parameters: both heads'
+    weights are arguments, so FSDP or ZeRO-3 can gather them).
+
+        loss_fn = trainops.nn.LinearDistillationLoss(beta=0.5, temperature=2.0)
+        loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, labels)
+
+    Constructor: beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index, logit_scale,
+    softcap. forward(student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *,
+    student_bias=None, teacher_bias=None)."""
+
+    def __init__(self, beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                 weight_hard_loss: float = 0.0, ignore_index: int = -100, *, logit_scale: float = 1.0,
+                 softcap: float | None = None) -> None:
+        super().__init__()
+        from .ops.linear_distillation import check_settings
+        check_settings(beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index, logit_scale, softcap)
+        self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
+        self.weight_soft_loss, self.weight_hard_loss = weight_soft_loss, weight_hard_loss
+        self.logit_scale, self.softcap = logit_scale, softcap
+
+    def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+                labels: Tensor | None = None, *, student_bias: Tensor | None = None,
+                teacher_bias: Tensor | None = None) -> Tensor:
+        return F.linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+                                          student_bias=student_bias, teacher_bias=teacher_bias, beta=self.beta,
+                                          temperature=self.temperature, weight_soft_loss=self.weight_soft_loss,
+                                          weight_hard_loss=self.weight_hard_loss, ignore_index=self.ignore_index,
+                                          logit_scale=self.logit_scale, softcap=self.softcap)
+
+    def extra_repr(self) -> str:
+        return (f"beta={self.beta}, temperature={self.temperature}, weight_soft_loss={self.weight_soft_loss}, "
+                f"weight_hard_loss={self.weight_hard_loss}, ignore_index={self.ignore_index}")
+
+
+class LinearPreferenceLoss(torch.nn.Module):
+    """``trainops.functional.linear_preference_loss`` as a loss module (no parameters).
+
+        loss_fn = trainops.nn.LinearPreferenceLoss("dpo", beta=0.1)
+        out = loss_fn(hidden, model.lm_head.weight, labels, ref_hidden=ref_hidden, ref_weight=ref.lm_head.weight)
+        out.loss.backward()
+
+    Constructor: kind, beta, gamma, label_smoothing, nll_weight, ignore_index, logit_scale, softcap,
+    temperature. forward(hidden, weight, labels, *, bias=None, ref_hidden=None, ref_weight=None,
+    ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None) -> PreferenceOutput."""
+
+    def __init__(self, kind: str = "dpo", beta: float = 0.1, *, gamma: float = 0.5, label_smoothing: float = 0.0,
+                 nll_weight: float | None = None, ignore_index: int = -100, logit_scale: float = 1.0,
+                 softcap: float | None = None, temperature: float = 1.0) -> None:
+        super().__init__()
+        from .ops.linear_preference import check_settings
+        check_settings(kind, beta, gamma, label_smoothing, nll_weight, ignore_index, logit_scale, softcap, temperature)
+        self.kind, self.beta, self.gamma, self.label_smoothing = kind, beta, gamma, label_smoothing
+        self.nll_weight, self.ignore_index = nll_weight, ignore_index
+        self.logit_scale, self.softcap, self.temperature = logit_scale, softcap, temperature
+
+    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
+                ref_hidden: Tensor | None = None, ref_weight: Tensor | None = None, ref_bias: Tensor | None = None,
+                ref_chosen_logps: Tensor | None = None, ref_rejected_logps: Tensor | None = None):
+        return F.linear_preference_loss(hidden, weight, labels, bias=bias, kind=self.kind, beta=self.beta,
+                                        ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
+                                        ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
+                                        gamma=self.gamma, label_smoothing=self.label_smoothing,
+                                        nll_weight=self.nll_weight, ignore_index=self.ignore_index,
+                                        logit_scale=self.logit_scale, softcap=self.softcap,
+                                        temperature=self.temperature)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, beta={self.beta}, gamma={self.gamma}, label_smoothing={self.label_smoothing}"

@@ -12,3 +12,4 @@ from . import gist  # noqa: F401
 from . import broadcast  # noqa: F401
 from . import convolution  # noqa: F401
 from . import qk_norm_rotary  # noqa: F401
+from . import linear_distillation, linear_preference  # noqa: F401

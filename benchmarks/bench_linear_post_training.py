@@ -1,0 +1,266 @@
+"""Fused linear post-training losses (issue 43): time and memory of distillation (generalised JSD)
+and DPO from the last hidden states and LM heads, forward + backward.
+
+    python benchmarks/bench_linear_post_training.py [--tokens 8192] [--seq 1024] [--out results.json]
+
+Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
+at its default chunk (ChunkedLinearHeuristics: 2048 tokens here), at --chunks sizes, and with the
+weight gradient accumulated in bf16 (weight_grad_accumulator="weight"):
+- distillation (beta 0.5, temperature 1): trainops.linear_distillation_loss; the unfused formulation
+  (F.linear, float32 log-softmaxes, TRL's generalized_jsd_loss) under torch.compile; Liger's
+  LigerFusedLinearJSDLoss when installed; the four matmuls alone (student logits, dX, dW, teacher
+  logits: the time floor).
+- DPO (N policy tokens as N / seq sequences: chosen then rejected, plus a reference of as many):
+  trainops.linear_preference_loss(kind="dpo") (whole pairs a chunk at the default chunk; chunk 1024 < a
+  pair's 2048 tokens runs the two-pass path); the unfused formulation under torch.compile;
+  Liger's LigerFusedLinearDPOLoss when installed; the four matmuls alone (policy logits, dX, dW,
+  reference logits).
+Time: triton.testing.do_bench median of a forward + backward, gradients set to None before each.
+Memory: the peak allocated during one forward + backward minus what is allocated after it (inputs
+and gradients), MiB. Each row's loss and gradients are compared with the unfused float32 formula's
+on the same bf16 inputs (relative-norm error), so a fast wrong variant shows. A peer that fails
+(e.g. out of memory) is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+
+import torch
+import torch.nn.functional as F
+
+import trainops
+
+H, V = 4096, 128256
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def generalized_jsd(zs, zt, labels, beta=0.5, temperature=1.0):
+    """TRL's generalized_jsd_loss (reduction batchmean) on materialised logits."""
+    ls = F.log_softmax(zs.float() / temperature, -1)
+    lt = F.log_softmax(zt.float() / temperature, -1)
+    b = torch.tensor(beta, dtype=ls.dtype, device=ls.device)
+    lm = torch.logsumexp(torch.stack([ls + torch.log1p(-b), lt + torch.log(b)]), 0)
+    jsd = (b * F.kl_div(lm, lt, reduction="none", log_target=True)
+           + (1 - b) * F.kl_div(lm, ls, reduction="none", log_target=True)).sum(-1)
+    mask = labels != -100
+    return (jsd * mask).sum() / mask.sum().clamp_min(1)
+
+
+def unfused_distillation(xs, ws, xt, wt, labels):
+    with torch.no_grad():
+        zt = F.linear(xt, wt)
+    return generalized_jsd(F.linear(xs, ws), zt, labels)
+
+
+def sequence_logps(z, labels):
+    mask = labels != -100
+    logp = torch.log_softmax(z.float(), -1).gather(-1, torch.where(mask, labels, 0)[..., None]).squeeze(-1)
+    return (logp * mask).sum(-1)
+
+
+def unfused_dpo(x, w, labels, rx, beta=0.1):
+    logps = sequence_logps(F.linear(x, w), labels)
+    with torch.no_grad():
+        ref = sequence_logps(F.linear(rx, w), labels)
+    p = x.shape[0] // 2
+    delta = (logps[:p] - ref[:p]) - (logps[p:] - ref[p:])
+    return -F.logsigmoid(beta * delta).mean()
+
+
+def liger_jsd():
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    except ImportError:
+        return None
+    try:
+        fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5, ignore_index=-100,
+                                     temperature=1.0)
+    except TypeError:   # versions without the hard / soft weights
+        try:
+            fn = LigerFusedLinearJSDLoss(beta=0.5, ignore_index=-100, temperature=1.0)
+        except TypeError as error:
+            print(f"  liger JSD skipped: {error}", flush=True)
+            return None
+    return lambda xs, ws, xt, wt, labels: fn(xs, ws, xt, wt, labels)
+
+
+def liger_dpo():
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+    except ImportError:
+        return None
+    try:
+        fn = LigerFusedLinearDPOLoss(beta=0.1, compute_nll_loss=False, use_ref_model=True)
+    except TypeError as error:   # another version's constructor: reported, the rest still runs
+        print(f"  liger DPO skipped: {error}", flush=True)
+        return None
+
+    def loss(x, w, labels, rx):
+        out = fn(w, x, labels, ref_input=rx, ref_weight=w.detach())
+        return out[0] if isinstance(out, tuple) else out
+    return loss
+
+
+def chunked(fn, rows: int = 2048, accumulator: str = "float32"):
+    """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass
+    path) and the weight gradient accumulated in ``accumulator`` ("float32" or "weight": bf16)."""
+    from trainops.ops.chunked_linear import ChunkedLinearHeuristics
+
+    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1, weight_grad_accumulator=accumulator)
+
+    def loss(*args):
+        with trainops.heuristics(config):
+            return fn(*args)
+    return loss
+
+
+def measure(fn, args, leaves, reps):
+    from triton.testing import do_bench
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(*args).backward()
+
+    step()   # warm-up (compiles)
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()) / 2**20
+    for t in leaves:
+        t.grad = None
+    loss = fn(*args)
+    grads = torch.autograd.grad(loss, leaves)
+    ms = do_bench(step, warmup=2, rep=reps * 60, return_mode="median")
+    return ms, extra, loss.detach().float(), [g.detach().float() for g in grads]
+
+
+def matmul_floor(n, x, w, reps):
+    """Four bf16 matmuls: logits, dX, dW of one head and a second head's logits."""
+    from triton.testing import do_bench
+
+    g = torch.randn(n, V, device="cuda", dtype=torch.bfloat16)
+    xd, wd = x.detach(), w.detach()
+    return do_bench(lambda: (torch.mm(xd, wd.t()), torch.mm(g, wd), torch.mm(g.t(), xd), torch.mm(xd, wd.t())),
+                    warmup=2, rep=reps * 60, return_mode="median")
+
+
+def record(results, task, name, fn, args, leaves, floor, reference, reps):
+    try:
+        ms, extra, loss, grads = measure(fn, args, leaves, reps)
+    except Exception as error:   # a peer that fails is reported, not fatal
+        print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        torch.cuda.empty_cache()
+        return
+    errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
+    results["rows"].append(dict(task=task, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor, matmuls_ms=floor,
+                                err_loss=errors[0], err_dx=errors[1], err_dw=errors[2]))
+    print(f"  {name:28s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
+          f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
+    torch.cuda.empty_cache()
+
+
+def float32_reference(fn, args, leaf_index):
+    """The unfused formula in float32 from the same bf16 values: (loss, [grads of the leaves])."""
+    args = list(args)
+    leaves = []
+    for i in leaf_index:
+        args[i] = args[i].detach().float().requires_grad_()
+        leaves.append(args[i])
+    for i, a in enumerate(args):
+        if i not in leaf_index and a.is_floating_point():
+            args[i] = a.float()
+    loss = fn(*args)
+    grads = torch.autograd.grad(loss, leaves)
+    out = loss.detach(), [g.detach() for g in grads]
+    del args, leaves, loss, grads
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=1024, help="DPO sequence length (tokens / seq sequences)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--only", choices=["distillation", "dpo"], default=None)
+    parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
+                        help="trainops chunk sizes (tokens) to run besides the default (2048 at this vocabulary)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import triton
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   host=platform.node(), tokens=args.tokens, H=H, V=V, rows=[])
+    n = args.tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    if args.only in (None, "distillation"):
+        xs, ws = randn(n, H).requires_grad_(), randn(V, H, scale=1 / math.sqrt(H)).requires_grad_()
+        xt, wt = randn(n, H), randn(V, H, scale=1 / math.sqrt(H))
+        labels = torch.randint(0, V, (n,), device="cuda", generator=gen)
+        labels[::11] = -100
+        floor = matmul_floor(n, xs, ws, args.reps)
+        print(f"== distillation, {n} tokens, H {H}, V {V}: four matmuls alone {floor:.2f} ms", flush=True)
+        call = (xs, ws, xt, wt, labels)
+        reference = float32_reference(unfused_distillation, call, (0, 1))
+
+        def distill(xs, ws, xt, wt, labels):
+            return trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
+        runs = {"trainops": distill, "torch.compile unfused": torch.compile(unfused_distillation)}
+        runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
+        runs["trainops dW in bf16"] = chunked(distill, accumulator="weight")
+        liger = liger_jsd()
+        if liger is not None:
+            runs["liger"] = liger
+        for name, fn in runs.items():
+            record(results, "distillation", name, fn, call, (xs, ws), floor, reference, args.reps)
+        del xs, ws, xt, wt, labels, call, reference
+        torch.cuda.empty_cache()
+
+    if args.only in (None, "dpo"):
+        b = n // args.seq
+        x, w = randn(b, args.seq, H).requires_grad_(), randn(V, H, scale=1 / math.sqrt(H)).requires_grad_()
+        rx = randn(b, args.seq, H)
+        labels = torch.randint(0, V, (b, args.seq), device="cuda", generator=gen)
+        labels[:, : args.seq // 4] = -100   # the prompts
+        floor = matmul_floor(n, x.view(n, H), w, args.reps)
+        print(f"== DPO, {b} sequences of {args.seq} tokens (+ the reference's), H {H}, V {V}: four matmuls alone "
+              f"{floor:.2f} ms", flush=True)
+        call = (x, w, labels, rx)
+        reference = float32_reference(unfused_dpo, call, (0, 1))
+
+        def ours(x, w, labels, rx):
+            return trainops.linear_preference_loss(x, w, labels, kind="dpo", beta=0.1, ref_hidden=rx,
+                                                   ref_weight=w.detach()).loss
+        runs = {"trainops": ours, "torch.compile unfused": torch.compile(unfused_dpo)}
+        runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
+        runs["trainops dW in bf16"] = chunked(ours, accumulator="weight")
+        liger = liger_dpo()
+        if liger is not None:
+            runs["liger"] = liger
+        for name, fn in runs.items():
+            record(results, "dpo", name, fn, call, (x, w), floor, reference, args.reps)
+
+    print("\ntask          impl                          ms   x matmuls   extra MiB")
+    for r in results["rows"]:
+        print(f"{r['task']:13s} {r['impl']:26s} {r['ms']:8.2f} {r['vs_matmuls']:8.2f} {r['extra_mib']:11.0f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

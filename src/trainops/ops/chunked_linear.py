@@ -1,0 +1,336 @@
+"""The chunking base of the fused linear post-training losses (linear_distillation,
+linear_preference): an LM head's logits computed ``rows`` tokens at a time, transformed, handed to
+a loss's per-chunk function, and the gradient of each chunk's logits pushed back through the
+transform and the head's matmuls into dhidden, dweight and dbias.
+
+    logits_c = hidden_c @ W^T (+ b)                          one matmul in hidden's dtype, float32 output
+    u_c      = softcap(logit_scale * logits_c)               float32 (float64 for float64)
+                                                             softcap(v) = c tanh(v / c); none when c is None
+    (the loss divides u by its temperature itself: distillation's hard loss reads u at temperature 1)
+    du_c     from the loss's chunk function                   float32
+    dlogits  = du_c * (1 - tanh^2) * logit_scale              rounded once to the matmuls' dtype
+    dhidden_c = dlogits @ W                                   float32 output, rounded once into dhidden's rows
+    dW (+)= dlogits^T @ hidden_c                              a float32 accumulator (a float32 weight's gradient itself)
+    db += column sums of dlogits                              float32
+
+Chunks go in a fixed order and nothing uses atomics: the gradients are bit-identical run to run.
+Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
+costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
+
+Not an op family: this module registers no op and no kernel (each loss registers its per-chunk
+row kernels). ChunkedLinearHeuristics sets the chunk size of both losses. Also here: the backward
+both losses use when their forward computed the gradients (``scaled_gradients``) and the argument
+checks they share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
+from ..plan import heuristics_for
+
+NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
+GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
+WEIGHT_DTYPE_DW = 8   # with NEEDS_WEIGHT: accumulate a half weight's gradient in its own dtype
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkedLinearHeuristics:
+    """chunk_bytes: the most bytes one chunk's logits may take in float32 (the per-chunk math holds
+    a few float32 buffers of that size: about five for distillation, three for the preference
+    losses); a chunk's rows are the largest power of two that fits, at least ``min_rows``. Each chunk
+    after the first rereads and rewrites the float32 dW accumulator (8 bytes a weight element), so
+    fewer, larger chunks are faster and hold more memory. The default, 1 GiB, is 2048 rows of a
+    128256-class vocabulary (unmeasured here: chosen as linear_cross_entropy's 2048-row chunks at
+    that vocabulary, whose choice the H100 measured; benchmarks/bench_linear_post_training.py
+    reports the peak memory and time to revisit it).
+
+    weight_grad_accumulator: "float32" (default) accumulates a half weight's gradient across chunks
+    in a float32 buffer rounded once at the end (4 bytes a weight element alive during the call,
+    reread and rewritten by every chunk's dW matmul); "weight" accumulates it in the weight's own
+    dtype (the dW matmul adds into it: one rounding a chunk; no buffer, half the traffic). Float32
+    weights are accumulated in float32 either way. Unmeasured; the bench runs both."""
+
+    chunk_bytes: int = 2**30
+    min_rows: int = 16
+    weight_grad_accumulator: str = "float32"
+
+    def __post_init__(self):
+        if self.weight_grad_accumulator not in ("float32", "weight"):
+            raise argument_error(InvalidProblemError, "ChunkedLinearHeuristics", "weight_grad_accumulator",
+                                 f"is {self.weight_grad_accumulator!r}; expected 'float32' or 'weight'")
+
+    def rows(self, n: int, classes: int) -> int:
+        fit = self.chunk_bytes // max(1, classes * 4)
+        rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
+        return max(1, min(n, rows))
+
+
+def weight_dtype_bit() -> int:
+    """WEIGHT_DTYPE_DW when the ChunkedLinearHeuristics in force say "weight", else 0 (read at run time)."""
+    return WEIGHT_DTYPE_DW if heuristics_for(ChunkedLinearHeuristics).weight_grad_accumulator == "weight" else 0
+
+
+def heuristic_rows(n: int, classes: int) -> int:
+    """Tokens a chunk from the ChunkedLinearHeuristics in force (read at run time, not traced)."""
+    return heuristics_for(ChunkedLinearHeuristics).rows(n, classes)
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b, ``out`` in the accumulator dtype, a and b maybe half: on CUDA the matmul reads
+    and writes ``out`` itself (torch.mm / addmm's out_dtype); on the CPU a and b are converted first."""
+    if out.dtype != a.dtype and out.device.type == "cuda":
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+class ChunkedHead:
+    """One LM head over one call's tokens: ``logits(start, stop)`` gives a chunk's transformed
+    logits u (float32) and what their gradient needs; ``backward(start, stop, du, saved)``
+    accumulates that chunk's gradients (the chunk function has normalised du by the loss's global
+    counts); ``finish()`` returns (dhidden, dweight, dbias), each rounded once to its tensor's dtype,
+    None where not in ``needs``.
+
+    hidden (N, H) in the matmuls' dtype; weight (V, H) and bias (V,) any float dtype (cast once to
+    hidden's). logit_scale multiplies the logits, softcap caps them (None: no cap)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logit_scale: float,
+                 softcap: Optional[float], needs: int = 0):
+        self.x, self.weight, self.bias = hidden, weight, bias
+        self.acc = accumulator(hidden.dtype)
+        self.w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        self.b = None if bias is None else bias if bias.dtype == hidden.dtype else bias.to(hidden.dtype)
+        self.logit_scale, self.softcap = logit_scale, softcap
+        n, h = hidden.shape
+        dev = hidden.device
+        self.dx = torch.empty_like(hidden) if needs & NEEDS_HIDDEN else None
+        # dW in the accumulator dtype: a float32 weight's gradient itself, else a buffer rounded at the end;
+        # or in a half weight's own dtype (WEIGHT_DTYPE_DW)
+        dw_dtype = (weight.dtype if needs & WEIGHT_DTYPE_DW and weight.dtype in (torch.float16, torch.bfloat16)
+                    else self.acc)
+        self.dw = torch.zeros(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
+        self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
+                   if bias is not None and needs & NEEDS_BIAS else None)
+        self._dx_chunk = self._w_acc = None
+        self.b_acc = None if bias is None else bias.to(self.acc)
+        self._first = True
+
+    def logits(self, start: int, stop: int) -> tuple[Tensor, Optional[Tensor]]:
+        """(u, tanh of the capped logits or None): u = softcap(logit_scale * (x W^T + b)) of rows
+        [start, stop) in the accumulator dtype (a new buffer the caller may overwrite). The matmul
+        writes float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU):
+        the logits are never rounded to the half dtype."""
+        return self.logits_of(self.x[start:stop])
+
+    def logits_of(self, xc: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """``logits`` of rows gathered by the caller (xc: (rows, H) in hidden's dtype)."""
+        if self.acc == self.x.dtype:
+            u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
+        else:
+            u = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
+            if xc.device.type == "cuda":
+                torch.mm(xc, self.w.t(), out_dtype=self.acc, out=u)
+            else:
+                if self._w_acc is None:   # the CPU path: one converted copy of the head a call
+                    self._w_acc = self.w.to(self.acc)
+                torch.mm(xc.to(self.acc), self._w_acc.t(), out=u)
+            if self.b is not None:
+                u += self.b_acc
+        if self.logit_scale != 1.0:
+            u.mul_(self.logit_scale)
+        if self.softcap is None:
+            return u, None
+        t = u.div_(self.softcap).tanh_()
+        return t * self.softcap, t
+
+    def backward(self, start: int, stop: int, du: Tensor, t: Optional[Tensor]) -> None:
+        """Accumulate the gradients of rows [start, stop) from du = d loss / d u (overwritten)."""
+        self.backward_of(self.x[start:stop], du, t, ((start, stop),))
+
+    def backward_of(self, xc: Tensor, du: Tensor, t: Optional[Tensor], parts) -> None:
+        """``backward`` of gathered rows xc: ``parts``, the (start, stop) ranges of x that xc's rows
+        are, in order (dhidden's rows are written there)."""
+        if self.dx is None and self.dw is None and self.db is None:
+            return
+        if t is not None:   # d softcap(v) / dv = 1 - tanh^2
+            du.mul_(t.square_().neg_().add_(1))
+        if self.logit_scale != 1.0:
+            du.mul_(self.logit_scale)
+        dlogits = du if du.dtype == self.x.dtype else du.to(self.x.dtype)
+        rows = xc.shape[0]
+        if self.dx is not None:   # in the accumulator dtype, rounded once into dx's rows
+            if self.acc == self.x.dtype and len(parts) == 1:
+                torch.mm(dlogits, self.w, out=self.dx[parts[0][0]:parts[0][1]])
+            else:
+                if self._dx_chunk is None or self._dx_chunk.shape[0] != rows:
+                    self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
+                _matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
+                offset = 0
+                for start, stop in parts:
+                    self.dx[start:stop].copy_(self._dx_chunk[offset:offset + stop - start])
+                    offset += stop - start
+        if self.dw is not None:
+            _matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
+        if self.db is not None:
+            self.db += du.sum(0) if du.dtype == self.acc else dlogits.sum(0, dtype=self.acc)
+        self._first = False
+
+    def finish(self) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
+        dx, dw, db = self.dx, self.dw, self.db
+        self.dx = self.dw = self.db = self._dx_chunk = self._w_acc = None
+        if dw is not None and self.weight.dtype != dw.dtype:   # rounded once; the float32 buffer freed
+            dw = dw.to(self.weight.dtype)
+        if db is not None and self.bias.dtype != self.acc:
+            db = db.to(self.bias.dtype)
+        return dx, dw, db
+
+
+def save_scaled_gradients(ctx, needs: int, gradients) -> None:
+    """A custom op's save for a loss whose gradients its forward computed: (dhidden, dweight, dbias)."""
+    ctx.set_materialize_grads(False)
+    ctx.needs = needs
+    ctx.consumed = False
+    ctx.save_for_backward(*gradients)
+
+
+def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -> dict:
+    """The backward of such a loss: the saved gradients times the upstream gradient, on the device
+    (in place in eager mode, exact when dloss is 1; a second backward through the same loss raises;
+    out of place while tracing (torch.compile) and in float64, any number of times)."""
+    if dloss is None:
+        return {}
+    if torch.is_grad_enabled():
+        raise UnsupportedError(f"trainops.{op}: double backward is not supported")
+    if ctx.consumed:
+        raise UnsupportedError(f"trainops.{op}: a second backward through the same loss (retain_graph=True) is not "
+                               "supported: the first one scaled the gradients the forward computed, in place")
+    tracing = torch.compiler.is_compiling() or type(dloss) is not torch.Tensor
+    out_of_place = tracing or dloss.dtype == torch.float64
+    ctx.consumed = not out_of_place
+    grads = {}
+    for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
+        if ctx.needs & bit:
+            grads[name] = (g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place else g.mul_(dloss)
+    return grads
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks both losses share (errors name the op and the argument)
+# ----------------------------------------------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_transform(op: str, logit_scale, softcap, temperature) -> None:
+    """z = softcap(logit_scale * logits) / temperature: logit_scale and temperature finite > 0 (as
+    linear_cross_entropy's), softcap None or finite > 0."""
+    if not _number(logit_scale) or not 0.0 < logit_scale < math.inf:
+        raise argument_error(InvalidProblemError, op, "logit_scale", f"must be a finite number > 0, got "
+                             f"{logit_scale!r}")
+    if softcap is not None and (not _number(softcap) or not 0.0 < softcap < math.inf):
+        raise argument_error(InvalidProblemError, op, "softcap", f"must be None or a finite number > 0, got "
+                             f"{softcap!r}")
+    if not _number(temperature) or not 0.0 < temperature < math.inf:
+        raise argument_error(InvalidProblemError, op, "temperature", f"must be a finite number > 0, got "
+                             f"{temperature!r}")
+
+
+def check_number(op: str, name: str, value, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
+    """A real number in [low, high] ((low, high] with open_low); errors name the argument."""
+    if not _number(value) or not math.isfinite(value) or value < low or value > high or open_low and value == low:
+        interval = f"{'(' if open_low else '['}{low}, {high}]"
+        raise argument_error(InvalidProblemError, op, name, f"must be a finite number in {interval}, got {value!r}")
+
+
+def check_ignore_index(op: str, ignore_index) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
+        raise argument_error(InvalidProblemError, op, "ignore_index", f"must be an int in the int64 range, got "
+                             f"{ignore_index!r}")
+
+
+def check_head(op: str, names: tuple[str, str, str], hidden, weight, bias) -> None:
+    """hidden (..., H) and an LM head weight (V, H), bias (V,) or None: tensors of float dtypes on
+    one CPU or CUDA device."""
+    for name, t in zip(names, (hidden, weight, bias)):
+        if t is None and name == names[2]:
+            continue
+        if not isinstance(t, Tensor):
+            raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise argument_error(UnsupportedError, op, name, f"has dtype {t.dtype}; supported: float32, float16, "
+                                 "bfloat16, float64")
+    if hidden.device.type not in ("cpu", "cuda"):
+        raise argument_error(UnsupportedError, op, names[0], f"is on {hidden.device}; supported: CPU and CUDA tensors")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise argument_error(InvalidProblemError, op, names[0], f"has shape {tuple(hidden.shape)}; it must be "
+                             "(..., H) with H >= 1")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise argument_error(InvalidProblemError, op, names[1], f"has shape {tuple(weight.shape)}; expected (V, "
+                             f"{hidden.shape[-1]}) with V >= 1: classes x {names[0]}'s last axis")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise argument_error(InvalidProblemError, op, names[2], f"has shape {tuple(bias.shape)}; expected "
+                             f"({weight.shape[0]},)")
+    for name, t in zip(names[1:], (weight, bias)):
+        if t is not None and t.device != hidden.device:
+            raise argument_error(InvalidProblemError, op, name, f"is on {t.device} but {names[0]} is on "
+                                 f"{hidden.device}")
+
+
+def check_labels(op: str, labels, shape, device) -> None:
+    if not isinstance(labels, Tensor):
+        raise argument_error(InvalidProblemError, op, "labels", f"must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise argument_error(InvalidProblemError, op, "labels", f"has dtype {labels.dtype}; class indices are int64 "
+                             "or int32")
+    if tuple(labels.shape) != tuple(shape):
+        raise argument_error(InvalidProblemError, op, "labels", f"has shape {tuple(labels.shape)}; expected the "
+                             f"hidden states' leading axes {tuple(shape)}")
+    if labels.device != device:
+        raise argument_error(InvalidProblemError, op, "labels", f"is on {labels.device} but the hidden states are on "
+                             f"{device}")
+
+
+def check_label_range(op: str, labels: Tensor, kept: Tensor, classes: int) -> None:
+    """Kept labels must be class indices in [0, classes): on the CPU an IndexOutOfRangeError naming
+    'labels' (no synchronisation to avoid there); on CUDA a device-side assert queued before the
+    kernels (no host sync; as torch's own index kernels, a failure loses the CUDA context)."""
+    bad = ((labels < 0) | (labels >= classes)) & kept
+    if labels.device.type == "cuda":
+        torch._assert_async(~bad.any())
+    elif bad.any():
+        raise IndexOutOfRangeError(f"trainops.{op}: argument 'labels' holds a class index out of range "
+                                   f"[0, {classes - 1}] that is not ignore_index")
+
+
+def gradient_bits(*pairs) -> int:
+    """The NEEDS_* bits of the (tensor, bit) pairs whose tensor requires grad, in grad mode."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(bit for t, bit in pairs if t is not None and t.requires_grad)
+
+
+__all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
+           "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
+           "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
+           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients"]

@@ -1,0 +1,369 @@
+"""trainops.linear_distillation_loss: float64 references (TRL's generalised JSD written out with
+F.kl_div on materialised logits, the hard cross-entropy) over beta, temperature, the logit
+transform and several chunks; float32 / bf16 against float64; ignored and all-ignored tokens;
+gradients only where asked and none under no_grad; determinism; gradcheck; torch.compile; the
+module; errors; GPU runs at LM-head sizes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainops
+from trainops.errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError
+from trainops.ops import chunked_linear
+from trainops.ops.chunked_linear import ChunkedLinearHeuristics
+
+from numerics import assert_close
+
+
+def small_chunks(rows):
+    return trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=1, min_rows=rows))
+
+
+def transform(x, w, b, logit_scale=1.0, softcap=None):
+    z = F.linear(x.double(), w.double(), None if b is None else b.double()) * logit_scale
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def reference(xs, ws, xt, wt, labels=None, *, bs=None, bt=None, beta=0.5, temperature=1.0, weight_soft_loss=1.0,
+              weight_hard_loss=0.0, ignore_index=-100, logit_scale=1.0, softcap=None):
+    """float64, logits materialised: TRL's generalized_jsd_loss (reduction batchmean) + cross-entropy."""
+    zs, zt = transform(xs, ws, bs, logit_scale, softcap), transform(xt, wt, bt, logit_scale, softcap)
+    zs, zt = zs.reshape(-1, zs.shape[-1]), zt.reshape(-1, zt.shape[-1])
+    ls, lt = F.log_softmax(zs / temperature, -1), F.log_softmax(zt / temperature, -1)
+    if beta == 0:
+        jsd = F.kl_div(ls, lt, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(lt, ls, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=ls.dtype, device=ls.device)
+        lm = torch.logsumexp(torch.stack([ls + torch.log1p(-b), lt + torch.log(b)]), 0)
+        jsd = (b * F.kl_div(lm, lt, reduction="none", log_target=True)
+               + (1 - b) * F.kl_div(lm, ls, reduction="none", log_target=True))
+    jsd = jsd.sum(-1)
+    if labels is None:
+        return weight_soft_loss * jsd.sum() / max(1, jsd.shape[0])
+    t = labels.reshape(-1)
+    mask = t != ignore_index
+    count = mask.sum().clamp_min(1)
+    soft = jsd[mask].sum() / count
+    hard = F.cross_entropy(zs, t, ignore_index=ignore_index, reduction="sum") / count
+    return weight_soft_loss * soft + weight_hard_loss * hard
+
+
+def inputs(n, hs, ht, v, dtype, *, bias=True, seed=0, ignored=(3,), lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    shape = lead or (n,)
+    xs = (torch.randn(*shape, hs, generator=gen)).to(dtype).requires_grad_()
+    ws = (torch.randn(v, hs, generator=gen) / math.sqrt(hs) * 3).to(dtype).requires_grad_()
+    bs = (torch.randn(v, generator=gen) * 0.5).to(dtype).requires_grad_() if bias else None
+    xt = torch.randn(*shape, ht, generator=gen).to(dtype)
+    wt = (torch.randn(v, ht, generator=gen) / math.sqrt(ht) * 3).to(dtype)
+    labels = torch.randint(0, v, shape, generator=gen)
+    flat = labels.view(-1)
+    for i in ignored:
+        if i < flat.numel():
+            flat[i] = -100
+    return xs, ws, bs, xt, wt, labels
+
+
+SETTINGS = [
+    dict(beta=0.0),
+    dict(beta=1.0),
+    dict(beta=0.5),
+    dict(beta=0.3, temperature=2.0),
+    dict(beta=0.7, weight_hard_loss=0.5, weight_soft_loss=0.25),
+    dict(beta=0.0, temperature=0.5, weight_hard_loss=1.0, logit_scale=0.5, softcap=4.0),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_float64_matches_the_reference_over_chunks(settings):
+    xs, ws, bs, xt, wt, labels = inputs(23, 12, 10, 17, torch.float64)
+    with small_chunks(5):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
+        got = torch.autograd.grad(loss * 0.75, (xs, ws, bs))
+    want = reference(xs, ws, xt, wt, labels, bs=bs, **settings)
+    expected = torch.autograd.grad(want * 0.75, (xs, ws, bs))
+    assert loss.dtype == torch.float64
+    assert_close(loss, want, torch.float64, "loss")
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, torch.float64, name)
+
+
+@pytest.mark.parametrize("settings", SETTINGS + [dict(weight_soft_loss=0.0, weight_hard_loss=1.0)],
+                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_float32_each_backend_against_float64(backend, device, settings):
+    """The per-chunk kernel (Triton under the interpreter here; torch ops on the CPU backend) over
+    every mode, a vocabulary that is not a multiple of its block, ignored rows."""
+    xs, ws, bs, xt, wt, labels = inputs(19, 12, 10, 37, torch.float32, ignored=(0, 5))
+    with small_chunks(8), trainops.track_kernels() as used:
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
+        got = torch.autograd.grad(loss, (xs, ws, bs))
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", backend)}
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
+    want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
+    expected = torch.autograd.grad(want, leaves)
+    assert_close(loss, want, torch.float32, "loss")
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, torch.float32, name)
+    with torch.no_grad(), small_chunks(8):
+        assert_close(trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings), want,
+                     torch.float32, "no_grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_labels", [True, False])
+def test_float32_and_bf16_against_float64(backend, dtype, with_labels):
+    xs, ws, bs, xt, wt, labels = inputs(40, 16, 24, 33, dtype, ignored=(0, 7, 8))
+    settings = dict(beta=0.4, temperature=1.5, weight_hard_loss=0.3 if with_labels else 0.0, softcap=6.0)
+    labels = labels if with_labels else None
+    with small_chunks(16):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bs.detach(),
+                                                 **settings)
+        got = torch.autograd.grad(loss, (xs, ws, bs))
+    assert loss.dtype == torch.float32 and [g.dtype for g in got] == [dtype] * 3
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
+    want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], bt=bs.detach(), **settings)
+    expected = torch.autograd.grad(want, leaves)
+    assert_close(loss, want, dtype, "loss")
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, dtype, name)
+
+
+def test_weight_gradient_accumulated_in_the_weight_dtype():
+    """ChunkedLinearHeuristics(weight_grad_accumulator="weight"): a bf16 head's dW summed in bf16 over
+    the chunks (one rounding a chunk), within bf16 tolerance; a float32 head's unchanged."""
+    xs, ws, bs, xt, wt, labels = inputs(40, 16, 16, 33, torch.bfloat16)
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws)]
+    want = torch.autograd.grad(reference(*leaves, xt, wt, labels, beta=0.3, weight_hard_loss=0.5), leaves)
+    for accumulator in ("float32", "weight"):
+        config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=8, weight_grad_accumulator=accumulator)
+        with trainops.heuristics(config):
+            loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, beta=0.3, weight_hard_loss=0.5)
+            dx, dw = torch.autograd.grad(loss, (xs, ws))
+        assert dw.dtype == torch.bfloat16
+        assert_close(dx, want[0], torch.bfloat16, f"dx {accumulator}")
+        assert_close(dw, want[1], torch.bfloat16, f"dw {accumulator}")
+    xs, ws, bs, xt, wt, labels = inputs(20, 8, 8, 9, torch.float32)
+    grads = []
+    for accumulator in ("float32", "weight"):
+        config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=8, weight_grad_accumulator=accumulator)
+        with trainops.heuristics(config):
+            grads.append(torch.autograd.grad(trainops.linear_distillation_loss(xs, ws, xt, wt, labels), (ws,))[0])
+    assert torch.equal(*grads)
+    with pytest.raises(InvalidProblemError, match="weight_grad_accumulator"):
+        ChunkedLinearHeuristics(weight_grad_accumulator="bf16")
+
+
+def test_ignored_all_ignored_and_empty():
+    xs, ws, bs, xt, wt, labels = inputs(9, 8, 8, 7, torch.float64, ignored=range(9))
+    loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, weight_hard_loss=1.0)
+    grads = torch.autograd.grad(loss, (xs, ws, bs))
+    assert loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads)   # TRL: 0 / max(1, 0)
+    # the ignored rows of a partly ignored batch get no gradient; others do
+    labels[:4] = 2
+    loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, weight_hard_loss=1.0)
+    dx, = torch.autograd.grad(loss, (xs,))
+    assert torch.count_nonzero(dx[4:]) == 0 and torch.count_nonzero(dx[:4]) == 4 * 8
+    assert_close(loss, reference(xs, ws, xt, wt, labels, bs=bs, weight_hard_loss=1.0), torch.float64, "partly")
+    empty = [t[:0] for t in (xs, xt, labels)]
+    loss = trainops.linear_distillation_loss(empty[0], ws, empty[1], wt, empty[2])
+    dw, = torch.autograd.grad(loss, (ws,))
+    assert loss.item() == 0.0 and torch.count_nonzero(dw) == 0
+
+
+def test_num_items_in_batch_divides_the_sum():
+    xs, ws, bs, xt, wt, labels = inputs(10, 8, 8, 7, torch.float64, ignored=(1, 2))
+    settings = dict(beta=0.4, weight_hard_loss=0.5)
+    whole = reference(xs, ws, xt, wt, labels, bs=bs, **settings) * 8   # 8 kept tokens: the sum
+    for num_items in (23, torch.tensor([23])):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, num_items_in_batch=num_items,
+                                                 **settings)
+        assert_close(loss, whole / 23, torch.float64, "loss")
+        assert_close(torch.autograd.grad(loss, (xs,))[0],
+                     torch.autograd.grad(whole / 23, (xs,), retain_graph=True)[0], torch.float64, "dx")
+
+
+def test_leading_axes_and_non_contiguous_hidden():
+    xs, ws, bs, xt, wt, labels = inputs(0, 8, 6, 13, torch.float64, lead=(3, 5))
+    xs_t = xs.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    loss = trainops.linear_distillation_loss(xs_t, ws, xt, wt, labels, beta=0.2)
+    dx, = torch.autograd.grad(loss, (xs_t,))
+    want = reference(xs_t, ws, xt, wt, labels, beta=0.2)
+    assert_close(loss, want, torch.float64, "loss")
+    assert dx.shape == xs.shape
+    assert_close(dx, torch.autograd.grad(want, (xs_t,))[0], torch.float64, "dx")
+
+
+def test_only_the_gradients_asked_for_and_none_under_no_grad(monkeypatch):
+    xs, ws, bs, xt, wt, labels = inputs(12, 8, 8, 9, torch.float32)
+    calls = []
+    original = chunked_linear.ChunkedHead.backward
+    monkeypatch.setattr(chunked_linear.ChunkedHead, "backward", 
+                        lambda self, *a: (calls.append((self.dx is not None, self.dw is not None)), original(self, *a)))
+    with torch.no_grad():
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs)
+    assert not calls and not loss.requires_grad
+    frozen = ws.detach()
+    loss = trainops.linear_distillation_loss(xs, frozen, xt, wt, labels)
+    assert calls and calls[-1] == (True, False)
+    dx, = torch.autograd.grad(loss, (xs,))
+    want = reference(xs, frozen, xt, wt, labels)
+    assert_close(dx, torch.autograd.grad(want, (xs,))[0], torch.float32, "dx")
+    # the teacher takes no gradient, even when its tensors require one
+    wt.requires_grad_()
+    loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
+    assert torch.autograd.grad(loss, (wt,), allow_unused=True) == (None,)
+
+
+def test_deterministic_run_to_run(backend):
+    xs, ws, bs, xt, wt, labels = inputs(50, 16, 16, 21, torch.float32)
+    runs = []
+    for _ in range(2):
+        with small_chunks(8):
+            loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, weight_hard_loss=0.5)
+            runs.append((loss, *torch.autograd.grad(loss, (xs, ws, bs))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_second_backward_raises_but_float64_allows_it():
+    xs, ws, bs, xt, wt, labels = inputs(6, 8, 8, 9, torch.float32)
+    loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(UnsupportedError, match="second backward"):
+        loss.backward()
+    xs, ws, bs, xt, wt, labels = inputs(6, 8, 8, 9, torch.float64)
+    loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
+    first = torch.autograd.grad(loss, (xs,), retain_graph=True)[0]
+    assert torch.equal(first, torch.autograd.grad(loss, (xs,))[0])
+
+
+def test_gradcheck():
+    xs, ws, bs, xt, wt, labels = inputs(5, 4, 4, 6, torch.float64, ignored=(1,))
+
+    def f(xs, ws, bs):
+        return trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, beta=0.3, temperature=1.7,
+                                                 weight_hard_loss=0.4, softcap=2.0)
+    with small_chunks(2):
+        assert torch.autograd.gradcheck(f, (xs, ws, bs))
+
+
+def test_autocast_runs_the_matmuls_in_its_dtype():
+    xs, ws, bs, xt, wt, labels = inputs(10, 8, 8, 9, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs)
+    dx, dw = torch.autograd.grad(loss, (xs, ws))
+    assert loss.dtype == torch.float32 and dx.dtype == torch.float32 and dw.dtype == torch.float32
+    assert_close(loss, reference(xs, ws, xt, wt, labels, bs=bs), torch.bfloat16, "loss")
+
+
+def test_torch_compile_fullgraph():
+    xs, ws, bs, xt, wt, labels = inputs(14, 8, 8, 11, torch.float32)
+
+    def f(xs, ws, bs):
+        return trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, beta=0.6,
+                                                 weight_hard_loss=0.5)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(xs, ws, bs)
+    got = torch.autograd.grad(loss * 2, (xs, ws, bs))
+    want_loss = f(xs, ws, bs)
+    want = torch.autograd.grad(want_loss * 2, (xs, ws, bs))
+    assert_close(loss, want_loss, torch.float32, "loss")
+    for a, e in zip(got, want):
+        assert_close(a, e, torch.float32, "gradient")
+    torch._dynamo.reset()
+
+
+def test_the_module():
+    module = trainops.nn.LinearDistillationLoss(beta=0.2, temperature=2.0, weight_hard_loss=0.5, ignore_index=-1)
+    xs, ws, bs, xt, wt, labels = inputs(11, 8, 6, 14, torch.float64, ignored=())
+    labels[2] = -1
+    loss = module(xs, ws, xt, wt, labels, student_bias=bs)
+    want = reference(xs, ws, xt, wt, labels, bs=bs, beta=0.2, temperature=2.0, weight_hard_loss=0.5, ignore_index=-1)
+    assert_close(loss, want, torch.float64, "module")
+    assert "beta=0.2" in repr(module)
+    with pytest.raises(InvalidProblemError, match="argument 'beta'"):
+        trainops.nn.LinearDistillationLoss(beta=1.5)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda a: trainops.linear_distillation_loss(*a, beta=-0.1), InvalidProblemError, "argument 'beta'"),
+    (lambda a: trainops.linear_distillation_loss(*a, temperature=0.0), InvalidProblemError, "argument 'temperature'"),
+    (lambda a: trainops.linear_distillation_loss(*a, weight_soft_loss=float("nan")), InvalidProblemError,
+     "argument 'weight_soft_loss'"),
+    (lambda a: trainops.linear_distillation_loss(*a, weight_hard_loss=-1.0), InvalidProblemError,
+     "argument 'weight_hard_loss'"),
+    (lambda a: trainops.linear_distillation_loss(*a, ignore_index=1.5), InvalidProblemError, "argument 'ignore_index'"),
+    (lambda a: trainops.linear_distillation_loss(*a, logit_scale=0.0), InvalidProblemError, "argument 'logit_scale'"),
+    (lambda a: trainops.linear_distillation_loss(*a, num_items_in_batch=0), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
+    (lambda a: trainops.linear_distillation_loss(*a, num_items_in_batch=torch.ones(2)), InvalidProblemError,
+     "argument 'num_items_in_batch'"),
+    (lambda a: trainops.linear_distillation_loss(*a, softcap=-1.0), InvalidProblemError, "argument 'softcap'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3], None, weight_hard_loss=1.0),
+     InvalidProblemError, "argument 'labels'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3], a[4][:-1]), InvalidProblemError,
+     "argument 'labels'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3], a[4].float()), InvalidProblemError,
+     "argument 'labels'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1][:, :-1], a[2], a[3], a[4]), InvalidProblemError,
+     "argument 'student_weight'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2][:-1], a[3], a[4]), InvalidProblemError,
+     "argument 'teacher_hidden'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3][:-1], a[4]), InvalidProblemError,
+     "argument 'teacher_weight'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], a[1], a[2], a[3], a[4], student_bias=a[1][0]),
+     InvalidProblemError, "argument 'student_bias'"),
+    (lambda a: trainops.linear_distillation_loss(a[0].int(), a[1], a[2], a[3], a[4]), UnsupportedError,
+     "argument 'student_hidden'"),
+    (lambda a: trainops.linear_distillation_loss(a[0], "w", a[2], a[3], a[4]), InvalidProblemError,
+     "argument 'student_weight'"),
+    (lambda a: trainops.linear_distillation_loss(a[0].to("meta"), a[1].to("meta"), a[2], a[3], a[4]),
+     UnsupportedError, "argument 'student_hidden'"),
+])
+def test_errors_name_the_argument(call, error, match):
+    xs, ws, bs, xt, wt, labels = inputs(5, 8, 8, 6, torch.float32, bias=False)
+    with pytest.raises(error, match=match):
+        call((xs, ws, xt, wt, labels))
+
+
+def test_a_label_out_of_range_raises_but_ignored_ones_do_not(backend):
+    xs, ws, bs, xt, wt, labels = inputs(6, 8, 8, 5, torch.float32)
+    labels[2] = -7   # a negative index that is not ignore_index
+    with pytest.raises(IndexOutOfRangeError, match="argument 'labels'"):
+        trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
+    labels[2] = 5
+    with pytest.raises(IndexOutOfRangeError, match="argument 'labels'"):
+        trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
+    labels[2] = -100
+    trainops.linear_distillation_loss(xs, ws, xt, wt, labels, weight_hard_loss=1.0)
+
+
+# ---- GPU: LM-head sizes ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gpu_lm_head_against_float64(beta):
+    """bf16 student and teacher at a 32000-class head, several default-size chunks."""
+    torch.manual_seed(0)
+    n, h, v = 3072, 1024, 32000
+    xs = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    ws = (torch.randn(v, h, device="cuda") / 32).to(torch.bfloat16).requires_grad_()
+    xt = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    wt = (torch.randn(v, h, device="cuda") / 32).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[::7] = -100
+    with trainops.heuristics(ChunkedLinearHeuristics(chunk_bytes=1024 * v * 4)):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, beta=beta, temperature=2.0,
+                                                 weight_hard_loss=0.5)
+        dx, dw = torch.autograd.grad(loss, (xs, ws))
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws)]
+    want = reference(leaves[0], leaves[1], xt, wt, labels, beta=beta, temperature=2.0, weight_hard_loss=0.5)
+    want_dx, want_dw = torch.autograd.grad(want, leaves)
+    assert_close(loss, want, torch.bfloat16, "loss")
+    assert_close(dx, want_dx, torch.bfloat16, "dx")
+    assert_close(dw, want_dw, torch.bfloat16, "dw")
