@@ -58,6 +58,7 @@ from .errors import InvalidProblemError, UnsupportedError
 from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
 from .ops import grad as grad_ops
+from .ops import lowbit_optimizers as lowbit_ops
 from .ops import optimizers as optimizer_ops
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -79,7 +80,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     _name = "optimizer"
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: float | None = None, skip_nonfinite: bool = False,
-                 master_weights: bool = False, state_dtype: torch.dtype | None = None):
+                 master_weights: bool = False, state_dtype: torch.dtype | None = None, lowbit: dict | None = None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'max_grad_norm' is {max_grad_norm}; "
                                       "it must be positive (or None)")
@@ -87,11 +88,19 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             raise UnsupportedError(f"trainops.optim.{self._name}: argument 'state_dtype' is {state_dtype}; "
                                    "expected None, torch.float32, torch.bfloat16 or torch.float64")
         defaults = dict(defaults, master_weights=bool(master_weights), state_dtype=state_dtype)
+        self.rounding_seed = 0
+        if lowbit is not None:   # the optimizers with low-bit options (Adam, AdamW): see LowBitOptions
+            self.rounding_seed = lowbit.pop("rounding_seed")
+            if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
+                raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'rounding_seed' is "
+                                          f"{self.rounding_seed!r}; it must be an int")
+            defaults.update(lowbit)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = bool(skip_nonfinite)
         self.grad_norm: torch.Tensor | None = None
         self._tables = TableCache()
+        self._lowbit_tables: dict = {}
         self._mesh_tables: dict = {}
         self._buckets: dict = {}
         self._state_version = 0
@@ -106,6 +115,11 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, with the group's hyper-parameters checked first (a group that
         fails is not added)."""
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            param_group = dict(param_group, params=[params])
+        elif not isinstance(params, set):   # torch refuses sets
+            param_group = dict(param_group, params=list(params))
         group = {key: value for key, value in self.defaults.items() if key not in param_group}
         group.update(param_group)
         self._check_group(group, f"param_groups[{len(self.param_groups)}]")
@@ -139,6 +153,47 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                     fail(key, f"is {value}; it must be finite")
                 elif key in self._non_negative_keys and value < 0:
                     fail(key, f"is {value}; it must be >= 0")
+        if "optim_bits" in group:
+            self._check_lowbit(group, fail)
+
+    def _check_lowbit(self, group: dict, fail) -> None:
+        """The low-bit options of ``group`` and their combinations (see LowBitOptions); ``fail(key, message)``."""
+        bits, sr = group["optim_bits"], group.get("stochastic_rounding", False)
+        if isinstance(bits, bool) or bits not in (32, 8):
+            if bits == 4:
+                raise UnsupportedError(f"trainops.optim.{self._name}: optim_bits=4 is not implemented (4-bit states "
+                                       "did not hold the curve in the time this was built); use 8 or 32")
+            fail("optim_bits", f"is {bits!r}; it must be 32 (float32 states) or 8 (blockwise 8-bit states)")
+        size = group.get("min_8bit_size", 4096)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            fail("min_8bit_size", f"is {size!r}; it must be an int >= 0")
+        if not isinstance(sr, bool):
+            fail("stochastic_rounding", f"is {sr!r}; it must be True or False")
+        low = bits == 8 or sr
+        what = "optim_bits=8" if bits == 8 else "stochastic_rounding=True"
+        if low and group.get("amsgrad"):
+            fail("amsgrad", f"is True with {what}; the low-bit step has no amsgrad (use optim_bits=32, "
+                            "stochastic_rounding=False)")
+        if low and group.get("state_dtype") not in (None, torch.float32):
+            fail("state_dtype", f"is {group.get('state_dtype')} with {what}; low-bit steps keep float32 states for "
+                                "the tensors they do not quantise (state_dtype None or torch.float32)")
+        if sr and group.get("master_weights"):
+            fail("stochastic_rounding", "is True with master_weights=True; stochastic rounding replaces the float32 "
+                                        "master copy (choose one)")
+        for p in group["params"]:
+            if sr and p.dtype != torch.bfloat16:
+                fail("stochastic_rounding", f"is True for a parameter of dtype {p.dtype}; it rounds bfloat16 "
+                                            "parameters only")
+            if low and p.dtype == torch.float64:
+                fail("optim_bits", f"is {bits} (stochastic_rounding={sr}) for a float64 parameter; low-bit steps "
+                                   "take float32, float16 and bfloat16 parameters")
+            if low and is_dtensor(p):
+                for placement in p.placements:
+                    if not (type(placement).__name__ == "Replicate"
+                            or (type(placement).__name__ == "Shard" and placement.dim == 0)):
+                        raise UnsupportedError(f"trainops.optim.{self._name}: {what} on a DTensor parameter with "
+                                               f"placements {p.placements}: blocks and rounding indices follow dim "
+                                               "0's rows; only Shard(0) and Replicate placements are supported")
 
     # -- per-group gathering -------------------------------------------------------------------
 
@@ -152,7 +207,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         dtype = self._state_dtype(group, p)
         if self._has_step_counter and "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for name in self._state_names:
+        for name in self._state_names if self._kind(group, p) != "8bit" else ():
             if name not in state:
                 state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         if group.get("master_weights") and p.dtype in _HALF and "master_param" not in state:
@@ -167,12 +222,13 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         """
         params = [p for p in group["params"] if p.grad is not None]
         key = (self._state_version, len(self.state), group.get("amsgrad"), group.get("master_weights"),
-               group.get("state_dtype"), tuple(map(id, params)))
+               group.get("state_dtype"), group.get("optim_bits"), group.get("min_8bit_size"),
+               group.get("stochastic_rounding"), tuple(map(id, params)))
         cached = self._buckets.get(index)
         if cached is None or cached[0] != key:
             cached = self._buckets[index] = (key, self._build_buckets(index, group, params))
         buckets = {}
-        for where, (bucket_params, locals_, states, mesh_sums) in cached[1].items():
+        for where, (bucket_params, locals_, states, mesh_sums, extra) in cached[1].items():
             grads = [p.grad for p in bucket_params]
             for g in grads:
                 if g.is_sparse:
@@ -181,7 +237,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             if mesh_sums is not None:
                 grads = [self._local_grad(p, g, index) for p, g in zip(bucket_params, grads)]
             buckets[where] = {"params": locals_, "grads": grads, "states": states, "originals": bucket_params,
-                              "mesh_sums": mesh_sums}
+                              "mesh_sums": mesh_sums, **extra}
         return buckets
 
     def _local_grad(self, p, g, index: int) -> torch.Tensor:
@@ -225,12 +281,35 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                                           "in its own param group")
             state = self.state[p]
             self._init_state(group, p, state)
-            bucket_params, states = buckets.setdefault((p.device, p.dtype), ([], []))
+            bucket_params, states = buckets.setdefault((p.device, p.dtype, self._kind(group, p)), ([], []))
             bucket_params.append(p)
             states.append(state)
         where = f"trainops.optim.{self._name} (param group {index})"
-        return {key: (bucket_params, [local(p) for p in bucket_params], states, MeshSums.of(bucket_params, where))
+        return {key: (bucket_params, [local(p) for p in bucket_params], states, MeshSums.of(bucket_params, where),
+                      self._bucket_extra(key, bucket_params))
                 for key, (bucket_params, states) in buckets.items()}
+
+    def _kind(self, group, p) -> str:
+        """Which step a parameter takes: "plain" (ops/optimizers.py), or the low-bit step with 8-bit
+        states ("8bit") or float32 states ("32bit": stochastic rounding alone, or a tensor kept in
+        float32 under optim_bits=8): see LowBitOptions."""
+        if group.get("optim_bits", 32) == 8 and self._quantizes(group, p):
+            return "8bit"
+        return "32bit" if group.get("stochastic_rounding") else "plain"
+
+    @staticmethod
+    def _quantizes(group, p) -> bool:
+        """Whether ``p`` gets 8-bit states under optim_bits=8: 2-D or more, contiguous, at least
+        min_8bit_size elements (its global shape for a DTensor)."""
+        return p.dim() >= 2 and p.numel() >= group.get("min_8bit_size", 4096) and local(p).is_contiguous()
+
+    def _bucket_extra(self, key, params) -> dict:
+        """A low-bit bucket's stochastic rounding keys (each parameter's place in the optimizer) and
+        global offsets (a Shard(0) part's first element in the whole parameter)."""
+        if key[2] == "plain":
+            return {"kind": "plain"}
+        places = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return {"kind": key[2], "sr_keys": [places[id(p)] for p in params], "offsets": [_global_offset(p) for p in params]}
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -271,9 +350,12 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         prepared = []
         for index, (group, buckets) in enumerate(gathered):
             self._check_group(group, f"param_groups[{index}]")
-            for (device, dtype), bucket in buckets.items():
-                table = self._tables.get((self._name, index, device, dtype))
-                prepared.append((device, self._prepare_bucket(group, bucket, table)))
+            for key, bucket in buckets.items():
+                if bucket["kind"] == "plain":
+                    table = self._tables.get((self._name, index, *key))
+                else:
+                    table = self._lowbit_tables.setdefault((index, *key), lowbit_ops.LowbitTable())
+                prepared.append((key[0], self._prepare_bucket(group, bucket, table)))
         self.grad_norm = None
         if sharded and (check or found_inf is not None):
             found_inf, own_clip, self.grad_norm = self._mesh_stats(gathered, sharded[0].mesh, check, grad_scale,
@@ -392,14 +474,20 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 if not isinstance(value, torch.Tensor) or key == "step":
                     continue
                 where = f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id}"
-                if value.shape != p.shape:
-                    raise InvalidProblemError(f"{where} has shape {tuple(value.shape)}; the parameter has shape "
-                                              f"{tuple(p.shape)}")
+                expected = lowbit_ops.scale_shape(p.shape) if key.endswith("_scales") else tuple(p.shape)
+                if tuple(value.shape) != tuple(expected):
+                    raise InvalidProblemError(f"{where} has shape {tuple(value.shape)}; expected {tuple(expected)} "
+                                              f"(the parameter has shape {tuple(p.shape)})")
                 if is_dtensor(p) and not is_dtensor(value):
                     raise UnsupportedError(f"{where} is a plain tensor and the parameter a DTensor; load sharded "
                                            "state with torch.distributed.checkpoint (set_optimizer_state_dict "
                                            "reshards a full state dict)")
+        # How states are stored is the loading optimizer's choice, not the checkpoint's: a float32
+        # state loads into optim_bits=8 (quantised at the next step) and an 8-bit one into float32.
+        storage = [{key: group[key] for key in _STORAGE_KEYS if key in group} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, storage):
+            group.update(kept)
         self._state_version += 1
         self._ranks_checked = False
         groups = [g for g in self.param_groups for _ in g["params"]]
@@ -417,8 +505,69 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 if key == "step":
                     state[key] = value.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone()
                     continue
+                if key.endswith("_scales"):   # 8-bit block scales (not of the parameter's shape)
+                    state[key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
+                    continue
                 dtype = torch.float32 if key == "master_param" else self._state_dtype(group, p)
+                dtype = torch.uint8 if key.endswith("_codes") else dtype
                 state[key] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
+
+
+def _global_offset(p) -> int:
+    """The flat index in the whole parameter of this rank's first element (0 for a plain tensor);
+    a DTensor parameter here is split along dim 0 at most (checked by _check_lowbit)."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] * lowbit_ops.rows_of(p.shape)[1] if p.dim() >= 2 else offset[0]
+
+
+_STORAGE_KEYS = ("optim_bits", "min_8bit_size", "stochastic_rounding")
+_CODE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
+
+
+def _to_8bit_state(state: dict, p, name: str) -> None:
+    """Give ``p`` (an 8-bit parameter) its 8-bit moments: new zeros, or its float moments quantised
+    (a float32 state loaded into optim_bits=8)."""
+    if all(key in state for key in _CODE_KEYS):
+        return
+    if is_dtensor(p):
+        if "exp_avg" in state:
+            raise UnsupportedError(f"trainops.optim.{name}: a float32 state was loaded for a DTensor parameter under "
+                                   "optim_bits=8; convert it before sharding (or load it into optim_bits=32)")
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
+        for key in _CODE_KEYS:
+            if key.endswith("_codes"):
+                state[key] = torch.zeros_like(p, dtype=torch.uint8)
+            else:
+                state[key] = dtensor_zeros(lowbit_ops.scale_shape(p.shape), dtype=torch.float32,
+                                           device_mesh=p.device_mesh, placements=p.placements)
+                if local(state[key]).shape[0] != local(p).shape[0]:
+                    raise UnsupportedError(f"trainops.optim.{name}: the block scales of a DTensor parameter of shape "
+                                           f"{tuple(p.shape)} do not shard along dim 0 as the parameter does")
+        return
+    with torch.no_grad():
+        if "exp_avg" in state:
+            state.update(lowbit_ops.quantize_moments(state.pop("exp_avg"), state.pop("exp_avg_sq")))
+        else:
+            state.update(lowbit_ops.quantize_moments(torch.zeros_like(p, dtype=torch.float32),
+                                                     torch.zeros_like(p, dtype=torch.float32)))
+
+
+def _to_float_state(state: dict, p, name: str) -> None:
+    """An 8-bit state loaded for a parameter that keeps float32 moments: dequantised."""
+    if "exp_avg_codes" not in state:
+        return
+    if is_dtensor(p):
+        raise UnsupportedError(f"trainops.optim.{name}: an 8-bit state was loaded for a DTensor parameter that keeps "
+                               "float32 states; load it with optim_bits=8")
+    m, v = lowbit_ops.dequantize_moments(state)
+    for key in _CODE_KEYS:
+        del state[key]
+    state["exp_avg"], state["exp_avg_sq"] = m.reshape(p.shape), v.reshape(p.shape)
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -488,14 +637,22 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool | None = None, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None):
+                 skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None,
+                 optim_bits: int = 32, min_8bit_size: int = 4096, stochastic_rounding: bool = False,
+                 rounding_seed: int = 0):
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype,
+                         lowbit=dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                                     stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed))
 
     def _init_state(self, group, p, state) -> None:
+        if self._kind(group, p) == "8bit":
+            _to_8bit_state(state, p, self._name)
+        else:
+            _to_float_state(state, p, self._name)
         super()._init_state(group, p, state)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
@@ -504,6 +661,18 @@ class Adam(FusedOptimizer):
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
+        if bucket["kind"] != "plain":
+            quantized = bucket["kind"] == "8bit"
+            m, v = ("exp_avg_codes", "exp_avg_sq_codes") if quantized else ("exp_avg", "exp_avg_sq")
+            return lowbit_ops.prepare_adam_lowbit_step(
+                bucket["params"], bucket["grads"], self._column(bucket, m), self._column(bucket, v),
+                self._column(bucket, "exp_avg_scales") if quantized else None,
+                self._column(bucket, "exp_avg_sq_scales") if quantized else None, [s["step"] for s in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
+                masters=self._masters(group, bucket),
+                stochastic_rounding=group["stochastic_rounding"], seed=self.rounding_seed, keys=bucket["sr_keys"],
+                offsets=bucket["offsets"], table=table)
         return optimizer_ops.prepare_adam_step(
             bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
             self._column(bucket, "max_exp_avg_sq") if group["amsgrad"] else None, [s["step"] for s in states],
@@ -521,10 +690,32 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | torch.Tensor = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, optim_bits: int = 32, min_8bit_size: int = 4096,
+                 stochastic_rounding: bool = False, rounding_seed: int = 0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True,
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
+
+
+class AdamW8bit(AdamW):
+    """AdamW with 8-bit blockwise states (``optim_bits=8``): the name bitsandbytes and torchao use."""
+
+    _name = "AdamW8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 1e-2, amsgrad: bool = False, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits=optim_bits, **options)
+
+
+class Adam8bit(Adam):
+    """Adam with 8-bit blockwise states (``optim_bits=8``): the name bitsandbytes and torchao use."""
+
+    _name = "Adam8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits=optim_bits, **options)
 
 
 class LAMB(FusedOptimizer):
@@ -561,4 +752,4 @@ class LAMB(FusedOptimizer):
             reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
 
 
-__all__ = ["Adam", "AdamW", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]
+__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]

@@ -118,13 +118,14 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127) << 23).view(torch.float32)
 
 
-def encode(a: torch.Tensor, code: BlockCode) -> torch.Tensor:
-    """int32 codes of magnitudes ``a`` (float32, >= 0, <= code.top; see the module docstring)."""
+def encode(a: torch.Tensor, code: BlockCode, noise: torch.Tensor | float = 0.5) -> torch.Tensor:
+    """int32 codes of magnitudes ``a`` (float32, >= 0, <= code.top; see the module docstring),
+    rounded to nearest (``noise`` 0.5) or stochastically (``noise``: uniform in [0, 1), a's shape)."""
     emin = 1 - (1 << code.exponent_bits)
     steps = 1 << code.mantissa_bits
     e = ((a.contiguous().view(torch.int32) >> 23) - 127).clamp(emin, -1)
     frac = a * _pow2(-e)
-    k = (e - emin) * steps + torch.floor(frac * steps + 0.5).to(torch.int32)
+    k = (e - emin) * steps + torch.floor(frac * steps + noise).to(torch.int32)
     return k.clamp(0, (1 << (code.exponent_bits + code.mantissa_bits)) - 1)
 
 
@@ -150,13 +151,15 @@ def _unblocked(x: torch.Tensor, shape) -> torch.Tensor:
     return x.reshape(rows, -1)[:, :width].reshape(shape)
 
 
-def quantize(x: torch.Tensor, code: BlockCode) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes of x's shape, float32 scales [rows, chunks]) of ``x`` (any float dtype)."""
+def quantize(x: torch.Tensor, code: BlockCode, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes of x's shape, float32 scales [rows, chunks]) of ``x`` (any float dtype);
+    rounded to nearest, or stochastically with ``noise`` (float32 uniform in [0, 1), x's shape)."""
     blocks = _blocked(x)
     absmax = blocks.abs().amax(dim=-1) + (blocks * 0.0).sum(dim=-1)  # inf / NaN reach the scale
     scale = absmax * torch.tensor(1.0 / code.top, dtype=torch.float32)
     inverse = torch.where(scale > 0, torch.ones_like(scale) / scale, torch.zeros_like(scale))
-    k = encode(torch.nan_to_num(blocks.abs() * inverse.unsqueeze(-1), nan=0.0, posinf=0.0), code)
+    k = encode(torch.nan_to_num(blocks.abs() * inverse.unsqueeze(-1), nan=0.0, posinf=0.0), code,
+               0.5 if noise is None else _blocked(noise))
     if code.signed:
         k = k | ((blocks < 0).to(torch.int32) << (code.exponent_bits + code.mantissa_bits))
     return _unblocked(k.to(torch.uint8), x.shape).contiguous(), scale
@@ -169,7 +172,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, code: BlockCode) -> to
     value = decode(k & ((1 << bits) - 1), code)
     if code.signed:
         value = torch.where((k >> bits) & 1 == 1, -value, value)
-    return _unblocked(value * scales.to(torch.float32).unsqueeze(-1), codes.shape)
+    return _unblocked(value * scales.to(torch.float32).unsqueeze(-1), codes.shape).contiguous()
 
 
 def quantize_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
@@ -217,6 +220,17 @@ def random_bits(stream: int, index: torch.Tensor) -> torch.Tensor:
     """16 random bits (int64 in [0, 65536)) per global element index (int64 tensor)."""
     high = _hash32((index >> 32) ^ stream)
     return _hash32((index & _MASK32) ^ high) & 0xFFFF
+
+
+STATE_SALT = 0x2545F491
+"""XORed into a tensor's stream for the bits that round its requantised exp_avg_sq (so that they
+are not the bits that round the parameter)."""
+
+
+def state_noise(stream: int, offset: int, shape, device) -> torch.Tensor:
+    """The uniform [0, 1) values (16 bits) that round a tensor's requantised sqrt(exp_avg_sq)."""
+    index = offset + torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
+    return random_bits(stream ^ STATE_SALT, index).to(torch.float32) * (1.0 / 65536)
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, key: int, step: int, offset: int = 0) -> torch.Tensor:
@@ -289,7 +303,7 @@ def _check(op, names, columns, steps, masters, quantized, sr_seed) -> None:
     if masters is not None and dtype not in (torch.float16, torch.bfloat16):
         raise argument_error(InvalidProblemError, op, "masters", f"are for half parameters; the parameters are {dtype}")
     if sr_seed is not None and (dtype != torch.bfloat16 or masters is not None):
-        raise argument_error(InvalidProblemError, op, "sr_seed",
+        raise argument_error(InvalidProblemError, op, "stochastic_rounding",
                              f"(stochastic rounding) is for bfloat16 parameters without master weights; the "
                              f"parameters are {dtype}{' with masters' if masters is not None else ''}")
     if len(steps) != len(params):
@@ -298,16 +312,17 @@ def _check(op, names, columns, steps, masters, quantized, sr_seed) -> None:
 
 def prepare_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, steps, *,
                              lr, beta1, beta2, eps, weight_decay, decoupled, maximize, masters=None,
-                             sr_seed: int | None = None, sr_keys=None, offsets=None,
+                             stochastic_rounding: bool = False, seed: int = 0, keys=None, offsets=None,
                              table: LowbitTable | None = None) -> PreparedStep:
     """An Adam / AdamW step over a bucket, checked; nothing written until the returned step runs.
 
     ``exp_avg_scales`` is None: float32 moments (``exp_avgs`` / ``exp_avg_sqs`` float32 of the
     parameters' shapes: the step used for stochastic rounding of parameters that keep float32
     state). Otherwise 8-bit: uint8 codes of the parameters' shapes and float32 scales
-    [rows, ceil(row / 256)] (the module docstring). ``sr_seed``: round bfloat16 parameters
-    stochastically with this seed; ``sr_keys[i]`` (int, default i) names tensor i in the hash and
-    ``offsets[i]`` (default 0) is its first element's flat index in the whole parameter (shards).
+    [rows, ceil(row / 256)] (the module docstring). ``stochastic_rounding``: round bfloat16
+    parameters stochastically. The random bits (those, and the requantised exp_avg_sq's) come
+    from ``seed``, ``keys[i]`` (int, default i: names tensor i in the hash), the step and the
+    element's index in the whole parameter, ``offsets[i]`` + its flat index (shards: default 0).
     """
     op = "adam_step_lowbit"
     quantized = exp_avg_scales is not None
@@ -316,12 +331,13 @@ def prepare_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scale
     columns = [params, grads, exp_avgs, exp_avg_sqs, *([exp_avg_scales, exp_avg_sq_scales] if quantized else []),
                *([masters] if masters else [])]
     _check_hyper(op, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    if sr_seed is not None and (isinstance(sr_seed, bool) or not isinstance(sr_seed, int)):
-        raise argument_error(InvalidProblemError, op, "sr_seed", f"must be an int, got {sr_seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise argument_error(InvalidProblemError, op, "seed", f"must be an int, got {seed!r}")
+    sr_seed = seed if stochastic_rounding else None
     n = len(params)
-    sr_keys = list(range(n)) if sr_keys is None else list(sr_keys)
+    sr_keys = list(range(n)) if keys is None else list(keys)
     offsets = [0] * n if offsets is None else list(offsets)
-    for name, values in (("sr_keys", sr_keys), ("offsets", offsets)):
+    for name, values in (("keys", sr_keys), ("offsets", offsets)):
         if len(values) != n:
             raise argument_error(InvalidProblemError, op, name, f"has {len(values)} entries for {n} parameters")
     launch = multi_tensor_launch(op, params[0].device, params[0].dtype, decoupled=bool(decoupled),
@@ -336,7 +352,7 @@ def prepare_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scale
     def write(grad_scale=None, found_inf=None, clip=None) -> None:
         _check_step_scalars(op, device, grad_scale, found_inf, clip)
         launch.run(columns, steps, tables=tables, grad_scale=grad_scale, found_inf=found_inf, clip=clip,
-                   sr_seed=sr_seed, sr_keys=sr_keys, offsets=offsets, **hyper)
+                   seed=seed, sr_keys=sr_keys, offsets=offsets, **hyper)
 
     return write
 
@@ -349,7 +365,9 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     decoupled, maximize = problem.option("decoupled"), problem.option("maximize")
     master, quantized = problem.option("master"), problem.option("quantized")
 
-    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip, sr_seed,
+    stochastic = problem.option("stochastic_rounding")
+
+    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip, seed,
             sr_keys, offsets):
         if _skipped(found_inf):
             return
@@ -377,11 +395,12 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             step_size = f32(lr) / (1 - f32(beta1) ** t)
             denom = v.sqrt() / (1 - f32(beta2) ** t).sqrt() + f32(eps)
             p = p - step_size * (m / denom)
+            stream = tensor_stream(seed, sr_keys[i], int(t))
             if quantized:
                 codes, scales = quantize(m, EXP_AVG_CODE)
                 m_column[i].copy_(codes)
                 columns[4][i].copy_(scales)
-                codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE)
+                codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE, state_noise(stream, offsets[i], v.shape, v.device))
                 v_column[i].copy_(codes)
                 columns[5][i].copy_(scales)
             else:
@@ -389,8 +408,8 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
                 v_column[i].copy_(v)
             if masters:
                 masters[i].copy_(p)
-            if sr_seed is not None:
-                params[i].copy_(stochastic_round_bf16(p, sr_seed, sr_keys[i], int(t), offsets[i]))
+            if stochastic:
+                params[i].copy_(stochastic_round_bf16(p, seed, sr_keys[i], int(t), offsets[i]))
             else:
                 params[i].copy_(p)
 
@@ -428,9 +447,10 @@ if triton_available():
         return value
 
     @triton.jit
-    def _quantize_tl(x, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
+    def _quantize_tl(x, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
                      SIGNED: tl.constexpr):
-        """(uint8 codes [QB, W], float32 scales [QB]) of x [QB, W] (padding elements are 0)."""
+        """(uint8 codes [QB, W], float32 scales [QB]) of x [QB, W] (padding elements are 0), rounded
+        with ``noise`` (0.5: to nearest; uniform [0, 1) values: stochastically)."""
         magnitude = tl.abs(x)
         absmax = tl.max(magnitude, axis=1) + tl.sum(x * 0.0, axis=1)
         scale = absmax * INV_TOP
@@ -440,7 +460,7 @@ if triton_available():
         emin = 1 - (1 << EXP_BITS)
         e = tl.minimum(tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, emin), -1)
         frac = a * _pow2_tl(-e)
-        k = (e - emin) * (1 << MAN_BITS) + tl.floor(frac * (1 << MAN_BITS) + 0.5).to(tl.int32)
+        k = (e - emin) * (1 << MAN_BITS) + tl.floor(frac * (1 << MAN_BITS) + noise).to(tl.int32)
         k = tl.minimum(tl.maximum(k, 0), (1 << (EXP_BITS + MAN_BITS)) - 1)
         if SIGNED:
             k = k | ((x < 0).to(tl.int32) << (EXP_BITS + MAN_BITS))
@@ -455,10 +475,15 @@ if triton_available():
         return x ^ (x >> 16)
 
     @triton.jit
+    def _random_bits_tl(stream, index):
+        """16 random bits (uint32) of (stream, int64 index): see random_bits."""
+        high = _hash32_tl((index >> 32).to(tl.uint32) ^ stream)
+        return _hash32_tl((index & 0xFFFFFFFF).to(tl.uint32) ^ high) & 0xFFFF
+
+    @triton.jit
     def _stochastic_bf16_tl(x, stream, index):
         """x (float32) rounded to bfloat16 with 16 random bits of (stream, int64 index): see stochastic_round_bf16."""
-        high = _hash32_tl((index >> 32).to(tl.uint32) ^ stream)
-        bits = _hash32_tl((index & 0xFFFFFFFF).to(tl.uint32) ^ high) & 0xFFFF
+        bits = _random_bits_tl(stream, index)
         rounded = (((x.to(tl.uint32, bitcast=True) + bits) >> 16) << 16).to(tl.float32, bitcast=True)
         return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
@@ -520,10 +545,11 @@ if triton_available():
         denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
         p = p - step_size * tl.div_rn(m, denom)
         if QUANTIZED:
-            codes, scales = _quantize_tl(m, 16.0 / 15.0, 4, 3, True)
+            codes, scales = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
             _store(m_ptr, offsets, codes, mask, MASKED)
             _store(m_scale_ptr, q, scales, row_mask, MASKED)
-            codes, scales = _quantize_tl(tl.sqrt_rn(v), 32.0 / 31.0, 4, 4, False)
+            noise = _random_bits_tl(stream ^ 0x2545F491, global_offset + offsets).to(tl.float32) * (1.0 / 65536)
+            codes, scales = _quantize_tl(tl.sqrt_rn(v), noise, 32.0 / 31.0, 4, 4, False)
             _store(v_ptr, offsets, codes, mask, MASKED)
             _store(v_scale_ptr, q, scales, row_mask, MASKED)
         else:
@@ -561,10 +587,8 @@ if triton_available():
         bias_correction2_sqrt = tl.sqrt_rn(_bias_correction(beta2, step))
         width = tl.load(meta + t)
         global_offset = tl.load(meta + n_tensors + t)
-        stream = seed_stream
-        if SR:
-            key = tl.load(meta + 2 * n_tensors + t).to(tl.uint32)
-            stream = _hash32_tl(_hash32_tl(seed_stream.to(tl.uint32) ^ key) ^ step.to(tl.uint32))
+        key = tl.load(meta + 2 * n_tensors + t).to(tl.uint32)
+        stream = _hash32_tl(_hash32_tl(seed_stream.to(tl.uint32) ^ key) ^ step.to(tl.uint32))
         q = start + tl.arange(0, QB)
         columns = tl.arange(0, W)
         row_mask = q < limit
@@ -592,7 +616,7 @@ if triton_available():
         warps = problem.heuristics.warps
 
         def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip,
-                sr_seed, sr_keys, offsets):
+                seed, sr_keys, offsets):
             tables, meta = tables
             _advance_steps[(1,)](tables.addresses, tables.n_tensors, len(columns),
                                  found_inf if found_inf is not None else tables.numels,
@@ -609,7 +633,7 @@ if triton_available():
                 tables.addresses, tables.n_tensors, tables.block_tensor, tables.first_block, tables.numels, meta,
                 grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
                 clip if clip is not None else dummy, **values, eps=float(eps),
-                seed_stream=_hash_int(sr_seed) if sr_seed is not None else 0, P_DTYPE=p_dtype, **flags,
+                seed_stream=_hash_int(seed), P_DTYPE=p_dtype, **flags,
                 DECOUPLED=problem.option("decoupled"), MASTER_ROW=len(columns) - 1 if master else -1,
                 STEP_ROW=len(columns), QUANTIZED=quantized, SR=problem.option("stochastic_rounding"),
                 HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip is not None,
