@@ -169,6 +169,40 @@ def test_8bit_step_matches_float64_reference(decoupled, blocks, backend, device)
             assert ((new - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_8bit_lamb_matches_float64_reference(bias_correction, backend, device):
+    """The stored moments are the float64 ones within the codes' rounding, and the parameters moved
+    by lr * ratio * u with u and the trust ratio taken from the stored moments (float64)."""
+    gen = torch.Generator().manual_seed(12)
+    lr, b1, b2, eps, wd = 0.02, 0.9, 0.99, 1e-6, 0.05
+    shapes = SHAPES[:3]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    start[1].zero_()   # ||p|| = 0: ratio 1
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    init = [lowbit.quantize_moments(*random_moments(s, gen)) for s in shapes]
+    params = [p.clone().to(device).requires_grad_() for p in start]
+    opt = trainops.optim.LAMB(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, optim_bits=8, min_8bit_size=0,
+                              bias_correction=bias_correction)
+    for p, g, s in zip(params, grads, init):
+        opt.state[p].update({k: t.clone().to(device) for k, t in s.items()})
+        opt.state[p]["step"] = torch.tensor(2.0, device=device)
+        p.grad = g.to(device)
+    opt.step()
+    for p, p0, g, s0 in zip(params, start, grads, init):
+        s = {k: t.cpu() for k, t in opt.state[p].items()}
+        m0 = reference_dequantize(s0["exp_avg_codes"], s0["exp_avg_scales"], *M_CODE)
+        v0 = reference_dequantize(s0["exp_avg_sq_codes"], s0["exp_avg_sq_scales"], *V_CODE).square()
+        m64, v64 = b1 * m0 + (1 - b1) * g.double(), b2 * v0 + (1 - b2) * g.double().square()
+        m = reference_dequantize(s["exp_avg_codes"], s["exp_avg_scales"], *M_CODE)
+        root = reference_dequantize(s["exp_avg_sq_codes"], s["exp_avg_sq_scales"], *V_CODE)
+        assert ((m - m64).abs() <= 2.0 ** -4 * (m64.abs() * 1.001 + 2.0 ** -15 * m.abs().max()) + 1e-12).all()
+        assert ((root - v64.sqrt()).abs() <= 2.0 ** -4 * (v64.sqrt() * 1.001 + 2.0 ** -15 * root.max()) + 1e-12).all()
+        bc1, bc2 = (1 - b1 ** 3, 1 - b2 ** 3) if bias_correction else (1.0, 1.0)
+        u = (m / bc1) / ((root.square() / bc2).sqrt() + eps) + wd * p0.double()
+        ratio = p0.double().norm() / u.norm() if p0.norm() > 0 else 1.0
+        assert relative_error(p.detach().cpu() - p0, -lr * ratio * u) < 1e-5
+
+
 def test_found_inf_writes_nothing(backend, device):
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(4, 300, generator=gen).to(device)
@@ -323,20 +357,22 @@ def test_which_tensors_keep_float32_state():
     assert trainops.optim.Adam8bit(model.parameters()).param_groups[0]["optim_bits"] == 8
 
 
-@pytest.mark.parametrize("options", [dict(optim_bits=8, min_8bit_size=0), dict(optim_bits=8, min_8bit_size=0,
-                                     stochastic_rounding=True)], ids=["8bit", "8bit-sr-bf16"])
-def test_state_dict_round_trip_and_resume(options, backend, device):
+@pytest.mark.parametrize("cls, options", [
+    ("AdamW", dict(optim_bits=8, min_8bit_size=0)), ("AdamW", dict(optim_bits=8, min_8bit_size=0,
+                                                                   stochastic_rounding=True)),
+    ("LAMB8bit", dict(min_8bit_size=0, stochastic_rounding=True))], ids=["8bit", "8bit-sr-bf16", "lamb-8bit-sr-bf16"])
+def test_state_dict_round_trip_and_resume(cls, options, backend, device):
     """Stop after 3 steps, save, load into a new optimizer: the next 3 steps are the same bits as
     an uninterrupted run's (and the state_dict holds the codes and scales as saved)."""
     dtype = torch.bfloat16 if options.get("stochastic_rounding") else torch.float32
     model = make_mlp(dtype).to(device)
-    opt = trainops.optim.AdamW(model.parameters(), lr=1e-2, rounding_seed=5, **options)
+    opt = getattr(trainops.optim, cls)(model.parameters(), lr=1e-2, rounding_seed=5, **options)
     fit(model, opt, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     fit(model, opt, 3, seed=1)
     resumed = make_mlp(dtype, seed=9).to(device)
     resumed.load_state_dict(saved_model)
-    opt2 = trainops.optim.AdamW(resumed.parameters(), lr=1e-2, rounding_seed=5, **options)
+    opt2 = getattr(trainops.optim, cls)(resumed.parameters(), lr=1e-2, rounding_seed=5, **options)
     opt2.load_state_dict(saved_opt)
     for i, p in enumerate(resumed.parameters()):
         for key, value in saved_opt["state"][i].items():

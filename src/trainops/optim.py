@@ -203,7 +203,13 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def _init_state(self, group, p, state) -> None:
-        """Create whatever state ``p`` lacks (lazily, at its first step)."""
+        """Create whatever state ``p`` lacks (lazily, at its first step); moments converted between
+        float32 and 8-bit when a loaded state was stored the other way."""
+        if "optim_bits" in group:
+            if self._kind(group, p) == "8bit":
+                _to_8bit_state(state, p, self._name)
+            else:
+                _to_float_state(state, p, self._name)
         dtype = self._state_dtype(group, p)
         if self._has_step_counter and "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -649,10 +655,6 @@ class Adam(FusedOptimizer):
                                      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed))
 
     def _init_state(self, group, p, state) -> None:
-        if self._kind(group, p) == "8bit":
-            _to_8bit_state(state, p, self._name)
-        else:
-            _to_float_state(state, p, self._name)
         super()._init_state(group, p, state)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(group, p),
@@ -733,16 +735,31 @@ class LAMB(FusedOptimizer):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float | torch.Tensor = 0.01, *, bias_correction: bool = True, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, optim_bits: int = 32, min_8bit_size: int = 4096,
+                 stochastic_rounding: bool = False, rounding_seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, maximize=maximize),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype,
+                         lowbit=dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                                     stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed))
 
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
         mesh_sums = bucket["mesh_sums"]
+        if bucket["kind"] != "plain":
+            quantized = bucket["kind"] == "8bit"
+            m, v = ("exp_avg_codes", "exp_avg_sq_codes") if quantized else ("exp_avg", "exp_avg_sq")
+            return lowbit_ops.prepare_lamb_lowbit_step(
+                bucket["params"], bucket["grads"], self._column(bucket, m), self._column(bucket, v),
+                self._column(bucket, "exp_avg_scales") if quantized else None,
+                self._column(bucket, "exp_avg_sq_scales") if quantized else None, [s["step"] for s in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], maximize=group["maximize"],
+                masters=self._masters(group, bucket), stochastic_rounding=group["stochastic_rounding"],
+                seed=self.rounding_seed, keys=bucket["sr_keys"], offsets=bucket["offsets"], table=table,
+                reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
         return optimizer_ops.prepare_lamb_step(
             bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
             [s["step"] for s in states], lr=group["lr"], beta1=beta1,
@@ -752,4 +769,14 @@ class LAMB(FusedOptimizer):
             reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
 
 
-__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]
+class LAMB8bit(LAMB):
+    """LAMB with 8-bit blockwise states (``optim_bits=8``)."""
+
+    _name = "LAMB8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float | torch.Tensor = 0.01, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, optim_bits=optim_bits, **options)
+
+
+__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD"]

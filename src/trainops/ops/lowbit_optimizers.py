@@ -249,6 +249,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, key: int, step: int, offse
 # ----------------------------------------------------------------------------------------------
 
 register_op("adam_step_lowbit", multi_tensor_describer("adam_step_lowbit"))
+register_op("lamb_step_lowbit", multi_tensor_describer("lamb_step_lowbit"))
 
 
 class LowbitTable:
@@ -324,7 +325,30 @@ def prepare_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scale
     from ``seed``, ``keys[i]`` (int, default i: names tensor i in the hash), the step and the
     element's index in the whole parameter, ``offsets[i]`` + its flat index (shards: default 0).
     """
-    op = "adam_step_lowbit"
+    return _prepare("adam_step_lowbit", params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, steps,
+                    dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
+                    dict(decoupled=bool(decoupled), maximize=bool(maximize)), masters, stochastic_rounding, seed, keys,
+                    offsets, table)
+
+
+def prepare_lamb_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, steps, *,
+                             lr, beta1, beta2, eps, weight_decay, bias_correction, maximize, masters=None,
+                             stochastic_rounding: bool = False, seed: int = 0, keys=None, offsets=None,
+                             table: LowbitTable | None = None, reduce_squares=None) -> PreparedStep:
+    """A LAMB step over a bucket with 8-bit (or, for stochastic rounding, float32) moments, checked
+    (arguments as prepare_adam_lowbit_step's; ``reduce_squares`` as ops/optimizers.py's LAMB).
+    Two passes as the float32 LAMB: the new moments are stored (requantised) and the norms of p
+    and u taken with u computed from the stored moments, which the second pass reads back, so the
+    trust ratio is the one of the update applied."""
+    return _prepare("lamb_step_lowbit", params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, steps,
+                    dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
+                    dict(bias_correction=bool(bias_correction), maximize=bool(maximize)), masters,
+                    stochastic_rounding, seed, keys, offsets, table, reduce_squares=reduce_squares)
+
+
+def _prepare(op, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, steps, hyper, options,
+             masters, stochastic_rounding, seed, keys, offsets, table, **extra) -> PreparedStep:
+    lr, beta1, beta2, eps, weight_decay = (hyper[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
     quantized = exp_avg_scales is not None
     names = ["params", "grads", "exp_avgs", "exp_avg_sqs",
              *(["exp_avg_scales", "exp_avg_sq_scales"] if quantized else []), *(["masters"] if masters else [])]
@@ -340,19 +364,19 @@ def prepare_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scale
     for name, values in (("keys", sr_keys), ("offsets", offsets)):
         if len(values) != n:
             raise argument_error(InvalidProblemError, op, name, f"has {len(values)} entries for {n} parameters")
-    launch = multi_tensor_launch(op, params[0].device, params[0].dtype, decoupled=bool(decoupled),
-                                 maximize=bool(maximize), master=masters is not None, quantized=quantized,
-                                 stochastic_rounding=sr_seed is not None)
+    launch = multi_tensor_launch(op, params[0].device, params[0].dtype, **options, master=masters is not None,
+                                 quantized=quantized, stochastic_rounding=sr_seed is not None)
     validate = lambda: _check(op, names, columns, steps, masters, quantized, sr_seed)  # noqa: E731
     meta_rows = (tuple(rows_of(p.shape)[1] for p in params), tuple(offsets), tuple(sr_keys))
     tables = (table or LowbitTable()).tables(columns, [steps], validate, meta_rows)
     device = params[0].device if n else None
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if not n:
+        return lambda grad_scale=None, found_inf=None, clip=None: None
 
     def write(grad_scale=None, found_inf=None, clip=None) -> None:
         _check_step_scalars(op, device, grad_scale, found_inf, clip)
         launch.run(columns, steps, tables=tables, grad_scale=grad_scale, found_inf=found_inf, clip=clip,
-                   seed=seed, sr_keys=sr_keys, offsets=offsets, **hyper)
+                   seed=seed, sr_keys=sr_keys, offsets=offsets, **hyper, **extra)
 
     return write
 
@@ -416,6 +440,71 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     return MultiTensorLaunch(run, KernelChoice("adam_step_lowbit_cpu", "cpu"), torch.float32)
 
 
+def _prepare_lamb_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
+    maximize, master = problem.option("maximize"), problem.option("master")
+    quantized, stochastic = problem.option("quantized"), problem.option("stochastic_rounding")
+    bias_correction = problem.option("bias_correction")
+
+    def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip, seed,
+            sr_keys, offsets, reduce_squares=None):
+        if _skipped(found_inf):
+            return
+        params, grads, m_column, v_column = columns[:4]
+        masters = columns[-1] if master else None
+        lr, beta1, beta2, weight_decay = map(_value, (lr, beta1, beta2, weight_decay))
+        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+        squares = torch.zeros(len(params), 2, dtype=torch.float32)
+        pending = []
+        for i, g in enumerate(_cpu_grads(grads, grad_scale, clip, maximize)):
+            steps[i] += 1
+            t = steps[i].item()
+            g = g.to(torch.float32)
+            p = (masters[i] if masters else params[i]).to(torch.float32)
+            stream = tensor_stream(seed, sr_keys[i], int(t))
+            if quantized:
+                root = dequantize(v_column[i], columns[5][i], EXP_AVG_SQ_CODE)
+                m0, v0 = dequantize(m_column[i], columns[4][i], EXP_AVG_CODE), root * root
+            else:
+                m0, v0 = m_column[i], v_column[i]
+            m = m0 + (1 - f32(beta1)) * (g - m0)
+            v = v0 * f32(beta2) + (1 - f32(beta2)) * g * g
+            if quantized:   # u is taken from the stored moments (the second pass reads them back)
+                codes, scales = quantize(m, EXP_AVG_CODE)
+                m_column[i].copy_(codes)
+                columns[4][i].copy_(scales)
+                m = dequantize(codes, scales, EXP_AVG_CODE)
+                codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE, state_noise(stream, offsets[i], v.shape, v.device))
+                v_column[i].copy_(codes)
+                columns[5][i].copy_(scales)
+                root = dequantize(codes, scales, EXP_AVG_SQ_CODE)
+                v = root * root
+            else:
+                m_column[i].copy_(m)
+                v_column[i].copy_(v)
+            bc1 = 1 - f32(beta1) ** t if bias_correction else f32(1.0)
+            bc2 = 1 - f32(beta2) ** t if bias_correction else f32(1.0)
+            u = (m / bc1) / ((v / bc2).sqrt() + f32(eps)) + f32(weight_decay) * p
+            squares[i, 0], squares[i, 1] = (p * p).sum(), (u * u).sum()
+            pending.append((p, u, stream, t))
+        if reduce_squares is not None:
+            squares = squares.to(params[0].device) if params else squares
+            reduce_squares(squares)
+        norms = squares.sqrt()
+        ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
+        for i, (p, u, stream, t) in enumerate(pending):
+            p = p - (f32(lr) * ratios[i].cpu()) * u
+            if masters:
+                masters[i].copy_(p)
+            if stochastic:
+                params[i].copy_(stochastic_round_bf16(p, seed, sr_keys[i], int(t), offsets[i]))
+            else:
+                params[i].copy_(p)
+
+    return MultiTensorLaunch(run, KernelChoice("lamb_step_lowbit_cpu", "cpu"), torch.float32)
+
+
+register("lamb_step_lowbit", backend="cpu", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
+         accumulator="float32", name="lamb_step_lowbit_cpu")(_prepare_lamb_lowbit_cpu)
 register("adam_step_lowbit", backend="cpu", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
          accumulator="float32", name="adam_step_lowbit_cpu")(_prepare_adam_lowbit_cpu)
 
@@ -429,7 +518,7 @@ if triton_available():
     import triton.language as tl
 
     from .multi_tensor import TL_DTYPES, block_of_program, column_pointer, runtime_scalar
-    from .optimizers import _advance_steps, _bias_correction, _step_of
+    from .optimizers import _advance_steps, _bias_correction, _lamb_trust_ratios, _step_of
 
     @triton.jit
     def _pow2_tl(e):
@@ -503,11 +592,9 @@ if triton_available():
             tl.store(pointer + offsets, value)
 
     @triton.jit
-    def _adam_lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, grad_scale_ptr, clip_ptr, lr, beta1,
-                          beta2, eps, weight_decay, step_size, bias_correction2_sqrt, stream, global_offset,
-                          P_DTYPE: tl.constexpr, DECOUPLED: tl.constexpr, MASTER_ROW: tl.constexpr,
-                          QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                          MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _gradient_tl(addresses, n_tensors, t, offsets, mask, grad_scale_ptr, clip_ptr, P_DTYPE: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
+                     MASKED: tl.constexpr):
         g = _load(column_pointer(addresses, n_tensors, 1, t, P_DTYPE, ALIGNED), offsets, mask, MASKED).to(tl.float32)
         if HAS_SCALE:
             g = g * (1.0 / tl.load(grad_scale_ptr))
@@ -515,48 +602,23 @@ if triton_available():
             g = g * tl.load(clip_ptr)
         if MAXIMIZE:
             g = -g
+        return g
+
+    @triton.jit
+    def _param_tl(addresses, n_tensors, t, offsets, mask, P_DTYPE: tl.constexpr, MASTER_ROW: tl.constexpr,
+                  ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+        """The float32 value the step updates: the master copy (MASTER_ROW >= 0) or the parameter."""
         if MASTER_ROW >= 0:
-            master_ptr = column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED)
-            p = _load(master_ptr, offsets, mask, MASKED)
+            p = _load(column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED), offsets, mask, MASKED)
         else:
             p = _load(column_pointer(addresses, n_tensors, 0, t, P_DTYPE, ALIGNED), offsets, mask, MASKED)
-        p = p.to(tl.float32)
-        if DECOUPLED:
-            p = p * (1.0 - lr * weight_decay)
-        else:
-            g = g + weight_decay * p
-        if QUANTIZED:
-            m_ptr = column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED)
-            v_ptr = column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED)
-            m_scale_ptr = column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED)
-            v_scale_ptr = column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED)
-            m_scale = _load(m_scale_ptr, q, row_mask, MASKED)
-            v_scale = _load(v_scale_ptr, q, row_mask, MASKED)
-            m = _decode_tl(_load(m_ptr, offsets, mask, MASKED).to(tl.int32), 4, 3, True) * m_scale[:, None]
-            root = _decode_tl(_load(v_ptr, offsets, mask, MASKED).to(tl.int32), 4, 4, False) * v_scale[:, None]
-            v = root * root
-        else:
-            m_ptr = column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED)
-            v_ptr = column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED)
-            m = _load(m_ptr, offsets, mask, MASKED)
-            v = _load(v_ptr, offsets, mask, MASKED)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-        p = p - step_size * tl.div_rn(m, denom)
-        if QUANTIZED:
-            codes, scales = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
-            _store(m_ptr, offsets, codes, mask, MASKED)
-            _store(m_scale_ptr, q, scales, row_mask, MASKED)
-            noise = _random_bits_tl(stream ^ 0x2545F491, global_offset + offsets).to(tl.float32) * (1.0 / 65536)
-            codes, scales = _quantize_tl(tl.sqrt_rn(v), noise, 32.0 / 31.0, 4, 4, False)
-            _store(v_ptr, offsets, codes, mask, MASKED)
-            _store(v_scale_ptr, q, scales, row_mask, MASKED)
-        else:
-            _store(m_ptr, offsets, m, mask, MASKED)
-            _store(v_ptr, offsets, v, mask, MASKED)
+        return p.to(tl.float32)
+
+    @triton.jit
+    def _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE: tl.constexpr,
+                        MASTER_ROW: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
         if MASTER_ROW >= 0:
-            _store(master_ptr, offsets, p, mask, MASKED)
+            _store(column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED), offsets, p, mask, MASKED)
         p_ptr = column_pointer(addresses, n_tensors, 0, t, P_DTYPE, ALIGNED)
         if SR:
             _store(p_ptr, offsets, _stochastic_bf16_tl(p, stream, global_offset + offsets), mask, MASKED)
@@ -564,17 +626,108 @@ if triton_available():
             _store(p_ptr, offsets, p.to(P_DTYPE), mask, MASKED)
 
     @triton.jit
-    def _adam_lowbit_blocks(addresses, n_tensors, block_tensor, first_block, units, meta, grad_scale_ptr,
-                            found_inf_ptr, clip_ptr, lr, beta1, beta2, eps, weight_decay, seed_stream,
-                            P_DTYPE: tl.constexpr, LR_POINTER: tl.constexpr, BETA1_POINTER: tl.constexpr,
-                            BETA2_POINTER: tl.constexpr, WD_POINTER: tl.constexpr, DECOUPLED: tl.constexpr,
-                            MASTER_ROW: tl.constexpr, STEP_ROW: tl.constexpr, QUANTIZED: tl.constexpr,
-                            SR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                            HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
-                            ROWS_ALIGNED: tl.constexpr, QB: tl.constexpr, W: tl.constexpr):
-        """One program: QB row chunks (quantisation blocks) of W elements of one tensor.
-        meta [3, n_tensors] int64: row length, global offset, stochastic rounding key.
-        ROWS_ALIGNED: every row length of the bucket is a multiple of W (chunks are contiguous)."""
+    def _moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, QUANTIZED: tl.constexpr,
+                    ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+        """(m, v) in float32: decoded from codes and block scales, or loaded."""
+        if QUANTIZED:
+            m_scale = _load(column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED), q, row_mask, MASKED)
+            v_scale = _load(column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED), q, row_mask, MASKED)
+            m_codes = _load(column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED), offsets, mask, MASKED)
+            v_codes = _load(column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED), offsets, mask, MASKED)
+            m = _decode_tl(m_codes.to(tl.int32), 4, 3, True) * m_scale[:, None]
+            root = _decode_tl(v_codes.to(tl.int32), 4, 4, False) * v_scale[:, None]
+            v = root * root
+        else:
+            m = _load(column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED), offsets, mask, MASKED)
+            v = _load(column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED), offsets, mask, MASKED)
+        return m, v
+
+    @triton.jit
+    def _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream, global_offset,
+                          QUANTIZED: tl.constexpr, STORED: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+        """Store m, v (requantised: m to nearest, sqrt(v) stochastically); returns the stored values
+        (decoded again when STORED, else m and v as given)."""
+        if QUANTIZED:
+            m_codes, m_scale = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
+            _store(column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED), offsets, m_codes, mask, MASKED)
+            _store(column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED), q, m_scale, row_mask, MASKED)
+            noise = _random_bits_tl(stream ^ 0x2545F491, global_offset + offsets).to(tl.float32) * (1.0 / 65536)
+            v_codes, v_scale = _quantize_tl(tl.sqrt_rn(v), noise, 32.0 / 31.0, 4, 4, False)
+            _store(column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED), offsets, v_codes, mask, MASKED)
+            _store(column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED), q, v_scale, row_mask, MASKED)
+            if STORED:
+                m = _decode_tl(m_codes.to(tl.int32), 4, 3, True) * m_scale[:, None]
+                root = _decode_tl(v_codes.to(tl.int32), 4, 4, False) * v_scale[:, None]
+                v = root * root
+        else:
+            _store(column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED), offsets, m, mask, MASKED)
+            _store(column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED), offsets, v, mask, MASKED)
+        return m, v
+
+    @triton.jit
+    def _lamb_update_tl(m, v, p, bc1, bc2, eps, weight_decay):
+        return tl.div_rn(m / bc1, tl.sqrt_rn(v / bc2) + eps) + weight_decay * p
+
+    @triton.jit
+    def _lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, pid, grad_scale_ptr, clip_ptr, partials,
+                     ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset, P_DTYPE: tl.constexpr,
+                     MODE: tl.constexpr, DECOUPLED: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                     MASTER_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+        """MODE 0: the Adam step. MODE 1: LAMB's first pass (moments stored; partials[2 pid], [2 pid + 1]
+        = sums of p^2 and u^2 over the tile). MODE 2: LAMB's second pass (p -= lr * ratio * u)."""
+        p = _param_tl(addresses, n_tensors, t, offsets, mask, P_DTYPE, MASTER_ROW, ALIGNED, MASKED)
+        m, v = _moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, QUANTIZED, ALIGNED, MASKED)
+        if MODE != 2:
+            g = _gradient_tl(addresses, n_tensors, t, offsets, mask, grad_scale_ptr, clip_ptr, P_DTYPE, HAS_SCALE,
+                             HAS_CLIP, MAXIMIZE, ALIGNED, MASKED)
+            if MODE == 0:
+                if DECOUPLED:
+                    p = p * (1.0 - lr * weight_decay)
+                else:
+                    g = g + weight_decay * p
+            m = m + (1.0 - beta1) * (g - m)
+            v = v * beta2 + (1.0 - beta2) * g * g
+        if MODE == 0:
+            denom = tl.sqrt_rn(v) / tl.sqrt_rn(_bias_correction(beta2, step)) + eps
+            p = p - (lr / _bias_correction(beta1, step)) * tl.div_rn(m, denom)
+            _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream, global_offset,
+                              QUANTIZED, False, ALIGNED, MASKED)
+            _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE, MASTER_ROW, SR,
+                            ALIGNED, MASKED)
+        else:
+            bc1 = 1.0
+            bc2 = 1.0
+            if BIAS_CORRECTION:
+                bc1 = _bias_correction(beta1, step)
+                bc2 = _bias_correction(beta2, step)
+            if MODE == 1:
+                m, v = _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream,
+                                         global_offset, QUANTIZED, True, ALIGNED, MASKED)
+            u = _lamb_update_tl(m, v, p, bc1, bc2, eps, weight_decay)
+            if MODE == 1:
+                if MASKED:
+                    u = tl.where(mask, u, 0.0)
+                tl.store(partials + 2 * pid, tl.sum(tl.sum(p * p, axis=1), axis=0))
+                tl.store(partials + 2 * pid + 1, tl.sum(tl.sum(u * u, axis=1), axis=0))
+            else:
+                p = p - (lr * tl.load(ratios + t)) * u
+                _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE, MASTER_ROW,
+                                SR, ALIGNED, MASKED)
+
+    @triton.jit
+    def _lowbit_blocks(addresses, n_tensors, block_tensor, first_block, units, meta, grad_scale_ptr, found_inf_ptr,
+                       clip_ptr, partials, ratios, lr, beta1, beta2, eps, weight_decay, seed_stream,
+                       P_DTYPE: tl.constexpr, LR_POINTER: tl.constexpr, BETA1_POINTER: tl.constexpr,
+                       BETA2_POINTER: tl.constexpr, WD_POINTER: tl.constexpr, MODE: tl.constexpr,
+                       DECOUPLED: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MASTER_ROW: tl.constexpr,
+                       STEP_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr,
+                       ALIGNED: tl.constexpr, ROWS_ALIGNED: tl.constexpr, QB: tl.constexpr, W: tl.constexpr):
+        """One program: QB row chunks (quantisation blocks) of W elements of one tensor (_lowbit_tile's MODE).
+        meta [3, n_tensors] int64: row length, global offset, rounding key. ROWS_ALIGNED: every row
+        length of the bucket is a multiple of W (a program's chunks are then contiguous)."""
+        pid = tl.program_id(0)
         t, start, limit = block_of_program(block_tensor, first_block, units, QB)
         if HAS_FOUND_INF:
             limit = tl.where(tl.load(found_inf_ptr) == 0, limit, 0)
@@ -583,8 +736,6 @@ if triton_available():
         beta2 = runtime_scalar(beta2, BETA2_POINTER)
         weight_decay = runtime_scalar(weight_decay, WD_POINTER)
         step = _step_of(addresses, n_tensors, t, STEP_ROW)
-        step_size = lr / _bias_correction(beta1, step)
-        bias_correction2_sqrt = tl.sqrt_rn(_bias_correction(beta2, step))
         width = tl.load(meta + t)
         global_offset = tl.load(meta + n_tensors + t)
         key = tl.load(meta + 2 * n_tensors + t).to(tl.uint32)
@@ -594,10 +745,10 @@ if triton_available():
         row_mask = q < limit
         if ROWS_ALIGNED and start + QB <= limit:
             offsets = q[:, None] * W + columns[None, :]
-            _adam_lowbit_tile(addresses, n_tensors, t, q, offsets, row_mask[:, None], row_mask, grad_scale_ptr,
-                              clip_ptr, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, stream,
-                              global_offset, P_DTYPE, DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP,
-                              MAXIMIZE, ALIGNED, False)
+            _lowbit_tile(addresses, n_tensors, t, q, offsets, row_mask[:, None], row_mask, pid, grad_scale_ptr,
+                         clip_ptr, partials, ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset,
+                         P_DTYPE, MODE, DECOUPLED, BIAS_CORRECTION, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP,
+                         MAXIMIZE, ALIGNED, False)
         else:
             chunks = tl.cdiv(width, W)
             row = q // chunks
@@ -605,44 +756,81 @@ if triton_available():
             length = tl.minimum(width - chunk * W, W)
             offsets = (row * width + chunk * W)[:, None] + columns[None, :]
             mask = row_mask[:, None] & (columns[None, :] < length[:, None])
-            _adam_lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, grad_scale_ptr, clip_ptr, lr,
-                              beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, stream,
-                              global_offset, P_DTYPE, DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP,
-                              MAXIMIZE, ALIGNED, True)
+            _lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, pid, grad_scale_ptr, clip_ptr, partials,
+                         ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset, P_DTYPE, MODE,
+                         DECOUPLED, BIAS_CORRECTION, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, ALIGNED,
+                         True)
 
-    def _prepare_adam_lowbit_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
+    def _lowbit_launch(problem: MultiTensorProblem, name: str, passes):
+        """The launch of both ops: step counters advanced, then ``passes(launch, tables)`` runs the
+        kernel (``launch(MODE, partials, ratios)``) on the bucket."""
         master, quantized = problem.option("master"), problem.option("quantized")
         p_dtype = TL_DTYPES[problem.dtype]
-        warps = problem.heuristics.warps
 
         def run(columns, steps, *, tables, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf, clip,
-                seed, sr_keys, offsets):
+                seed, sr_keys, offsets, **extra):
             tables, meta = tables
             _advance_steps[(1,)](tables.addresses, tables.n_tensors, len(columns),
                                  found_inf if found_inf is not None else tables.numels,
                                  HAS_FOUND_INF=found_inf is not None, BLOCK=128)
-            if not tables.n_blocks:
-                return
             values, flags = {}, {}
-            for name, flag, value in (("lr", "LR_POINTER", lr), ("beta1", "BETA1_POINTER", beta1),
-                                      ("beta2", "BETA2_POINTER", beta2), ("weight_decay", "WD_POINTER", weight_decay)):
-                values[name], flags[flag] = _hyper(value)
+            for key, flag, value in (("lr", "LR_POINTER", lr), ("beta1", "BETA1_POINTER", beta1),
+                                     ("beta2", "BETA2_POINTER", beta2), ("weight_decay", "WD_POINTER", weight_decay)):
+                values[key], flags[flag] = _hyper(value)
             dummy = columns[0][0]
             rows_aligned = all(rows_of(p.shape)[1] % BLOCK_WIDTH == 0 for p in columns[0])
-            _adam_lowbit_blocks[(tables.n_blocks,)](
-                tables.addresses, tables.n_tensors, tables.block_tensor, tables.first_block, tables.numels, meta,
-                grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
-                clip if clip is not None else dummy, **values, eps=float(eps),
-                seed_stream=_hash_int(seed), P_DTYPE=p_dtype, **flags,
-                DECOUPLED=problem.option("decoupled"), MASTER_ROW=len(columns) - 1 if master else -1,
-                STEP_ROW=len(columns), QUANTIZED=quantized, SR=problem.option("stochastic_rounding"),
-                HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip is not None,
-                MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, ROWS_ALIGNED=rows_aligned,
-                QB=tables.block, W=BLOCK_WIDTH, num_warps=warps)
 
-        return MultiTensorLaunch(run, KernelChoice("adam_lowbit_blocks", "triton",
-                                                   (("W", BLOCK_WIDTH), ("num_warps", problem.heuristics.warps))),
+            def launch(mode, partials=None, ratios=None):
+                _lowbit_blocks[(tables.n_blocks,)](
+                    tables.addresses, tables.n_tensors, tables.block_tensor, tables.first_block, tables.numels, meta,
+                    grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
+                    clip if clip is not None else dummy, partials if partials is not None else dummy,
+                    ratios if ratios is not None else dummy, **values, eps=float(eps), seed_stream=_hash_int(seed),
+                    P_DTYPE=p_dtype, **flags, MODE=mode, DECOUPLED=bool(problem.option("decoupled")),
+                    BIAS_CORRECTION=bool(problem.option("bias_correction")),
+                    MASTER_ROW=len(columns) - 1 if master else -1, STEP_ROW=len(columns), QUANTIZED=quantized,
+                    SR=problem.option("stochastic_rounding"), HAS_SCALE=grad_scale is not None,
+                    HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip is not None,
+                    MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, ROWS_ALIGNED=rows_aligned,
+                    QB=tables.block, W=BLOCK_WIDTH, num_warps=problem.heuristics.warps)
+
+            passes(launch, tables, **extra)
+
+        return MultiTensorLaunch(run, KernelChoice(name, "triton", (("W", BLOCK_WIDTH),
+                                                                     ("num_warps", problem.heuristics.warps))),
                                  torch.float32)
+
+    def _prepare_adam_lowbit_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
+        def passes(launch, tables):
+            if tables.n_blocks:
+                launch(0)
+
+        return _lowbit_launch(problem, "lowbit_blocks(adam)", passes)
+
+    def _prepare_lamb_lowbit_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
+        def passes(launch, tables, reduce_squares=None):
+            device = tables.addresses.device
+            if not tables.n_blocks:
+                if reduce_squares is not None:  # this rank's parts are empty; the others' sums still need it
+                    reduce_squares(torch.zeros(tables.n_tensors, 2, dtype=torch.float32, device=device))
+                return
+            partials = torch.empty(2 * tables.n_blocks, dtype=torch.float32, device=device)
+            ratios = torch.empty(tables.n_tensors * (1 if reduce_squares is None else 2), dtype=torch.float32,
+                                 device=device)
+            launch(1, partials=partials)
+            _lamb_trust_ratios[(tables.n_tensors,)](partials, tables.first_block, tables.numels, ratios,
+                                                    STEP_BLOCK=tables.block, BLOCK=256,
+                                                    SQUARES=reduce_squares is not None, num_warps=4)
+            if reduce_squares is not None:
+                squares = ratios.view(tables.n_tensors, 2)
+                reduce_squares(squares)
+                norms = squares.sqrt()
+                ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
+            launch(2, ratios=ratios)
+
+        return _lowbit_launch(problem, "lowbit_blocks(lamb moments)+trust_ratios+lowbit_blocks(lamb apply)", passes)
 
     register("adam_step_lowbit", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="float32",
              name="adam_step_lowbit_triton")(_prepare_adam_lowbit_triton)
+    register("lamb_step_lowbit", backend="triton", dtypes=TRITON_FLOATS, deterministic=True, accumulator="float32",
+             name="lamb_step_lowbit_triton")(_prepare_lamb_lowbit_triton)
