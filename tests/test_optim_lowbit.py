@@ -304,10 +304,11 @@ def test_step_rounds_bf16_parameters_without_bias(backend, device):
 # The optimizers: which tensors are quantised, state_dict, resume, curves, combinations
 # ----------------------------------------------------------------------------------------------
 
-def make_mlp(dtype=torch.float32, seed=0):
+def make_mlp(dtype=torch.float32, seed=0, width=16):
+    """32 -> width -> width / 2 -> 1 (width 16: small for the interpreter)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 1)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width // 2),
+                               torch.nn.Tanh(), torch.nn.Linear(width // 2, 1)).to(dtype)
 
 
 _TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(123)) / 4
@@ -342,7 +343,7 @@ def fit(model, opt, steps, seed=0):
 
 
 def test_which_tensors_keep_float32_state():
-    model = make_mlp()
+    model = make_mlp(width=128)
     opt = trainops.optim.AdamW8bit(model.parameters(), min_8bit_size=5000)
     fit(model, opt, 1)
     kinds = {name: ("8bit" if "exp_avg_codes" in opt.state[p] else str(opt.state[p]["exp_avg"].dtype))
@@ -404,7 +405,7 @@ def test_8bit_training_curve_within_one_percent_of_float32():
     """200 steps of a small MLP on a noisy regression (fresh batches, noise floor 0.09): the mean
     training loss of the last 50 steps and the held-out loss of AdamW8bit (every weight matrix
     quantised), of bf16 parameters with stochastic rounding, and of both, within 1% of float32
-    AdamW's (CPU path)."""
+    AdamW's (CPU path; benchmarks/curve_optim_lowbit.py runs the GPU curves)."""
     results = {}
     for name, dtype, options in (("float32", torch.float32, {}),
                                  ("8bit", torch.float32, dict(optim_bits=8, min_8bit_size=0)),
@@ -428,6 +429,7 @@ def test_8bit_training_curve_within_one_percent_of_float32():
         with torch.no_grad():
             held_out = (model(x.to(dtype)).float() - y).square().mean().item()
         results[name] = (sum(losses[-50:]) / 50, held_out)
+    print(results)
     base = results["float32"]
     for name, (train_loss, held_out) in results.items():
         assert train_loss < base[0] * 1.01 and held_out < base[1] * 1.01, (name, results)
@@ -509,7 +511,7 @@ def test_refusals_on_half_parameters_and_groups():
         opt.add_param_group({"params": model[2].parameters(), "optim_bits": 7})
     assert len(opt.param_groups) == 1
     fit_model = make_mlp()
-    opt = trainops.optim.AdamW(fit_model.parameters(), optim_bits=8)
+    opt = trainops.optim.AdamW(fit_model.parameters(), optim_bits=8, min_8bit_size=0)
     fit(fit_model, opt, 1)
     before = [p.detach().clone() for p in fit_model.parameters()]
     opt.param_groups[0]["optim_bits"] = 7
