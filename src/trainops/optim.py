@@ -49,6 +49,7 @@ gradient are skipped, as torch does; a loaded state whose tensor shapes do not m
 from __future__ import annotations
 
 import math
+import types
 from typing import Iterable
 
 import torch
@@ -219,20 +220,23 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         if group.get("master_weights") and p.dtype in _HALF and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32)
 
-    def _gather(self, index: int, group) -> dict:
+    def _gather(self, index: int, group, params=None, cache_key=None) -> dict:
         """{(device, dtype): {"params", "grads", "states"}} for the group's params that have a grad.
 
         The buckets (params, their states, and the checks and lazy state creation behind them) are
         rebuilt only when the set of params with a gradient changes or the state was reloaded;
         a steady step only collects the current gradients.
         """
-        params = [p for p in group["params"] if p.grad is not None]
+        if params is None:
+            params = [p for p in group["params"] if p.grad is not None]
+        if cache_key is None:
+            cache_key = index
         key = (self._state_version, len(self.state), group.get("amsgrad"), group.get("master_weights"),
                group.get("state_dtype"), group.get("optim_bits"), group.get("min_8bit_size"),
                group.get("stochastic_rounding"), tuple(map(id, params)))
-        cached = self._buckets.get(index)
+        cached = self._buckets.get(cache_key)
         if cached is None or cached[0] != key:
-            cached = self._buckets[index] = (key, self._build_buckets(index, group, params))
+            cached = self._buckets[cache_key] = (key, self._build_buckets(index, group, params))
         buckets = {}
         for where, (bucket_params, locals_, states, mesh_sums, extra) in cached[1].items():
             grads = [p.grad for p in bucket_params]
@@ -779,4 +783,189 @@ class LAMB8bit(LAMB):
         super().__init__(params, lr, betas, eps, weight_decay, optim_bits=optim_bits, **options)
 
 
-__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD"]
+class StepInBackward:
+    """The handle step_in_backward returns: ``remove()`` restores the plain optimizer. While it is
+    active, ``handle.grad_norm`` is the previous backward's global gradient norm (with
+    ``clip_with_previous_norm``) and ``handle.steps`` counts the optimizer steps taken."""
+
+    def __init__(self, params, optimizer, accumulation_steps: int, clip_with_previous_norm: bool, bucket_bytes: int):
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.bucket_bytes = bucket_bytes
+        self.max_norm = optimizer.max_grad_norm if clip_with_previous_norm else None
+        self.grad_norm: torch.Tensor | None = None
+        self.steps = 0
+        self._clip: torch.Tensor | None = None
+        self._norm_squares: torch.Tensor | None = None
+        self._backward = 0          # backward passes since the last step (accumulation)
+        self._pending: list = []
+        self._pending_bytes = 0
+        self._queued = False
+        self._norm_tables = TableCache()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        self._saved = {name: optimizer.__dict__[name] for name in ("step", "zero_grad") if name in optimizer.__dict__}
+        handle = self
+
+        # Methods of the optimizer (torch's LR schedulers rebind ``optimizer.step.__func__`` to it).
+        def step(optimizer, closure=None, **keywords):
+            return handle._no_step(closure, **keywords)
+
+        def zero_grad(optimizer, set_to_none: bool = True) -> None:
+            """Gradients are freed by the step in the backward (and kept between accumulated micro-batches)."""
+
+        step.step_in_backward = handle
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+        optimizer.max_grad_norm = None   # the clip is this handle's (previous norm), or refused
+        self._removed = False
+
+    def _no_step(self, closure=None, **keywords):
+        """The optimizer's step while steps run in the backward: nothing to do (the closure runs)."""
+        if keywords.get("grad_scale") is not None or getattr(self.optimizer, "grad_scale", None) is not None:
+            raise UnsupportedError("trainops.optim.step_in_backward: a GradScaler stepped the optimizer; its inf/NaN "
+                                   "skip needs every gradient before any parameter changes, which a step in the "
+                                   "backward cannot wait for (use bf16 autocast, or remove() the handle)")
+        self.optimizer._opt_called = True   # what torch's LR schedulers check before their step
+        return closure() if closure is not None else None
+
+    def _ready(self, p) -> None:
+        if self._backward + 1 < self.accumulation_steps:
+            if not self._queued:
+                self._queue()
+            return
+        self._pending.append(p)
+        self._pending_bytes += p.grad.numel() * p.grad.element_size()
+        if not self._queued:
+            self._queue()
+        if self._pending_bytes >= self.bucket_bytes:
+            self._flush()
+
+    def _queue(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._queued = True
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """One fused step over the pending parameters (per param group, device and dtype), their
+        gradients freed."""
+        params, self._pending, self._pending_bytes = self._pending, [], 0
+        if not params:
+            return
+        opt = self.optimizer
+        groups = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(groups[id(p)], []).append(p)
+        if self.max_norm is not None:
+            grads = [p.grad for p in params]
+            norm = amp_ops.grad_stats(grads, tables=self._norm_tables.get(len(grads))).norm.to(torch.float32)
+            squares = norm.square()
+            self._norm_squares = squares if self._norm_squares is None else self._norm_squares + squares
+        prepared = []
+        for index, members in by_group.items():
+            group = opt.param_groups[index]
+            opt._check_group(group, f"param_groups[{index}]")
+            buckets = opt._gather(index, group, members, ("in-backward", index, tuple(map(id, members))))
+            for key, bucket in buckets.items():
+                if bucket["kind"] == "plain":
+                    table = opt._tables.get((opt._name, "in-backward", index, tuple(map(id, members)), *key))
+                else:
+                    table = opt._lowbit_tables.setdefault(("in-backward", index, tuple(map(id, members)), *key),
+                                                          lowbit_ops.LowbitTable())
+                prepared.append((key[0], opt._prepare_bucket(group, bucket, table)))
+        for device, write in prepared:
+            write(None, None, _on(self._clip, device))
+        for p in params:
+            p.grad = None
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self._backward += 1
+        if self._backward < self.accumulation_steps:
+            return
+        self._flush()
+        self._backward = 0
+        self.steps += 1
+        if self.max_norm is not None and self._norm_squares is not None:
+            self.grad_norm = self._norm_squares.sqrt()
+            self.optimizer.grad_norm = self.grad_norm
+            self._clip = amp_ops.clip_coefficient(self.grad_norm, self.max_norm).to(torch.float32)
+            self._norm_squares = None
+
+    def remove(self) -> None:
+        """Remove the hooks and give the optimizer back its step, zero_grad and max_grad_norm."""
+        if self._removed:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        for name in ("step", "zero_grad"):
+            self.optimizer.__dict__.pop(name, None)
+        self.optimizer.__dict__.update(self._saved)
+        if self.max_norm is not None:
+            self.optimizer.max_grad_norm = self.max_norm
+        self._removed = True
+
+
+def step_in_backward(model, optimizer: FusedOptimizer, *, accumulation_steps: int = 1,
+                     clip_with_previous_norm: bool = False, bucket_bytes: int = 32 << 20) -> StepInBackward:
+    """Run ``optimizer``'s step inside the backward: each parameter's gradient, once accumulated
+    (``register_post_accumulate_grad_hook``), joins a pending bucket; a bucket of ``bucket_bytes``
+    of gradients (and the rest at the end of the backward) takes one fused multi-tensor step and
+    its gradients are freed, so at most about ``bucket_bytes`` of gradients live at once instead
+    of all of them.
+
+    ``model``: an nn.Module or parameters; every trainable one must belong to ``optimizer`` (a
+    trainops optimizer). Afterwards ``optimizer.step()`` and ``zero_grad()`` do nothing (a
+    closure still runs), so training loops (the Hugging Face Trainer's) keep working, and LR
+    schedulers act through ``param_groups``, read at every bucket's step. ``handle.remove()``
+    restores the plain optimizer.
+
+    What it cannot do, explicitly:
+    - a global-norm clip needs every gradient before the first update: ``max_grad_norm`` is refused,
+      unless ``clip_with_previous_norm=True``: each step is clipped with the coefficient of the
+      *previous* backward's global norm (the first step is not clipped); the norm is left in
+      ``handle.grad_norm`` and ``optimizer.grad_norm``;
+    - ``skip_nonfinite`` and GradScaler's inf/NaN skip (every gradient checked before any update)
+      are refused: at construction, and for a GradScaler when it calls ``optimizer.step`` (after
+      the backward already stepped with scaled gradients: use bf16 autocast instead);
+    - gradient accumulation: ``accumulation_steps=N`` lets N - 1 backward passes accumulate (the
+      gradients live as usual) and steps in the N-th; calling backward more often than declared
+      between steps is not detected.
+    - DTensor (FSDP2) parameters are refused: FSDP2 writes reduced gradients outside autograd's
+      accumulation.
+    """
+    name = "trainops.optim.step_in_backward"
+    if not isinstance(optimizer, FusedOptimizer):
+        raise UnsupportedError(f"{name}: argument 'optimizer' is a {type(optimizer).__name__}; a trainops optimizer "
+                               "(trainops.optim.AdamW, ...) is needed")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise InvalidProblemError(f"{name}: argument 'accumulation_steps' is {accumulation_steps!r}; it must be an "
+                                  "int >= 1")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise InvalidProblemError(f"{name}: argument 'bucket_bytes' is {bucket_bytes!r}; it must be an int >= 0")
+    if optimizer.max_grad_norm is not None and not clip_with_previous_norm:
+        raise UnsupportedError(f"{name}: the optimizer has max_grad_norm={optimizer.max_grad_norm}; a global-norm "
+                               "clip needs every gradient before the first update. Pass clip_with_previous_norm=True "
+                               "to clip with the previous step's norm, or drop max_grad_norm")
+    if clip_with_previous_norm and optimizer.max_grad_norm is None:
+        raise InvalidProblemError(f"{name}: argument 'clip_with_previous_norm' is True but the optimizer has no "
+                                  "max_grad_norm")
+    if optimizer.skip_nonfinite:
+        raise UnsupportedError(f"{name}: the optimizer has skip_nonfinite=True; skipping a step on inf/NaN needs every "
+                               "gradient before the first update")
+    if getattr(getattr(optimizer.step, "__func__", None), "step_in_backward", None) is not None:
+        raise InvalidProblemError(f"{name}: the optimizer already steps in the backward (remove() its handle first)")
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    params = [p for p in params if p.requires_grad]
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for i, p in enumerate(params):
+        if id(p) not in owned:
+            raise InvalidProblemError(f"{name}: trainable parameter {i} of argument 'model' (shape {tuple(p.shape)}) "
+                                      "is not in the optimizer")
+        if is_dtensor(p):
+            raise UnsupportedError(f"{name}: parameter {i} is a DTensor; FSDP2 writes its gradients outside autograd's "
+                                   "accumulation, where no post-accumulate hook runs")
+    return StepInBackward(params, optimizer, accumulation_steps, clip_with_previous_norm, bucket_bytes)
+
+
+__all__ = ["StepInBackward", "step_in_backward", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD"]
