@@ -554,3 +554,22 @@ def test_gpu_8bit_step_matches_cpu_path():
             results[backend] = [p.detach().cpu() for p in ps]
     for a, b in zip(results["cpu"], results["triton"]):
         assert relative_error(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("base", [0, (1 << 32) - 3, 5 * (1 << 32) + 7], ids=["low", "crossing-2^32", "high"])
+def test_kernel_random_bits_are_the_torch_function(base):
+    """The Triton hash (interpreter here) and random_bits agree bit for bit, across the 2^32 index word."""
+    if not trainops.registry.triton_available():
+        pytest.skip("needs Triton")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bits_kernel(out, stream, base, N: tl.constexpr):
+        index = base + tl.arange(0, N).to(tl.int64)
+        tl.store(out + tl.arange(0, N), lowbit._random_bits_tl(stream.to(tl.uint32), index).to(tl.int64))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.zeros(64, dtype=torch.int64, device=device)
+    bits_kernel[(1,)](out, 123456789, base, N=64)
+    assert torch.equal(out.cpu(), lowbit.random_bits(123456789, base + torch.arange(64)))

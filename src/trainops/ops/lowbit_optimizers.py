@@ -216,21 +216,20 @@ def tensor_stream(seed: int, key: int, step: int) -> int:
     return _hash_int(_hash_int(_hash_int(seed) ^ (key & _MASK32)) ^ (step & _MASK32))
 
 
+_GOLDEN = 0x9E3779B1
+
+
 def random_bits(stream: int, index: torch.Tensor) -> torch.Tensor:
-    """16 random bits (int64 in [0, 65536)) per global element index (int64 tensor)."""
-    high = _hash32((index >> 32) ^ stream)
-    return _hash32((index & _MASK32) ^ high) & 0xFFFF
-
-
-STATE_SALT = 0x2545F491
-"""XORed into a tensor's stream for the bits that round its requantised exp_avg_sq (so that they
-are not the bits that round the parameter)."""
+    """32 random bits (int64 in [0, 2^32)) per global element index (int64 tensor): one hash of
+    the index's low word mixed with the stream and its high word. The low 16 bits round the
+    parameter (stochastic_round_bf16), the high 16 the requantised exp_avg_sq (state_noise)."""
+    return _hash32((index & _MASK32) ^ ((stream + (index >> 32) * _GOLDEN) & _MASK32))
 
 
 def state_noise(stream: int, offset: int, shape, device) -> torch.Tensor:
     """The uniform [0, 1) values (16 bits) that round a tensor's requantised sqrt(exp_avg_sq)."""
     index = offset + torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
-    return random_bits(stream ^ STATE_SALT, index).to(torch.float32) * (1.0 / 65536)
+    return (random_bits(stream, index) >> 16).to(torch.float32) * (1.0 / 65536)
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, key: int, step: int, offset: int = 0) -> torch.Tensor:
@@ -239,7 +238,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, key: int, step: int, offse
     (seed, key, step, offset + flat index of each element): pure, no generator state. NaN stays NaN."""
     index = offset + torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
     bits = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    rounded = (bits + random_bits(tensor_stream(seed, key, step), index)) & 0xFFFF0000
+    rounded = (bits + (random_bits(tensor_stream(seed, key, step), index) & 0xFFFF)) & 0xFFFF0000
     rounded = torch.where(rounded >= 2 ** 31, rounded - 2 ** 32, rounded).to(torch.int32).view(torch.float32)
     return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
 
@@ -565,14 +564,14 @@ if triton_available():
 
     @triton.jit
     def _random_bits_tl(stream, index):
-        """16 random bits (uint32) of (stream, int64 index): see random_bits."""
-        high = _hash32_tl((index >> 32).to(tl.uint32) ^ stream)
-        return _hash32_tl((index & 0xFFFFFFFF).to(tl.uint32) ^ high) & 0xFFFF
+        """32 random bits (uint32) of (stream, int64 index): see random_bits."""
+        high = ((index >> 32) * 0x9E3779B1).to(tl.uint32)   # int64 product, its low word
+        return _hash32_tl((index & 0xFFFFFFFF).to(tl.uint32) ^ (stream + high))
 
     @triton.jit
     def _stochastic_bf16_tl(x, stream, index):
         """x (float32) rounded to bfloat16 with 16 random bits of (stream, int64 index): see stochastic_round_bf16."""
-        bits = _random_bits_tl(stream, index)
+        bits = _random_bits_tl(stream, index) & 0xFFFF
         rounded = (((x.to(tl.uint32, bitcast=True) + bits) >> 16) << 16).to(tl.float32, bitcast=True)
         return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
@@ -651,7 +650,7 @@ if triton_available():
             m_codes, m_scale = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
             _store(column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED), offsets, m_codes, mask, MASKED)
             _store(column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED), q, m_scale, row_mask, MASKED)
-            noise = _random_bits_tl(stream ^ 0x2545F491, global_offset + offsets).to(tl.float32) * (1.0 / 65536)
+            noise = (_random_bits_tl(stream, global_offset + offsets) >> 16).to(tl.float32) * (1.0 / 65536)
             v_codes, v_scale = _quantize_tl(tl.sqrt_rn(v), noise, 32.0 / 31.0, 4, 4, False)
             _store(column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED), offsets, v_codes, mask, MASKED)
             _store(column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED), q, v_scale, row_mask, MASKED)
