@@ -814,6 +814,7 @@ class StepInBackward:
             """Gradients are freed by the step in the backward (and kept between accumulated micro-batches)."""
 
         step.step_in_backward = handle
+        step._wrapped_by_lr_sched = True   # it sets _opt_called itself: no wrapper (nor warning) needed
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
         optimizer.max_grad_norm = None   # the clip is this handle's (previous norm), or refused
