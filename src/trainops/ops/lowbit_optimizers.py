@@ -91,11 +91,9 @@ EXP_AVG_SQ_CODE = BlockCode(4, 4, signed=False)   # of sqrt(exp_avg_sq)
 
 def rows_of(shape) -> tuple[int, int]:
     """(rows, row length) of a parameter's blocks: dim 0 and the rest (a 1-D tensor is one row)."""
-    numel = math.prod(shape)
     if len(shape) < 2:
-        return 1, numel
-    rows = shape[0]
-    return rows, (numel // rows if rows else 0)
+        return 1, math.prod(shape)
+    return shape[0], math.prod(shape[1:])
 
 
 def scale_shape(shape) -> tuple[int, int]:
@@ -148,7 +146,7 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
 
 def _unblocked(x: torch.Tensor, shape) -> torch.Tensor:
     rows, width = rows_of(shape)
-    return x.reshape(rows, -1)[:, :width].reshape(shape)
+    return x.reshape(rows, -(-width // BLOCK_WIDTH) * BLOCK_WIDTH)[:, :width].reshape(shape)
 
 
 def quantize(x: torch.Tensor, code: BlockCode, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
