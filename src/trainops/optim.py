@@ -1,4 +1,5 @@
-"""Fused multi-tensor optimizers: SGD, Adam, AdamW, LAMB (torch.optim.Optimizer subclasses).
+"""Fused multi-tensor optimizers: SGD, Adam, AdamW, LAMB (torch.optim.Optimizer subclasses);
+8-bit states, stochastic rounding, the step inside the backward.
 
     opt = trainops.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
     loss.backward(); opt.step(); opt.zero_grad()
@@ -39,6 +40,36 @@ InvalidProblemError on every rank if they differ, instead of hanging in mismatch
 Later changes on one rank only (a parameter whose gradient goes None there, a ``max_grad_norm``
 set on one rank) are not compared again; a GradScaler or ``check_finite`` on one rank only is not
 compared.
+
+Low-bit options (Adam, AdamW, LAMB; per param group, as bitsandbytes' per-parameter overrides;
+the math and the codes in trainops.ops.lowbit_optimizers):
+    optim_bits       32 (default) or 8: exp_avg and exp_avg_sq as one byte an element plus one
+                     float32 scale per block of at most 256 elements (a chunk of a row along dim
+                     0): 2.03 bytes an element instead of 8. Kept in float32 (said, not silent:
+                     ``opt.state[p]`` shows "exp_avg" instead of "exp_avg_codes"): 1-D parameters
+                     (norm weights, biases: small, and dim 0 would be one row), parameters of
+                     fewer than ``min_8bit_size`` elements (default 4096, bitsandbytes' threshold)
+                     and non-contiguous parameters (blocks follow memory order). 8-bit state
+                     keys: exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales
+                     (exp_avg_sq's code holds its square root). AdamW8bit, Adam8bit and LAMB8bit
+                     are the classes with optim_bits=8. 4 bits are refused (UnsupportedError).
+    stochastic_rounding  bfloat16 parameters without master weights: each updated parameter
+                     rounded to bfloat16 stochastically (unbiased), the bits a hash of
+                     (``rounding_seed``, the parameter's place in the optimizer, the step, the
+                     element's index in the whole parameter): the same seed gives the same bits
+                     for any launch configuration or sharding.
+    Combinations: with master_weights (8-bit states, float32 masters) works; stochastic_rounding
+    with master_weights, with float32/float16 parameters, optim_bits=8 or stochastic_rounding with
+    amsgrad, with state_dtype other than float32, or with float64 parameters raise
+    InvalidProblemError naming the argument at construction, add_param_group and the step (nothing
+    written). The unscale, global-norm clip and inf/NaN skip are fused into the low-bit step as
+    into the others. DTensor parameters: Shard(0) and Replicate placements (the blocks lie along
+    dim 0's rows, so a sharded state is the whole state's rows and state_dict does not depend on
+    the world size); other placements raise UnsupportedError. ``load_state_dict`` keeps the
+    loading optimizer's optim_bits / min_8bit_size / stochastic_rounding: a float32 state loads
+    into optim_bits=8 (quantised at the next step) and an 8-bit one into float32 (plain tensors).
+
+``step_in_backward(model, optimizer)`` runs the step inside the backward (see its docstring).
 
 Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
 state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,

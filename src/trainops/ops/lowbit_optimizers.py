@@ -1,5 +1,6 @@
-"""Low-bit optimizer states and stochastic rounding: 8-bit blockwise Adam / AdamW moments, bf16
-parameters rounded stochastically. Triton kernel, CPU path, registration (op ``adam_step_lowbit``).
+"""Low-bit optimizer states and stochastic rounding: 8-bit blockwise Adam / AdamW / LAMB moments,
+bf16 parameters rounded stochastically. Triton kernel, CPU path, registration (ops
+``adam_step_lowbit``, ``lamb_step_lowbit``).
 
 Blocks. A parameter of shape [R, ...] is seen as R rows of C = numel / R elements (its memory
 order: the parameter must be contiguous). Each row is cut into chunks of at most W = 256
@@ -19,12 +20,19 @@ is stored as a small float: 2^E exponent groups of 2^M mantissa steps, the top g
     decode(k) = (k mod 2^M + 2^M [k >= 2^M]) * 2^(max(k >> M, 1) - 2^E - M)
     TOP = 1 - 2^-(M+1) (the largest code), scale = absmax(block) * (1 / TOP)
 
-exp_avg (signed): sign bit + E=4, M=3 (relative error <= 1/16 down to 2^-15 of the block's
-largest magnitude, absolute error <= 2^-19 of it below). exp_avg_sq: its square root is stored,
-unsigned, E=4, M=4 (relative error <= 1/32 on sqrt(v) down to 2^-15, i.e. gradients spanning 15
-binary orders of magnitude in one block): storing sqrt(v) halves the dynamic range the code must
-span, so that an element with a small but nonzero first moment never meets a second moment
-rounded to 0 (an update of m / eps). Bytes per element of state: 2 + 8 / 256 (0.254 of float32's 8).
+exp_avg (signed): sign bit + E=4, M=3, rounded to nearest (relative error <= 1/16 down to 2^-15
+of the block's largest magnitude, absolute error <= 2^-19 of it below). exp_avg_sq: its square
+root is stored, unsigned, E=4, M=4 (relative step 1/16..1/32 on sqrt(v) down to 2^-15, i.e.
+gradients spanning 15 binary orders of magnitude in one block): storing sqrt(v) halves the
+dynamic range the code must span, so that an element with a small but nonzero first moment never
+meets a second moment rounded to 0 (an update of m / eps). sqrt(v) is requantised with
+stochastic rounding (floor(a 2^-e 2^M + u), u uniform from the counter hash below, the high 16
+bits): rounded to nearest, v froze, since its decay of 1 - beta2 = 0.1% a step never crosses half
+a code step, and v stayed the largest g^2 seen (measured, tests' CPU MLP regression, 200 steps:
+held-out loss float32 0.1332, 8-bit with v to nearest 0.1385, with v stochastic 0.1333; m
+stochastic too 0.1337: m stays to nearest). Bytes per element of state: 2 + 8 / 256 (0.254 of
+float32's 8). Which parameters keep float32 states is trainops.optim's choice (1-D, small,
+non-contiguous: see its docstring).
 Block scales hold inf/NaN when the block's moments do (the block then decodes to NaN, as a
 float32 state would carry it).
 
@@ -35,16 +43,21 @@ The step (per element, float32; g after the unscale, clip and maximize of ops/op
     v = beta2 v0 + (1 - beta2) g^2;  p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     store: m and sqrt(v) requantised per block (the update used the float32 m and v)
 
-in one pass over every tensor of a bucket (28 -> 18 bytes an element for float32 parameters and
-gradients: read p, g, m, v codes, write p, m, v codes; 10 -> ... for bf16: see the notes).
-amsgrad is not supported with 8-bit states (trainops.optim refuses it by name).
+in one pass over every tensor of a bucket: bytes an element 28 -> 16.06 for float32 parameters
+and gradients (read p, g, the two codes and scales; write p, codes, scales), 10.06 for bfloat16
+parameters and gradients with stochastic rounding (22 with float32 states). amsgrad is not
+supported with low-bit steps (trainops.optim refuses it by name). LAMB (prepare_lamb_lowbit_step):
+two passes as ops/optimizers.py's, the norms of u taken from the stored (requantised) moments
+that the second pass decodes again, so the trust ratio is the one of the applied update.
 
-Stochastic rounding (``sr_seed`` given; bfloat16 parameters without a float32 master): the
-updated float32 value x is written as bfloat16 by adding 16 random bits below bfloat16's last
-mantissa bit and truncating, so E[bf16(x)] = x. The random bits are a counter-based hash of
-(seed, tensor key, step t, the element's global flat index): the same seed gives the same bits
-whatever the block sizes, the grid, the bucket order or the sharding (a shard passes its global
-offset). ``stochastic_round_bf16`` is the same function in torch (pure: no generator state).
+Stochastic rounding (``stochastic_rounding=True``; bfloat16 parameters without a float32
+master): the updated float32 value x is written as bfloat16 by adding 16 random bits below
+bfloat16's last mantissa bit and truncating, so E[bf16(x)] = x. The random bits are a
+counter-based hash (xorshift-multiply, 32 bits) of (seed, tensor key, step t, the element's
+global flat index): the same seed gives the same bits whatever the block sizes, the grid, the
+bucket order or the sharding (a shard passes its global offset). ``stochastic_round_bf16`` is
+the same function in torch (pure: no generator state); the kernel's hash is tested against it.
+Per element the step costs one hash (the low 16 bits round p, the high 16 round sqrt(v)).
 
 found_inf, grad_scale, clip, tensor hyper-parameters and the step counters are as in
 ops/optimizers.py (nothing written when found_inf is set; no host synchronisation).
