@@ -121,7 +121,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                                    "expected None, torch.float32, torch.bfloat16 or torch.float64")
         defaults = dict(defaults, master_weights=bool(master_weights), state_dtype=state_dtype)
         self.rounding_seed = 0
-        if lowbit is not None:   # the optimizers with low-bit options (Adam, AdamW): see LowBitOptions
+        if lowbit is not None:   # the optimizers with low-bit options (Adam, AdamW, LAMB)
             self.rounding_seed = lowbit.pop("rounding_seed")
             if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
                 raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'rounding_seed' is "
@@ -189,12 +189,13 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             self._check_lowbit(group, fail)
 
     def _check_lowbit(self, group: dict, fail) -> None:
-        """The low-bit options of ``group`` and their combinations (see LowBitOptions); ``fail(key, message)``."""
+        """The low-bit options of ``group`` and their combinations (see the module docstring);
+        ``fail(key, message)`` raises."""
         bits, sr = group["optim_bits"], group.get("stochastic_rounding", False)
         if isinstance(bits, bool) or bits not in (32, 8):
             if bits == 4:
-                raise UnsupportedError(f"trainops.optim.{self._name}: optim_bits=4 is not implemented (4-bit states "
-                                       "did not hold the curve in the time this was built); use 8 or 32")
+                raise UnsupportedError(f"trainops.optim.{self._name}: optim_bits=4 is not implemented (4-bit "
+                                       "states were not built); use 8 or 32")
             fail("optim_bits", f"is {bits!r}; it must be 32 (float32 states) or 8 (blockwise 8-bit states)")
         size = group.get("min_8bit_size", 4096)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -212,7 +213,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         if sr and group.get("master_weights"):
             fail("stochastic_rounding", "is True with master_weights=True; stochastic rounding replaces the float32 "
                                         "master copy (choose one)")
-        for p in group["params"]:
+        for p in group["params"] if low else ():   # (a plain float32 group skips the per-parameter loop)
             if sr and p.dtype != torch.bfloat16:
                 fail("stochastic_rounding", f"is True for a parameter of dtype {p.dtype}; it rounds bfloat16 "
                                             "parameters only")
@@ -333,7 +334,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     def _kind(self, group, p) -> str:
         """Which step a parameter takes: "plain" (ops/optimizers.py), or the low-bit step with 8-bit
         states ("8bit") or float32 states ("32bit": stochastic rounding alone, or a tensor kept in
-        float32 under optim_bits=8): see LowBitOptions."""
+        float32 under optim_bits=8): see the module docstring."""
         if group.get("optim_bits", 32) == 8 and self._quantizes(group, p):
             return "8bit"
         return "32bit" if group.get("stochastic_rounding") else "plain"
@@ -350,7 +351,8 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         if key[2] == "plain":
             return {"kind": "plain"}
         places = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return {"kind": key[2], "sr_keys": [places[id(p)] for p in params], "offsets": [_global_offset(p) for p in params]}
+        return {"kind": key[2], "sr_keys": [places[id(p)] for p in params],
+                "offsets": [_global_offset(p) for p in params]}
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -1000,4 +1002,5 @@ def step_in_backward(model, optimizer: FusedOptimizer, *, accumulation_steps: in
     return StepInBackward(params, optimizer, accumulation_steps, clip_with_previous_norm, bucket_bytes)
 
 
-__all__ = ["StepInBackward", "step_in_backward", "Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD"]
+__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD",
+           "StepInBackward", "step_in_backward"]
