@@ -144,3 +144,18 @@ def test_refusals_by_name():
     with pytest.raises(UnsupportedError, match="GradScaler"):
         opt.step(grad_scale=torch.ones(()))
     handle.remove()
+
+
+def test_bucket_caches_are_bounded(monkeypatch):
+    """Past the cap, the cached per-flush buckets are dropped (and rebuilt): same parameters."""
+    monkeypatch.setattr(trainops.optim, "_IN_BACKWARD_CACHE", 2)
+    ref, ours = make_model(), make_model()
+    ref_opt = trainops.optim.AdamW(ref.parameters(), lr=1e-2, optim_bits=8, min_8bit_size=0)
+    opt = trainops.optim.AdamW(ours.parameters(), lr=1e-2, optim_bits=8, min_8bit_size=0)
+    trainops.optim.step_in_backward(ours, opt, bucket_bytes=0)
+    data = batches(3)
+    train(ref, ref_opt, data)
+    train(ours, opt, data)
+    assert len(opt._buckets) <= 3   # without the cap: 6 (one per parameter)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a, b)

@@ -816,6 +816,9 @@ class LAMB8bit(LAMB):
         super().__init__(params, lr, betas, eps, weight_decay, optim_bits=optim_bits, **options)
 
 
+_IN_BACKWARD_CACHE = 256   # cached buckets (sets of parameters stepped together) before they are dropped
+
+
 class StepInBackward:
     """The handle step_in_backward returns: ``remove()`` restores the plain optimizer. While it is
     active, ``handle.grad_norm`` is the previous backward's global gradient norm (with
@@ -886,6 +889,10 @@ class StepInBackward:
         if not params:
             return
         opt = self.optimizer
+        if len(opt._buckets) > _IN_BACKWARD_CACHE:   # flush sets that changed step to step: drop their caches
+            for cache in (opt._buckets, opt._tables._tables, opt._lowbit_tables):
+                for key in [k for k in cache if "in-backward" in str(k)]:
+                    del cache[key]
         groups = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         by_group: dict = {}
         for p in params:
