@@ -595,9 +595,11 @@ def _to_8bit_state(state: dict, p, name: str) -> None:
     with torch.no_grad():
         if "exp_avg" in state:
             state.update(lowbit_ops.quantize_moments(state.pop("exp_avg"), state.pop("exp_avg_sq")))
-        else:
-            state.update(lowbit_ops.quantize_moments(torch.zeros_like(p, dtype=torch.float32),
-                                                     torch.zeros_like(p, dtype=torch.float32)))
+        else:   # zero moments: code 0, scale 0 (no float32 zeros made on the way)
+            for key in _CODE_KEYS:
+                state[key] = (torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+                              if key.endswith("_codes") else
+                              torch.zeros(lowbit_ops.scale_shape(p.shape), dtype=torch.float32, device=p.device))
 
 
 def _to_float_state(state: dict, p, name: str) -> None:
@@ -974,6 +976,8 @@ def step_in_backward(model, optimizer: FusedOptimizer, *, accumulation_steps: in
       between steps is not detected.
     - DTensor (FSDP2) parameters are refused: FSDP2 writes reduced gradients outside autograd's
       accumulation.
+    With the Hugging Face Trainer, set ``max_grad_norm=0`` (its clip runs after the backward, on
+    gradients already freed, and clips nothing) and use ``clip_with_previous_norm`` if a clip is wanted.
     """
     name = "trainops.optim.step_in_backward"
     if not isinstance(optimizer, FusedOptimizer):
