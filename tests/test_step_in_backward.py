@@ -138,6 +138,12 @@ def test_refusals_by_name():
     with pytest.raises(InvalidProblemError, match="not in the optimizer"):
         trainops.optim.step_in_backward(model, trainops.optim.AdamW(model[0].parameters()))
     opt = trainops.optim.AdamW(model.parameters())
+    x, y = batches(1)[0]
+    (model(x) - y).square().mean().backward()   # a micro-batch accumulated before the handle
+    with pytest.raises(InvalidProblemError, match="already has a gradient"):
+        trainops.optim.step_in_backward(model, opt)
+    assert opt.step.__func__ is type(opt).step   # nothing installed
+    opt.zero_grad()
     handle = trainops.optim.step_in_backward(model, opt)
     with pytest.raises(InvalidProblemError, match="already"):
         trainops.optim.step_in_backward(model, opt)

@@ -1010,6 +1010,10 @@ def step_in_backward(model, optimizer: FusedOptimizer, *, accumulation_steps: in
         if is_dtensor(p):
             raise UnsupportedError(f"{name}: parameter {i} is a DTensor; FSDP2 writes its gradients outside autograd's "
                                    "accumulation, where no post-accumulate hook runs")
+        if p.grad is not None:
+            raise InvalidProblemError(f"{name}: trainable parameter {i} of argument 'model' already has a gradient "
+                                      "(accumulated before the handle): the first step in the backward would add it "
+                                      "in. Call optimizer.zero_grad() first; accumulate with accumulation_steps")
     return StepInBackward(params, optimizer, accumulation_steps, clip_with_previous_norm, bucket_bytes)
 
 
