@@ -19,7 +19,9 @@ same run, and the ratio of the time to that floor. The issue's targets, printed 
 step (float32 parameters) within 1.1x of its floor and at most 0.65x torch fused AdamW's time;
 bf16 parameters with stochastic rounding at most 0.45x torch fused's (float32) time; state
 memory at most 0.27x float32's. JSON to --out: {"environment", "copy_ceiling_gbps", "params",
-"tensors", "rows", "targets"}. Runs in about a minute on an H200 (no timing of zeros: --steps
+"tensors", "rows", "targets"}. --sweep adds the trainops 8-bit rows under other program sizes
+and warp counts (rows marked "sweep"; the defaults are unmeasured on a GPU: 8 chunks of 256 a
+program, 4 warps, from the float32 AdamW kernel's block of 2048). Runs in about a minute on an H200 (no timing of zeros: --steps
 steps of random gradients, the same each step).
 """
 
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median)")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU path (a self-check)")
     parser.add_argument("--only", default="", help="comma-separated substrings: run the configurations matching one")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the trainops 8-bit rows under MultiTensorHeuristics block 1024 / 2048 / 4096 "
+                             "(row chunks a program: 4 / 8 / 16) x warps 4 / 8")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -179,6 +184,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a peer that fails here (an old torchao, no bnb CUDA build) is reported
             log(f"{name:32s} failed: {type(error).__name__}: {error}")
             rows.append(dict(name=name, error=f"{type(error).__name__}: {error}"))
+    if args.sweep:
+        from trainops.ops.multi_tensor import MultiTensorHeuristics
+
+        for name, dtype, factory in configurations(args.cpu):
+            if "trainops AdamW8bit" not in name:
+                continue
+            for block in (1024, 2048, 4096):
+                for warps in (4, 8):
+                    with trainops.heuristics(MultiTensorHeuristics(block=block, warps=warps)):
+                        row = run_one(f"{name} [block {block}, warps {warps}]", dtype, factory, shapes, device,
+                                      args.steps, ceiling, log)
+                    rows.append(dict(row, sweep=True))
     by = {r["name"]: r for r in rows if "ms" in r}
     targets = {}
 
