@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
@@ -493,7 +494,42 @@ def uneven_cases(rank, world, mesh, out, tmp):
     out["empty shards"] = sorted(p._local_tensor.numel() for p in shard(make_model(), mesh).parameters())
 
 
-LOAD_CASES = (load_cases, uneven_cases)
+def lowbit_cases(rank, world, mesh, out, tmp):
+    """3 ranks (row shards at flat offsets that are not multiples of 256, empty shards): 8-bit states
+    and stochastically rounded bf16 parameters of FSDP2 parameters are the whole tensors', bit for bit
+    (LAMB's parameters within the rounding of its mesh-summed norms); the states are DTensors."""
+    for backend in ("cpu", "triton"):
+        with trainops.backend(backend):
+            for name, dtype, cls, options in (
+                    ("adamw 8bit", torch.float32, "AdamW", dict(optim_bits=8, min_8bit_size=0)),
+                    ("adamw 8bit bf16 sr", torch.bfloat16, "AdamW",
+                     dict(optim_bits=8, min_8bit_size=0, stochastic_rounding=True)),
+                    ("lamb 8bit", torch.float32, "LAMB", dict(optim_bits=8, min_8bit_size=0))):
+                sharded, whole = shard(make_model(dtype), mesh), make_model(dtype)
+                opts = [getattr(trainops.optim, cls)(m.parameters(), lr=0.02, **options) for m in (sharded, whole)]
+                gen = torch.Generator().manual_seed(5)
+                for _ in range(3):
+                    for ps, pw in zip(sharded.parameters(), whole.parameters()):
+                        g = torch.randn(pw.shape, generator=gen).to(dtype)
+                        _, offset = compute_local_shape_and_global_offset(ps.shape, mesh, ps.placements)
+                        part = g[offset[0]:offset[0] + ps._local_tensor.shape[0]].clone()
+                        pw.grad = g.clone()
+                        ps.grad = DTensor.from_local(part, mesh, ps.placements, shape=ps.shape, stride=ps.stride())
+                    for opt in opts:
+                        opt.step()
+                out[f"{name} {backend} params"] = rel([t.double() for t in full(sharded.parameters())],
+                                                      [t.double() for t in full(whole.parameters())])
+                same, dtensors = True, True
+                for ps, pw in zip(sharded.parameters(), whole.parameters()):
+                    for key, value in opts[1].state[pw].items():
+                        mine = opts[0].state[ps][key]
+                        dtensors &= key == "step" or isinstance(mine, DTensor)
+                        same &= torch.equal(full([mine])[0], value)
+                out[f"{name} {backend} state equal"] = same
+                out[f"{name} {backend} state is DTensor"] = dtensors
+
+
+LOAD_CASES = (load_cases, uneven_cases, lowbit_cases)
 
 
 def worker(rank, world, port, tmp, results):
@@ -598,6 +634,15 @@ def test_uneven_shards(runs):
         # with the clip: its float32 coefficient may round differently from the sums in another order
         assert out["uneven lamb cpu"] <= 1e-8 and out["uneven adamw cpu"] <= 1e-8, out
         assert out["uneven lamb triton"] <= 1e-5 and out["uneven adamw triton"] <= 1e-5, out
+
+
+def test_lowbit_states_do_not_depend_on_the_world_size(runs):
+    for out in rank_outputs(runs, 3, lowbit_cases):
+        for backend in ("cpu", "triton"):
+            for name in ("adamw 8bit", "adamw 8bit bf16 sr", "lamb 8bit"):
+                key = f"{name} {backend}"
+                assert out[f"{key} state equal"] and out[f"{key} state is DTensor"], (key, out)
+                assert out[f"{key} params"] <= (1e-6 if "lamb" in name else 0.0), (key, out[f"{key} params"])
 
 
 def test_modules_and_patch_inside_fully_shard(runs):

@@ -1,4 +1,5 @@
-"""Fused multi-tensor optimizers: SGD, Adam, AdamW, LAMB (torch.optim.Optimizer subclasses).
+"""Fused multi-tensor optimizers: SGD, Adam, AdamW, LAMB (torch.optim.Optimizer subclasses);
+8-bit states, stochastic rounding, the step inside the backward.
 
     opt = trainops.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
     loss.backward(); opt.step(); opt.zero_grad()
@@ -40,6 +41,36 @@ Later changes on one rank only (a parameter whose gradient goes None there, a ``
 set on one rank) are not compared again; a GradScaler or ``check_finite`` on one rank only is not
 compared.
 
+Low-bit options (Adam, AdamW, LAMB; per param group, as bitsandbytes' per-parameter overrides;
+the math and the codes in trainops.ops.lowbit_optimizers):
+    optim_bits       32 (default) or 8: exp_avg and exp_avg_sq as one byte an element plus one
+                     float32 scale per block of at most 256 elements (a chunk of a row along dim
+                     0): 2.03 bytes an element instead of 8. Kept in float32 (said, not silent:
+                     ``opt.state[p]`` shows "exp_avg" instead of "exp_avg_codes"): 1-D parameters
+                     (norm weights, biases: small, and dim 0 would be one row), parameters of
+                     fewer than ``min_8bit_size`` elements (default 4096, bitsandbytes' threshold)
+                     and non-contiguous parameters (blocks follow memory order). 8-bit state
+                     keys: exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales
+                     (exp_avg_sq's code holds its square root). AdamW8bit, Adam8bit and LAMB8bit
+                     are the classes with optim_bits=8. 4 bits are refused (UnsupportedError).
+    stochastic_rounding  bfloat16 parameters without master weights: each updated parameter
+                     rounded to bfloat16 stochastically (unbiased), the bits a hash of
+                     (``rounding_seed``, the parameter's place in the optimizer, the step, the
+                     element's index in the whole parameter): the same seed gives the same bits
+                     for any launch configuration or sharding.
+    Combinations: with master_weights (8-bit states, float32 masters) works; stochastic_rounding
+    with master_weights, with float32/float16 parameters, optim_bits=8 or stochastic_rounding with
+    amsgrad, with state_dtype other than float32, or with float64 parameters raise
+    InvalidProblemError naming the argument at construction, add_param_group and the step (nothing
+    written). The unscale, global-norm clip and inf/NaN skip are fused into the low-bit step as
+    into the others. DTensor parameters: Shard(0) and Replicate placements (the blocks lie along
+    dim 0's rows, so a sharded state is the whole state's rows and state_dict does not depend on
+    the world size); other placements raise UnsupportedError. ``load_state_dict`` keeps the
+    loading optimizer's optim_bits / min_8bit_size / stochastic_rounding: a float32 state loads
+    into optim_bits=8 (quantised at the next step) and an 8-bit one into float32 (plain tensors).
+
+``step_in_backward(model, optimizer)`` runs the step inside the backward (see its docstring).
+
 Step counters are float32 tensors on the parameters' device, as in torch's fused Adam. A torch
 state_dict with CPU counters loads fine (they move). Bad input: a param group spanning devices,
 sparse or complex gradients raise InvalidProblemError / UnsupportedError; parameters without a
@@ -49,6 +80,7 @@ gradient are skipped, as torch does; a loaded state whose tensor shapes do not m
 from __future__ import annotations
 
 import math
+import types
 from typing import Iterable
 
 import torch
@@ -58,6 +90,7 @@ from .errors import InvalidProblemError, UnsupportedError
 from .ops.multi_tensor import TableCache
 from .ops import amp as amp_ops
 from .ops import grad as grad_ops
+from .ops import lowbit_optimizers as lowbit_ops
 from .ops import optimizers as optimizer_ops
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -79,7 +112,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     _name = "optimizer"
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: float | None = None, skip_nonfinite: bool = False,
-                 master_weights: bool = False, state_dtype: torch.dtype | None = None):
+                 master_weights: bool = False, state_dtype: torch.dtype | None = None, lowbit: dict | None = None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'max_grad_norm' is {max_grad_norm}; "
                                       "it must be positive (or None)")
@@ -87,11 +120,19 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             raise UnsupportedError(f"trainops.optim.{self._name}: argument 'state_dtype' is {state_dtype}; "
                                    "expected None, torch.float32, torch.bfloat16 or torch.float64")
         defaults = dict(defaults, master_weights=bool(master_weights), state_dtype=state_dtype)
+        self.rounding_seed = 0
+        if lowbit is not None:   # the optimizers with low-bit options (Adam, AdamW, LAMB)
+            self.rounding_seed = lowbit.pop("rounding_seed")
+            if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int):
+                raise InvalidProblemError(f"trainops.optim.{self._name}: argument 'rounding_seed' is "
+                                          f"{self.rounding_seed!r}; it must be an int")
+            defaults.update(lowbit)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = bool(skip_nonfinite)
         self.grad_norm: torch.Tensor | None = None
         self._tables = TableCache()
+        self._lowbit_tables: dict = {}
         self._mesh_tables: dict = {}
         self._buckets: dict = {}
         self._state_version = 0
@@ -106,6 +147,11 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, with the group's hyper-parameters checked first (a group that
         fails is not added)."""
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            param_group = dict(param_group, params=[params])
+        elif not isinstance(params, set):   # torch refuses sets
+            param_group = dict(param_group, params=list(params))
         group = {key: value for key, value in self.defaults.items() if key not in param_group}
         group.update(param_group)
         self._check_group(group, f"param_groups[{len(self.param_groups)}]")
@@ -139,6 +185,48 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                     fail(key, f"is {value}; it must be finite")
                 elif key in self._non_negative_keys and value < 0:
                     fail(key, f"is {value}; it must be >= 0")
+        if "optim_bits" in group:
+            self._check_lowbit(group, fail)
+
+    def _check_lowbit(self, group: dict, fail) -> None:
+        """The low-bit options of ``group`` and their combinations (see the module docstring);
+        ``fail(key, message)`` raises."""
+        bits, sr = group["optim_bits"], group.get("stochastic_rounding", False)
+        if isinstance(bits, bool) or bits not in (32, 8):
+            if bits == 4:
+                raise UnsupportedError(f"trainops.optim.{self._name}: optim_bits=4 is not implemented (4-bit "
+                                       "states were not built); use 8 or 32")
+            fail("optim_bits", f"is {bits!r}; it must be 32 (float32 states) or 8 (blockwise 8-bit states)")
+        size = group.get("min_8bit_size", 4096)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            fail("min_8bit_size", f"is {size!r}; it must be an int >= 0")
+        if not isinstance(sr, bool):
+            fail("stochastic_rounding", f"is {sr!r}; it must be True or False")
+        low = bits == 8 or sr
+        what = "optim_bits=8" if bits == 8 else "stochastic_rounding=True"
+        if low and group.get("amsgrad"):
+            fail("amsgrad", f"is True with {what}; the low-bit step has no amsgrad (use optim_bits=32, "
+                            "stochastic_rounding=False)")
+        if low and group.get("state_dtype") not in (None, torch.float32):
+            fail("state_dtype", f"is {group.get('state_dtype')} with {what}; low-bit steps keep float32 states for "
+                                "the tensors they do not quantise (state_dtype None or torch.float32)")
+        if sr and group.get("master_weights"):
+            fail("stochastic_rounding", "is True with master_weights=True; stochastic rounding replaces the float32 "
+                                        "master copy (choose one)")
+        for p in group["params"] if low else ():   # (a plain float32 group skips the per-parameter loop)
+            if sr and p.dtype != torch.bfloat16:
+                fail("stochastic_rounding", f"is True for a parameter of dtype {p.dtype}; it rounds bfloat16 "
+                                            "parameters only")
+            if low and p.dtype == torch.float64:
+                fail("optim_bits", f"is {bits} (stochastic_rounding={sr}) for a float64 parameter; low-bit steps "
+                                   "take float32, float16 and bfloat16 parameters")
+            if low and is_dtensor(p):
+                for placement in p.placements:
+                    if not (type(placement).__name__ == "Replicate"
+                            or (type(placement).__name__ == "Shard" and placement.dim == 0)):
+                        raise UnsupportedError(f"trainops.optim.{self._name}: {what} on a DTensor parameter with "
+                                               f"placements {p.placements}: blocks and rounding indices follow dim "
+                                               "0's rows; only Shard(0) and Replicate placements are supported")
 
     # -- per-group gathering -------------------------------------------------------------------
 
@@ -148,31 +236,41 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def _init_state(self, group, p, state) -> None:
-        """Create whatever state ``p`` lacks (lazily, at its first step)."""
+        """Create whatever state ``p`` lacks (lazily, at its first step); moments converted between
+        float32 and 8-bit when a loaded state was stored the other way."""
+        if "optim_bits" in group:
+            if self._kind(group, p) == "8bit":
+                _to_8bit_state(state, p, self._name)
+            else:
+                _to_float_state(state, p, self._name)
         dtype = self._state_dtype(group, p)
         if self._has_step_counter and "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for name in self._state_names:
+        for name in self._state_names if self._kind(group, p) != "8bit" else ():
             if name not in state:
                 state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         if group.get("master_weights") and p.dtype in _HALF and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32)
 
-    def _gather(self, index: int, group) -> dict:
+    def _gather(self, index: int, group, params=None, cache_key=None) -> dict:
         """{(device, dtype): {"params", "grads", "states"}} for the group's params that have a grad.
 
         The buckets (params, their states, and the checks and lazy state creation behind them) are
         rebuilt only when the set of params with a gradient changes or the state was reloaded;
         a steady step only collects the current gradients.
         """
-        params = [p for p in group["params"] if p.grad is not None]
+        if params is None:
+            params = [p for p in group["params"] if p.grad is not None]
+        if cache_key is None:
+            cache_key = index
         key = (self._state_version, len(self.state), group.get("amsgrad"), group.get("master_weights"),
-               group.get("state_dtype"), tuple(map(id, params)))
-        cached = self._buckets.get(index)
+               group.get("state_dtype"), group.get("optim_bits"), group.get("min_8bit_size"),
+               group.get("stochastic_rounding"), tuple(map(id, params)))
+        cached = self._buckets.get(cache_key)
         if cached is None or cached[0] != key:
-            cached = self._buckets[index] = (key, self._build_buckets(index, group, params))
+            cached = self._buckets[cache_key] = (key, self._build_buckets(index, group, params))
         buckets = {}
-        for where, (bucket_params, locals_, states, mesh_sums) in cached[1].items():
+        for where, (bucket_params, locals_, states, mesh_sums, extra) in cached[1].items():
             grads = [p.grad for p in bucket_params]
             for g in grads:
                 if g.is_sparse:
@@ -181,7 +279,7 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
             if mesh_sums is not None:
                 grads = [self._local_grad(p, g, index) for p, g in zip(bucket_params, grads)]
             buckets[where] = {"params": locals_, "grads": grads, "states": states, "originals": bucket_params,
-                              "mesh_sums": mesh_sums}
+                              "mesh_sums": mesh_sums, **extra}
         return buckets
 
     def _local_grad(self, p, g, index: int) -> torch.Tensor:
@@ -225,12 +323,36 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                                           "in its own param group")
             state = self.state[p]
             self._init_state(group, p, state)
-            bucket_params, states = buckets.setdefault((p.device, p.dtype), ([], []))
+            bucket_params, states = buckets.setdefault((p.device, p.dtype, self._kind(group, p)), ([], []))
             bucket_params.append(p)
             states.append(state)
         where = f"trainops.optim.{self._name} (param group {index})"
-        return {key: (bucket_params, [local(p) for p in bucket_params], states, MeshSums.of(bucket_params, where))
+        return {key: (bucket_params, [local(p) for p in bucket_params], states, MeshSums.of(bucket_params, where),
+                      self._bucket_extra(key, bucket_params))
                 for key, (bucket_params, states) in buckets.items()}
+
+    def _kind(self, group, p) -> str:
+        """Which step a parameter takes: "plain" (ops/optimizers.py), or the low-bit step with 8-bit
+        states ("8bit") or float32 states ("32bit": stochastic rounding alone, or a tensor kept in
+        float32 under optim_bits=8): see the module docstring."""
+        if group.get("optim_bits", 32) == 8 and self._quantizes(group, p):
+            return "8bit"
+        return "32bit" if group.get("stochastic_rounding") else "plain"
+
+    @staticmethod
+    def _quantizes(group, p) -> bool:
+        """Whether ``p`` gets 8-bit states under optim_bits=8: 2-D or more, contiguous, at least
+        min_8bit_size elements (its global shape for a DTensor)."""
+        return p.dim() >= 2 and p.numel() >= group.get("min_8bit_size", 4096) and local(p).is_contiguous()
+
+    def _bucket_extra(self, key, params) -> dict:
+        """A low-bit bucket's stochastic rounding keys (each parameter's place in the optimizer) and
+        global offsets (a Shard(0) part's first element in the whole parameter)."""
+        if key[2] == "plain":
+            return {"kind": "plain"}
+        places = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return {"kind": key[2], "sr_keys": [places[id(p)] for p in params],
+                "offsets": [_global_offset(p) for p in params]}
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -271,9 +393,12 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
         prepared = []
         for index, (group, buckets) in enumerate(gathered):
             self._check_group(group, f"param_groups[{index}]")
-            for (device, dtype), bucket in buckets.items():
-                table = self._tables.get((self._name, index, device, dtype))
-                prepared.append((device, self._prepare_bucket(group, bucket, table)))
+            for key, bucket in buckets.items():
+                if bucket["kind"] == "plain":
+                    table = self._tables.get((self._name, index, *key))
+                else:
+                    table = self._lowbit_tables.setdefault((index, *key), lowbit_ops.LowbitTable())
+                prepared.append((key[0], self._prepare_bucket(group, bucket, table)))
         self.grad_norm = None
         if sharded and (check or found_inf is not None):
             found_inf, own_clip, self.grad_norm = self._mesh_stats(gathered, sharded[0].mesh, check, grad_scale,
@@ -392,14 +517,20 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 if not isinstance(value, torch.Tensor) or key == "step":
                     continue
                 where = f"trainops.optim.{self._name}.load_state_dict: state '{key}' of parameter {saved_id}"
-                if value.shape != p.shape:
-                    raise InvalidProblemError(f"{where} has shape {tuple(value.shape)}; the parameter has shape "
-                                              f"{tuple(p.shape)}")
+                expected = lowbit_ops.scale_shape(p.shape) if key.endswith("_scales") else tuple(p.shape)
+                if tuple(value.shape) != tuple(expected):
+                    raise InvalidProblemError(f"{where} has shape {tuple(value.shape)}; expected {tuple(expected)} "
+                                              f"(the parameter has shape {tuple(p.shape)})")
                 if is_dtensor(p) and not is_dtensor(value):
                     raise UnsupportedError(f"{where} is a plain tensor and the parameter a DTensor; load sharded "
                                            "state with torch.distributed.checkpoint (set_optimizer_state_dict "
                                            "reshards a full state dict)")
+        # How states are stored is the loading optimizer's choice, not the checkpoint's: a float32
+        # state loads into optim_bits=8 (quantised at the next step) and an 8-bit one into float32.
+        storage = [{key: group[key] for key in _STORAGE_KEYS if key in group} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, storage):
+            group.update(kept)
         self._state_version += 1
         self._ranks_checked = False
         groups = [g for g in self.param_groups for _ in g["params"]]
@@ -417,8 +548,71 @@ class FusedOptimizer(FusedStep, torch.optim.Optimizer):
                 if key == "step":
                     state[key] = value.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone()
                     continue
+                if key.endswith("_scales"):   # 8-bit block scales (not of the parameter's shape)
+                    state[key] = value.detach().to(device=p.device, dtype=torch.float32).clone()
+                    continue
                 dtype = torch.float32 if key == "master_param" else self._state_dtype(group, p)
+                dtype = torch.uint8 if key.endswith("_codes") else dtype
                 state[key] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
+
+
+def _global_offset(p) -> int:
+    """The flat index in the whole parameter of this rank's first element (0 for a plain tensor);
+    a DTensor parameter here is split along dim 0 at most (checked by _check_lowbit)."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] * lowbit_ops.rows_of(p.shape)[1] if p.dim() >= 2 else offset[0]
+
+
+_STORAGE_KEYS = ("optim_bits", "min_8bit_size", "stochastic_rounding")
+_CODE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
+
+
+def _to_8bit_state(state: dict, p, name: str) -> None:
+    """Give ``p`` (an 8-bit parameter) its 8-bit moments: new zeros, or its float moments quantised
+    (a float32 state loaded into optim_bits=8)."""
+    if all(key in state for key in _CODE_KEYS):
+        return
+    if is_dtensor(p):
+        if "exp_avg" in state:
+            raise UnsupportedError(f"trainops.optim.{name}: a float32 state was loaded for a DTensor parameter under "
+                                   "optim_bits=8; convert it before sharding (or load it into optim_bits=32)")
+        from torch.distributed.tensor import zeros as dtensor_zeros
+
+        for key in _CODE_KEYS:
+            if key.endswith("_codes"):
+                state[key] = torch.zeros_like(p, dtype=torch.uint8)
+            else:
+                state[key] = dtensor_zeros(lowbit_ops.scale_shape(p.shape), dtype=torch.float32,
+                                           device_mesh=p.device_mesh, placements=p.placements)
+                if local(state[key]).shape[0] != local(p).shape[0]:
+                    raise UnsupportedError(f"trainops.optim.{name}: the block scales of a DTensor parameter of shape "
+                                           f"{tuple(p.shape)} do not shard along dim 0 as the parameter does")
+        return
+    with torch.no_grad():
+        if "exp_avg" in state:
+            state.update(lowbit_ops.quantize_moments(state.pop("exp_avg"), state.pop("exp_avg_sq")))
+        else:   # zero moments: code 0, scale 0 (no float32 zeros made on the way)
+            for key in _CODE_KEYS:
+                state[key] = (torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+                              if key.endswith("_codes") else
+                              torch.zeros(lowbit_ops.scale_shape(p.shape), dtype=torch.float32, device=p.device))
+
+
+def _to_float_state(state: dict, p, name: str) -> None:
+    """An 8-bit state loaded for a parameter that keeps float32 moments: dequantised."""
+    if "exp_avg_codes" not in state:
+        return
+    if is_dtensor(p):
+        raise UnsupportedError(f"trainops.optim.{name}: an 8-bit state was loaded for a DTensor parameter that keeps "
+                               "float32 states; load it with optim_bits=8")
+    m, v = lowbit_ops.dequantize_moments(state)
+    for key in _CODE_KEYS:
+        del state[key]
+    state["exp_avg"], state["exp_avg_sq"] = m.reshape(p.shape), v.reshape(p.shape)
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -488,12 +682,16 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool | None = None, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None):
+                 skip_nonfinite: bool = False, master_weights: bool = False, state_dtype: torch.dtype | None = None,
+                 optim_bits: int = 32, min_8bit_size: int = 4096, stochastic_rounding: bool = False,
+                 rounding_seed: int = 0):
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype,
+                         lowbit=dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                                     stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed))
 
     def _init_state(self, group, p, state) -> None:
         super()._init_state(group, p, state)
@@ -504,6 +702,18 @@ class Adam(FusedOptimizer):
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
+        if bucket["kind"] != "plain":
+            quantized = bucket["kind"] == "8bit"
+            m, v = ("exp_avg_codes", "exp_avg_sq_codes") if quantized else ("exp_avg", "exp_avg_sq")
+            return lowbit_ops.prepare_adam_lowbit_step(
+                bucket["params"], bucket["grads"], self._column(bucket, m), self._column(bucket, v),
+                self._column(bucket, "exp_avg_scales") if quantized else None,
+                self._column(bucket, "exp_avg_sq_scales") if quantized else None, [s["step"] for s in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
+                masters=self._masters(group, bucket),
+                stochastic_rounding=group["stochastic_rounding"], seed=self.rounding_seed, keys=bucket["sr_keys"],
+                offsets=bucket["offsets"], table=table)
         return optimizer_ops.prepare_adam_step(
             bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
             self._column(bucket, "max_exp_avg_sq") if group["amsgrad"] else None, [s["step"] for s in states],
@@ -521,10 +731,32 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | torch.Tensor = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, optim_bits: int = 32, min_8bit_size: int = 4096,
+                 stochastic_rounding: bool = False, rounding_seed: int = 0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True,
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                         stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
+
+
+class AdamW8bit(AdamW):
+    """AdamW with 8-bit blockwise states (``optim_bits=8``): the name bitsandbytes and torchao use."""
+
+    _name = "AdamW8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 1e-2, amsgrad: bool = False, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits=optim_bits, **options)
+
+
+class Adam8bit(Adam):
+    """Adam with 8-bit blockwise states (``optim_bits=8``): the name bitsandbytes and torchao use."""
+
+    _name = "Adam8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | torch.Tensor = 0.0, amsgrad: bool = False, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits=optim_bits, **options)
 
 
 class LAMB(FusedOptimizer):
@@ -542,16 +774,31 @@ class LAMB(FusedOptimizer):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float | torch.Tensor = 0.01, *, bias_correction: bool = True, maximize: bool = False,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, master_weights: bool = False,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, optim_bits: int = 32, min_8bit_size: int = 4096,
+                 stochastic_rounding: bool = False, rounding_seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, maximize=maximize),
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, master_weights=master_weights,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype,
+                         lowbit=dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                                     stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed))
 
     def _prepare_bucket(self, group, bucket, table) -> optimizer_ops.PreparedStep:
         states = bucket["states"]
         beta1, beta2 = group["betas"]
         mesh_sums = bucket["mesh_sums"]
+        if bucket["kind"] != "plain":
+            quantized = bucket["kind"] == "8bit"
+            m, v = ("exp_avg_codes", "exp_avg_sq_codes") if quantized else ("exp_avg", "exp_avg_sq")
+            return lowbit_ops.prepare_lamb_lowbit_step(
+                bucket["params"], bucket["grads"], self._column(bucket, m), self._column(bucket, v),
+                self._column(bucket, "exp_avg_scales") if quantized else None,
+                self._column(bucket, "exp_avg_sq_scales") if quantized else None, [s["step"] for s in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], maximize=group["maximize"],
+                masters=self._masters(group, bucket), stochastic_rounding=group["stochastic_rounding"],
+                seed=self.rounding_seed, keys=bucket["sr_keys"], offsets=bucket["offsets"], table=table,
+                reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
         return optimizer_ops.prepare_lamb_step(
             bucket["params"], bucket["grads"], self._column(bucket, "exp_avg"), self._column(bucket, "exp_avg_sq"),
             [s["step"] for s in states], lr=group["lr"], beta1=beta1,
@@ -561,4 +808,214 @@ class LAMB(FusedOptimizer):
             reduce_squares=None if mesh_sums is None else mesh_sums.sum_rows_)
 
 
-__all__ = ["Adam", "AdamW", "FusedOptimizer", "FusedStep", "LAMB", "SGD"]
+class LAMB8bit(LAMB):
+    """LAMB with 8-bit blockwise states (``optim_bits=8``)."""
+
+    _name = "LAMB8bit"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float | torch.Tensor = 0.01, *, optim_bits: int = 8, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, optim_bits=optim_bits, **options)
+
+
+_IN_BACKWARD_CACHE = 256   # cached buckets (sets of parameters stepped together) before they are dropped
+
+
+class StepInBackward:
+    """The handle step_in_backward returns: ``remove()`` restores the plain optimizer. While it is
+    active, ``handle.grad_norm`` is the previous backward's global gradient norm (with
+    ``clip_with_previous_norm``) and ``handle.steps`` counts the optimizer steps taken."""
+
+    def __init__(self, params, optimizer, accumulation_steps: int, clip_with_previous_norm: bool, bucket_bytes: int):
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.bucket_bytes = bucket_bytes
+        self.max_norm = optimizer.max_grad_norm if clip_with_previous_norm else None
+        self.grad_norm: torch.Tensor | None = None
+        self.steps = 0
+        self._clip: torch.Tensor | None = None
+        self._norm_squares: torch.Tensor | None = None
+        self._backward = 0          # backward passes since the last step (accumulation)
+        self._pending: list = []
+        self._pending_bytes = 0
+        self._queued = False
+        self._norm_tables = TableCache()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        self._saved = {name: optimizer.__dict__[name] for name in ("step", "zero_grad") if name in optimizer.__dict__}
+        handle = self
+
+        # Methods of the optimizer (torch's LR schedulers rebind ``optimizer.step.__func__`` to it).
+        def step(optimizer, closure=None, **keywords):
+            return handle._no_step(closure, **keywords)
+
+        def zero_grad(optimizer, set_to_none: bool = True) -> None:
+            """Gradients are freed by the step in the backward (and kept between accumulated micro-batches)."""
+
+        step.step_in_backward = handle
+        step._wrapped_by_lr_sched = True   # it sets _opt_called itself: no wrapper (nor warning) needed
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+        optimizer.max_grad_norm = None   # the clip is this handle's (previous norm), or refused
+        self._removed = False
+
+    def _no_step(self, closure=None, **keywords):
+        """The optimizer's step while steps run in the backward: nothing to do (the closure runs)."""
+        if keywords.get("grad_scale") is not None or getattr(self.optimizer, "grad_scale", None) is not None:
+            raise UnsupportedError("trainops.optim.step_in_backward: a GradScaler stepped the optimizer; its inf/NaN "
+                                   "skip needs every gradient before any parameter changes, which a step in the "
+                                   "backward cannot wait for (use bf16 autocast, or remove() the handle)")
+        self.optimizer._opt_called = True   # what torch's LR schedulers check before their step
+        return closure() if closure is not None else None
+
+    def _ready(self, p) -> None:
+        if self._backward + 1 < self.accumulation_steps:
+            if not self._queued:
+                self._queue()
+            return
+        self._pending.append(p)
+        self._pending_bytes += p.grad.numel() * p.grad.element_size()
+        if not self._queued:
+            self._queue()
+        if self._pending_bytes >= self.bucket_bytes:
+            self._flush()
+
+    def _queue(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._queued = True
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """One fused step over the pending parameters (per param group, device and dtype), their
+        gradients freed."""
+        params, self._pending, self._pending_bytes = self._pending, [], 0
+        if not params:
+            return
+        opt = self.optimizer
+        if len(opt._buckets) > _IN_BACKWARD_CACHE:   # flush sets that changed step to step: drop their caches
+            for cache in (opt._buckets, opt._tables._tables, opt._lowbit_tables):
+                for key in [k for k in cache if "in-backward" in str(k)]:
+                    del cache[key]
+        groups = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(groups[id(p)], []).append(p)
+        if self.max_norm is not None:
+            grads = [p.grad for p in params]
+            norm = amp_ops.grad_stats(grads, tables=self._norm_tables.get(len(grads))).norm.to(torch.float32)
+            squares = norm.square()
+            self._norm_squares = squares if self._norm_squares is None else self._norm_squares + squares
+        prepared = []
+        for index, members in by_group.items():
+            group = opt.param_groups[index]
+            opt._check_group(group, f"param_groups[{index}]")
+            buckets = opt._gather(index, group, members, ("in-backward", index, tuple(map(id, members))))
+            for key, bucket in buckets.items():
+                if bucket["kind"] == "plain":
+                    table = opt._tables.get((opt._name, "in-backward", index, tuple(map(id, members)), *key))
+                else:
+                    table = opt._lowbit_tables.setdefault(("in-backward", index, tuple(map(id, members)), *key),
+                                                          lowbit_ops.LowbitTable())
+                prepared.append((key[0], opt._prepare_bucket(group, bucket, table)))
+        for device, write in prepared:
+            write(None, None, _on(self._clip, device))
+        for p in params:
+            p.grad = None
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self._backward += 1
+        if self._backward < self.accumulation_steps:
+            return
+        self._flush()
+        self._backward = 0
+        self.steps += 1
+        if self.max_norm is not None and self._norm_squares is not None:
+            self.grad_norm = self._norm_squares.sqrt()
+            self.optimizer.grad_norm = self.grad_norm
+            self._clip = amp_ops.clip_coefficient(self.grad_norm, self.max_norm).to(torch.float32)
+            self._norm_squares = None
+
+    def remove(self) -> None:
+        """Remove the hooks and give the optimizer back its step, zero_grad and max_grad_norm."""
+        if self._removed:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        for name in ("step", "zero_grad"):
+            self.optimizer.__dict__.pop(name, None)
+        self.optimizer.__dict__.update(self._saved)
+        if self.max_norm is not None:
+            self.optimizer.max_grad_norm = self.max_norm
+        self._removed = True
+
+
+def step_in_backward(model, optimizer: FusedOptimizer, *, accumulation_steps: int = 1,
+                     clip_with_previous_norm: bool = False, bucket_bytes: int = 32 << 20) -> StepInBackward:
+    """Run ``optimizer``'s step inside the backward: each parameter's gradient, once accumulated
+    (``register_post_accumulate_grad_hook``), joins a pending bucket; a bucket of ``bucket_bytes``
+    of gradients (and the rest at the end of the backward) takes one fused multi-tensor step and
+    its gradients are freed, so at most about ``bucket_bytes`` of gradients live at once instead
+    of all of them.
+
+    ``model``: an nn.Module or parameters; every trainable one must belong to ``optimizer`` (a
+    trainops optimizer). Afterwards ``optimizer.step()`` and ``zero_grad()`` do nothing (a
+    closure still runs), so training loops (the Hugging Face Trainer's) keep working, and LR
+    schedulers act through ``param_groups``, read at every bucket's step. ``handle.remove()``
+    restores the plain optimizer.
+
+    What it cannot do, explicitly:
+    - a global-norm clip needs every gradient before the first update: ``max_grad_norm`` is refused,
+      unless ``clip_with_previous_norm=True``: each step is clipped with the coefficient of the
+      *previous* backward's global norm (the first step is not clipped); the norm is left in
+      ``handle.grad_norm`` and ``optimizer.grad_norm``;
+    - ``skip_nonfinite`` and GradScaler's inf/NaN skip (every gradient checked before any update)
+      are refused: at construction, and for a GradScaler when it calls ``optimizer.step`` (after
+      the backward already stepped with scaled gradients: use bf16 autocast instead);
+    - gradient accumulation: ``accumulation_steps=N`` lets N - 1 backward passes accumulate (the
+      gradients live as usual) and steps in the N-th; calling backward more often than declared
+      between steps is not detected.
+    - DTensor (FSDP2) parameters are refused: FSDP2 writes reduced gradients outside autograd's
+      accumulation.
+    With the Hugging Face Trainer, set ``max_grad_norm=0`` (its clip runs after the backward, on
+    gradients already freed, and clips nothing) and use ``clip_with_previous_norm`` if a clip is wanted.
+    """
+    name = "trainops.optim.step_in_backward"
+    if not isinstance(optimizer, FusedOptimizer):
+        raise UnsupportedError(f"{name}: argument 'optimizer' is a {type(optimizer).__name__}; a trainops optimizer "
+                               "(trainops.optim.AdamW, ...) is needed")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise InvalidProblemError(f"{name}: argument 'accumulation_steps' is {accumulation_steps!r}; it must be an "
+                                  "int >= 1")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise InvalidProblemError(f"{name}: argument 'bucket_bytes' is {bucket_bytes!r}; it must be an int >= 0")
+    if optimizer.max_grad_norm is not None and not clip_with_previous_norm:
+        raise UnsupportedError(f"{name}: the optimizer has max_grad_norm={optimizer.max_grad_norm}; a global-norm "
+                               "clip needs every gradient before the first update. Pass clip_with_previous_norm=True "
+                               "to clip with the previous step's norm, or drop max_grad_norm")
+    if clip_with_previous_norm and optimizer.max_grad_norm is None:
+        raise InvalidProblemError(f"{name}: argument 'clip_with_previous_norm' is True but the optimizer has no "
+                                  "max_grad_norm")
+    if optimizer.skip_nonfinite:
+        raise UnsupportedError(f"{name}: the optimizer has skip_nonfinite=True; skipping a step on inf/NaN needs every "
+                               "gradient before the first update")
+    if getattr(getattr(optimizer.step, "__func__", None), "step_in_backward", None) is not None:
+        raise InvalidProblemError(f"{name}: the optimizer already steps in the backward (remove() its handle first)")
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    params = [p for p in params if p.requires_grad]
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for i, p in enumerate(params):
+        if id(p) not in owned:
+            raise InvalidProblemError(f"{name}: trainable parameter {i} of argument 'model' (shape {tuple(p.shape)}) "
+                                      "is not in the optimizer")
+        if is_dtensor(p):
+            raise UnsupportedError(f"{name}: parameter {i} is a DTensor; FSDP2 writes its gradients outside autograd's "
+                                   "accumulation, where no post-accumulate hook runs")
+        if p.grad is not None:
+            raise InvalidProblemError(f"{name}: trainable parameter {i} of argument 'model' already has a gradient "
+                                      "(accumulated before the handle): the first step in the backward would add it "
+                                      "in. Call optimizer.zero_grad() first; accumulate with accumulation_steps")
+    return StepInBackward(params, optimizer, accumulation_steps, clip_with_previous_norm, bucket_bytes)
+
+
+__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW8bit", "FusedOptimizer", "FusedStep", "LAMB", "LAMB8bit", "SGD",
+           "StepInBackward", "step_in_backward"]

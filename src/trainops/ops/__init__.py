@@ -2,6 +2,7 @@
 path, registrations and custom ops together. Adding a family: CONTRIBUTING.md (five files)."""
 
 from . import amp, cross_entropy, gather, grad, normalization, optimizers, softmax  # noqa: F401
+from . import lowbit_optimizers  # noqa: F401
 from . import activations  # noqa: F401
 from . import rotary  # noqa: F401
 from . import dropout  # noqa: F401

@@ -130,8 +130,11 @@ class TensorTable:
     (optimizer state) are ours and keep their layout at a given address.
     """
 
-    def __init__(self, block: int):
+    def __init__(self, block: int, units=None):
         self.block = block
+        # units(tensor) -> int: what is cut into blocks of ``block`` (default: the elements;
+        # the low-bit optimizer steps cut their tensors' 256-element row chunks)
+        self._units = units or torch.Tensor.numel
         self._sizes_key: tuple | None = None
         self._key: tuple | None = None
         self._blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
@@ -146,7 +149,7 @@ class TensorTable:
         # map over the unbound methods: the cheapest way to call them per tensor (a steady step's only cost)
         addresses = tuple(map(torch.Tensor.data_ptr, itertools.chain(*columns, *scalars)))
         strides = tuple(map(torch.Tensor.stride, itertools.chain(*columns[:user_columns])))
-        sizes = tuple(map(torch.Tensor.numel, lead))
+        sizes = tuple(map(self._units, lead))
         key = (addresses, strides, sizes)
         device = lead[0].device
         in_capture = capturing(device)
