@@ -168,6 +168,28 @@ def time_gpu(call, timing: Timing = DEFAULT_TIMING) -> float:
     return triton.testing.do_bench(call, warmup=timing.warmup, rep=timing.rep, return_mode="median")
 
 
+def kernel_ms(fn, steps: int = 20, windows: int = 1, warmup: int = 1) -> float:
+    """ms of one call on the GPU: the durations of the kernels and copies it launched, summed, per
+    call, over ``steps`` calls under torch.profiler (launch gaps and ``record_function`` ranges left
+    out); the median of ``windows`` such profiles, after ``warmup`` unprofiled calls (compiles,
+    caches). GPU time alone: what a call costs where the host keeps ahead of the GPU."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not getattr(e, "is_user_annotation", False))
+        times.append(total_us / 1e3 / steps)
+    return statistics.median(times)
+
+
 def _free_device_memory() -> None:
     """Collect what an implementation left (cycles included) and return it to the device, so the
     next one starts from the same memory. Only with CUDA: on the CPU path refcounting frees the
@@ -376,7 +398,7 @@ def main(quick: bool = False, ops: str = "all", out: str | None = None, peers: b
     return 0
 
 
-__all__ = ["CheckFailed", "DEFAULT_TIMING", "Impl", "Row", "Timing", "bar_chart", "copy_ceiling_gbps",
+__all__ = ["CheckFailed", "DEFAULT_TIMING", "Impl", "Row", "Timing", "bar_chart", "copy_ceiling_gbps", "kernel_ms",
            "deterministic_algorithms", "environment", "l2_cache_bytes", "launch_overhead_us", "main", "rotate",
            "rotation_sets", "run_cases", "same_bytes_copy_ms", "start", "summary_table", "sweep_table", "time_cpu",
            "time_events", "time_gpu", "write_results"]

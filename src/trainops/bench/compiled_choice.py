@@ -25,7 +25,7 @@ import torch
 
 import trainops
 from ..compiled import CompiledChoices, size_class
-from . import Row, copy_ceiling_gbps, environment, write_results
+from . import Row, copy_ceiling_gbps, environment, kernel_ms, write_results
 
 MARGIN = 0.03   # the decomposition must be this much faster: 3 %, above the spread of repeated profiles
 ELEMENTS = 1 << 25   # elements of x per norm problem (rows = ELEMENTS / row length): Qwen3-0.6B's q-norm at 8 x 2048
@@ -104,26 +104,6 @@ def _compiled_step(f, inputs, upstream, backend: str, key):
     return step, [o.detach() for o in outputs]
 
 
-def kernel_ms(step, steps: int = 10, windows: int = 3) -> float:
-    """ms of GPU time a step: its kernels' and copies' durations summed under torch.profiler, per
-    step, the median of ``windows`` profiles of ``steps`` steps (three unprofiled steps first)."""
-    import statistics
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-        total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                       and not getattr(e, "is_user_annotation", False))
-        times.append(total_us / 1e3 / steps)
-    return statistics.median(times)
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -144,7 +124,7 @@ def measure(dtype: torch.dtype, ceiling: float, log=print) -> tuple[list[Row], d
         for backend in ("triton", "inductor"):
             torch._dynamo.reset()
             step, outputs[backend] = _compiled_step(f, inputs, upstream, backend, key)
-            times[backend] = kernel_ms(step)
+            times[backend] = kernel_ms(step, steps=10, windows=3, warmup=3)
         error = max(_relative(a, b) for a, b in zip(outputs["inductor"], outputs["triton"]))
         choice = "inductor" if times["inductor"] < (1 - MARGIN) * times["triton"] else "triton"
         if choice == "inductor":

@@ -296,3 +296,18 @@ if triton_available():
         block_p = max(1, min(max_parts, next_pow2(parts), _SUM_TILE // block_c))
         return launcher(_sum_columns, (triton.cdiv(max(cols, 1), block_c),), trailing=(parts, cols),
                         BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+
+
+def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b with ``out`` in the accumulator dtype and a, b maybe half: on CUDA the matmul
+    reads and writes ``out`` itself (torch.mm / addmm's out_dtype: no float32 copies of a or b);
+    on the CPU a and b are converted first. The chunked LM-head losses' gradient matmuls."""
+    if out.dtype != a.dtype and out.device.type == "cuda":
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

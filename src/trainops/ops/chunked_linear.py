@@ -34,6 +34,8 @@ from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..plan import heuristics_for
+from ..registry import accumulator_dtype as accumulator
+from ._common import matmul_into
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
 GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
@@ -80,24 +82,6 @@ def weight_dtype_bit() -> int:
 def heuristic_rows(n: int, classes: int) -> int:
     """Tokens a chunk from the ChunkedLinearHeuristics in force (read at run time, not traced)."""
     return heuristics_for(ChunkedLinearHeuristics).rows(n, classes)
-
-
-def accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b, ``out`` in the accumulator dtype, a and b maybe half: on CUDA the matmul reads
-    and writes ``out`` itself (torch.mm / addmm's out_dtype); on the CPU a and b are converted first."""
-    if out.dtype != a.dtype and out.device.type == "cuda":
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        else:
-            torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-    else:
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 class ChunkedHead:
@@ -180,13 +164,13 @@ class ChunkedHead:
             else:
                 if self._dx_chunk is None or self._dx_chunk.shape[0] != rows:
                     self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
-                _matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
+                matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
                 offset = 0
                 for start, stop in parts:
                     self.dx[start:stop].copy_(self._dx_chunk[offset:offset + stop - start])
                     offset += stop - start
         if self.dw is not None:
-            _matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
+            matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
         if self.db is not None:
             self.db += du.sum(0) if du.dtype == self.acc else dlogits.sum(0, dtype=self.acc)
         self._first = False

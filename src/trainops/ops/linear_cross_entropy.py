@@ -74,7 +74,7 @@ from torch import Tensor
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
 from ..library import custom_op
 from ..plan import heuristics_for
-from ._common import capturing, check_mode, raise_flagged
+from ._common import capturing, check_mode, matmul_into, raise_flagged
 from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inplace_op, cross_entropy_op,
                             note_target_flag, scale_gradient_)
 
@@ -125,21 +125,6 @@ class LinearCrossEntropyHeuristics:
 # ----------------------------------------------------------------------------------------------
 # The chunked computation (the custom ops' impl, CPU and CUDA alike)
 # ----------------------------------------------------------------------------------------------
-
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b with ``out`` in the accumulator dtype and a, b maybe half: on CUDA the matmul
-    reads and writes ``out`` itself (torch.mm / addmm's out_dtype: no float32 copies of a or b);
-    on the CPU a and b are converted first."""
-    if out.dtype != a.dtype and out.device.type == "cuda":
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        else:
-            torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-    else:
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-
 
 def _chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], softcap: Optional[float], logit_scale: float,
                   temperature: float):
@@ -266,10 +251,10 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         if dx is not None:   # in the accumulator dtype, then scaled and rounded once into dx's rows
             if dx_chunk is None or dx_chunk.shape[0] != stop - start:
                 dx_chunk = torch.empty(stop - start, h, dtype=acc, device=x.device)
-            _matmul_into(dx_chunk, dlogits, w, accumulate=False)
+            matmul_into(dx_chunk, dlogits, w, accumulate=False)
             torch.mul(dx_chunk, unit, out=dx[start:stop])
         if dw is not None:
-            _matmul_into(dw, dlogits.t(), xc, accumulate=start > 0)
+            matmul_into(dw, dlogits.t(), xc, accumulate=start > 0)
         if db is not None:
             db += dlogits[:, :classes].sum(0, dtype=acc)
         del logits, padded_logits, dlogits, t   # before the next chunk's logits: one chunk's buffers alive at a time
