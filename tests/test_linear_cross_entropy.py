@@ -133,13 +133,13 @@ def test_only_the_gradients_asked_for_are_computed(backend, device):
     computed = []
     from trainops.ops import linear_cross_entropy as module
 
-    original = module._matmul_into
+    original = module.matmul_into
 
     def spy(out, a, b, accumulate):
         computed.append(tuple(out.shape))
         return original(out, a, b, accumulate)
 
-    module._matmul_into = spy
+    module.matmul_into = spy
     try:
         with small_chunks(8):
             for reduction in ("mean", "none"):
@@ -148,8 +148,9 @@ def test_only_the_gradients_asked_for_are_computed(backend, device):
                 assert_close(dx, torch.autograd.grad(reference(x, w, t, b, reduction=reduction).sum(), x)[0],
                              torch.float64, reduction)
     finally:
-        module._matmul_into = original
-    assert computed and tuple(w.shape) not in computed   # dhidden's matmuls ran, no dW matmul
+        module.matmul_into = original
+    # dhidden's chunk matmuls ran (8 rows a chunk); no dW matmul (its output has the padded vocabulary's rows)
+    assert computed and all(shape[0] <= 8 for shape in computed), computed
     x2 = x.detach()   # only the head trains
     w.requires_grad_(True)
     loss = trainops.linear_cross_entropy(x2, w, t, b)
