@@ -86,7 +86,8 @@ def test_rotary_decomposition_matches_the_op(cos_shape, rotary_dim, interleaved,
     for name, a, e in zip(("dq", "dk"), got, want):
         assert_close(a, e, dtype, name)
     size = rotary_ops.ROTARY_DECOMPOSITION.size(rotary_ops.rotary_op._by_name(*args))
-    assert size == cos_shape[-1]
+    # partial rotary is never decomposed (its outputs would not take q's layout, as the op's do)
+    assert size == (cos_shape[-1] if cos_shape[-1] == q.shape[-1] else None)
     with_ids = rotary_ops.rotary_op._by_name(q, k, cos, sin, torch.zeros(7, dtype=torch.long), False, None, False)
     assert rotary_ops.ROTARY_DECOMPOSITION.size(with_ids) is None   # position ids: never decomposed
 
@@ -220,3 +221,43 @@ def test_the_bench_flags_are_checked():
         main(["bench", "--write-table", "x.py"])            # only with --compiled-choice
     with pytest.raises(SystemExit):
         main(["bench", "--compiled-choice", "--quick"])     # runs alone
+
+
+def _rms(x, w):
+    return trainops.rms_norm(x, w, 1e-6)
+
+
+def test_dynamic_sizes_and_recompiles_follow_the_table():
+    """Symbolic sizes (dynamic=True, or a width that turns dynamic on a recompile) trace: the look-up
+    takes constants only and the size is compared in the graph, so each size gets its class's choice."""
+    w32, w256 = torch.rand(32) + 0.5, torch.rand(256) + 0.5
+    x32, x256 = torch.randn(4, 32), torch.randn(4, 256)
+    table = {("cpu", "rms_norm", "float32", 32): "inductor"}
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(_rms, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for x, w, decomposed in ((x32, w32, True), (x256, w256, False), (x32, w32, True)):
+            with trainops.heuristics(CompiledChoices(table=table)), trainops.track_kernels() as used:
+                got = compiled(x, w)
+            assert (("rms_norm" in {op for op, *_ in used}) != decomposed), (dynamic, x.shape)
+            with trainops.backend("cpu"):
+                assert_close(got, trainops.rms_norm(x, w, 1e-6), torch.float32, str(x.shape))
+    torch._dynamo.reset()
+
+
+def test_a_pinned_backend_and_torch_export_keep_the_op():
+    x, w = torch.randn(4, 32), torch.rand(32) + 0.5
+    table = CompiledChoices(table={("cpu", "rms_norm", "float32", 32): "inductor"})
+    torch._dynamo.reset()
+    with trainops.heuristics(table), trainops.backend("cpu"), trainops.track_kernels() as used:
+        torch.compile(_rms, fullgraph=True, backend="aot_eager")(x, w)
+    assert "rms_norm" in {op for op, *_ in used}   # the pinned backend's kernel ran
+
+    class Norm(torch.nn.Module):
+        def forward(self, x, w):
+            return _rms(x, w)
+
+    with trainops.heuristics(table):
+        exported = torch.export.export(Norm(), (x, w))
+    assert "trainops.rms_norm" in str(exported.graph)
+    torch._dynamo.reset()

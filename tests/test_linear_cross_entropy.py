@@ -320,6 +320,20 @@ def test_padded_vocabulary_layouts_agree(backend, device, vocab_align, dtype):
                 assert_close(a, e, dtype, f"d{name} {options} {reduction}")
 
 
+def test_float16_rows_with_a_logit_scale(backend, device):
+    """Reduction "none" in float16 with Granite's kind of logit scale: the scale's factor stays in the
+    float32 scalar (not in each row's float16 factor, where it would underflow toward zero)."""
+    x, w, b, t = inputs(256, 32, 70, torch.float16, device, seed=4)
+    with small_chunks(64):
+        loss = trainops.linear_cross_entropy(x, w, t, b, reduction="none", logit_scale=1 / 16, temperature=2.0)
+        got = torch.autograd.grad(loss.mean(), (x, w, b))
+    want = torch.autograd.grad(reference(x, w, t, b, reduction="none", logit_scale=1 / 16, temperature=2.0).mean(),
+                               (x, w, b))
+    for name, a, e in zip("xwb", got, want):
+        assert a.abs().max() > 0, name
+        assert_close(a, e, torch.float16, f"d{name}")
+
+
 def test_logit_scale_and_temperature_gradcheck():
     x, w, b, t = inputs(9, 6, 11, torch.float64, "cpu", seed=7)
     with trainops.backend("cpu"):

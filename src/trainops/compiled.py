@@ -6,8 +6,7 @@ torch.compile traces a call of that op on CUDA tensors, the op looks up ``Compil
 (op, dtype, size class) and, where the table says ``"inductor"``, traces the decomposition instead
 of the custom op, so Inductor fuses it with what surrounds it (per-head q / k norms with the casts
 and the rotary embedding around them: issue 39's compiled Qwen3 profile). Everywhere else (eager
-mode, the CPU, a problem the table does not name, symbolic sizes) the op runs our kernels as
-before; under torch.compile those are launched by Inductor itself where the op is ``inline_triton``.
+mode, the CPU, a problem the table does not name) the op runs our kernels as before; under torch.compile those are launched by Inductor itself where the op is ``inline_triton``.
 
 The choice is measured, not guessed, and made when the graph is traced, not timed then: the table
 is ``python -m trainops bench --compiled-choice``'s output (``compiled_table.py``, generated), one
@@ -15,7 +14,15 @@ entry per (op, dtype, size class), ``"inductor"`` only where the compiled decomp
 backward was faster than the compiled op's by more than the bench's margin. Size classes are
 powers of two (a size n falls in the class of the smallest power of two >= n); what a size is, is
 the op's (normalizations: the elements of a row; the rotary embedding: the rotated features of a
-head).
+head). A symbolic size (dynamic shapes) is compared with the classes in the traced code, so
+dynamo guards on the answer. Under torch.export, or with a backend pinned (``trainops.backend``),
+the op always stays whole.
+
+What the bench measures, and so what the table knows: each op alone, forward + backward, on
+static shapes of 32M elements, in its plain form (no residual, weight present); the choice is
+applied to every call of that (op, dtype, size class), fused residual adds, forward-only calls and
+small problems included. A decomposition runs no trainops kernel: ``track_kernels`` does not see
+it, and the op's own checks (DTensor arguments, cos / sin that require grad) are not made there.
 
 Tests and tuned deployments pass their own table through ``trainops.heuristics(CompiledChoices(
 table=...))``; a compiled graph keeps the choice it was traced with (dynamo does not guard on the
@@ -67,6 +74,12 @@ class CompiledChoices:
 
     def backend(self, device_type: str, op: str, dtype: torch.dtype, size: int) -> str:
         return self.table.get((device_type, op, dtype_name(dtype), size_class(size)), "triton")
+
+    def size_classes(self, device_type: str, op: str, dtype: torch.dtype) -> tuple[int, ...]:
+        """The size classes the table hands to Inductor for (device type, op, dtype), ascending."""
+        name = dtype_name(dtype)
+        return tuple(sorted(c for (d, o, t, c), b in self.table.items()
+                            if (d, o, t) == (device_type, op, name) and b == "inductor"))
 
     def rows(self) -> list[dict]:
         return [dict(device=d, op=o, dtype=t, size_class=s, backend=b)

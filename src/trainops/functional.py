@@ -249,7 +249,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
     chunk's logits (LinearCrossEntropyHeuristics.chunk_bytes, 512 MiB by default), a float32
     weight-gradient accumulator during the forward for a half weight, and a copy of the weight in
-    hidden's dtype when the two differ.
+    hidden's dtype when the two differ or when the vocabulary is padded to a multiple of 8 (its
+    rows then 16-byte aligned for cuBLAS: LinearCrossEntropyHeuristics.vocab_align).
 
     hidden: (..., H) float32 / float16 / bfloat16 / float64 (under autocast, cast to its dtype as
     ``F.linear`` is). weight: (V, H), bias: (V,), any float dtype (cast once to hidden's; their

@@ -37,7 +37,7 @@ from torch.overrides import has_torch_function
 from .compiled import Decomposition
 from .dtensor import is_dtensor
 from .errors import UnsupportedError
-from .plan import traced_compiled_backend
+from .plan import traced_inductor_size_classes
 from .registry import triton_available, triton_interpreting
 
 PLAIN_TENSORS = (Tensor, torch.nn.Parameter)  # real tensors (not subclasses, fake or functional ones)
@@ -130,18 +130,21 @@ class CustomOp:
                     "with torch.distributed.fsdp.register_fsdp_forward_method)")
 
     def _traced_decomposition(self, args, kwargs):
-        """While dynamo traces a call on tensors of static sizes on one device type: the
-        decomposition's outputs where the CompiledChoices in force name "inductor" for the call's
-        (device type, op, dtype, size class), else None (the op). The measured table names CUDA
-        problems only."""
+        """While dynamo traces a call on tensors of one device type: the decomposition's outputs
+        where the CompiledChoices in force hand the call's (device type, op, dtype, size class) to
+        Inductor, else None (the op). The measured table names CUDA problems only. The look-up
+        takes constants only; the size, symbolic under dynamic shapes, is compared with the
+        classes here, in traced code (dynamo guards on it)."""
         arguments = self._by_name(*args, **kwargs)
         tensors = [a for a in arguments if isinstance(a, Tensor)]
-        if (not tensors or len({t.device.type for t in tensors}) != 1
-                or any(isinstance(d, torch.SymInt) for t in tensors for d in t.shape)):
+        if not tensors or len({t.device.type for t in tensors}) != 1:
+            return None
+        classes = traced_inductor_size_classes(self.name, tensors[0].device.type,
+                                               self._decomposition.dtype(arguments))
+        if not classes:
             return None
         size = self._decomposition.size(arguments)
-        if size is None or traced_compiled_backend(self.name, tensors[0].device.type, self._decomposition.dtype(arguments),
-                                   size) != "inductor":
+        if size is None or not any(c // 2 < size <= c for c in classes):
             return None
         return self._decomposition.function(*arguments)
 

@@ -225,8 +225,18 @@ def compiled_backend(op: str, device_type: str, dtype: torch.dtype, size: int) -
     return heuristics_for(CompiledChoices).backend(device_type, op, dtype, size)
 
 
-# dynamo calls it while it traces and bakes the answer into the graph (no trace of the look-up)
-traced_compiled_backend = torch.compiler.assume_constant_result(compiled_backend)
+def _inductor_size_classes(op: str, device_type: str, dtype: torch.dtype) -> tuple[int, ...]:
+    """The size classes whose problems of (op, device type, dtype) a traced graph hands to Inductor:
+    none under torch.export (the op stays whole in an exported program) or with a backend pinned
+    (trainops.backend: the pinned kernels run)."""
+    if torch.compiler.is_exporting() or pinned_backend() is not None:
+        return ()
+    return heuristics_for(CompiledChoices).size_classes(device_type, op, dtype)
+
+
+# dynamo calls it while it traces and bakes the answer into the graph (no trace of the look-up); its
+# arguments are constants, so symbolic sizes are compared with the classes in traced code (guarded)
+traced_inductor_size_classes = torch.compiler.assume_constant_result(_inductor_size_classes)
 
 
 _PLANS: dict[tuple, Plan] = {}

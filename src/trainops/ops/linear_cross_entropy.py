@@ -53,10 +53,13 @@ forward). The loss is float32 (float64 for float64) unless ``loss_dtype`` says o
 Deterministic: fixed chunk order, no atomics.
 
 Memory beyond the inputs and the gradients: one chunk's logits (with softcap, also their tanh),
-a float32 chunk of dhidden, the float32 dW accumulator of a half weight, and a copy of the weight
-(and bias) in hidden's dtype when theirs differs (a float32 master weight under bf16 autocast: the
-copy torch's autocast makes too). A hidden whose leading axes do not merge (a transposed batch) is
-copied once by the reshape to (N, H).
+a float32 chunk of dhidden, the float32 dW accumulator of a half weight (Vp rows), and a copy of
+the weight (and bias) in hidden's dtype when theirs differs (a float32 master weight under bf16
+autocast: the copy torch's autocast makes too) or when the vocabulary is padded (then on every
+call, eval and no_grad forwards too, and twice with reduction "none": Vp x H elements of hidden's
+dtype, +127 MiB at 32001 x 2048 in bf16). A float32 weight's gradient is the first V rows of the
+(Vp, H) accumulator: its storage holds the pad rows too. A hidden whose leading axes do not merge
+(a transposed batch) is copied once by the reshape to (N, H).
 
 A composite op: its kernels are torch's matmuls and the cross-entropy family's registered kernels
 (each chunk's cross-entropy call plans through that family), so it registers none of its own.
@@ -97,9 +100,10 @@ class LinearCrossEntropyHeuristics:
     (module docstring, "Aligned logits rows"); 1 turns the padding off. 8 (16-byte rows in bf16),
     measured on the H200 at GPT-2's 16384 x 768 x 50257: 7.73 ms of GPU time a forward + backward
     against 10.56 at 64 (the three matmuls alike; the loss kernel 2.39 against 5.39 ms over rows
-    of 50304 elements) and 34.2 ms unpadded (cuBLAS's align1 kernels). The loss kernel reads a
-    strided view of the chunk, slower than the contiguous rows of an aligned vocabulary: one row
-    of padding more on Qwen3's 151936 took it from 5.39 to 11.6 ms (benchmarks/NOTES.md)."""
+    50304 elements apart; benchmarks/results/probe-lce-align-h200-20261129.txt) and 34.2 ms of
+    wall time unpadded (cuBLAS's align1 kernels). The loss kernel reads a strided view of the
+    chunk, slower than the contiguous rows of an aligned vocabulary: one row of padding more on
+    Qwen3's 151936 took it from 5.39 to 11.6 ms (benchmarks/NOTES.md)."""
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
@@ -238,10 +242,10 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         torch.maximum(flags, chunk_flags, out=flags)
         if unit is None:
             unit = torch.ldexp(scale, -chunk_flags[1].to(acc))
-            if factor != 1.0:
-                unit = unit * factor
-            if row_grad is not None:   # 2^-k and dz/dl go with each row's upstream gradient instead (below)
+            if row_grad is not None:   # 2^-k goes with each row's upstream gradient instead (below)
                 row_unit, unit = unit, scale
+            if factor != 1.0:   # dz/dl's constant in the float32 scalar, never in the half dlogits
+                unit = unit * factor
         # the kernel wrote dz over the logits; the pad columns still hold the zero logits of zero rows
         dlogits = padded_logits
         if t is not None:  # d softcap(u) / du = 1 - tanh^2

@@ -189,8 +189,11 @@ class RotaryProblem:
     @property
     def compiled_size(self) -> int | None:
         """The size CompiledChoices key a forward on (the rotated features of a head); None for a
-        backward, or a forward with position ids (never decomposed: trainops.compiled)."""
-        return None if self.backward or self.position_shape is not None else self.rotary_dim
+        backward, a forward with position ids or a partial rotary (never decomposed:
+        trainops.compiled)."""
+        if self.backward or self.position_shape is not None or self.rotary_dim != self.q_shape[-1]:
+            return None
+        return self.rotary_dim
 
     @property
     def names(self) -> tuple[str, str]:
@@ -748,9 +751,12 @@ def _decomposed(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Op
 
 
 def _rotated_features(arguments) -> int | None:
+    """The decomposition's size (the rotated features), or None where it does not apply: position
+    ids, and partial rotary (its outputs would not take q's layout, as the op's do)."""
     if arguments.position_ids is not None or arguments.check_position_ids:
         return None
-    return arguments.cos.shape[-1] if arguments.rotary_dim is None else arguments.rotary_dim
+    rotated = arguments.cos.shape[-1] if arguments.rotary_dim is None else arguments.rotary_dim
+    return rotated if rotated == arguments.q.shape[-1] else None
 
 
 ROTARY_DECOMPOSITION = Decomposition(_decomposed, _rotated_features, lambda arguments: arguments.q.dtype)
