@@ -395,6 +395,39 @@ def _prepare(op, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_s
 # CPU path
 # ----------------------------------------------------------------------------------------------
 
+def _load_moments(columns, i: int, quantized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor i's (exp_avg, exp_avg_sq) in float32: decoded from its codes, or the states themselves."""
+    if not quantized:
+        return columns[2][i], columns[3][i]
+    root = dequantize(columns[3][i], columns[5][i], EXP_AVG_SQ_CODE)
+    return dequantize(columns[2][i], columns[4][i], EXP_AVG_CODE), root * root
+
+
+def _store_moments(columns, i: int, m: torch.Tensor, v: torch.Tensor, quantized: bool, stream: int,
+                   offset: int) -> None:
+    """Write tensor i's new moments: exp_avg's code to nearest, sqrt(exp_avg_sq)'s stochastically
+    (the noise of ``stream`` at the tensor's global ``offset``), or the float32 states."""
+    if not quantized:
+        columns[2][i].copy_(m)
+        columns[3][i].copy_(v)
+        return
+    codes, scales = quantize(m, EXP_AVG_CODE)
+    columns[2][i].copy_(codes)
+    columns[4][i].copy_(scales)
+    codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE, state_noise(stream, offset, v.shape, v.device))
+    columns[3][i].copy_(codes)
+    columns[5][i].copy_(scales)
+
+
+def _store_parameter(params, masters, i: int, p: torch.Tensor, stochastic: bool, seed: int, key: int, step: int,
+                     offset: int) -> None:
+    """Write tensor i's updated float32 value: its master copy, and the parameter (rounded
+    stochastically to bf16 when asked, else as ``copy_`` rounds)."""
+    if masters:
+        masters[i].copy_(p)
+    params[i].copy_(stochastic_round_bf16(p, seed, key, step, offset) if stochastic else p)
+
+
 def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
     decoupled, maximize = problem.option("decoupled"), problem.option("maximize")
     master, quantized = problem.option("master"), problem.option("quantized")
@@ -405,7 +438,7 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             sr_keys, offsets):
         if _skipped(found_inf):
             return
-        params, grads, m_column, v_column = columns[:4]
+        params, grads = columns[:2]
         masters = columns[-1] if master else None
         lr, beta1, beta2, weight_decay = map(_value, (lr, beta1, beta2, weight_decay))
         f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (float32 constants, as the kernel's)
@@ -414,12 +447,7 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             t = steps[i].item()
             g = g.to(torch.float32)
             p = (masters[i] if masters else params[i]).to(torch.float32)
-            if quantized:
-                m0 = dequantize(m_column[i], columns[4][i], EXP_AVG_CODE)
-                root = dequantize(v_column[i], columns[5][i], EXP_AVG_SQ_CODE)
-                v0 = root * root
-            else:
-                m0, v0 = m_column[i], v_column[i]
+            m0, v0 = _load_moments(columns, i, quantized)
             if decoupled:
                 p = p * (1 - f32(lr) * f32(weight_decay))
             else:
@@ -429,23 +457,8 @@ def _prepare_adam_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             step_size = f32(lr) / (1 - f32(beta1) ** t)
             denom = v.sqrt() / (1 - f32(beta2) ** t).sqrt() + f32(eps)
             p = p - step_size * (m / denom)
-            stream = tensor_stream(seed, sr_keys[i], int(t))
-            if quantized:
-                codes, scales = quantize(m, EXP_AVG_CODE)
-                m_column[i].copy_(codes)
-                columns[4][i].copy_(scales)
-                codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE, state_noise(stream, offsets[i], v.shape, v.device))
-                v_column[i].copy_(codes)
-                columns[5][i].copy_(scales)
-            else:
-                m_column[i].copy_(m)
-                v_column[i].copy_(v)
-            if masters:
-                masters[i].copy_(p)
-            if stochastic:
-                params[i].copy_(stochastic_round_bf16(p, seed, sr_keys[i], int(t), offsets[i]))
-            else:
-                params[i].copy_(p)
+            _store_moments(columns, i, m, v, quantized, tensor_stream(seed, sr_keys[i], int(t)), offsets[i])
+            _store_parameter(params, masters, i, p, stochastic, seed, sr_keys[i], int(t), offsets[i])
 
     return MultiTensorLaunch(run, KernelChoice("adam_step_lowbit_cpu", "cpu"), torch.float32)
 
@@ -459,7 +472,7 @@ def _prepare_lamb_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             sr_keys, offsets, reduce_squares=None):
         if _skipped(found_inf):
             return
-        params, grads, m_column, v_column = columns[:4]
+        params, grads = columns[:2]
         masters = columns[-1] if master else None
         lr, beta1, beta2, weight_decay = map(_value, (lr, beta1, beta2, weight_decay))
         f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
@@ -471,26 +484,12 @@ def _prepare_lamb_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
             g = g.to(torch.float32)
             p = (masters[i] if masters else params[i]).to(torch.float32)
             stream = tensor_stream(seed, sr_keys[i], int(t))
-            if quantized:
-                root = dequantize(v_column[i], columns[5][i], EXP_AVG_SQ_CODE)
-                m0, v0 = dequantize(m_column[i], columns[4][i], EXP_AVG_CODE), root * root
-            else:
-                m0, v0 = m_column[i], v_column[i]
+            m0, v0 = _load_moments(columns, i, quantized)
             m = m0 + (1 - f32(beta1)) * (g - m0)
             v = v0 * f32(beta2) + (1 - f32(beta2)) * g * g
+            _store_moments(columns, i, m, v, quantized, stream, offsets[i])
             if quantized:   # u is taken from the stored moments (the second pass reads them back)
-                codes, scales = quantize(m, EXP_AVG_CODE)
-                m_column[i].copy_(codes)
-                columns[4][i].copy_(scales)
-                m = dequantize(codes, scales, EXP_AVG_CODE)
-                codes, scales = quantize(v.sqrt(), EXP_AVG_SQ_CODE, state_noise(stream, offsets[i], v.shape, v.device))
-                v_column[i].copy_(codes)
-                columns[5][i].copy_(scales)
-                root = dequantize(codes, scales, EXP_AVG_SQ_CODE)
-                v = root * root
-            else:
-                m_column[i].copy_(m)
-                v_column[i].copy_(v)
+                m, v = _load_moments(columns, i, True)
             bc1 = 1 - f32(beta1) ** t if bias_correction else f32(1.0)
             bc2 = 1 - f32(beta2) ** t if bias_correction else f32(1.0)
             u = (m / bc1) / ((v / bc2).sqrt() + f32(eps)) + f32(weight_decay) * p
@@ -503,12 +502,7 @@ def _prepare_lamb_lowbit_cpu(problem: MultiTensorProblem) -> MultiTensorLaunch:
         ratios = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), norms[:, 0] / norms[:, 1], 1.0)
         for i, (p, u, stream, t) in enumerate(pending):
             p = p - (f32(lr) * ratios[i].cpu()) * u
-            if masters:
-                masters[i].copy_(p)
-            if stochastic:
-                params[i].copy_(stochastic_round_bf16(p, seed, sr_keys[i], int(t), offsets[i]))
-            else:
-                params[i].copy_(p)
+            _store_parameter(params, masters, i, p, stochastic, seed, sr_keys[i], int(t), offsets[i])
 
     return MultiTensorLaunch(run, KernelChoice("lamb_step_lowbit_cpu", "cpu"), torch.float32)
 
