@@ -457,3 +457,115 @@ def test_a_seed_on_the_device_gives_the_host_seeds_mask(op):
         assert torch.equal(host, device)
     dropped = results[0][1] == 0 if op == "dropout" else results[0][0] == 0   # dx = 0 / out = 0 where dropped
     assert dropped.any()
+
+
+def _capture_step_run(net, opt, scheduler, batches, warmup_steps):
+    """Losses of ``batches`` through trainops.capture_step (scheduler stepped after each call)."""
+    def step(ids, targets):
+        loss = net(ids, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    captured = trainops.capture_step(step, [opt], warmup_steps=warmup_steps)
+    losses = []
+    for ids, targets in batches:
+        losses.append(captured(ids, targets))
+        scheduler.step()
+    assert captured.captured and captured.calls == len(batches)
+    return losses
+
+
+@pytest.mark.gpu
+def test_capture_step_replays_the_eager_steps_with_a_schedule():
+    """trainops.capture_step over a trainops AdamW whose learning rate is a CUDA tensor filled by
+    torch's LambdaLR: the warm-up calls, the capturing call and every replay give the eager loop's
+    losses and parameters bit for bit; returned losses are fresh tensors (not overwritten later)."""
+    eager_net, graph_net, batches = _twin_nets(3, 8)
+    factor = lambda i: 1 - i / 10   # noqa: E731
+
+    def setup(net):
+        opt = trainops.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device="cuda"), max_grad_norm=1.0)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    opt, scheduler = setup(eager_net)
+    eager_losses = []
+    for ids, targets in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = eager_net(ids, targets)
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        eager_losses.append(loss.detach().clone())
+    opt, scheduler = setup(graph_net)
+    losses = _capture_step_run(graph_net, opt, scheduler, batches, warmup_steps=2)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(losses, eager_losses)):
+        assert torch.equal(a, b), (i, a.item(), b.item())
+    for (name, p), q in zip(graph_net.named_parameters(), eager_net.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.gpu
+def test_capture_step_refuses_a_float_learning_rate_that_a_scheduler_changes():
+    """A Python-float lr is baked into the graph: the first replay after a scheduler changed it
+    raises (naming the parameter group and key) instead of training at the old rate."""
+    _, net, batches = _twin_nets(4, 5)
+    opt = trainops.optim.AdamW(net.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / 10)
+    with pytest.raises(trainops.UnsupportedError, match=r"param_groups\[0\]\['lr'\] changed after the capture"):
+        _capture_step_run(net, opt, scheduler, batches, warmup_steps=1)
+
+
+@pytest.mark.gpu
+def test_capture_step_of_a_patched_hugging_face_model():
+    """A tiny patched Llama (transformers), bf16 autocast, fused linear cross-entropy, trainops
+    AdamW: the captured step's losses equal the eager patched step's bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batches = [torch.randint(0, 1000, (2, 64), generator=g, device="cuda") for _ in range(6)]
+    results = []
+    for capture in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).cuda().train()
+        trainops.patch(model)
+        opt = trainops.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+
+        def step(ids):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        if capture:
+            step = trainops.capture_step(step, [opt], warmup_steps=2)
+        results.append([step(ids).detach() for ids in batches])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), (i, a.item(), b.item())
+
+
+@pytest.mark.gpu
+def test_capture_step_refuses_another_shape_after_the_capture():
+    """A graph replays one shape: a batch of another length (or another constant) is refused by
+    name at the call, before any copy."""
+    _, net, batches = _twin_nets(6, 3)
+    opt = trainops.optim.AdamW(net.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+
+    def step(ids, targets, scale):
+        loss = net(ids, targets) * scale
+        loss.backward()
+        opt.step()
+        return loss
+
+    captured = trainops.capture_step(step, opt, warmup_steps=1)
+    for ids, targets in batches[:2]:
+        captured(ids, targets, 1.0)
+    ids, targets = batches[2]
+    with pytest.raises(trainops.InvalidProblemError, match=r"argument 'args\[1\]' is a torch.int64 tensor of shape"):
+        captured(ids, targets[:-1], 1.0)
+    with pytest.raises(trainops.InvalidProblemError, match=r"argument 'args\[2\]' is 2.0"):
+        captured(ids, targets, 2.0)

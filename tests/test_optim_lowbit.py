@@ -565,14 +565,19 @@ def test_gpu_lowbit_step_matches_cpu_path(cls, dtype, options):
         assert relative_error(a.float(), b.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
     if options.get("optim_bits") == 8:
         # The two paths agree but where a float32 rounding apart (an FMA, the clip's norm summed in
-        # another order) puts a moment on the other side of a code boundary: a few elements one code
-        # step (6-12 %) apart. On the H200 (2026-11-29) one of the three 8-bit cases had dequantised
-        # first moments 2.0e-3 apart in relative norm (its parameters within 1e-5), over the 1e-3
-        # this test first asked; the one failure the run printed did not name the case.
-        m_cpu, _ = lowbit.dequantize_moments({k: v.cpu() for k, v in results["cpu"][1].items()})
-        m_gpu, _ = lowbit.dequantize_moments({k: v.cpu() for k, v in results["triton"][1].items()})
-        assert (m_gpu != m_cpu).float().mean() < 1e-3
-        assert relative_error(m_gpu, m_cpu) < 1e-2
+        # another order) moves a block's scale by an ulp (about 30 % of the blocks on the H200,
+        # 2026-11-29) or puts a moment on the other side of a code boundary (under 1e-6 of the
+        # codes there, one code step apart). So: codes nearly all equal, scales and dequantised
+        # moments within float32 rounding.
+        cpu_state = {k: v.cpu() for k, v in results["cpu"][1].items() if torch.is_tensor(v)}
+        gpu_state = {k: v.cpu() for k, v in results["triton"][1].items() if torch.is_tensor(v)}
+        for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+            assert (gpu_state[key] != cpu_state[key]).float().mean() < 1e-4, key
+        for key in ("exp_avg_scales", "exp_avg_sq_scales"):
+            assert relative_error(gpu_state[key], cpu_state[key]) < 1e-6, key
+        m_cpu, v_cpu = lowbit.dequantize_moments(cpu_state)
+        m_gpu, v_gpu = lowbit.dequantize_moments(gpu_state)
+        assert relative_error(m_gpu, m_cpu) < 1e-3 and relative_error(v_gpu, v_cpu) < 1e-3
 
 
 @pytest.mark.parametrize("base", [0, (1 << 32) - 3, 5 * (1 << 32) + 7], ids=["low", "crossing-2^32", "high"])

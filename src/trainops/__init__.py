@@ -28,6 +28,7 @@ from .functional import batch_norm, sync_batch_norm
 from .functional import conv2d, sum_to_shape
 from .functional import qk_norm_rotary
 from .ops._common import check_pending
+from .graphs import CapturedStep, capture_step
 from .patch import PatchReport, patch
 from .patch import unpatch
 from .plan import KernelChoice, Plan, Precision, heuristics, plan, track_kernels
@@ -46,4 +47,5 @@ __all__ = [
     "unpatch",
     "qk_norm_rotary",
     "linear_distillation_loss", "linear_preference_loss",
+    "CapturedStep", "capture_step",
 ]

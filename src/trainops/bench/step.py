@@ -14,7 +14,11 @@ then one read of the loss (the step is done when it returns). Runs (``RUNS``):
 - ``liger``: the eager run after Liger-Kernel's ``apply_liger_kernel_to_<model>(model=...)`` where
   Liger has one for the model (CUDA only);
 - ``trainops``: ``trainops.patch(model)`` (its defaults) and ``trainops.optim.AdamW``;
-- ``trainops-compile``: the trainops run under ``torch.compile(model)``.
+- ``trainops-compile``: the trainops run under ``torch.compile(model)``;
+- ``eager-graphs`` and ``trainops-graphs``: the eager and trainops runs with the whole step
+  (forward, backward, optimizer step) replayed as one CUDA graph (``trainops.capture_step``; the
+  learning rate a CUDA tensor, torch's AdamW ``capturable=True``), captured in the last warm-up
+  step (CUDA only).
 
 Every run starts from the same weights (``torch.manual_seed(0)`` before building the model) and
 sees the same batches (random token ids drawn once from a generator seeded 1; labels = the ids,
@@ -116,6 +120,9 @@ RUNS = {
     "liger": "Liger-Kernel's apply_liger_kernel_to_<model>(model=...), torch fused AdamW",
     "trainops": "trainops.patch(model), trainops.optim.AdamW",
     "trainops-compile": "trainops.patch(model) + torch.compile, trainops.optim.AdamW",
+    "eager-graphs": "transformers's model, torch fused AdamW (capturable), the step as one CUDA graph "
+                    "(trainops.capture_step)",
+    "trainops-graphs": "trainops.patch(model), trainops.optim.AdamW, the step as one CUDA graph (trainops.capture_step)",
 }
 SETUP = ("random initial weights from the configuration (seed 0), random tokens (seed 1), float32 parameters, "
          "bf16 autocast, SDPA attention, use_cache=False, AdamW lr 1e-4 weight decay 0.01, "
@@ -282,12 +289,15 @@ def _setup(run: str, model, settings: dict):
     """(forward, optimizer, swapped module count or None) of a run of RUNS other than liger."""
     device = settings["device"]
     swapped = None
+    graphs = run.endswith("graphs")   # a replayed graph reads the learning rate from a device tensor
+    lr = torch.tensor(LR, device=device) if graphs else LR
     if run.startswith("trainops"):
         report = trainops.patch(model)
         swapped = len(report.swapped)
-        opt = trainops.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        opt = trainops.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=device == "cuda",
+                                capturable=graphs)
     forward = _compiled(model, settings["compile_scope"], settings["layers"]) if run.endswith("compile") else model
     return forward, opt, swapped
 
@@ -297,6 +307,8 @@ def skip_reason(settings: dict, run: str) -> str | None:
     device, spec = settings["device"], MODELS[settings["model"]]
     if device == "cpu" and run.endswith("compile") and not settings["runs_named"]:
         return "torch.compile on the CPU (Inductor's C++ build): skipped unless --runs names it"
+    if device != "cuda" and run.endswith("graphs"):
+        return "CUDA graphs need CUDA"
     if run == "liger":
         if spec.liger is None:
             return f"Liger-Kernel has no patch for {settings['model']}"
@@ -369,14 +381,19 @@ def run_one(settings: dict, run: str) -> dict:
         n_steps = settings["warmup"] + settings["steps"]
         batches = make_batches(n_steps, batch, seq, config.vocab_size, device)
 
-        def step(i: int) -> float:
-            ids = batches[i % len(batches)]
+        def train_step(ids: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = forward(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.item()
+            return loss
+
+        if run.endswith("graphs"):   # captured in the last warm-up step
+            train_step = trainops.capture_step(train_step, [opt], warmup_steps=max(1, settings["warmup"] - 1))
+
+        def step(i: int) -> float:
+            return train_step(batches[i % len(batches)]).item()
 
         if device == "cuda":
             torch.cuda.synchronize()
