@@ -367,3 +367,37 @@ def test_gpu_lm_head_against_float64(beta):
     assert_close(loss, want, torch.bfloat16, "loss")
     assert_close(dx, want_dx, torch.bfloat16, "dx")
     assert_close(dw, want_dw, torch.bfloat16, "dw")
+
+
+@pytest.mark.parametrize("dtype, beta", [(torch.bfloat16, 0.0), (torch.float16, 0.4)])
+def test_half_gradient_written_over_the_logits_own_storage(backend, device, dtype, beta):
+    """The row kernel writes dlogits (times the softcap / logit_scale factor) straight in a half
+    head's dtype into ChunkedHead.gradient_buffer, the first half of each float32 logits row's
+    bytes: the values are the float32 gradient rounded once (as the kernel rounds), over a
+    vocabulary of several blocks, and the float32 gradient is float64's."""
+    from numerics import interpreter_rounding
+    from trainops.ops.linear_distillation import distillation_rows
+
+    rows, v, cap, scale = 3, 2 * 4096 + 37, 5.0, 0.75
+    gen = torch.Generator().manual_seed(1)
+    us = cap * torch.tanh(torch.randn(rows, v, generator=gen) * 2)   # capped logits: the factor matters
+    ut = torch.randn(rows, v, generator=gen) * 3
+    labels = torch.tensor([0, v - 1, 4100])
+    soft_w, hard_w = torch.tensor([0.5, 0.0, 1.5]), torch.tensor([0.25, 1.0, 0.0])
+    head = chunked_linear.ChunkedHead(torch.zeros(rows, 4, dtype=dtype), torch.zeros(v, 4, dtype=dtype), None,
+                                      scale, cap)
+    assert head.chain == (1 / cap, scale)
+    want = us.double()
+    distillation_rows(want, ut.double(), labels, soft_w.double(), hard_w.double(), beta, 1.5, hard=True, grad=True,
+                      chain=head.chain)
+    full = us.clone()
+    distillation_rows(full, ut.clone(), labels, soft_w, hard_w, beta, 1.5, hard=True, grad=True, chain=head.chain)
+    assert_close(full, want, torch.float32, "float32 dlogits")
+    half_u = us.clone()
+    du = head.gradient_buffer(half_u)
+    assert du.dtype == dtype and du.shape == (rows, v) and du.stride() == (2 * v, 1)
+    assert du.untyped_storage().data_ptr() == half_u.untyped_storage().data_ptr()
+    distillation_rows(half_u, ut.clone(), labels, soft_w, hard_w, beta, 1.5, hard=True, grad=True, du=du,
+                      chain=head.chain)
+    rounded = interpreter_rounding(full, dtype) if backend == "triton" else full.to(dtype)
+    assert torch.equal(du, rounded)
