@@ -18,7 +18,8 @@ teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
 per chunk one teacher matmul, one student matmul (float32 logits from the matmul), the chunk's
-loss terms and du written over the student's logits by the row kernel (op
+loss terms and dlogits (in the matmuls' dtype, the transform's factors and the count folded in)
+written over the student's logits' storage by the row kernel (op
 "linear_distillation_rows": Triton on the GPU, torch ops on the CPU), then the student's two
 gradient matmuls. The gradients (for an upstream
 gradient of 1, normalised by the count, known on the device before the loop) are computed in the
@@ -38,8 +39,9 @@ hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRange
 and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
 Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
-works in place; the CPU kernel's torch ops take about three more chunk-sized buffers), du's copy
-in the matmuls' dtype, a float32 dhidden chunk, and the float32 dW accumulator of a half weight.
+writes the student's dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's
+torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and the float32 dW
+accumulator of a half weight (none with weight_grad_accumulator="weight").
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ if triton_available():
 
     @triton.jit
     def _distillation_rows(
-        us_ptr,              # (rows, V) student logits before the temperature; du written over them (GRAD)
+        us_ptr,              # (rows, V) student logits before the temperature
         ut_ptr,              # (rows, V) teacher logits before the temperature (SOFT)
         labels_ptr,          # (rows,) class indices in range (HARD)
         soft_weight_ptr,     # (rows,) each row's factor of d soft / d us (GRAD and SOFT)

@@ -11,8 +11,8 @@ NLL linear in the tokens over a count known up front), hence two paths, chosen b
 1. Whole pairs a chunk (``linear_preference_pairs``, a custom op), when a pair's 2T tokens fit a
    chunk: chosen rows i.. and rejected rows P + i.. gathered, their logits (one matmul), the row
    kernel's logsumexp / label log-probability / logits sum, the pairs' losses and their gradients
-   w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), du written over the
-   logits by the row kernel, dX and dW: three policy matmuls (the unfused formulation's count),
+   w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), dlogits written in the
+   matmuls' dtype over the logits' storage by the row kernel, dX and dW: three policy matmuls (the unfused formulation's count),
    gradients computed in the forward and scaled by the upstream gradient in the backward. Liger's
    chunking by pairs, kept to pairs that fit the token budget.
 2. Two passes otherwise (``linear_token_logprobs``, a custom op): per token log_softmax(z)[label]
