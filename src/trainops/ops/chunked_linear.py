@@ -114,7 +114,8 @@ class ChunkedHead:
         # or in a half weight's own dtype (WEIGHT_DTYPE_DW)
         dw_dtype = (weight.dtype if needs & WEIGHT_DTYPE_DW and weight.dtype in (torch.float16, torch.bfloat16)
                     else self.acc)
-        self.dw = torch.zeros(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
+        # the first chunk's dW matmul writes it (no memset of the whole head); finish() zeroes it if none ran
+        self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
         self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
                    if bias is not None and needs & NEEDS_BIAS else None)
         self._dx_chunk = self._w_acc = None
@@ -196,6 +197,8 @@ class ChunkedHead:
         """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
         dx, dw, db = self.dx, self.dw, self.db
         self.dx = self.dw = self.db = self._dx_chunk = self._w_acc = None
+        if dw is not None and self._first:   # no chunk (no tokens): a zero gradient
+            dw.zero_()
         if dw is not None and self.weight.dtype != dw.dtype:   # rounded once; the float32 buffer freed
             dw = dw.to(self.weight.dtype)
         if db is not None and self.bias.dtype != self.acc:

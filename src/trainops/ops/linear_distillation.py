@@ -272,7 +272,7 @@ if triton_available():
                     a = ls + log_1mb
                     c = lt + log_b
                     hi = tl.maximum(a, c)
-                    lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                    lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))   # log((1 - beta) p + beta q)
                     teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
                     student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
             if MODE == 0:
@@ -296,7 +296,7 @@ if triton_available():
                         a = ls + log_1mb
                         c = lt + log_b
                         hi = tl.maximum(a, c)
-                        lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                        lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))
                         du = (soft_w * (1 - beta)) * p * ((ls - lm) - student_term)
                 if HARD:
                     du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
