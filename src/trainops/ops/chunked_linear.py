@@ -94,8 +94,8 @@ class ChunkedHead:
     """One LM head over one call's tokens: ``logits(start, stop)`` gives a chunk's transformed
     logits u (float32); a loss's row kernel writes their dlogits into ``gradient_buffer(u)`` (the
     transform's ``chain`` factors and the loss's global normalisation folded in);
-    ``backward(start, stop, dlogits)`` accumulates that chunk's gradients; ``finish()`` returns (dhidden, dweight, dbias), each rounded once to its tensor's dtype,
-    None where not in ``needs``.
+    ``backward(start, stop, dlogits)`` accumulates that chunk's gradients; ``finish()`` returns
+    (dhidden, dweight, dbias), each rounded once to its tensor's dtype, None where not in ``needs``.
 
     hidden (N, H) in the matmuls' dtype; weight (V, H) and bias (V,) any float dtype (cast once to
     hidden's). logit_scale multiplies the logits, softcap caps them (None: no cap)."""

@@ -193,7 +193,7 @@ if triton_available():
         hard_weight_ptr,     # (rows,) each row's factor of d hard / d us (GRAD and HARD)
         soft_out_ptr,        # (rows,) jsd_beta of each row
         hard_out_ptr,        # (rows,) -log_softmax(us)[label] of each row
-        du_ptr,              # (rows, V) dlogits in the matmuls' dtype (GRAD); may alias us (ChunkedHead.gradient_buffer)
+        du_ptr,              # (rows, V) dlogits in the matmuls' dtype (GRAD); may alias us (gradient_buffer)
         V, stride_s, stride_t, stride_d,
         inv_t, beta, log_1mb, log_b, cap_inv, scale,
         MODE: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,

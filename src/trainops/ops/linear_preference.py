@@ -12,8 +12,9 @@ NLL linear in the tokens over a count known up front), hence two paths, chosen b
    chunk: chosen rows i.. and rejected rows P + i.. gathered, their logits (one matmul), the row
    kernel's logsumexp / label log-probability / logits sum, the pairs' losses and their gradients
    w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), dlogits written in the
-   matmuls' dtype over the logits' storage by the row kernel, dX and dW: three policy matmuls (the unfused formulation's count),
-   gradients computed in the forward and scaled by the upstream gradient in the backward. Liger's
+   matmuls' dtype over the logits' storage by the row kernel, dX and dW: three policy matmuls (the
+   unfused formulation's count), gradients computed in the forward and scaled by the upstream
+   gradient in the backward. Liger's
    chunking by pairs, kept to pairs that fit the token budget.
 2. Two passes otherwise (``linear_token_logprobs``, a custom op): per token log_softmax(z)[label]
    and sum_v z_v, one matmul a chunk, the logsumexp kept; the losses are torch ops on the
