@@ -2,10 +2,11 @@
 and DPO from the last hidden states and LM heads, forward + backward.
 
     python benchmarks/bench_linear_post_training.py [--tokens 8192] [--seq 1024] [--out results.json]
+        [--budget 160] [--no-profile]
 
 Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
-at its default chunk (ChunkedLinearHeuristics: 2048 tokens here), at --chunks sizes, and with the
-weight gradient accumulated in bf16 (weight_grad_accumulator="weight"):
+at its default chunk (ChunkedLinearHeuristics: 2048 tokens here) with the weight gradient
+accumulated in float32 ("float32", the default) and in bf16 ("weight"), at --chunks sizes:
 - distillation (beta 0.5, temperature 1): trainops.linear_distillation_loss; the unfused formulation
   (F.linear, float32 log-softmaxes, TRL's generalized_jsd_loss) under torch.compile; Liger's
   LigerFusedLinearJSDLoss when installed; the four matmuls alone (student logits, dX, dW, teacher
@@ -19,7 +20,16 @@ Time: triton.testing.do_bench median of a forward + backward, gradients set to N
 Memory: the peak allocated during one forward + backward minus what is allocated after it (inputs
 and gradients), MiB. Each row's loss and gradients are compared with the unfused float32 formula's
 on the same bf16 inputs (relative-norm error), so a fast wrong variant shows. A peer that fails
-(e.g. out of memory) is reported and skipped.
+(e.g. out of memory) is reported and skipped. Liger (liger_kernel.chunked_loss, its defaults:
+chunks of 1024 tokens for JSD, one pair for DPO, its torch.compile'd chunk function) runs right
+after trainops (those two always run); the runs go in order of importance and any other left when
+--budget seconds have passed is reported as skipped (the torch.compile unfused formulation last: its compile is the slowest;
+half the budget for distillation, the rest for DPO), so that with one run started just before the
+deadline (a compile: up to a minute, unmeasured) the whole stays under about four minutes. One profiled trainops step per task (unless
+--no-profile) prints where its GPU time goes: the matmuls, the row kernels, the rest.
+The last table: each run's ms, x the matmuls' own time, extra MiB, and for trainops the ratios
+to Liger's time and extra memory (the targets: time <= Liger's and <= 1.1x the matmuls, extra
+memory <= Liger's).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import argparse
 import json
 import math
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +46,7 @@ import torch.nn.functional as F
 import trainops
 
 H, V = 4096, 128256
+ESSENTIAL = ("trainops", "liger")   # run whatever the budget says
 
 
 def rel(a, b):
@@ -74,10 +86,21 @@ def unfused_dpo(x, w, labels, rx, beta=0.1):
     return -F.logsigmoid(beta * delta).mean()
 
 
+def liger_version():
+    try:
+        from importlib.metadata import version
+        return version("liger-kernel")
+    except Exception:   # not installed
+        return None
+
+
 def liger_jsd():
+    """LigerFusedLinearJSDLoss(student_input, student_weight, teacher_input, teacher_weight, true_labels):
+    the generalised JSD over the tokens whose label is not ignore_index, / their count (as ours)."""
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-    except ImportError:
+    except ImportError as error:
+        print(f"  liger JSD not run: {error}", flush=True)
         return None
     try:
         fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5, ignore_index=-100,
@@ -88,19 +111,31 @@ def liger_jsd():
         except TypeError as error:
             print(f"  liger JSD skipped: {error}", flush=True)
             return None
-    return lambda xs, ws, xt, wt, labels: fn(xs, ws, xt, wt, labels)
+
+    def loss(xs, ws, xt, wt, labels):
+        out = fn(xs, ws, xt, wt, labels)
+        return out[0] if isinstance(out, tuple) else out
+    return loss
 
 
 def liger_dpo():
+    """LigerFusedLinearDPOLoss(lin_weight, _input, target, bias, ref_input, ref_weight): _input (2P, T, H)
+    chosen then rejected, sequence log-probabilities summed (average_log_prob=False), loss "sigmoid"."""
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
-    except ImportError:
+    except ImportError as error:
+        print(f"  liger DPO not run: {error}", flush=True)
         return None
     try:
-        fn = LigerFusedLinearDPOLoss(beta=0.1, compute_nll_loss=False, use_ref_model=True)
-    except TypeError as error:   # another version's constructor: reported, the rest still runs
-        print(f"  liger DPO skipped: {error}", flush=True)
-        return None
+        fn = LigerFusedLinearDPOLoss(beta=0.1, compute_nll_loss=False, use_ref_model=True, average_log_prob=False,
+                                     loss_type="sigmoid")
+    except TypeError:   # versions before loss_type: sigmoid is their only loss
+        try:
+            fn = LigerFusedLinearDPOLoss(beta=0.1, compute_nll_loss=False, use_ref_model=True,
+                                         average_log_prob=False)
+        except TypeError as error:   # another version's constructor: reported, the rest still runs
+            print(f"  liger DPO skipped: {error}", flush=True)
+            return None
 
     def loss(x, w, labels, rx):
         out = fn(w, x, labels, ref_input=rx, ref_weight=w.detach())
@@ -155,7 +190,11 @@ def matmul_floor(n, x, w, reps):
                     warmup=2, rep=reps * 60, return_mode="median")
 
 
-def record(results, task, name, fn, args, leaves, floor, reference, reps):
+def record(results, task, name, fn, args, leaves, floor, reference, reps, deadline):
+    if deadline is not None and time.monotonic() > deadline:
+        print(f"  {name}: skipped (past --budget)", flush=True)
+        results["skipped"].append(f"{task}: {name}")
+        return
     try:
         ms, extra, loss, grads = measure(fn, args, leaves, reps)
     except Exception as error:   # a peer that fails is reported, not fatal
@@ -188,6 +227,43 @@ def float32_reference(fn, args, leaf_index):
     return out
 
 
+def profile(fn, args, leaves, label):
+    """One forward + backward under torch.profiler: the GPU time by kernel class, printed (a failure
+    is reported, not fatal)."""
+    try:
+        return _profile(fn, args, leaves, label)
+    except Exception as error:
+        print(f"  profile of {label} failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        return {}
+
+
+def _profile(fn, args, leaves, label):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args).backward()
+        torch.cuda.synchronize()
+    groups: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if not us or event.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and "gemm" not in event.key:
+            continue
+        key = event.key
+        name = ("matmul (cuBLAS)" if any(k in key.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"))
+                else key if key.startswith(("_distillation_rows", "_token_rows")) else "other: " + key[:48])
+        groups[name] = groups.get(name, 0.0) + us / 1000
+    total = sum(groups.values())
+    print(f"  profile of {label}: {total:.2f} ms of kernels", flush=True)
+    for name, ms in sorted(groups.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {ms:8.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name}", flush=True)
+    for t in leaves:
+        t.grad = None
+    return {name: ms for name, ms in groups.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
@@ -196,18 +272,27 @@ def main():
     parser.add_argument("--only", choices=["distillation", "dpo"], default=None)
     parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
                         help="trainops chunk sizes (tokens) to run besides the default (2048 at this vocabulary)")
+    parser.add_argument("--budget", type=float, default=160.0,
+                        help="seconds after which the remaining runs are skipped (reported)")
+    parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
+    start = time.monotonic()
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   host=platform.node(), tokens=args.tokens, H=H, V=V, rows=[])
+                   liger=liger_version(), host=platform.node(), tokens=args.tokens, H=H, V=V, rows=[], skipped=[],
+                   profiles={})
     n = args.tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
+    tasks = [args.only] if args.only else ["distillation", "dpo"]
+    # each task gets its share of the budget: the runs after it are skipped
+    share = args.budget / len(tasks)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-    if args.only in (None, "distillation"):
+    if "distillation" in tasks:
+        deadline = start + share
         xs, ws = randn(n, H).requires_grad_(), randn(V, H, scale=1 / math.sqrt(H)).requires_grad_()
         xt, wt = randn(n, H), randn(V, H, scale=1 / math.sqrt(H))
         labels = torch.randint(0, V, (n,), device="cuda", generator=gen)
@@ -219,18 +304,23 @@ def main():
 
         def distill(xs, ws, xt, wt, labels):
             return trainops.linear_distillation_loss(xs, ws, xt, wt, labels)
-        runs = {"trainops": distill, "torch.compile unfused": torch.compile(unfused_distillation)}
-        runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
-        runs["trainops dW in bf16"] = chunked(distill, accumulator="weight")
+        runs = {"trainops": distill}
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
+        runs["trainops dW in bf16"] = chunked(distill, accumulator="weight")
+        runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
+        runs["torch.compile unfused"] = torch.compile(unfused_distillation)
         for name, fn in runs.items():
-            record(results, "distillation", name, fn, call, (xs, ws), floor, reference, args.reps)
+            record(results, "distillation", name, fn, call, (xs, ws), floor, reference, args.reps,
+                   None if name in ESSENTIAL else deadline)
+            if name == "trainops" and not args.no_profile:
+                results["profiles"]["distillation"] = profile(distill, call, (xs, ws), "trainops distillation")
         del xs, ws, xt, wt, labels, call, reference
         torch.cuda.empty_cache()
 
-    if args.only in (None, "dpo"):
+    if "dpo" in tasks:
+        deadline = start + args.budget
         b = n // args.seq
         x, w = randn(b, args.seq, H).requires_grad_(), randn(V, H, scale=1 / math.sqrt(H)).requires_grad_()
         rx = randn(b, args.seq, H)
@@ -245,18 +335,33 @@ def main():
         def ours(x, w, labels, rx):
             return trainops.linear_preference_loss(x, w, labels, kind="dpo", beta=0.1, ref_hidden=rx,
                                                    ref_weight=w.detach()).loss
-        runs = {"trainops": ours, "torch.compile unfused": torch.compile(unfused_dpo)}
-        runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
-        runs["trainops dW in bf16"] = chunked(ours, accumulator="weight")
+        runs = {"trainops": ours}
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger
+        runs["trainops dW in bf16"] = chunked(ours, accumulator="weight")
+        runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
+        runs["torch.compile unfused"] = torch.compile(unfused_dpo)
         for name, fn in runs.items():
-            record(results, "dpo", name, fn, call, (x, w), floor, reference, args.reps)
+            record(results, "dpo", name, fn, call, (x, w), floor, reference, args.reps,
+                   None if name in ESSENTIAL else deadline)
+            if name == "trainops" and not args.no_profile:
+                results["profiles"]["dpo"] = profile(ours, call, (x, w), "trainops DPO")
 
-    print("\ntask          impl                          ms   x matmuls   extra MiB")
+    liger_rows = {r["task"]: r for r in results["rows"] if r["impl"] == "liger"}
+    print("\ntask          impl                          ms  x matmuls   extra MiB   x liger ms  x liger MiB   "
+          "err loss / dx / dw")
     for r in results["rows"]:
-        print(f"{r['task']:13s} {r['impl']:26s} {r['ms']:8.2f} {r['vs_matmuls']:8.2f} {r['extra_mib']:11.0f}")
+        peer = liger_rows.get(r["task"])
+        if peer is not None and r["impl"].startswith("trainops"):
+            r["vs_liger_ms"], r["vs_liger_mib"] = r["ms"] / peer["ms"], r["extra_mib"] / max(peer["extra_mib"], 1.0)
+        vs = (f"{r['vs_liger_ms']:11.2f} {r['vs_liger_mib']:12.2f}" if "vs_liger_ms" in r else " " * 24)
+        print(f"{r['task']:13s} {r['impl']:26s} {r['ms']:8.2f} {r['vs_matmuls']:9.2f} {r['extra_mib']:11.0f} {vs}   "
+              f"{r['err_loss']:.0e} / {r['err_dx']:.0e} / {r['err_dw']:.0e}")
+    for name in results["skipped"]:
+        print(f"skipped (budget): {name}")
+    results["seconds"] = time.monotonic() - start
+    print(f"{results['seconds']:.0f} s in all; liger-kernel {results['liger']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

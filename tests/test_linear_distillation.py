@@ -158,7 +158,7 @@ def test_weight_gradient_accumulated_in_the_weight_dtype():
         ChunkedLinearHeuristics(weight_grad_accumulator="bf16")
 
 
-def test_ignored_all_ignored_and_empty():
+def test_ignored_all_ignored_and_empty(monkeypatch):
     xs, ws, bs, xt, wt, labels = inputs(9, 8, 8, 7, torch.float64, ignored=range(9))
     loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, weight_hard_loss=1.0)
     grads = torch.autograd.grad(loss, (xs, ws, bs))
@@ -170,6 +170,12 @@ def test_ignored_all_ignored_and_empty():
     assert torch.count_nonzero(dx[4:]) == 0 and torch.count_nonzero(dx[:4]) == 4 * 8
     assert_close(loss, reference(xs, ws, xt, wt, labels, bs=bs, weight_hard_loss=1.0), torch.float64, "partly")
     empty = [t[:0] for t in (xs, xt, labels)]
+    new_empty = torch.empty   # poisoned: the weight gradient's buffer is allocated, no chunk writes it
+
+    def poisoned(*args, **kwargs):
+        t = new_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
     loss = trainops.linear_distillation_loss(empty[0], ws, empty[1], wt, empty[2])
     dw, = torch.autograd.grad(loss, (ws,))
     assert loss.item() == 0.0 and torch.count_nonzero(dw) == 0
@@ -367,3 +373,50 @@ def test_gpu_lm_head_against_float64(beta):
     assert_close(loss, want, torch.bfloat16, "loss")
     assert_close(dx, want_dx, torch.bfloat16, "dx")
     assert_close(dw, want_dw, torch.bfloat16, "dw")
+
+
+@pytest.mark.parametrize("dtype, beta", [(torch.bfloat16, 0.0), (torch.float16, 0.4)])
+def test_half_gradient_written_over_the_logits_own_storage(backend, device, dtype, beta):
+    """The row kernel writes dlogits (times the softcap / logit_scale factor) straight in a half
+    head's dtype into ChunkedHead.gradient_buffer, the first half of each float32 logits row's
+    bytes: the values are the float32 gradient rounded once (as the kernel rounds), over a
+    vocabulary of several blocks, and the float32 gradient is float64's."""
+    from trainops.ops.linear_distillation import distillation_rows
+
+    # on a GPU (the Triton backend there): an LM head's vocabulary, 256 rows a launch
+    rows, v, cap, scale = (3, 2 * 4096 + 37, 5.0, 0.75) if device == "cpu" else (256, 128256, 5.0, 0.75)
+    gen = torch.Generator().manual_seed(1)
+    us = (cap * torch.tanh(torch.randn(rows, v, generator=gen) * 2)).to(device)   # capped: the factor matters
+    ut = (torch.randn(rows, v, generator=gen) * 3).to(device)
+    labels = torch.tensor([0, v - 1, 4100] * (rows // 3) + [5] * (rows % 3), device=device)
+    soft_w = torch.tensor([0.5, 0.0, 1.5] * (rows // 3) + [1.0] * (rows % 3), device=device)
+    hard_w = torch.tensor([0.25, 1.0, 0.0] * (rows // 3) + [1.0] * (rows % 3), device=device)
+    head = chunked_linear.ChunkedHead(torch.zeros(rows, 4, dtype=dtype, device=device),
+                                      torch.zeros(v, 4, dtype=dtype, device=device), None, scale, cap)
+    assert head.chain == (1 / cap, scale)
+    want = us.double()
+    distillation_rows(want, ut.double(), labels, soft_w.double(), hard_w.double(), beta, 1.5, hard=True, grad=True,
+                      chain=head.chain)
+    full = us.clone()
+    distillation_rows(full, ut.clone(), labels, soft_w, hard_w, beta, 1.5, hard=True, grad=True, chain=head.chain)
+    assert_close(full, want, torch.float32, "float32 dlogits")
+    half_u = us.clone()
+    du = head.gradient_buffer(half_u)
+    assert du.dtype == dtype and du.shape == (rows, v) and du.stride() == (2 * v, 1)
+    assert du.untyped_storage().data_ptr() == half_u.untyped_storage().data_ptr()
+    distillation_rows(half_u, ut.clone(), labels, soft_w, hard_w, beta, 1.5, hard=True, grad=True, du=du,
+                      chain=head.chain)
+    assert_rounded_once(du, full, backend, device)
+
+
+def assert_rounded_once(du, full, backend, device):
+    """du is float32 ``full`` rounded once: bit-exact here (the interpreter truncates bf16); on a GPU
+    within one ulp (a race between the half store and the float32 loads would be far off)."""
+    from numerics import interpreter_rounding
+
+    if device == "cpu":
+        rounded = interpreter_rounding(full, du.dtype) if backend == "triton" else full.to(du.dtype)
+        assert torch.equal(du, rounded)
+    else:
+        ulp = 2.0 ** -7 if du.dtype == torch.bfloat16 else 2.0 ** -10
+        assert torch.allclose(du.float(), full, rtol=ulp, atol=1e-7), (du.float() - full).abs().max()

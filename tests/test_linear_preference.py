@@ -420,3 +420,37 @@ def test_gpu_lm_head_against_float64(kind, rows):
         assert_close(a, e, torch.bfloat16, name)
     assert_close(dx, want_dx, torch.bfloat16, "dx")
     assert_close(dw, want_dw, torch.bfloat16, "dw")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gradient_written_over_the_logits_own_storage(backend, device, dtype):
+    """The backward row kernel writes dlogits (times the softcap / logit_scale factor) straight in a
+    half head's dtype into ChunkedHead.gradient_buffer, the first half of each float32 logits row's
+    bytes: the float32 gradient rounded once (as the kernel rounds), over several blocks; the float32
+    gradient is float64's."""
+    from numerics import interpreter_rounding
+    from trainops.ops.linear_preference import token_rows_backward_, token_rows_forward
+
+    # on a GPU (the Triton backend there): an LM head's vocabulary, 256 rows a launch
+    rows, v, cap, scale, temperature = ((3, 2 * 4096 + 37, 5.0, 1.25, 0.8) if device == "cpu"
+                                        else (256, 128256, 5.0, 1.25, 0.8))
+    gen = torch.Generator().manual_seed(2)
+    u = (cap * torch.tanh(torch.randn(rows, v, generator=gen) * 2)).to(device)
+    index = torch.tensor([0, v - 1, 4100] * (rows // 3) + [5] * (rows % 3), device=device)
+    factor = torch.tensor([0.5, -2.0, 0.0] * (rows // 3) + [1.0] * (rows % 3), device=device)
+    head = chunked_linear.ChunkedHead(torch.zeros(rows, 4, dtype=dtype, device=device),
+                                      torch.zeros(v, 4, dtype=dtype, device=device), None, scale, cap)
+    lse = token_rows_forward(u, index, torch.ones(rows, device=device), temperature)[0]
+    want = token_rows_backward_(u.double(), index, lse.double(), factor.double(), temperature, chain=head.chain)
+    full = token_rows_backward_(u.clone(), index, lse, factor, temperature, chain=head.chain)
+    assert_close(full, want, torch.float32, "float32 dlogits")
+    half_u = u.clone()
+    du = head.gradient_buffer(half_u)
+    assert du.untyped_storage().data_ptr() == half_u.untyped_storage().data_ptr() and du.stride() == (2 * v, 1)
+    assert token_rows_backward_(half_u, index, lse, factor, temperature, du, head.chain) is du
+    if device == "cpu":   # bit-exact (the interpreter truncates bf16); on a GPU within one ulp
+        rounded = interpreter_rounding(full, dtype) if backend == "triton" else full.to(dtype)
+        assert torch.equal(du, rounded)
+    else:
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        assert torch.allclose(du.float(), full, rtol=ulp, atol=1e-7), (du.float() - full).abs().max()

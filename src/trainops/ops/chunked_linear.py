@@ -4,14 +4,20 @@ a loss's per-chunk function, and the gradient of each chunk's logits pushed back
 transform and the head's matmuls into dhidden, dweight and dbias.
 
     logits_c = hidden_c @ W^T (+ b)                          one matmul in hidden's dtype, float32 output
-    u_c      = softcap(logit_scale * logits_c)               float32 (float64 for float64)
+    u_c      = softcap(logit_scale * logits_c)               float32 (float64 for float64), in place
                                                              softcap(v) = c tanh(v / c); none when c is None
     (the loss divides u by its temperature itself: distillation's hard loss reads u at temperature 1)
-    du_c     from the loss's chunk function                   float32
-    dlogits  = du_c * (1 - tanh^2) * logit_scale              rounded once to the matmuls' dtype
+    dlogits  = du_c * logit_scale * (1 - (u_c / c)^2)        written by the loss's row kernel straight in the
+                                                             matmuls' dtype (rounded once), over u_c's own storage
     dhidden_c = dlogits @ W                                   float32 output, rounded once into dhidden's rows
     dW (+)= dlogits^T @ hidden_c                              a float32 accumulator (a float32 weight's gradient itself)
     db += column sums of dlogits                              float32
+
+The softcap's derivative 1 - tanh^2 is 1 - (u / c)^2 of the capped logits themselves (u = c tanh):
+no tanh buffer is kept. The row kernels fold that factor, logit_scale, the temperature and the
+loss's normalisation into the one value they store per logit (``ChunkedHead.gradient_buffer``:
+for a half head the gradient's row r lies in the first half of the bytes of u's row r, row stride
+2V; for a float32 / float64 head it is u itself), so no pass over the chunk scales or casts it.
 
 Chunks go in a fixed order and nothing uses atomics: the gradients are bit-identical run to run.
 Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
@@ -86,10 +92,10 @@ def heuristic_rows(n: int, classes: int) -> int:
 
 class ChunkedHead:
     """One LM head over one call's tokens: ``logits(start, stop)`` gives a chunk's transformed
-    logits u (float32) and what their gradient needs; ``backward(start, stop, du, saved)``
-    accumulates that chunk's gradients (the chunk function has normalised du by the loss's global
-    counts); ``finish()`` returns (dhidden, dweight, dbias), each rounded once to its tensor's dtype,
-    None where not in ``needs``.
+    logits u (float32); a loss's row kernel writes their dlogits into ``gradient_buffer(u)`` (the
+    transform's ``chain`` factors and the loss's global normalisation folded in);
+    ``backward(start, stop, dlogits)`` accumulates that chunk's gradients; ``finish()`` returns
+    (dhidden, dweight, dbias), each rounded once to its tensor's dtype, None where not in ``needs``.
 
     hidden (N, H) in the matmuls' dtype; weight (V, H) and bias (V,) any float dtype (cast once to
     hidden's). logit_scale multiplies the logits, softcap caps them (None: no cap)."""
@@ -108,21 +114,21 @@ class ChunkedHead:
         # or in a half weight's own dtype (WEIGHT_DTYPE_DW)
         dw_dtype = (weight.dtype if needs & WEIGHT_DTYPE_DW and weight.dtype in (torch.float16, torch.bfloat16)
                     else self.acc)
-        self.dw = torch.zeros(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
+        # the first chunk's dW matmul writes it (no memset of the whole head); finish() zeroes it if none ran
+        self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
         self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)
                    if bias is not None and needs & NEEDS_BIAS else None)
         self._dx_chunk = self._w_acc = None
         self.b_acc = None if bias is None else bias.to(self.acc)
         self._first = True
 
-    def logits(self, start: int, stop: int) -> tuple[Tensor, Optional[Tensor]]:
-        """(u, tanh of the capped logits or None): u = softcap(logit_scale * (x W^T + b)) of rows
-        [start, stop) in the accumulator dtype (a new buffer the caller may overwrite). The matmul
-        writes float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU):
-        the logits are never rounded to the half dtype."""
+    def logits(self, start: int, stop: int) -> Tensor:
+        """u = softcap(logit_scale * (x W^T + b)) of rows [start, stop) in the accumulator dtype (a new
+        buffer the caller may overwrite). The matmul writes float32 itself from half inputs (out_dtype
+        on CUDA; converted operands on the CPU): the logits are never rounded to the half dtype."""
         return self.logits_of(self.x[start:stop])
 
-    def logits_of(self, xc: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    def logits_of(self, xc: Tensor) -> Tensor:
         """``logits`` of rows gathered by the caller (xc: (rows, H) in hidden's dtype)."""
         if self.acc == self.x.dtype:
             u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
@@ -138,25 +144,37 @@ class ChunkedHead:
                 u += self.b_acc
         if self.logit_scale != 1.0:
             u.mul_(self.logit_scale)
-        if self.softcap is None:
-            return u, None
-        t = u.div_(self.softcap).tanh_()
-        return t * self.softcap, t
+        if self.softcap is not None:   # in place: the gradient reads 1 - (u / c)^2 from u itself
+            u.div_(self.softcap).tanh_().mul_(self.softcap)
+        return u
 
-    def backward(self, start: int, stop: int, du: Tensor, t: Optional[Tensor]) -> None:
-        """Accumulate the gradients of rows [start, stop) from du = d loss / d u (overwritten)."""
-        self.backward_of(self.x[start:stop], du, t, ((start, stop),))
+    def gradient_buffer(self, u: Tensor) -> Tensor:
+        """Where a row kernel writes a chunk's dlogits (rows, V) in the matmuls' dtype: u itself when
+        that dtype is u's (float32, float64 heads), else a view of u's own storage as the half dtype
+        whose row r is the first half of the bytes of u's row r (row stride 2V). A kernel writing
+        element j of a row reads u[j] first; its store lands on bytes of u[j / 2], which every thread
+        of the program has read once a barrier separates a block's loads from its stores (the Triton
+        kernels do). The gradient matmuls read it with leading dimension 2V."""
+        if u.dtype == self.x.dtype:
+            return u
+        return u.view(self.x.dtype)[:, : u.shape[1]]
 
-    def backward_of(self, xc: Tensor, du: Tensor, t: Optional[Tensor], parts) -> None:
+    @property
+    def chain(self) -> tuple[float, float]:
+        """(1 / softcap or 0, logit_scale): the row kernels' dlogits = du logit_scale (1 - (u / c)^2)."""
+        return (0.0 if self.softcap is None else 1.0 / self.softcap), float(self.logit_scale)
+
+    def backward(self, start: int, stop: int, dlogits: Tensor) -> None:
+        """Accumulate the gradients of rows [start, stop) from their dlogits (``gradient_buffer``:
+        d loss / d logits in the matmuls' dtype, the transform's factors and the loss's normalisation
+        already in)."""
+        self.backward_of(self.x[start:stop], dlogits, ((start, stop),))
+
+    def backward_of(self, xc: Tensor, dlogits: Tensor, parts) -> None:
         """``backward`` of gathered rows xc: ``parts``, the (start, stop) ranges of x that xc's rows
         are, in order (dhidden's rows are written there)."""
         if self.dx is None and self.dw is None and self.db is None:
             return
-        if t is not None:   # d softcap(v) / dv = 1 - tanh^2
-            du.mul_(t.square_().neg_().add_(1))
-        if self.logit_scale != 1.0:
-            du.mul_(self.logit_scale)
-        dlogits = du if du.dtype == self.x.dtype else du.to(self.x.dtype)
         rows = xc.shape[0]
         if self.dx is not None:   # in the accumulator dtype, rounded once into dx's rows
             if self.acc == self.x.dtype and len(parts) == 1:
@@ -172,18 +190,31 @@ class ChunkedHead:
         if self.dw is not None:
             matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
         if self.db is not None:
-            self.db += du.sum(0) if du.dtype == self.acc else dlogits.sum(0, dtype=self.acc)
+            self.db += dlogits.sum(0, dtype=self.acc)
         self._first = False
 
     def finish(self) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """(dhidden, dweight, dbias), each in its tensor's dtype (None if not asked)."""
         dx, dw, db = self.dx, self.dw, self.db
         self.dx = self.dw = self.db = self._dx_chunk = self._w_acc = None
+        if dw is not None and self._first:   # no chunk (no tokens): a zero gradient
+            dw.zero_()
         if dw is not None and self.weight.dtype != dw.dtype:   # rounded once; the float32 buffer freed
             dw = dw.to(self.weight.dtype)
         if db is not None and self.bias.dtype != self.acc:
             db = db.to(self.bias.dtype)
         return dx, dw, db
+
+
+def store_gradient_torch(out: Tensor, du: Tensor, u: Tensor, cap_inv: float, scale: float) -> None:
+    """The torch-op kernels' store: out = du * scale * (1 - (u cap_inv)^2) in out's dtype. ``du`` (a
+    buffer of the kernel's own, overwritten) must not share storage with ``out``; ``u`` is read (so
+    ``out``, which may alias u, is written last)."""
+    if cap_inv:
+        du.mul_(torch.mul(u, cap_inv).square_().neg_().add_(1))
+    if scale != 1.0:
+        du.mul_(scale)
+    out.copy_(du)
 
 
 def save_scaled_gradients(ctx, needs: int, gradients) -> None:
@@ -317,4 +348,4 @@ def gradient_bits(*pairs) -> int:
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
            "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
-           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients"]
+           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients", "store_gradient_torch"]

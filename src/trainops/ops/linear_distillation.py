@@ -18,7 +18,8 @@ teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
 per chunk one teacher matmul, one student matmul (float32 logits from the matmul), the chunk's
-loss terms and du written over the student's logits by the row kernel (op
+loss terms and dlogits (in the matmuls' dtype, the transform's factors and the count folded in)
+written over the student's logits' storage by the row kernel (op
 "linear_distillation_rows": Triton on the GPU, torch ops on the CPU), then the student's two
 gradient matmuls. The gradients (for an upstream
 gradient of 1, normalised by the count, known on the device before the loop) are computed in the
@@ -38,8 +39,9 @@ hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRange
 and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
 Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
-works in place; the CPU kernel's torch ops take about three more chunk-sized buffers), du's copy
-in the matmuls' dtype, a float32 dhidden chunk, and the float32 dW accumulator of a half weight.
+writes the student's dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's
+torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and the float32 dW
+accumulator of a half weight (none with weight_grad_accumulator="weight").
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tenso
 from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_label_range, check_labels, check_number, check_transform,
                              gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients,
-                             weight_dtype_bit)
+                             store_gradient_torch, weight_dtype_bit)
 
 OP = "linear_distillation"
 
@@ -81,22 +83,29 @@ def _mode(beta: float) -> int:
 
 def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_weight: Optional[Tensor],
                       hard_weight: Optional[Tensor], beta: float, temperature: float, *, hard: bool,
-                      grad: bool) -> tuple[Tensor, Tensor]:
+                      grad: bool, du: Optional[Tensor] = None, chain: tuple[float, float] = (0.0, 1.0)
+                      ) -> tuple[Tensor, Tensor]:
     """(jsd_beta per row (zeros without ``ut``), -log_softmax(us)[label] per row (zeros unless
     ``hard``)) of a chunk's rows. us, ut: (rows, V) contiguous float32 / float64, the student's and
     the teacher's logits before the temperature; ut None: no soft loss. labels (rows,): class indices
-    in range (ignored rows: any, e.g. 0). grad: du = soft_weight * d jsd / d us + hard_weight *
-    d hard / d us (soft_weight, hard_weight (rows,)) written over ``us``. ``ut`` may be overwritten.
-    Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU); float64
-    (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
+    in range (ignored rows: any, e.g. 0). grad: dlogits = (soft_weight * d jsd / d us + hard_weight *
+    d hard / d us) * scale * (1 - (us cap_inv)^2), (soft_weight, hard_weight (rows,); chain =
+    (cap_inv, scale): ChunkedHead.chain) written into ``du`` (rows, V), unit stride along V, in the
+    matmuls' dtype: ``us`` itself or ChunkedHead.gradient_buffer(us) (default: us). ``ut`` may be
+    overwritten. Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU);
+    float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
     options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad)
     soft_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
     hard_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
+    du = us if du is None else du
+    cap_inv, scale = float(chain[0]), float(chain[1])
     if us.dtype == torch.float64:
-        _rows_torch(options, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature)
+        _rows_torch(options, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du, beta, temperature,
+                    cap_inv, scale)
     else:
         launch = multi_tensor_launch(ROWS_OP, us.device, us.dtype, **options)
-        launch.run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, float(beta), float(temperature))
+        launch.run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du, float(beta), float(temperature),
+                   cap_inv, scale)
     return soft_out, hard_out
 
 
@@ -131,8 +140,10 @@ def _soft_rows(us: Tensor, ut: Tensor, beta: float, temperature: float, grad: bo
     return row, p.mul_(b.sub_(student_term[:, None])).mul_(1 - beta) if grad else None
 
 
-def _rows_torch(opts: dict, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature) -> None:
-    """distillation_rows in torch ops (the CPU kernel; float64 everywhere)."""
+def _rows_torch(opts: dict, us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du_out, beta, temperature,
+                cap_inv, scale) -> None:
+    """distillation_rows in torch ops (the CPU kernel; float64 everywhere). ``us`` is read to the
+    end (du_out may alias it): the gradients are built in buffers of their own."""
     grad = opts["grad"]
     du = None
     if opts["soft"]:
@@ -150,7 +161,10 @@ def _rows_torch(opts: dict, us, ut, labels, soft_weight, hard_weight, soft_out, 
             probs.mul_(hard_weight[:, None])
             du = probs if du is None else du.add_(probs)
     if grad:
-        us.copy_(du) if du is not None else us.zero_()
+        if du is None:
+            du_out.zero_()
+        else:
+            store_gradient_torch(du_out, du, us, cap_inv, scale)
 
 
 def _prepare_rows_cpu(problem) -> MultiTensorLaunch:
@@ -172,23 +186,27 @@ if triton_available():
 
     @triton.jit
     def _distillation_rows(
-        us_ptr,              # (rows, V) student logits before the temperature; du written over them (GRAD)
+        us_ptr,              # (rows, V) student logits before the temperature
         ut_ptr,              # (rows, V) teacher logits before the temperature (SOFT)
         labels_ptr,          # (rows,) class indices in range (HARD)
         soft_weight_ptr,     # (rows,) each row's factor of d soft / d us (GRAD and SOFT)
         hard_weight_ptr,     # (rows,) each row's factor of d hard / d us (GRAD and HARD)
         soft_out_ptr,        # (rows,) jsd_beta of each row
         hard_out_ptr,        # (rows,) -log_softmax(us)[label] of each row
-        V, stride_s, stride_t,
-        inv_t, beta, log_1mb, log_b,
+        du_ptr,              # (rows, V) dlogits in the matmuls' dtype (GRAD); may alias us (gradient_buffer)
+        V, stride_s, stride_t, stride_d,
+        inv_t, beta, log_1mb, log_b, cap_inv, scale,
         MODE: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """One row a program. Pass 1: the logsumexps of us / T, ut / T (and of us, the hard loss's) by
         blocks. Pass 2: the row's loss sums (MODE 0 writes its gradient here: p - q needs no sum).
-        Pass 3 (MODE 1, 2 with GRAD): the gradient, p (g - <p, g>), written over the student's row."""
+        Pass 3 (MODE 1, 2 with GRAD): the gradient, p (g - <p, g>). The gradient is stored times the
+        transform's factor scale (1 - (u cap_inv)^2) in du's dtype, after a barrier: du may alias the
+        row, its element j landing on bytes of us[j / 2], which every thread has then read."""
         row = tl.program_id(0).to(tl.int64)
         s_row = us_ptr + row * stride_s
         t_row = ut_ptr + row * stride_t
+        d_row = du_ptr + row * stride_d
         offs = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
         m_s = neg_inf
@@ -244,14 +262,17 @@ if triton_available():
                         du = soft_w * (p - q)
                         if HARD:
                             du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
-                        tl.store(s_row + start + offs, du, mask=mask)
+                        cap = u * cap_inv
+                        du = du * (scale * (1 - cap * cap))
+                        tl.debug_barrier()
+                        tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
                 elif MODE == 1:
                     student_term += tl.sum(tl.where(mask, p * (ls - lt), 0.0), 0)
                 else:
                     a = ls + log_1mb
                     c = lt + log_b
                     hi = tl.maximum(a, c)
-                    lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                    lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))   # log((1 - beta) p + beta q)
                     teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
                     student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
             if MODE == 0:
@@ -275,11 +296,14 @@ if triton_available():
                         a = ls + log_1mb
                         c = lt + log_b
                         hi = tl.maximum(a, c)
-                        lm = hi + tl.log(tl.exp(a - hi) + tl.exp(c - hi))
+                        lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))
                         du = (soft_w * (1 - beta)) * p * ((ls - lm) - student_term)
                 if HARD:
                     du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
-                tl.store(s_row + start + offs, du, mask=mask)
+                cap = u * cap_inv
+                du = du * (scale * (1 - cap * cap))
+                tl.debug_barrier()
+                tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 
     def _prepare_rows_triton(problem) -> MultiTensorLaunch:
         opts = dict(problem.options)
@@ -287,7 +311,7 @@ if triton_available():
                     BLOCK=_ROWS_BLOCK, num_warps=_ROWS_WARPS)
         launches: dict[int, object] = {}
 
-        def run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, beta, temperature):
+        def run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du, beta, temperature, cap_inv, scale):
             rows = us.shape[0]
             if not rows:
                 return
@@ -298,9 +322,9 @@ if triton_available():
             # an operand a variant does not read gets ``us`` (any pointer): no None specialisations
             launch(us, us if ut is None else ut, us if labels is None else labels,
                    us if soft_weight is None else soft_weight,
-                   us if hard_weight is None else hard_weight, soft_out, hard_out, us.shape[1], us.stride(0),
-                   us.stride(0) if ut is None else ut.stride(0), 1.0 / temperature, beta,
-                   math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0)
+                   us if hard_weight is None else hard_weight, soft_out, hard_out, du, us.shape[1], us.stride(0),
+                   us.stride(0) if ut is None else ut.stride(0), du.stride(0), 1.0 / temperature, beta,
+                   math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0, cap_inv, scale)
 
         return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton", (("BLOCK", _ROWS_BLOCK),)),
                                  problem.dtype)
@@ -349,24 +373,25 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
         ones = torch.ones(min(n, rows), dtype=acc, device=dev) if kept is None else None
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            us, t = student.logits(start, stop)
+            us = student.logits(start, stop)
             keep = ones[: stop - start] if kept is None else kept[start:stop].to(acc)
-            ut = teacher.logits(start, stop)[0].to(acc) if weight_soft else None
+            ut = teacher.logits(start, stop) if weight_soft else None
             chunk_labels = torch.where(kept[start:stop], labels[start:stop], 0) if weight_hard else None
             # each row's factors of the two gradients: d / d us = d / d (us / T) / T (the kernel's
             # 1 / T), normalised by the count; ignored rows 0
             soft_weight = keep * (inv_count * weight_soft) if grad and weight_soft else None
             hard_weight = keep * (inv_count * weight_hard) if grad and weight_hard else None
+            dlogits = student.gradient_buffer(us) if grad else None
             soft_row, hard_row = distillation_rows(us, ut, chunk_labels, soft_weight, hard_weight, beta, temperature,
-                                                   hard=bool(weight_hard), grad=grad)
+                                                   hard=bool(weight_hard), grad=grad, du=dlogits, chain=student.chain)
             del ut
             if weight_soft:
                 soft += (soft_row * keep).sum()
             if weight_hard:
                 hard += (hard_row * keep).sum()
-            if grad:   # the kernel wrote du over us
-                student.backward(start, stop, us, t)
-            del us, t
+            if grad:   # the kernel wrote dlogits over us's storage
+                student.backward(start, stop, dlogits)
+            del us, dlogits
         soft, hard = soft * inv_count, hard * inv_count
         loss = weight_soft * soft + weight_hard * hard
         dx, dw, db = student.finish()

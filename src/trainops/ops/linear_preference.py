@@ -11,9 +11,10 @@ NLL linear in the tokens over a count known up front), hence two paths, chosen b
 1. Whole pairs a chunk (``linear_preference_pairs``, a custom op), when a pair's 2T tokens fit a
    chunk: chosen rows i.. and rejected rows P + i.. gathered, their logits (one matmul), the row
    kernel's logsumexp / label log-probability / logits sum, the pairs' losses and their gradients
-   w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), du written over the
-   logits by the row kernel, dX and dW: three policy matmuls (the unfused formulation's count),
-   gradients computed in the forward and scaled by the upstream gradient in the backward. Liger's
+   w.r.t. the sequence log-probabilities (written out: ``_pair_gradients``), dlogits written in the
+   matmuls' dtype over the logits' storage by the row kernel, dX and dW: three policy matmuls (the
+   unfused formulation's count), gradients computed in the forward and scaled by the upstream
+   gradient in the backward. Liger's
    chunking by pairs, kept to pairs that fit the token budget.
 2. Two passes otherwise (``linear_token_logprobs``, a custom op): per token log_softmax(z)[label]
    and sum_v z_v, one matmul a chunk, the logsumexp kept; the losses are torch ops on the
@@ -70,7 +71,7 @@ from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tenso
 from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
                              check_ignore_index, check_label_range, check_labels, check_number, check_transform,
                              gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients,
-                             weight_dtype_bit)
+                             store_gradient_torch, weight_dtype_bit)
 
 OP = "linear_preference_loss"
 TOKENS_OP = "linear_token_logprobs"
@@ -97,26 +98,34 @@ def token_rows_forward(u: Tensor, index: Tensor, keep: Tensor, temperature: floa
     float32 only)."""
     outs = tuple(torch.empty(u.shape[0], dtype=u.dtype, device=u.device) for _ in range(3))
     if u.dtype == torch.float64:
-        _rows_torch("forward", u, index, keep, *outs, temperature)
+        _rows_torch("forward", u, index, keep, *outs, temperature, None, 0.0, 1.0)
     else:
-        multi_tensor_launch(ROWS_OP, u.device, u.dtype, stage="forward").run(u, index, keep, *outs, temperature)
+        multi_tensor_launch(ROWS_OP, u.device, u.dtype, stage="forward").run(u, index, keep, *outs, temperature, None,
+                                                                            0.0, 1.0)
     return outs
 
 
-def token_rows_backward_(u: Tensor, index: Tensor, lse: Tensor, factor: Tensor, temperature: float) -> Tensor:
-    """du = factor (onehot(label) - exp(u / T - lse)) / T written over ``u`` (returned): the gradient
-    of sum factor * logp w.r.t. u. factor (rows,): dlogp, 0 on ignored rows."""
+def token_rows_backward_(u: Tensor, index: Tensor, lse: Tensor, factor: Tensor, temperature: float,
+                         du: Optional[Tensor] = None, chain: tuple[float, float] = (0.0, 1.0)) -> Tensor:
+    """dlogits = factor (onehot(label) - exp(u / T - lse)) / T * scale (1 - (u cap_inv)^2) (the
+    gradient of sum factor * logp w.r.t. the logits before the transform; chain = (cap_inv, scale):
+    ChunkedHead.chain) written into ``du`` (returned): (rows, V), unit stride along V, in the
+    matmuls' dtype, ``u`` itself or ChunkedHead.gradient_buffer(u) (default: u). factor (rows,):
+    dlogp, 0 on ignored rows."""
+    du = u if du is None else du
+    cap_inv, scale = float(chain[0]), float(chain[1])
     if u.dtype == torch.float64:
-        _rows_torch("backward", u, index, factor, lse, None, None, temperature)
+        _rows_torch("backward", u, index, factor, lse, None, None, temperature, du, cap_inv, scale)
     else:
         multi_tensor_launch(ROWS_OP, u.device, u.dtype, stage="backward").run(u, index, factor, lse, None, None,
-                                                                             temperature)
-    return u
+                                                                             temperature, du, cap_inv, scale)
+    return du
 
 
-def _rows_torch(stage: str, u, index, weights, lse, logp, logit_sum, temperature) -> None:
+def _rows_torch(stage: str, u, index, weights, lse, logp, logit_sum, temperature, du_out, cap_inv, scale) -> None:
     """Both stages in torch ops (the CPU kernel; float64 everywhere). forward: weights = keep, writes
-    lse, logp, logit_sum, ``u`` kept; backward: weights = factor, reads lse, writes du over u."""
+    lse, logp, logit_sum, ``u`` kept; backward: weights = factor, reads lse, writes dlogits into
+    du_out (which may alias u: the gradient is built in a buffer of its own first)."""
     index = index[:, None]
     if stage == "forward":
         z = u / temperature if temperature != 1.0 else u
@@ -124,10 +133,10 @@ def _rows_torch(stage: str, u, index, weights, lse, logp, logit_sum, temperature
         torch.mul(z.gather(1, index).squeeze(1) - lse, weights, out=logp)
         torch.mul(z.sum(-1), weights, out=logit_sum)
         return
-    z = u.div_(temperature) if temperature != 1.0 else u
     f = (weights / temperature)[:, None]
-    dz = z.sub_(lse[:, None]).exp_().mul_(-f)              # -dlogp softmax(z)
+    dz = torch.sub(u / temperature if temperature != 1.0 else u, lse[:, None]).exp_().mul_(-f)   # -dlogp softmax(z)
     dz.scatter_(1, index, dz.gather(1, index) + f)         # + dlogp onehot(label): one index a row
+    store_gradient_torch(du_out, dz, u, cap_inv, scale)
 
 
 def _prepare_rows_cpu(problem) -> MultiTensorLaunch:
@@ -180,32 +189,39 @@ if triton_available():
 
     @triton.jit
     def _token_rows_backward(
-        u_ptr,           # (rows, V) logits before the temperature; du written over them
+        u_ptr,           # (rows, V) logits before the temperature
         index_ptr,       # (rows,) labels in range
         factor_ptr,      # (rows,) dlogp (0 on ignored rows)
         lse_ptr,         # (rows,) logsumexp(u / T) of the forward
-        V, stride, inv_t,
+        du_ptr,          # (rows, V) dlogits in the matmuls' dtype; may alias u (ChunkedHead.gradient_buffer)
+        V, stride, stride_d, inv_t, cap_inv, scale,
         BLOCK: tl.constexpr,
     ):
-        """One row a program, one pass: du = dlogp (onehot(label) - exp(u / T - lse)) / T."""
+        """One row a program, one pass: dlogits = dlogp (onehot(label) - exp(u / T - lse)) / T times
+        the transform's factor scale (1 - (u cap_inv)^2), stored in du's dtype after a barrier: du may
+        alias the row, its element j landing on bytes of u[j / 2], which every thread has then read."""
         row = tl.program_id(0).to(tl.int64)
         base = u_ptr + row * stride
+        d_row = du_ptr + row * stride_d
         offs = tl.arange(0, BLOCK)
         f = tl.load(factor_ptr + row) * inv_t
         lse = tl.load(lse_ptr + row)
         label = tl.load(index_ptr + row)
         for start in range(0, V, BLOCK):
             mask = start + offs < V
-            z = tl.load(base + start + offs, mask=mask, other=0.0) * inv_t
-            du = f * (tl.where(start + offs == label, 1.0, 0.0) - tl.exp(z - lse))
-            tl.store(base + start + offs, du, mask=mask)
+            u = tl.load(base + start + offs, mask=mask, other=0.0)
+            du = f * (tl.where(start + offs == label, 1.0, 0.0) - tl.exp(u * inv_t - lse))
+            cap = u * cap_inv
+            du = du * (scale * (1 - cap * cap))
+            tl.debug_barrier()
+            tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 
     def _prepare_rows_triton(problem) -> MultiTensorLaunch:
         forward = dict(problem.options)["stage"] == "forward"
         kernel = _token_rows_forward if forward else _token_rows_backward
         launches: dict[int, object] = {}
 
-        def run(u, index, weights, lse, logp, logit_sum, temperature):
+        def run(u, index, weights, lse, logp, logit_sum, temperature, du, cap_inv, scale):
             rows = u.shape[0]
             if not rows:
                 return
@@ -215,7 +231,8 @@ if triton_available():
             if forward:
                 launch(u, index, weights, lse, logp, logit_sum, u.shape[1], u.stride(0), 1.0 / temperature)
             else:
-                launch(u, index, weights, lse, u.shape[1], u.stride(0), 1.0 / temperature)
+                launch(u, index, weights, lse, du, u.shape[1], u.stride(0), du.stride(0), 1.0 / temperature, cap_inv,
+                       scale)
 
         return MultiTensorLaunch(run, KernelChoice(kernel.__name__.lstrip("_"), "triton", (("BLOCK", _ROWS_BLOCK),)),
                                  problem.dtype)
@@ -251,7 +268,7 @@ def _tokens_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap)
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            u, _ = head.logits(start, stop)
+            u = head.logits(start, stop)
             lse[start:stop], logp[start:stop], logit_sum[start:stop] = token_rows_forward(
                 u, index[start:stop], keep_f[start:stop], temperature)
             del u
@@ -304,10 +321,11 @@ def _tokens_backward_impl(dlogp: Tensor, hidden: Tensor, weight: Tensor, labels:
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            u, t = head.logits(start, stop)
-            du = token_rows_backward_(u, index[start:stop], lse[start:stop], factor[start:stop], temperature)
-            head.backward(start, stop, du, t)
-            del u, du, t
+            u = head.logits(start, stop)
+            dlogits = token_rows_backward_(u, index[start:stop], lse[start:stop], factor[start:stop], temperature,
+                                           head.gradient_buffer(u), head.chain)
+            head.backward(start, stop, dlogits)
+            del u, dlogits
         dx, dw, db = head.finish()
     return tuple(hidden.new_empty(0) if g is None else g for g in (dx, dw, db))
 
@@ -598,7 +616,7 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
             keep = torch.cat([kept[a:b] for a, b in parts])
             index = torch.where(keep, torch.cat([labels[a:b] for a, b in parts]), 0)
             row_index = torch.cat([torch.arange(i0, i1, device=dev), torch.arange(pairs + i0, pairs + i1, device=dev)])
-            u, t = head.logits_of(xc)
+            u = head.logits_of(xc)
             keep_f = keep.to(acc)
             lse, tokens, token_sums = token_rows_forward(u, index, keep_f, temperature)
             logit_sum[row_index] = token_sums.view(2 * m, length).sum(-1)
@@ -613,9 +631,11 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
                 dlogp = (dseq * norm[row_index] / pairs).repeat_interleave(length)
                 if nll_weight:
                     dlogp[: m * length] += nll_scale
-                du = token_rows_backward_(u, index, lse, dlogp * keep_f, temperature)
-                head.backward_of(xc, du, t, parts)
-            del u, t, xc
+                dlogits = token_rows_backward_(u, index, lse, dlogp * keep_f, temperature, head.gradient_buffer(u),
+                                               head.chain)
+                head.backward_of(xc, dlogits, parts)
+                del dlogits
+            del u, xc
         dx, dw, db = head.finish()
     loss = pair_sum / pairs
     if nll_weight:
