@@ -143,7 +143,7 @@ def liger_dpo():
     return loss
 
 
-def chunked(fn, rows: int = 2048, accumulator: str = "float32"):
+def chunked(fn, rows: int = 2048, accumulator: str = "weight"):
     """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass
     path) and the weight gradient accumulated in ``accumulator`` ("float32" or "weight": bf16)."""
     from trainops.ops.chunked_linear import ChunkedLinearHeuristics
@@ -308,7 +308,7 @@ def main():
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
-        runs["trainops dW in bf16"] = chunked(distill, accumulator="weight")
+        runs["trainops dW in float32"] = chunked(distill, accumulator="float32")
         runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
         runs["torch.compile unfused"] = torch.compile(unfused_distillation)
         for name, fn in runs.items():
@@ -339,7 +339,7 @@ def main():
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger
-        runs["trainops dW in bf16"] = chunked(ours, accumulator="weight")
+        runs["trainops dW in float32"] = chunked(ours, accumulator="float32")
         runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
         runs["torch.compile unfused"] = torch.compile(unfused_dpo)
         for name, fn in runs.items():
