@@ -386,6 +386,32 @@ def test_qk_norm_attention_generates_the_unpatched_tokens(arch):
     assert fused_calls == 4 * 2 and unpatched_calls == 0   # 4 forwards x 2 layers
 
 
+def test_qk_norm_attention_runs_the_triton_kernels():
+    """The fused attention layer with the Triton kernels (the interpreter here): q and k read in place
+    from the projections' views, non-contiguous hidden states; the unpatched layer's output and
+    gradients (input, projections, norm weights). Qwen3 only (CI time: 3 s under the interpreter);
+    OLMo 2's across-heads kernels are tests/test_qk_norm_rotary.py's."""
+    model = tiny_model("qwen3")
+    attention = model.model.layers[0].self_attn
+    reference = copy.deepcopy(attention)
+    trainops.patch(model)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(16, 2, 32, generator=gen).transpose(0, 1).requires_grad_()   # (2, 16, 32), strided
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(16)[None].expand(2, -1))
+    results = []
+    for module, pinned in ((attention, "triton"), (reference, "cpu")):
+        with trainops.backend(pinned), trainops.track_kernels() as used:
+            out, _ = module(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=None)
+            params = [p for _, p in sorted(module.named_parameters())]
+            grads = torch.autograd.grad(out.square().sum(), [hidden, *params])
+        results.append((out, grads, {kernel for (_, _, kernel, _) in used}))
+    (out, grads, kernels), (want, want_grads, _) = results
+    assert {"qk_norm_rotary_fwd", "qk_norm_rotary_bwd"} <= kernels, kernels
+    assert_close(out, want, torch.float32, "attention output")
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert_close(got, expected, torch.float32, "gradient")
+
+
 def test_qk_norm_attention_refusals():
     """What the fused q/k norm + rotary attention cannot compute is left as transformers's and
     reported (the rest patched, the unpatched loss): an instance whose q_norm and k_norm eps differ,
