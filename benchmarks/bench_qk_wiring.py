@@ -22,7 +22,10 @@ runs its kernel).
 
 Each: ``--warmup`` steps, then the median of ``--steps`` synchronised steps (ms), the peak memory
 allocated during them, the first step's loss, the trainops ops that ran; one step profiled
-(torch.profiler: GPU kernel time and launches per step). ``grads_rel_diff``: fused against
+(torch.profiler: GPU kernel time and launches per step; the time and calls of trainops's fused
+q/k kernels, rotary kernels, RMSNorm kernels (all the model's norms) and weight-gradient column
+sums, whose total is the table's "norm+rope ms": its drop from unfused to fused is what fusing
+the q / k norms and the rotation saved; the ten longest kernels). ``grads_rel_diff``: fused against
 unfused, per parameter ||g_fused - g_unfused|| / ||g_unfused|| (median and largest: bf16 noise,
 ~1e-3 to 1e-2, expected). Prints a table last; writes JSON to --out. ``--small`` shrinks every
 size (a CPU smoke test: ``--device cpu --small --steps 1 --warmup 0``).
@@ -31,6 +34,7 @@ size (a CPU smoke test: ``--device cpu --small --steps 1 --warmup 0``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -49,7 +53,8 @@ def build(args, device):
     else:
         sizes = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                      num_key_value_heads=8, head_dim=128)
-    config = transformers.Qwen3Config(**sizes, num_hidden_layers=args.layers, max_position_embeddings=max(4096, args.seq),
+    config = transformers.Qwen3Config(**sizes, num_hidden_layers=args.layers,
+                                      max_position_embeddings=max(4096, args.seq),
                                       tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
@@ -67,6 +72,43 @@ def unfused_attention_class():
     if attributes is None:
         raise RuntimeError(f"the rotary-only attention cannot be made: {reasons}")
     return type("Qwen3Attention", (modeling_qwen3.Qwen3Attention,), attributes)
+
+
+# trainops's kernels whose GPU time the profile reports apart (category -> the Triton function's
+# name, which the profiler's kernel name contains): the fused op, the rotary embedding, RMSNorm
+# (every norm of the model, the q / k ones of the unfused path among them) and the weight
+# gradients' column sums (the norms' and the fused op's). Inductor's kernels are named otherwise.
+NAMED_KERNELS = {"qk_norm_rotary": "_qk_norm_rotary_", "rotary": "_rotary_rows", "norm": "_norm_",
+                 "sum_columns": "_sum_columns"}
+
+
+def profile_step(step) -> dict:
+    """One step under torch.profiler (CUDA: kernels, copies, memsets): GPU ms, launches, the ms and
+    calls of the kernels whose names contain each of NAMED_KERNELS, and the ten longest kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.device_time / 1e3
+        entry[1] += 1
+    named = {}
+    for name, (t, c) in totals.items():
+        category = next((cat for cat, piece in NAMED_KERNELS.items() if piece in name), None)
+        if category is not None:
+            entry = named.setdefault(category, {"ms": 0.0, "calls": 0})
+            entry["ms"] += t
+            entry["calls"] += c
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:10]
+    return {"gpu_kernel_ms": sum(t for t, _ in totals.values()), "launches": sum(c for _, c in totals.values()),
+            "named_kernels": named, "top_kernels": [{"name": n[:160], "ms": t, "calls": c} for n, (t, c) in top]}
 
 
 def run_variant(name, args, device, ids):
@@ -121,24 +163,13 @@ def run_variant(name, args, device, ids):
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     profile = None
     if cuda and not args.no_profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
         model.zero_grad(set_to_none=True)
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            sync()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        profile = {"gpu_kernel_ms": sum(e.device_time for e in kernels) / 1e3, "launches": len(kernels)}
+        profile = profile_step(step)
     row = {"variant": name, "ms_per_step": statistics.median(times), "ms_all": times, "peak_gib": peak,
            "loss": first_loss, "trainops_ops": ops, "profile": profile,
            "attention_swap": None if report is None else report.descriptions.get("model.layers.0.self_attn")}
     if base == "unfused":
         row["attention_swap"] = "attention: rotary embedding (q_norm / k_norm modules)"
-    del model, forward
-    if compiled:
-        torch._dynamo.reset()
-    if cuda:
-        torch.cuda.empty_cache()
     return row, grads
 
 
@@ -168,17 +199,26 @@ def main(argv=None) -> int:
     rows, grads = [], {}
     for name in args.variants.split(","):
         try:
-            row, grads[name] = run_variant(name, args, device, ids)
+            row, variant_grads = run_variant(name, args, device, ids)
+            if name in ("fused", "unfused"):
+                grads[name] = variant_grads
+            del variant_grads
         except Exception as e:   # recorded; the next variant runs
             row = {"variant": name, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
+        gc.collect()   # the variant's model, before the next one is built
+        if name.endswith("-compile"):
+            torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         print(f"[{time.perf_counter() - started:.0f} s] {name}: {row.get('ms_per_step', row.get('error'))}",
               file=sys.stderr, flush=True)
     by_name = {r["variant"]: r for r in rows if "error" not in r}
     reference = by_name.get("eager") or by_name.get("unfused")
     for row in by_name.values():
         if reference is not None:
-            row["loss_rel_diff_vs_" + reference["variant"]] = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
+            rel = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
+            row["loss_rel_diff_vs_" + reference["variant"]] = rel
     if "fused" in grads and "unfused" in grads:
         diffs = sorted(((grads["fused"][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
                        for n, g in grads["unfused"].items())
@@ -201,7 +241,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nQwen3-like, {args.layers} layers, batch {args.batch} x {args.seq}, bf16 autocast, {result['device']}")
-    print(f"{'variant':<15} {'ms/step':>9} {'GPU ms':>8} {'launches':>8} {'peak GiB':>9} {'loss':>10} {'rel diff':>9}")
+    print(f"{'variant':<15} {'ms/step':>9} {'GPU ms':>8} {'launches':>8} {'peak GiB':>9} {'loss':>10} "
+          f"{'rel diff':>9} {'norm+rope ms':>12}")
     for row in rows:
         if "error" in row:
             print(f"{row['variant']:<15} ERROR {row['error'][:100]}")
@@ -209,9 +250,10 @@ def main(argv=None) -> int:
         prof = row["profile"] or {}
         rel = next((v for k, v in row.items() if k.startswith("loss_rel_diff")), float("nan"))
         peak = row["peak_gib"]
+        qk = sum(v["ms"] for v in prof.get("named_kernels", {}).values())
         print(f"{row['variant']:<15} {row['ms_per_step']:>9.2f} {prof.get('gpu_kernel_ms', float('nan')):>8.2f} "
               f"{prof.get('launches', 0):>8} {peak if peak is not None else float('nan'):>9.2f} {row['loss']:>10.5f} "
-              f"{rel:>9.1e}")
+              f"{rel:>9.1e} {qk if prof else float('nan'):>12.2f}")
     for name in ("fused", "fused-compile"):
         if "speedup_vs_unfused" in by_name.get(name, {}):
             print(f"{name} vs un{name}: {by_name[name]['speedup_vs_unfused']:.3f}x")
