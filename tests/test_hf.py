@@ -105,6 +105,8 @@ def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
         assert swapped["model.layers.0.self_attn.q_norm"].endswith("RMSNorm")
         assert swapped["model.layers.1.self_attn.k_norm"].endswith("RMSNorm")
     assert swapped["model.layers.1.self_attn"].endswith("Attention")   # the rotary embedding
+    assert report.descriptions["model.layers.1.self_attn"] == (
+        "attention: fused q/k norm + rotary" if arch in QK_NORM_ARCHS else "attention: rotary embedding")
     if arch.startswith("gemma"):   # its scaled embedding
         assert swapped["model.embed_tokens"].endswith("TextScaledWordEmbedding")
     assert report.skipped == []
@@ -114,7 +116,11 @@ def test_patched_model_gives_the_unpatched_loss_and_gradients(arch):
     with trainops.track_kernels() as used:
         out, grads = loss_and_grads(model, ids, labels)
     ran = {op for op, *_ in used}
-    assert {"rms_norm", "rotary_embedding", "rotary_embedding_backward", "cross_entropy"} <= ran, ran
+    if arch in QK_NORM_ARCHS:   # q / k norms and the rotary embedding in one op, forward and backward
+        assert {"qk_norm_rotary", "qk_norm_rotary_backward"} <= ran and "rotary_embedding" not in ran, ran
+    else:
+        assert {"rotary_embedding", "rotary_embedding_backward"} <= ran, ran
+    assert {"rms_norm", "cross_entropy"} <= ran, ran
     assert ("geglu" if arch in GEGLU_ARCHS else "swiglu") in ran, ran
     if arch in MOE_ARCHS:
         assert {"softmax", "softmax_backward"} <= ran, ran
@@ -167,7 +173,7 @@ def test_num_items_in_batch_and_shift_labels_go_to_the_loss():
     assert_close(out.loss, want.loss, torch.float32, "shift_labels loss")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "olmo2", "granite", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "olmo2", "granite", "mixtral"])
 def test_bfloat16_model(arch):
     """bf16 weights: the patched model is at least as close to a float32 run of the same weights as
     the unpatched one is (both round in bf16, differently): the loss, and each gradient within 1.25x
@@ -221,7 +227,7 @@ def test_gradient_checkpointing_and_torch_compile():
 # One architecture per distinct set of swapped forwards (CI time: a compilation costs 5-10 s here):
 # Mistral, Qwen2 and SmolLM3 run Llama's kinds, Gemma Gemma 2's, OLMo 2 Gemma's norm without the
 # offset and Llama's others; GPT-2 and Mixtral have tests of their own below.
-COMPILED_ARCHS = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "granite"]
+COMPILED_ARCHS = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "glm4", "granite"]
 
 
 @pytest.mark.parametrize("arch", COMPILED_ARCHS)
@@ -338,7 +344,7 @@ def test_gemma3_for_conditional_generation():
     want = loss_and_grads(reference, labels=labels, ids=None, **inputs)
     with trainops.track_kernels() as used:
         got = loss_and_grads(model, labels=labels, ids=None, **inputs)
-    assert {"rms_norm", "geglu", "rotary_embedding", "cross_entropy"} <= {op for op, *_ in used}
+    assert {"rms_norm", "geglu", "qk_norm_rotary", "cross_entropy"} <= {op for op, *_ in used}
     assert got[0].logits is None and type(got[0]).__name__ == "Gemma3CausalLMOutputWithPast"
     assert_same_step(got, want, "gemma3 multimodal")
 
@@ -353,6 +359,99 @@ def test_gradient_checkpointing(arch):
         m.train()
     ids, labels = batch()
     assert_same_step(loss_and_grads(model, ids, labels), loss_and_grads(reference, ids, labels), "checkpointed")
+
+
+@pytest.mark.parametrize("arch", sorted(QK_NORM_ARCHS))
+def test_qk_norm_attention_generates_the_unpatched_tokens(arch):
+    """Greedy generation with the KV cache (Gemma 3: its sliding-window layer's window outgrown by
+    the prompt): the fused q/k norm + rotary attention gives the unpatched tokens and scores, and
+    runs once per layer on the prompt and on each cached step. (MoE without router logits:
+    transformers 5.17's generate fails with them, unpatched too.)"""
+    model = tiny_model(arch, **({"output_router_logits": False} if arch in MOE_ARCHS else {}))
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    prompt = batch()[0][:, :10]
+    runs = []
+    for m in (model, reference):
+        m.eval()
+        with torch.no_grad(), trainops.track_kernels() as used:
+            out = m.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=True, output_scores=True,
+                             return_dict_in_generate=True)
+        runs.append((out, sum(n for (op, *_), n in used.items() if op == "qk_norm_rotary")))
+    (got, fused_calls), (want, unpatched_calls) = runs
+    assert got.sequences.shape == (2, 14) and torch.equal(got.sequences, want.sequences)
+    for step, (ours, theirs) in enumerate(zip(got.scores, want.scores, strict=True)):
+        assert_close(ours, theirs, torch.float32, f"scores of step {step}")
+    assert got.past_key_values.get_seq_length() == 13   # the prompt and 3 cached steps
+    assert fused_calls == 4 * 2 and unpatched_calls == 0   # 4 forwards x 2 layers
+
+
+def test_qk_norm_attention_runs_the_triton_kernels():
+    """The fused attention layer with the Triton kernels (the interpreter here): q and k read in place
+    from the projections' views, non-contiguous hidden states; the unpatched layer's output and
+    gradients (input, projections, norm weights). Qwen3 only (CI time: 3 s under the interpreter);
+    OLMo 2's across-heads kernels are tests/test_qk_norm_rotary.py's."""
+    model = tiny_model("qwen3")
+    attention = model.model.layers[0].self_attn
+    reference = copy.deepcopy(attention)
+    trainops.patch(model)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(16, 2, 32, generator=gen).transpose(0, 1).requires_grad_()   # (2, 16, 32), strided
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(16)[None].expand(2, -1))
+    results = []
+    for module, pinned in ((attention, "triton"), (reference, "cpu")):
+        with trainops.backend(pinned), trainops.track_kernels() as used:
+            out, _ = module(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=None)
+            params = [p for _, p in sorted(module.named_parameters())]
+            grads = torch.autograd.grad(out.square().sum(), [hidden, *params])
+        results.append((out, grads, {kernel for (_, _, kernel, _) in used}))
+    (out, grads, kernels), (want, want_grads, _) = results
+    assert {"qk_norm_rotary_fwd", "qk_norm_rotary_bwd"} <= kernels, kernels
+    assert_close(out, want, torch.float32, "attention output")
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert_close(got, expected, torch.float32, "gradient")
+
+
+def test_qk_norm_attention_refusals():
+    """What the fused q/k norm + rotary attention cannot compute is left as transformers's and
+    reported (the rest patched, the unpatched loss): an instance whose q_norm and k_norm eps differ,
+    one whose q_norm is not Qwen3RMSNorm; a class whose forward is not transformers 5.17 to 5.24's
+    (another signature, or a name read that those do not read)."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from trainops.hf._qk_attention import QWEN3_ATTENTION
+
+    model = tiny_model("qwen3")
+    model.model.layers[0].self_attn.k_norm.variance_epsilon = 1e-5
+    model.model.layers[1].self_attn.q_norm = torch.nn.Identity()
+    reference = copy.deepcopy(model)
+    planned = trainops.patch(model, dry_run=True)
+    report = trainops.patch(model)
+    assert planned.skipped == report.skipped and planned.descriptions == report.descriptions
+    skipped = {name: why for name, _, why in report.skipped}
+    assert "q_norm's eps (1e-06) and k_norm's (1e-05) differ" in skipped["model.layers.0.self_attn"]
+    assert "its q_norm is a Identity, not transformers's Qwen3RMSNorm" in skipped["model.layers.1.self_attn"]
+    assert all(type(layer.self_attn) is modeling_qwen3.Qwen3Attention for layer in model.model.layers)
+    assert report.descriptions["model.layers.0.self_attn.q_norm"] == "norm"
+    model.train()
+    reference.train()
+    ids, labels = batch()
+    assert_same_step(loss_and_grads(model, ids, labels), loss_and_grads(reference, ids, labels), "refused")
+
+    def other_signature(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                        cache_position=None, **kwargs):
+        pass
+
+    def reads_more(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        return self.q_norm, self.attn_logit_softcapping
+
+    for forward, reason in ((other_signature, "signature (self, hidden_states, position_embeddings, attention_mask, "
+                                              "past_key_values, cache_position, kwargs) is not transformers 5.17's"),
+                            (reads_more, "its forward reads attn_logit_softcapping and no longer reads")):
+        cls = type("Qwen3Attention", (torch.nn.Module,), {"forward": forward, "__module__": modeling_qwen3.__name__})
+        attributes, reasons = QWEN3_ATTENTION.make(cls)
+        assert attributes is None and reason in reasons[0], reasons
+    assert QWEN3_ATTENTION.make(modeling_qwen3.Qwen3Attention)[1] == []
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))

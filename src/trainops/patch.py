@@ -92,16 +92,21 @@ class PatchReport:
     ``skipped``: (qualified name, class name, reason) of each module left as it is.
     ``other_names``: for a listed module reachable under several names, its first name (the one
     used in ``swapped`` / ``skipped``, in ``named_modules()`` order) -> its other names.
+    ``descriptions``: for a swapped Hugging Face module, its name -> what its swap computes
+    (trainops.hf's words: "norm", "attention: fused q/k norm + rotary", ...).
     The root module's name is ``""`` (printed ``<root>``).
     """
 
     swapped: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     other_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    descriptions: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"trainops.patch: {len(self.swapped)} module(s) swapped, {len(self.skipped)} left as they are"]
-        lines += [f"  {self._label(name)}: {old} -> {new}" for name, old, new in self.swapped]
+        lines += [f"  {self._label(name)}: {old} -> {new}"
+                  + (f" [{self.descriptions[name]}]" if name in self.descriptions else "")
+                  for name, old, new in self.swapped]
         lines += [f"  {self._label(name)}: {cls} kept ({why})" for name, cls, why in self.skipped]
         return "\n".join(lines)
 
@@ -272,6 +277,8 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
         else:
             to_swap.append((module, swap, swap.trainops_class if wrapped is None else fsdp_class(swap.trainops_class)))
             report.swapped.append((first_name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
+            if found is not None:
+                report.descriptions[first_name] = trainops_hf.description(cls)
     if not dry_run:
         _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
     return report

@@ -23,7 +23,10 @@ What each kind computes (``_common.py``):
     embedding  Gemma's scaled embedding: trainops.embedding times embed_scale
     attention  the attention's own forward with apply_rotary_pos_emb resolved to
                trainops.rotary_embedding (partial rotary as Phi-3, interleaved as GLM-4); the rotated
-               q and k come out in q's dtype (transformers's in the promotion of q's and cos's)
+               q and k come out in q's dtype (transformers's in the promotion of q's and cos's).
+               Models with q / k norms (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2): a forward of trainops's
+               (transformers 5.17 to 5.24's statements) whose q / k RMSNorm and rotary embedding are
+               one trainops.qk_norm_rotary (``_qk_attention.py``; other versions refused)
     router     MoE top-k router: trainops.softmax of the router logits in float32
     experts    MoE experts (fused 3-D weights): trainops.swiglu between the expert matmuls
     loss       the causal LM in training mode with labels: trainops.linear_cross_entropy of the last
@@ -45,6 +48,7 @@ from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, m
 from ._common import (_SUBCLASSES, _SWAPPED, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
                       SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
                       original_class, trainops_class)
+from ._qk_attention import QKNormAttention
 
 # family -> (the transformers module whose classes are swapped, the trainops.hf module saying which and how)
 ARCHITECTURES = {
@@ -83,11 +87,19 @@ TANH_GELUS = _names(lambda kind: kind is TANH_GELU)
 SCALED_EMBEDDINGS = _names(lambda kind: kind is SCALED_EMBEDDING)
 CAUSAL_LMS = _names(lambda kind: isinstance(kind, CausalLM))
 ROTARY_ATTENTIONS = _names(lambda kind: isinstance(kind, RotaryAttention))
+QK_NORM_ATTENTIONS = _names(lambda kind: isinstance(kind, QKNormAttention))
 
 
 def kind_of(cls: type) -> Kind | None:
     """The kind of swap trainops.hf has for exactly ``cls`` (None: it has none)."""
     return _KINDS.get((cls.__module__, cls.__name__))
+
+
+def description(cls: type) -> str | None:
+    """What trainops.hf's swap of ``cls`` (a transformers class, or its swapped subclass) computes,
+    in the patch report's words ("norm", "attention: fused q/k norm + rotary", ...); None: no swap."""
+    kind = kind_of(original_class(cls) if cls in _SWAPPED else cls)
+    return None if kind is None else kind.description
 
 
 def is_swapped(module: torch.nn.Module, cls: type | None = None) -> bool:
@@ -137,4 +149,4 @@ def __getattr__(name: str):
 
 __all__ = ["ARCHITECTURES", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
            "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped", "is_transformers_class", "kind_of", "original_class",
-           "swap_for", "swap_for_class"]
+           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description"]

@@ -44,6 +44,11 @@ class Kind:
     def instance_reasons(self, module: torch.nn.Module) -> list[str]:
         return []
 
+    @property
+    def description(self) -> str:
+        """What the swapped forward computes, in the patch report's words."""
+        return self.group
+
 
 _SILUS = frozenset({"SiLU", "SiLUActivation"})
 # transformers.activations's (PytorchGELUTanh is an alias of GELUTanh)
@@ -290,6 +295,10 @@ class RotaryAttention(Kind):
 
     group: str = "attention"
     interleaved: bool = False
+
+    @property
+    def description(self) -> str:
+        return "attention: rotary embedding"
 
     def make(self, cls):
         rotary = _trainops_apply_interleaved_rotary_pos_emb if self.interleaved else _trainops_apply_rotary_pos_emb

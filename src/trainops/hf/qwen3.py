@@ -1,10 +1,12 @@
-"""Qwen3 (transformers.models.qwen3): as Llama, and the per-head q / k norms (Qwen3RMSNorm)."""
+"""Qwen3 (transformers.models.qwen3): as Llama, and the per-head q / k norms (Qwen3RMSNorm), which the
+attention runs with its rotary embedding in one trainops.qk_norm_rotary pass."""
 
-from ._common import CAUSAL_LM, GATED_MLP, LLAMA_NORM, ROTARY_ATTENTION
+from ._common import CAUSAL_LM, GATED_MLP, LLAMA_NORM
+from ._qk_attention import QWEN3_ATTENTION
 
 SWAPS = {
     "Qwen3RMSNorm": LLAMA_NORM,
     "Qwen3MLP": GATED_MLP,
-    "Qwen3Attention": ROTARY_ATTENTION,
+    "Qwen3Attention": QWEN3_ATTENTION,
     "Qwen3ForCausalLM": CAUSAL_LM,
 }

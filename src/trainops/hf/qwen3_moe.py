@@ -1,12 +1,13 @@
-"""Qwen3-MoE (transformers.models.qwen3_moe): as Mixtral, with the per-head q / k norms, the dense
+"""Qwen3-MoE (transformers.models.qwen3_moe): as Mixtral, with the per-head q / k norms (fused with the rotary embedding, as Qwen3), the dense
 SwiGLU MLP of its mlp_only_layers, and a router that renormalises where norm_topk_prob is set."""
 
-from ._common import EXPERTS, GATED_MLP, LLAMA_NORM, ROTARY_ATTENTION, CausalLM, Router
+from ._common import EXPERTS, GATED_MLP, LLAMA_NORM, CausalLM, Router
+from ._qk_attention import QWEN3_MOE_ATTENTION
 
 SWAPS = {
     "Qwen3MoeRMSNorm": LLAMA_NORM,
     "Qwen3MoeMLP": GATED_MLP,
-    "Qwen3MoeAttention": ROTARY_ATTENTION,
+    "Qwen3MoeAttention": QWEN3_MOE_ATTENTION,
     "Qwen3MoeTopKRouter": Router(normalize_always=False, cast_weights=True),
     "Qwen3MoeExperts": EXPERTS,
     "Qwen3MoeForCausalLM": CausalLM(output="MoeCausalLMOutputWithPast", moe=True),
