@@ -568,16 +568,22 @@ def test_gpu_lowbit_step_matches_cpu_path(cls, dtype, options):
         # another order) moves a block's scale by an ulp (about 30 % of the blocks on the H200,
         # 2026-11-29) or puts a moment on the other side of a code boundary (under 1e-6 of the
         # codes there, one code step apart). So: codes nearly all equal, scales and dequantised
-        # moments within float32 rounding.
+        # moments within float32 rounding (but for the clip, below).
         cpu_state = {k: v.cpu() for k, v in results["cpu"][1].items() if torch.is_tensor(v)}
         gpu_state = {k: v.cpu() for k, v in results["triton"][1].items() if torch.is_tensor(v)}
         for key in ("exp_avg_codes", "exp_avg_sq_codes"):
             assert (gpu_state[key] != cpu_state[key]).float().mean() < 1e-4, key
-        for key in ("exp_avg_scales", "exp_avg_sq_scales"):
-            assert relative_error(gpu_state[key], cpu_state[key]) < 1e-6, key
+        # With the clip, the CPU path follows torch's clip_grad_norm_ (torch.linalg.vector_norm, which
+        # on the CPU lost 0.27 % of a 38.6 M-element float32 norm against float64), while the GPU
+        # kernel sums in float32 blocks: on the H200 its clip coefficient was float64's to 1e-6, the
+        # CPU path's 0.20 % above, and the first moments' block scales 2.0e-3 apart with it.
+        clipped = "max_grad_norm" in options
+        for key, bound in (("exp_avg_scales", 3e-3 if clipped else 1e-6), ("exp_avg_sq_scales", 6e-3 if clipped else 1e-6)):
+            assert relative_error(gpu_state[key], cpu_state[key]) < bound, key
         m_cpu, v_cpu = lowbit.dequantize_moments(cpu_state)
         m_gpu, v_gpu = lowbit.dequantize_moments(gpu_state)
-        assert relative_error(m_gpu, m_cpu) < 1e-3 and relative_error(v_gpu, v_cpu) < 1e-3
+        bound = 3e-3 if clipped else 1e-3
+        assert relative_error(m_gpu, m_cpu) < bound and relative_error(v_gpu, v_cpu) < 2 * bound
 
 
 @pytest.mark.parametrize("base", [0, (1 << 32) - 3, 5 * (1 << 32) + 7], ids=["low", "crossing-2^32", "high"])
