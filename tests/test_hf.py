@@ -13,7 +13,7 @@ import transformers
 
 import trainops
 
-from numerics import assert_close
+from numerics import assert_close, relative_error
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
@@ -410,6 +410,34 @@ def test_qk_norm_attention_runs_the_triton_kernels():
     assert_close(out, want, torch.float32, "attention output")
     for got, expected in zip(grads, want_grads, strict=True):
         assert_close(got, expected, torch.float32, "gradient")
+
+
+def test_qk_norm_attention_under_autocast_writes_the_autocast_dtype(monkeypatch):
+    """Under autocast, Qwen3's fused q / k come out in the autocast dtype, which the attention casts
+    them to anyway (no cast kernel each way), and the step is the unpatched one's within two bf16
+    roundings (each bf16 step is within 1e-2 of float64; these two differed by up to 1.1e-2)."""
+    import trainops.functional as F
+    model = tiny_model("qwen3")
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    fused, dtypes = F.qk_norm_rotary, []
+
+    def spy(*args, **kwargs):
+        q, k = fused(*args, **kwargs)
+        dtypes.append((q.dtype, k.dtype))
+        return q, k
+    monkeypatch.setattr(F, "qk_norm_rotary", spy)
+    ids, labels = batch()
+    results = []
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(loss_and_grads(m, ids, labels))
+    assert dtypes and set(dtypes) == {(torch.bfloat16, torch.bfloat16)}
+    (out, grads), (want, want_grads) = results
+    assert relative_error(out.loss.detach(), want.loss.detach()) < 1e-3
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        assert relative_error(grads[name], g) < 2e-2, name
 
 
 def test_qk_norm_attention_refusals():

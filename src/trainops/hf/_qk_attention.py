@@ -22,7 +22,9 @@ weight's and q's dtypes), Gemma 3's ``x_normed * (1 + w)`` (``weight_offset=1.0`
 OLMo 2's ``w * x_normed`` over the whole projection (``across_heads=True``: weights of shape
 (heads * head_dim,), the statistic over a token's heads * head_dim features; q's dtype). The
 rotated q and k come out in that dtype, as from the unfused trainops path (transformers's own
-rotation promotes them with cos's dtype).
+rotation promotes them with cos's dtype); under autocast, in q's dtype (the autocast dtype the
+attention casts them to anyway: the same values without a cast each way, measured on the H200 in
+the bench below; a KV cache then holds them in that dtype).
 
 What is refused (the attention left as transformers's, the reason in the patch report): a class
 whose forward is not this one (its signature, or any name it reads, differs from transformers
@@ -169,7 +171,10 @@ def _forward(kind: QKNormAttention, modeling, cache_name: str):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
-        out_dtype = torch.promote_types(q.dtype, q_weight.dtype) if kind.promote else None
+        # under autocast the attention reads q and k in the autocast dtype (q's, from the projection):
+        # written in it, they skip a cast each way (the values are the same; a KV cache holds them so)
+        promote = kind.promote and not torch.is_autocast_enabled(q.device.type)
+        out_dtype = torch.promote_types(q.dtype, q_weight.dtype) if promote else None
         q, k = F.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, getattr(self.q_norm, kind.eps_attribute),
                                 weight_offset=kind.weight_offset, across_heads=kind.across_heads, out_dtype=out_dtype)
         query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
