@@ -59,6 +59,10 @@ bucket order or the sharding (a shard passes its global offset). ``stochastic_ro
 the same function in torch (pure: no generator state); the kernel's hash is tested against it.
 Per element the step costs one hash (the low 16 bits round p, the high 16 round sqrt(v)).
 
+The Triton kernel: a program takes QB row chunks of one tensor (MultiTensorHeuristics.block / 256)
+and loops over them in tiles of R chunks (TILE_ELEMENTS_PER_THREAD elements a thread), its
+per-tensor work (pointers, hyper-parameters, bias corrections, random stream) once a program.
+
 found_inf, grad_scale, clip, tensor hyper-parameters and the step counters are as in
 ops/optimizers.py (nothing written when found_inf is set; no host synchronisation).
 The CPU path computes the same formulas with torch ops (one float32 tensor op at a time).
