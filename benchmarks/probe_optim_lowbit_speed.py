@@ -1,7 +1,8 @@
 """The 8-bit optimizer step's speed on a 1.5 B-parameter Llama-shaped list (issue 41; the tiled
 kernel of benchmarks/notes/optimflags.md).
 
-    PYTHONPATH=src python benchmarks/probe_optim_lowbit_speed.py --out benchmarks/results/probe-optim-lowbit-speed-h200.json
+    PYTHONPATH=src python benchmarks/probe_optim_lowbit_speed.py \
+        --out benchmarks/results/probe-optim-lowbit-speed-h200.json
 
 One process, about a minute on an H200. The tensors: bench_optim_lowbit.py's model_shapes (vocab
 32000, hidden 2048, MLP 5632, 26 layers: 1.47 B parameters in 237 tensors), parameters and

@@ -714,8 +714,8 @@ if triton_available():
 
     @triton.jit
     def _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets, mask, row_mask,
-                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, bc2_root, bc1, bc2,
-                     stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
+                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, bc2_root, bc1,
+                     bc2, stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
                      MASTER_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
         """One tile [R, W] of row chunks: elements at the pointers (already at the tile's first element

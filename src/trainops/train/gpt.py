@@ -49,8 +49,8 @@ import torch.nn.functional as F
 
 from .common import (PARAM_DTYPES, Batches, RunResult, attach_step_in_backward, autocast_dtype, base_lr,
                      check_optimizer_options, checked_plot_path, create_scratch_file, evaluate, learning_rate,
-                     optimizer_description, optimizer_options, parameter_groups, peak_memory_mb, run_summary, show_progress, stdlib_bytes,
-                     unwritable_reason)
+                     optimizer_description, optimizer_options, parameter_groups, peak_memory_mb, run_summary,
+                     show_progress, stdlib_bytes, unwritable_reason)
 
 CONFIGS = {
     # layers, width, heads, context, batch, micro-batches, steps, lr, data bytes
