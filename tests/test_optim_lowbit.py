@@ -252,6 +252,45 @@ def test_shards_at_unaligned_offsets_step_as_the_whole_tensor(dtype, backend, de
         assert torch.equal(torch.cat([s[key] for s in parts_state]), state[key]), key
 
 
+@pytest.mark.parametrize("name, dtype, options", [
+    ("adamw8bit", torch.float32, dict(optim_bits=8)),
+    ("adamw8bit-bf16-sr", torch.bfloat16, dict(optim_bits=8, stochastic_rounding=True, rounding_seed=7)),
+    ("lamb8bit", torch.float32, dict(optim_bits=8)),
+])
+def test_a_program_in_tiles_steps_as_one_tile(name, dtype, options, monkeypatch):
+    """The Triton step's programs loop over tiles of row chunks (the GPU's 2 chunks a tile at 4
+    warps: 4 elements a thread); the interpreter runs one tile a program. Both give the same
+    parameters, codes and scales (LAMB's trust ratios sum p^2 and u^2 tile by tile: within float32
+    rounding). Rows of 512 and 256 (the unmasked loop over 8 chunks, and a short program) and of 700
+    (the masked loop)."""
+    gen = torch.Generator().manual_seed(9)
+    start = [torch.randn(s, generator=gen).to(dtype) for s in [(8, 512), (3, 256), (3, 700)]]
+    grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in start]
+    cls = trainops.optim.LAMB if name.startswith("lamb") else trainops.optim.AdamW
+
+    def run():
+        params = [p.clone().requires_grad_() for p in start]
+        groups = [{"params": params[:2]}, {"params": params[2:]}]   # aligned rows / not: two buckets
+        opt = cls(groups, lr=1e-2, min_8bit_size=0, **options)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        with trainops.backend("triton"):
+            opt.step()
+        return [p.detach() for p in params], [opt.state[p] for p in params]
+
+    whole_params, whole_states = run()
+    monkeypatch.setattr(lowbit, "INTERPRETED_ELEMENTS_PER_THREAD", lowbit.TILE_ELEMENTS_PER_THREAD)
+    tiled_params, tiled_states = run()
+    for a, b, sa, sb in zip(whole_params, tiled_params, whole_states, tiled_states):
+        if name.startswith("lamb"):
+            assert relative_error(b, a) < 1e-6
+            assert (sa["exp_avg_codes"] != sb["exp_avg_codes"]).float().mean() < 1e-3
+        else:
+            assert torch.equal(a, b)
+            for key in ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+                assert torch.equal(sa[key], sb[key]), key
+
+
 def test_stochastic_rounding_bits_do_not_depend_on_the_launch(backend, device):
     """Same seed: the same bits whatever the programs' size; another seed: other bits."""
     gen = torch.Generator().manual_seed(5)

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         from .train import main as train_main
         return train_main(argv[1:])
+    if argv[:1] == ["bench"] and "--memory" in argv[1:]:   # its own options: trainops.bench.memory
+        from .bench import memory
+        return memory.main([a for a in argv[1:] if a != "--memory"])
     parser = argparse.ArgumentParser(prog="python -m trainops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("kernels", help="print the kernel registry")
@@ -44,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="measure our kernels against Inductor's fusion of their decompositions under "
                             "torch.compile (trainops.compiled); --write-table PATH writes the table trainops ships")
     bench.add_argument("--write-table", default=None, help="with --compiled-choice: where to write compiled_table.py")
+    bench.add_argument("--memory", action="store_true",
+                       help="training-step memory (weights, gradients, optimizer states, activations, peak) by "
+                            "optimizer configuration: its own options, see --memory --help (trainops.bench.memory)")
     from .bench import step
     step.add_arguments(bench)
     args = parser.parse_args(argv)

@@ -59,6 +59,10 @@ bucket order or the sharding (a shard passes its global offset). ``stochastic_ro
 the same function in torch (pure: no generator state); the kernel's hash is tested against it.
 Per element the step costs one hash (the low 16 bits round p, the high 16 round sqrt(v)).
 
+The Triton kernel: a program takes QB row chunks of one tensor (MultiTensorHeuristics.block / 256)
+and loops over them in tiles of R chunks (TILE_ELEMENTS_PER_THREAD elements a thread), its
+per-tensor work (pointers, hyper-parameters, bias corrections, random stream) once a program.
+
 found_inf, grad_scale, clip, tensor hyper-parameters and the step counters are as in
 ops/optimizers.py (nothing written when found_inf is set; no host synchronisation).
 The CPU path computes the same formulas with torch ops (one float32 tensor op at a time).
@@ -73,12 +77,32 @@ import torch
 
 from ..errors import InvalidProblemError, argument_error
 from ..plan import KernelChoice, heuristics_for
-from ..registry import register, register_op, triton_available
+from ..registry import register, register_op, triton_available, triton_interpreting
 from ._common import capturing
 from .amp import TRITON_FLOATS
 from .multi_tensor import (MultiTensorHeuristics, MultiTensorLaunch, MultiTensorProblem, TensorTable, _to_device,
                            check_columns, column_dtypes_ok, multi_tensor_describer, multi_tensor_launch)
 from .optimizers import PreparedStep, _check_hyper, _check_step_scalars, _cpu_grads, _hyper, _skipped, _value
+
+TILE_ELEMENTS_PER_THREAD = 4
+"""Elements a thread holds in one tile of the Triton step (a tile is TILE_ELEMENTS_PER_THREAD *
+threads / 256 row chunks; a program loops over its chunks tile by tile). Not measured on a GPU:
+chosen from the compiled code (ptxas for sm_90, Triton 3.9, this tree): one [8, 256] tile a program
+at 4 warps (16 elements a thread) needed 244 registers a thread (2 programs, 8 warps an SM) and
+mixed the float32 and uint8 accesses' layouts (shared-memory conversions); a loop over [2, 256]
+tiles (4 a thread) needs 102 (float32 parameters; 115 bf16 with stochastic rounding: 4 programs, 16
+warps an SM), all accesses in one layout (16-byte float32, 4-byte uint8 vectors), 537 instructions
+a tile (134 an element, from about 170). benchmarks/probe_optim_lowbit_speed.py times it."""
+
+MAX_REGISTERS: int | None = None
+"""A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Unmeasured:
+uncapped, the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding)
+a thread, 4 programs of 4 warps an SM; 80 would fit 6 (56-88 bytes spilled outside the tile loop,
+per ptxas). benchmarks/probe_optim_lowbit_speed.py times both."""
+
+INTERPRETED_ELEMENTS_PER_THREAD = 1 << 20
+"""The same under Triton's interpreter: a whole program one tile (the interpreter runs each tile
+operation in numpy, so fewer, larger tiles are faster; the values are the same)."""
 
 BLOCK_WIDTH = 256
 """Elements of a quantisation block (a row chunk): the issue's bound, bitsandbytes' and torchao's
@@ -530,22 +554,30 @@ if triton_available():
 
     @triton.jit
     def _decode_tl(k, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, SIGNED: tl.constexpr):
-        """float32 values of int32 codes (magnitude codes, and a sign bit above them when SIGNED)."""
+        """float32 values of int32 codes (magnitude codes, and a sign bit above them when SIGNED), built
+        from bits: a code of group g >= 1 is the float with exponent field g + 127 - 2^E and the
+        mantissa bits as its top bits, (k_mag << (23 - M)) + ((127 - 2^E) << 23) (the group lands in
+        the exponent); group 0 (linear) is twice that value of group 0 minus 2^(1 - 2^E), exact in one
+        fma. Equal, bit for bit, to significand * 2^(max(g, 1) - 2^E - M) (decode in torch)."""
         magnitude = k & ((1 << (EXP_BITS + MAN_BITS)) - 1)
-        group = magnitude >> MAN_BITS
-        significand = (magnitude & ((1 << MAN_BITS) - 1)) + tl.where(group > 0, 1 << MAN_BITS, 0)
-        value = significand.to(tl.float32) * _pow2_tl(tl.maximum(group, 1) - (1 << EXP_BITS) - MAN_BITS)
+        normal = ((magnitude << (23 - MAN_BITS)) + ((127 - (1 << EXP_BITS)) << 23)).to(tl.float32, bitcast=True)
+        least = tl.full([], (128 - (1 << EXP_BITS)) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2^(1 - 2^E)
+        value = tl.where(magnitude >= (1 << MAN_BITS), normal, normal * 2.0 - least)
         if SIGNED:
-            value = tl.where(((k >> (EXP_BITS + MAN_BITS)) & 1) == 1, -value, value)
+            value = (value.to(tl.int32, bitcast=True) | ((k >> (EXP_BITS + MAN_BITS)) << 31)).to(tl.float32,
+                                                                                             bitcast=True)
         return value
 
     @triton.jit
     def _quantize_tl(x, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
                      SIGNED: tl.constexpr):
-        """(uint8 codes [QB, W], float32 scales [QB]) of x [QB, W] (padding elements are 0), rounded
-        with ``noise`` (0.5: to nearest; uniform [0, 1) values: stochastically)."""
+        """(uint8 codes [R, W], float32 scales [R]) of x [R, W] (padding elements are 0), rounded
+        with ``noise`` (0.5: to nearest; uniform [0, 1) values: stochastically). One reduction a row,
+        an integer max of |x|'s bits (the order of non-negative floats; inf and NaN above every finite
+        value): a block holding inf or NaN gets a NaN scale, as quantize's max + sum(x * 0) in torch."""
         magnitude = tl.abs(x)
-        absmax = tl.max(magnitude, axis=1) + tl.sum(x * 0.0, axis=1)
+        top = tl.max(magnitude.to(tl.int32, bitcast=True), axis=1)
+        absmax = tl.where(top < 0x7F800000, top.to(tl.float32, bitcast=True), float("nan"))
         scale = absmax * INV_TOP
         inverse = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
         a = magnitude * inverse[:, None]
@@ -574,10 +606,23 @@ if triton_available():
         return _hash32_tl((index & 0xFFFFFFFF).to(tl.uint32) ^ (stream + high))
 
     @triton.jit
-    def _stochastic_bf16_tl(x, stream, index):
-        """x (float32) rounded to bfloat16 with 16 random bits of (stream, int64 index): see stochastic_round_bf16."""
-        bits = _random_bits_tl(stream, index) & 0xFFFF
-        rounded = (((x.to(tl.uint32, bitcast=True) + bits) >> 16) << 16).to(tl.float32, bitcast=True)
+    def _tile_bits_tl(stream, index_base, offsets, MASKED: tl.constexpr):
+        """random_bits of the global indices index_base + offsets. MASKED: int64 offsets (the general
+        path). Else int32 offsets in [0, 2^31) from an int64 base, in 32-bit arithmetic: the index's
+        low word wraps, its carry goes to the high word (the same bits as _random_bits_tl)."""
+        if MASKED:
+            bits = _random_bits_tl(stream, index_base + offsets)
+        else:
+            base_low = (index_base & 0xFFFFFFFF).to(tl.uint32)
+            low = base_low + offsets.to(tl.uint32)
+            high = (index_base >> 32).to(tl.uint32) + (low < base_low).to(tl.uint32)
+            bits = _hash32_tl(low ^ (stream + high * 0x9E3779B1))
+        return bits
+
+    @triton.jit
+    def _stochastic_bf16_tl(x, bits):
+        """x (float32) rounded to bfloat16 with the low 16 of ``bits`` (uint32): see stochastic_round_bf16."""
+        rounded = (((x.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) >> 16) << 16).to(tl.float32, bitcast=True)
         return tl.where(x == x, rounded, x).to(tl.bfloat16)
 
     @triton.jit
@@ -596,10 +641,9 @@ if triton_available():
             tl.store(pointer + offsets, value)
 
     @triton.jit
-    def _gradient_tl(addresses, n_tensors, t, offsets, mask, grad_scale_ptr, clip_ptr, P_DTYPE: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
-                     MASKED: tl.constexpr):
-        g = _load(column_pointer(addresses, n_tensors, 1, t, P_DTYPE, ALIGNED), offsets, mask, MASKED).to(tl.float32)
+    def _gradient_tl(g_ptr, offsets, mask, grad_scale_ptr, clip_ptr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                     MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
+        g = _load(g_ptr, offsets, mask, MASKED).to(tl.float32)
         if HAS_SCALE:
             g = g * (1.0 / tl.load(grad_scale_ptr))
         if HAS_CLIP:
@@ -609,63 +653,59 @@ if triton_available():
         return g
 
     @triton.jit
-    def _param_tl(addresses, n_tensors, t, offsets, mask, P_DTYPE: tl.constexpr, MASTER_ROW: tl.constexpr,
-                  ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _param_tl(p_ptr, master_ptr, offsets, mask, MASTER_ROW: tl.constexpr, MASKED: tl.constexpr):
         """The float32 value the step updates: the master copy (MASTER_ROW >= 0) or the parameter."""
         if MASTER_ROW >= 0:
-            p = _load(column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED), offsets, mask, MASKED)
+            p = _load(master_ptr, offsets, mask, MASKED)
         else:
-            p = _load(column_pointer(addresses, n_tensors, 0, t, P_DTYPE, ALIGNED), offsets, mask, MASKED)
+            p = _load(p_ptr, offsets, mask, MASKED)
         return p.to(tl.float32)
 
     @triton.jit
-    def _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE: tl.constexpr,
-                        MASTER_ROW: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _store_param_tl(p_ptr, master_ptr, offsets, mask, p, bits, P_DTYPE: tl.constexpr, MASTER_ROW: tl.constexpr,
+                        SR: tl.constexpr, MASKED: tl.constexpr):
         if MASTER_ROW >= 0:
-            _store(column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED), offsets, p, mask, MASKED)
-        p_ptr = column_pointer(addresses, n_tensors, 0, t, P_DTYPE, ALIGNED)
+            _store(master_ptr, offsets, p, mask, MASKED)
         if SR:
-            _store(p_ptr, offsets, _stochastic_bf16_tl(p, stream, global_offset + offsets), mask, MASKED)
+            _store(p_ptr, offsets, _stochastic_bf16_tl(p, bits), mask, MASKED)
         else:
             _store(p_ptr, offsets, p.to(P_DTYPE), mask, MASKED)
 
     @triton.jit
-    def _moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, QUANTIZED: tl.constexpr,
-                    ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    def _moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, QUANTIZED: tl.constexpr,
+                    MASKED: tl.constexpr):
         """(m, v) in float32: decoded from codes and block scales, or loaded."""
         if QUANTIZED:
-            m_scale = _load(column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED), q, row_mask, MASKED)
-            v_scale = _load(column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED), q, row_mask, MASKED)
-            m_codes = _load(column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED), offsets, mask, MASKED)
-            v_codes = _load(column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED), offsets, mask, MASKED)
-            m = _decode_tl(m_codes.to(tl.int32), 4, 3, True) * m_scale[:, None]
-            root = _decode_tl(v_codes.to(tl.int32), 4, 4, False) * v_scale[:, None]
+            m_scale = _load(m_scale_ptr, q, row_mask, MASKED)
+            v_scale = _load(v_scale_ptr, q, row_mask, MASKED)
+            m = _decode_tl(_load(m_ptr, offsets, mask, MASKED).to(tl.int32), 4, 3, True) * m_scale[:, None]
+            root = _decode_tl(_load(v_ptr, offsets, mask, MASKED).to(tl.int32), 4, 4, False) * v_scale[:, None]
             v = root * root
         else:
-            m = _load(column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED), offsets, mask, MASKED)
-            v = _load(column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED), offsets, mask, MASKED)
+            m = _load(m_ptr, offsets, mask, MASKED)
+            v = _load(v_ptr, offsets, mask, MASKED)
         return m, v
 
     @triton.jit
-    def _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream, global_offset,
-                          QUANTIZED: tl.constexpr, STORED: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-        """Store m, v (requantised: m to nearest, sqrt(v) stochastically); returns the stored values
-        (decoded again when STORED, else m and v as given)."""
+    def _store_moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, m, v, root, bits,
+                          QUANTIZED: tl.constexpr, STORED: tl.constexpr, MASKED: tl.constexpr):
+        """Store m, v (requantised: m to nearest, sqrt(v) = ``root`` stochastically with the high 16 of
+        ``bits``); returns the stored values (decoded again when STORED, else m and v as given)."""
         if QUANTIZED:
             m_codes, m_scale = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
-            _store(column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED), offsets, m_codes, mask, MASKED)
-            _store(column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED), q, m_scale, row_mask, MASKED)
-            noise = (_random_bits_tl(stream, global_offset + offsets) >> 16).to(tl.float32) * (1.0 / 65536)
-            v_codes, v_scale = _quantize_tl(tl.sqrt_rn(v), noise, 32.0 / 31.0, 4, 4, False)
-            _store(column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED), offsets, v_codes, mask, MASKED)
-            _store(column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED), q, v_scale, row_mask, MASKED)
+            _store(m_ptr, offsets, m_codes, mask, MASKED)
+            _store(m_scale_ptr, q, m_scale, row_mask, MASKED)
+            noise = (bits >> 16).to(tl.float32) * (1.0 / 65536)
+            v_codes, v_scale = _quantize_tl(root, noise, 32.0 / 31.0, 4, 4, False)
+            _store(v_ptr, offsets, v_codes, mask, MASKED)
+            _store(v_scale_ptr, q, v_scale, row_mask, MASKED)
             if STORED:
                 m = _decode_tl(m_codes.to(tl.int32), 4, 3, True) * m_scale[:, None]
-                root = _decode_tl(v_codes.to(tl.int32), 4, 4, False) * v_scale[:, None]
-                v = root * root
+                stored_root = _decode_tl(v_codes.to(tl.int32), 4, 4, False) * v_scale[:, None]
+                v = stored_root * stored_root
         else:
-            _store(column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED), offsets, m, mask, MASKED)
-            _store(column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED), offsets, v, mask, MASKED)
+            _store(m_ptr, offsets, m, mask, MASKED)
+            _store(v_ptr, offsets, v, mask, MASKED)
         return m, v
 
     @triton.jit
@@ -673,18 +713,24 @@ if triton_available():
         return tl.div_rn(m / bc1, tl.sqrt_rn(v / bc2) + eps) + weight_decay * p
 
     @triton.jit
-    def _lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, pid, grad_scale_ptr, clip_ptr, partials,
-                     ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset, P_DTYPE: tl.constexpr,
-                     MODE: tl.constexpr, DECOUPLED: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    def _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets, mask, row_mask,
+                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, bc2_root, bc1,
+                     bc2, stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
                      MASTER_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-        """MODE 0: the Adam step. MODE 1: LAMB's first pass (moments stored; partials[2 pid], [2 pid + 1]
-        = sums of p^2 and u^2 over the tile). MODE 2: LAMB's second pass (p -= lr * ratio * u)."""
-        p = _param_tl(addresses, n_tensors, t, offsets, mask, P_DTYPE, MASTER_ROW, ALIGNED, MASKED)
-        m, v = _moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, QUANTIZED, ALIGNED, MASKED)
+                     HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
+        """One tile [R, W] of row chunks: elements at the pointers (already at the tile's first element
+        when not MASKED) + ``offsets``, scales at the scale pointers + ``q``. MODE 0: the Adam step.
+        MODE 1: LAMB's first pass (moments stored); returns the tile's sums of p^2 and u^2. MODE 2:
+        LAMB's second pass (p -= lr * ratio * u). Returns (0, 0) but in MODE 1."""
+        p = _param_tl(p_ptr, master_ptr, offsets, mask, MASTER_ROW, MASKED)
+        m, v = _moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, QUANTIZED, MASKED)
+        bits = 0
+        if (QUANTIZED and MODE != 2) or (SR and MODE != 1):   # one hash an element: v's noise and p's rounding
+            bits = _tile_bits_tl(stream, index_base, offsets, MASKED)
+        p_squares = 0.0
+        u_squares = 0.0
         if MODE != 2:
-            g = _gradient_tl(addresses, n_tensors, t, offsets, mask, grad_scale_ptr, clip_ptr, P_DTYPE, HAS_SCALE,
-                             HAS_CLIP, MAXIMIZE, ALIGNED, MASKED)
+            g = _gradient_tl(g_ptr, offsets, mask, grad_scale_ptr, clip_ptr, HAS_SCALE, HAS_CLIP, MAXIMIZE, MASKED)
             if MODE == 0:
                 if DECOUPLED:
                     p = p * (1.0 - lr * weight_decay)
@@ -693,31 +739,25 @@ if triton_available():
             m = m + (1.0 - beta1) * (g - m)
             v = v * beta2 + (1.0 - beta2) * g * g
         if MODE == 0:
-            denom = tl.sqrt_rn(v) / tl.sqrt_rn(_bias_correction(beta2, step)) + eps
-            p = p - (lr / _bias_correction(beta1, step)) * tl.div_rn(m, denom)
-            _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream, global_offset,
-                              QUANTIZED, False, ALIGNED, MASKED)
-            _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE, MASTER_ROW, SR,
-                            ALIGNED, MASKED)
+            root = tl.sqrt_rn(v)
+            p = p - step_size * tl.div_rn(m, root / bc2_root + eps)
+            _store_moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, m, v, root, bits,
+                              QUANTIZED, False, MASKED)
+            _store_param_tl(p_ptr, master_ptr, offsets, mask, p, bits, P_DTYPE, MASTER_ROW, SR, MASKED)
         else:
-            bc1 = 1.0
-            bc2 = 1.0
-            if BIAS_CORRECTION:
-                bc1 = _bias_correction(beta1, step)
-                bc2 = _bias_correction(beta2, step)
             if MODE == 1:
-                m, v = _store_moments_tl(addresses, n_tensors, t, q, offsets, mask, row_mask, m, v, stream,
-                                         global_offset, QUANTIZED, True, ALIGNED, MASKED)
+                m, v = _store_moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, m, v,
+                                         tl.sqrt_rn(v), bits, QUANTIZED, True, MASKED)
             u = _lamb_update_tl(m, v, p, bc1, bc2, eps, weight_decay)
             if MODE == 1:
                 if MASKED:
                     u = tl.where(mask, u, 0.0)
-                tl.store(partials + 2 * pid, tl.sum(tl.sum(p * p, axis=1), axis=0))
-                tl.store(partials + 2 * pid + 1, tl.sum(tl.sum(u * u, axis=1), axis=0))
+                p_squares = tl.sum(tl.sum(p * p, axis=1), axis=0)
+                u_squares = tl.sum(tl.sum(u * u, axis=1), axis=0)
             else:
-                p = p - (lr * tl.load(ratios + t)) * u
-                _store_param_tl(addresses, n_tensors, t, offsets, mask, p, stream, global_offset, P_DTYPE, MASTER_ROW,
-                                SR, ALIGNED, MASKED)
+                p = p - (lr * ratio) * u
+                _store_param_tl(p_ptr, master_ptr, offsets, mask, p, bits, P_DTYPE, MASTER_ROW, SR, MASKED)
+        return p_squares, u_squares
 
     @triton.jit
     def _lowbit_blocks(addresses, n_tensors, block_tensor, first_block, units, meta, grad_scale_ptr, found_inf_ptr,
@@ -727,10 +767,14 @@ if triton_available():
                        DECOUPLED: tl.constexpr, BIAS_CORRECTION: tl.constexpr, MASTER_ROW: tl.constexpr,
                        STEP_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
                        HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS_ALIGNED: tl.constexpr, QB: tl.constexpr, W: tl.constexpr):
-        """One program: QB row chunks (quantisation blocks) of W elements of one tensor (_lowbit_tile's MODE).
-        meta [3, n_tensors] int64: row length, global offset, rounding key. ROWS_ALIGNED: every row
-        length of the bucket is a multiple of W (a program's chunks are then contiguous)."""
+                       ALIGNED: tl.constexpr, ROWS_ALIGNED: tl.constexpr, QB: tl.constexpr, R: tl.constexpr,
+                       W: tl.constexpr):
+        """One program: QB row chunks (quantisation blocks) of W elements of one tensor, in QB / R
+        tiles of R chunks one after the other (_lowbit_tile's MODE): the per-program work (tables,
+        hyper-parameters, bias corrections, the tensor's random stream) once, a tile's registers
+        for R chunks (R * W / threads elements a thread). meta [3, n_tensors] int64: row length,
+        global offset, rounding key. ROWS_ALIGNED: every row length of the bucket is a multiple of W
+        (a program's chunks are then contiguous, and a tile's offsets int32 from an int64 base)."""
         pid = tl.program_id(0)
         t, start, limit = block_of_program(block_tensor, first_block, units, QB)
         if HAS_FOUND_INF:
@@ -740,30 +784,86 @@ if triton_available():
         beta2 = runtime_scalar(beta2, BETA2_POINTER)
         weight_decay = runtime_scalar(weight_decay, WD_POINTER)
         step = _step_of(addresses, n_tensors, t, STEP_ROW)
+        step_size = lr / _bias_correction(beta1, step)
+        bc2_root = tl.sqrt_rn(_bias_correction(beta2, step))
+        bc1 = 1.0
+        bc2 = 1.0
+        if BIAS_CORRECTION:
+            bc1 = _bias_correction(beta1, step)
+            bc2 = _bias_correction(beta2, step)
+        ratio = 0.0
+        if MODE == 2:
+            ratio = tl.load(ratios + t)
         width = tl.load(meta + t)
         global_offset = tl.load(meta + n_tensors + t)
         key = tl.load(meta + 2 * n_tensors + t).to(tl.uint32)
         stream = _hash32_tl(_hash32_tl(seed_stream.to(tl.uint32) ^ key) ^ step.to(tl.uint32))
-        q = start + tl.arange(0, QB)
+        # the tensor's pointers, once a program (the tiles' loads then wait on one memory trip, not two)
+        p_ptr = column_pointer(addresses, n_tensors, 0, t, P_DTYPE, ALIGNED)
+        g_ptr = column_pointer(addresses, n_tensors, 1, t, P_DTYPE, ALIGNED)
+        if QUANTIZED:
+            m_ptr = column_pointer(addresses, n_tensors, 2, t, tl.uint8, ALIGNED)
+            v_ptr = column_pointer(addresses, n_tensors, 3, t, tl.uint8, ALIGNED)
+            m_scale_ptr = column_pointer(addresses, n_tensors, 4, t, tl.float32, ALIGNED)
+            v_scale_ptr = column_pointer(addresses, n_tensors, 5, t, tl.float32, ALIGNED)
+        else:
+            m_ptr = column_pointer(addresses, n_tensors, 2, t, tl.float32, ALIGNED)
+            v_ptr = column_pointer(addresses, n_tensors, 3, t, tl.float32, ALIGNED)
+            m_scale_ptr = m_ptr
+            v_scale_ptr = v_ptr
+        if MASTER_ROW >= 0:
+            master_ptr = column_pointer(addresses, n_tensors, MASTER_ROW, t, tl.float32, ALIGNED)
+        else:
+            master_ptr = p_ptr
+        rows = tl.arange(0, R)
         columns = tl.arange(0, W)
-        row_mask = q < limit
+        p_squares = 0.0
+        u_squares = 0.0
         if ROWS_ALIGNED and start + QB <= limit:
-            offsets = q[:, None] * W + columns[None, :]
-            _lowbit_tile(addresses, n_tensors, t, q, offsets, row_mask[:, None], row_mask, pid, grad_scale_ptr,
-                         clip_ptr, partials, ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset,
-                         P_DTYPE, MODE, DECOUPLED, BIAS_CORRECTION, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP,
-                         MAXIMIZE, ALIGNED, False)
+            offsets = rows[:, None] * W + columns[None, :]   # int32, within the tile
+            full = rows < R
+            for i in range(QB // R):
+                first = start + i * R   # int64: the tile's first chunk
+                base = first * W
+                a, b = _lowbit_tile(p_ptr + base, g_ptr + base, m_ptr + base, v_ptr + base, m_scale_ptr + first,
+                                    v_scale_ptr + first, master_ptr + base, rows, offsets, full[:, None], full,
+                                    grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size,
+                                    bc2_root, bc1, bc2, stream, global_offset + base, P_DTYPE, MODE, DECOUPLED,
+                                    MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, False)
+                if MODE == 1:
+                    p_squares += a
+                    u_squares += b
         else:
             chunks = tl.cdiv(width, W)
-            row = q // chunks
-            chunk = q - row * chunks
-            length = tl.minimum(width - chunk * W, W)
-            offsets = (row * width + chunk * W)[:, None] + columns[None, :]
-            mask = row_mask[:, None] & (columns[None, :] < length[:, None])
-            _lowbit_tile(addresses, n_tensors, t, q, offsets, mask, row_mask, pid, grad_scale_ptr, clip_ptr, partials,
-                         ratios, lr, beta1, beta2, eps, weight_decay, step, stream, global_offset, P_DTYPE, MODE,
-                         DECOUPLED, BIAS_CORRECTION, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, ALIGNED,
-                         True)
+            for i in range(QB // R):
+                q = start + i * R + rows
+                row_mask = q < limit
+                row = q // chunks
+                chunk = q - row * chunks
+                length = tl.minimum(width - chunk * W, W)
+                offsets = (row * width + chunk * W)[:, None] + columns[None, :]
+                mask = row_mask[:, None] & (columns[None, :] < length[:, None])
+                a, b = _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets,
+                                    mask, row_mask, grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps,
+                                    weight_decay, step_size, bc2_root, bc1, bc2, stream, global_offset, P_DTYPE, MODE,
+                                    DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, True)
+                if MODE == 1:
+                    p_squares += a
+                    u_squares += b
+        if MODE == 1:
+            tl.store(partials + 2 * pid, p_squares)
+            tl.store(partials + 2 * pid + 1, u_squares)
+
+    def _tile_rows(chunks: int, warps: int) -> int:
+        """Row chunks a tile of _lowbit_blocks holds: TILE_ELEMENTS_PER_THREAD elements a thread (so
+        that the float32, bfloat16 and uint8 accesses share one layout and a thread's registers stay
+        few; under the interpreter INTERPRETED_ELEMENTS_PER_THREAD), at most the program's
+        ``chunks``; a power of 2 dividing it. The values do not depend on it (tested)."""
+        per_thread = INTERPRETED_ELEMENTS_PER_THREAD if triton_interpreting() else TILE_ELEMENTS_PER_THREAD
+        rows = max(1, warps * 32 * per_thread // BLOCK_WIDTH)
+        while rows > 1 and (rows > chunks or chunks % rows):
+            rows //= 2
+        return rows
 
     def _lowbit_launch(problem: MultiTensorProblem, name: str, passes):
         """The launch of both ops: step counters advanced, then ``passes(launch, tables)`` runs the
@@ -783,6 +883,9 @@ if triton_available():
                 values[key], flags[flag] = _hyper(value)
             dummy = columns[0][0]
             rows_aligned = all(rows_of(p.shape)[1] % BLOCK_WIDTH == 0 for p in columns[0])
+            warps = problem.heuristics.warps
+            tile_rows = _tile_rows(tables.block, warps)
+            register_cap = {} if MAX_REGISTERS is None or triton_interpreting() else {"maxnreg": MAX_REGISTERS}
 
             def launch(mode, partials=None, ratios=None):
                 _lowbit_blocks[(tables.n_blocks,)](
@@ -796,11 +899,13 @@ if triton_available():
                     SR=problem.option("stochastic_rounding"), HAS_SCALE=grad_scale is not None,
                     HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip is not None,
                     MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, ROWS_ALIGNED=rows_aligned,
-                    QB=tables.block, W=BLOCK_WIDTH, num_warps=problem.heuristics.warps)
+                    QB=tables.block, R=tile_rows, W=BLOCK_WIDTH, num_warps=warps, **register_cap)
 
             passes(launch, tables, **extra)
 
-        return MultiTensorLaunch(run, KernelChoice(name, "triton", (("W", BLOCK_WIDTH),
+        block = max(1, problem.heuristics.block // BLOCK_WIDTH)
+        return MultiTensorLaunch(run, KernelChoice(name, "triton", (("W", BLOCK_WIDTH), ("QB", block),
+                                                                     ("R", _tile_rows(block, problem.heuristics.warps)),
                                                                      ("num_warps", problem.heuristics.warps))),
                                  torch.float32)
 

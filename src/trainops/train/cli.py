@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import cnn, gpt, llama
-from .common import DEFAULT_PLOT
+from .common import DEFAULT_PLOT, PARAM_DTYPES
 
 # --help's description: the first line of the gpt demo's docstring before the demos became a package.
 DESCRIPTION = "``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources."
@@ -38,6 +38,17 @@ def _positive_float(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse type: a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text!r}")
     return value
 
 
@@ -125,6 +136,25 @@ def main(argv=None) -> int:
                         help="--model cnn: what the trainops run stores compressed for the backward (default: relu, "
                              "1 bit a ReLU output, exact; bf16 / fp16 / e5m2 / e4m3: also every other saved "
                              "activation, lossy; none: nothing)")
+    parser.add_argument("--optim-bits", type=int, default=32, choices=[32, 8],
+                        help="the trainops run's optimizer states: 32 (float32, default) or 8 (blockwise 8-bit "
+                             "moments, trainops.optim's optim_bits=8)")
+    parser.add_argument("--param-dtype", default="float32", choices=list(PARAM_DTYPES),
+                        help="the trainops run's parameters (and gradients): float32 (default) or bfloat16")
+    parser.add_argument("--master-weights", action="store_true",
+                        help="with --param-dtype bfloat16: the optimizer keeps float32 master copies")
+    parser.add_argument("--stochastic-rounding", action="store_true",
+                        help="with --param-dtype bfloat16, without --master-weights: round each updated "
+                             "parameter to bfloat16 stochastically (seeded by the run's seed)")
+    parser.add_argument("--step-in-backward", action="store_true",
+                        help="the trainops run steps inside the backward (trainops.optim.step_in_backward), freeing "
+                             "each gradient as it is used; no fp16, and no clip (--max-grad-norm 0) unless "
+                             "--clip-with-previous-norm")
+    parser.add_argument("--clip-with-previous-norm", action="store_true",
+                        help="with --step-in-backward: clip each step with the coefficient of the previous step's "
+                             "global gradient norm (the first step unclipped)")
+    parser.add_argument("--max-grad-norm", type=_non_negative_float, default=None,
+                        help="global gradient-norm clip of every run, 0 for none (default: 1.0)")
     args = parser.parse_args(argv)
     if args.model == "cnn":
         return cnn.main_cnn(parser, args)
@@ -137,6 +167,11 @@ def main(argv=None) -> int:
     if args.runs is not None:
         parser.error("argument --runs: only with --model llama (the gpt model's --compare trains trainops and "
                      "pytorch)")
+    if args.fsdp and args.step_in_backward:
+        parser.error("argument --step-in-backward: not available with --fsdp (FSDP2 writes the sharded gradients "
+                     "outside autograd's accumulation, where the step's hooks run)")
+    if args.fsdp and args.param_dtype != "float32":
+        parser.error("argument --param-dtype: bfloat16 parameters are not available with --fsdp (untested there)")
     cfg, plot_path = gpt.config_from_args(parser, args)
     if args.fsdp:
         from . import fsdp   # torch.distributed: imported only for --fsdp

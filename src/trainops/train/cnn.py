@@ -272,7 +272,12 @@ def main_cnn(parser, args) -> int:
         parser.error(f"argument --config: --model cnn has {', '.join(CNN_CONFIGS)}; got {args.config!r}")
     for option, given in (("--save", args.save is not None), ("--resume", args.resume is not None),
                           ("--dropout", args.dropout != 0.0), ("--fsdp", args.fsdp), ("--runs", args.runs is not None),
-                          ("--optimizer", args.optimizer != "adamw")):
+                          ("--optimizer", args.optimizer != "adamw"), ("--optim-bits", args.optim_bits != 32),
+                          ("--param-dtype", args.param_dtype != "float32"), ("--master-weights", args.master_weights),
+                          ("--stochastic-rounding", args.stochastic_rounding),
+                          ("--step-in-backward", args.step_in_backward),
+                          ("--clip-with-previous-norm", args.clip_with_previous_norm),
+                          ("--max-grad-norm", args.max_grad_norm is not None)):
         if given:
             parser.error(f"argument {option}: not available with --model cnn (its runs train with SGD)")
     if args.compile:

@@ -122,6 +122,92 @@ def learning_rate(cfg, step: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+# ----------------------------------------------------------------------------------------------
+# The trainops run's optimizer options (--optim-bits, --param-dtype, --master-weights,
+# --stochastic-rounding, --step-in-backward, --clip-with-previous-norm, --max-grad-norm)
+# ----------------------------------------------------------------------------------------------
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_optimizer_options(parser: argparse.ArgumentParser, args: argparse.Namespace, amp: str) -> None:
+    """parser.error naming the flag for the optimizer options' combinations the trainops run
+    cannot do (``amp``: the run's autocast, none | fp16 | bf16, defaults resolved), before any work.
+
+    - ``--master-weights`` and ``--stochastic-rounding`` are for bfloat16 parameters
+      (``--param-dtype bfloat16``), and exclude each other: stochastic rounding rounds the bfloat16
+      parameters themselves, master weights keep the update in float32 copies;
+    - ``--step-in-backward`` (trainops.optim.step_in_backward): no fp16 autocast (its GradScaler's
+      inf/NaN skip needs every gradient before any update), and no global-norm clip unless
+      ``--clip-with-previous-norm`` (the clip coefficient of the previous step's norm) or
+      ``--max-grad-norm 0`` (no clip); gradient accumulation over micro-batches is the handle's
+      ``accumulation_steps`` (the configuration's micro-batches), so it is supported;
+    - ``--clip-with-previous-norm`` only with ``--step-in-backward`` and a clip."""
+    bf16 = args.param_dtype == "bfloat16"
+    if args.master_weights and not bf16:
+        parser.error("argument --master-weights: float32 master weights are for bfloat16 parameters "
+                     "(--param-dtype bfloat16); the parameters are float32")
+    if args.stochastic_rounding:
+        if not bf16:
+            parser.error("argument --stochastic-rounding: rounds bfloat16 parameters (--param-dtype bfloat16); "
+                         "the parameters are float32, which the step writes exactly")
+        if args.master_weights:
+            parser.error("argument --stochastic-rounding: rounds the bfloat16 parameters themselves; with "
+                         "--master-weights the float32 masters take the update (choose one)")
+    clips = args.max_grad_norm is None or args.max_grad_norm > 0   # None: the configuration's clip (1.0)
+    if args.clip_with_previous_norm:
+        if not args.step_in_backward:
+            parser.error("argument --clip-with-previous-norm: only with --step-in-backward (a plain step clips "
+                         "with this step's norm)")
+        if not clips:
+            parser.error("argument --clip-with-previous-norm: --max-grad-norm 0 turns the clip off")
+    if args.step_in_backward:
+        if amp == "fp16":
+            parser.error("argument --step-in-backward: fp16 autocast needs a GradScaler, whose inf/NaN skip needs "
+                         "every gradient before any update, which a step in the backward cannot wait for; use "
+                         "--amp bf16 or --amp none")
+        if clips and not args.clip_with_previous_norm:
+            parser.error("argument --step-in-backward: a global-norm clip needs every gradient before the first "
+                         "update; pass --max-grad-norm 0 (no clip) or --clip-with-previous-norm (the clip "
+                         "coefficient of the previous step's norm)")
+
+
+def optimizer_options(cfg) -> dict:
+    """The trainops optimizer's keywords of a run configuration (``cfg``: with ``optim_bits``,
+    ``master_weights``, ``stochastic_rounding``, ``seed`` and ``max_grad_norm``, 0 for no clip)."""
+    options = dict(max_grad_norm=cfg.max_grad_norm or None, optim_bits=cfg.optim_bits,
+                   master_weights=cfg.master_weights)
+    if cfg.stochastic_rounding:
+        options.update(stochastic_rounding=True, rounding_seed=cfg.seed)
+    return options
+
+
+def optimizer_description(cfg) -> str:
+    """The trainops run's optimizer options that differ from the defaults, as ", ..." (or "")."""
+    parts = [f"{cfg.optim_bits}-bit optimizer states"] if cfg.optim_bits != 32 else []
+    if cfg.param_dtype != "float32":
+        parts.append(f"{cfg.param_dtype} parameters" + (" with float32 masters" if cfg.master_weights else "")
+                     + (" rounded stochastically" if cfg.stochastic_rounding else ""))
+    if cfg.step_in_backward:
+        parts.append("step in the backward" + (" (clip from the previous step's norm)"
+                                               if cfg.clip_with_previous_norm else ""))
+    if not cfg.max_grad_norm:
+        parts.append("no gradient clip")
+    return "".join(", " + part for part in parts)
+
+
+def attach_step_in_backward(model, opt, cfg):
+    """``trainops.optim.step_in_backward(model, opt)`` when ``cfg.step_in_backward`` (its
+    ``accumulation_steps`` the configuration's micro-batches, ``clip_with_previous_norm`` as
+    asked), else None. The handle's ``remove()`` gives the plain optimizer back."""
+    if not cfg.step_in_backward:
+        return None
+    import trainops
+
+    return trainops.optim.step_in_backward(model, opt, accumulation_steps=getattr(cfg, "accumulate", 1),
+                                           clip_with_previous_norm=cfg.clip_with_previous_norm)
+
+
 @torch.no_grad()
 def evaluate(model, batches, amp_dtype, device, loss_of=lambda model, x, y: model(x, y)) -> float:
     """Mean held-out loss of ``loss_of(model, x, y)`` over the batches, in eval mode under the run's autocast."""

@@ -47,9 +47,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import (Batches, RunResult, autocast_dtype, base_lr, checked_plot_path, create_scratch_file,
-                     evaluate, learning_rate, parameter_groups, peak_memory_mb, run_summary, show_progress,
-                     stdlib_bytes, unwritable_reason)
+from .common import (PARAM_DTYPES, Batches, RunResult, attach_step_in_backward, autocast_dtype, base_lr,
+                     check_optimizer_options, checked_plot_path, create_scratch_file, evaluate, learning_rate,
+                     optimizer_description, optimizer_options, parameter_groups, peak_memory_mb, run_summary,
+                     show_progress, stdlib_bytes, unwritable_reason)
 
 CONFIGS = {
     # layers, width, heads, context, batch, micro-batches, steps, lr, data bytes
@@ -81,6 +82,13 @@ class Config:
     max_grad_norm: float = 1.0
     compile: bool = False      # torch.compile the model's forward (both variants)
     dropout: float = 0.0       # on attention probabilities and each block's two branch outputs
+    # the trainops run's optimizer options (common.optimizer_options, common.attach_step_in_backward)
+    optim_bits: int = 32
+    param_dtype: str = "float32"   # float32 | bfloat16
+    master_weights: bool = False
+    stochastic_rounding: bool = False
+    step_in_backward: bool = False
+    clip_with_previous_norm: bool = False
 
     @property
     def d_ff(self) -> int:
@@ -263,7 +271,10 @@ CHECKPOINT_ENTRIES = {"variant": str, "config": dict, "model": dict, "optimizer"
 _CHECKPOINT_LEAF_TYPES = (torch.Tensor, torch.dtype, str, int, float, bool, type(None))
 # The Config fields a command line sets besides --config, with their options.
 _OPTION_FIELDS = {"steps": "--steps", "lr": "--lr", "optimizer": "--optimizer", "amp": "--amp", "compile": "--compile",
-                  "dropout": "--dropout"}
+                  "dropout": "--dropout", "max_grad_norm": "--max-grad-norm", "optim_bits": "--optim-bits",
+                  "param_dtype": "--param-dtype", "master_weights": "--master-weights",
+                  "stochastic_rounding": "--stochastic-rounding", "step_in_backward": "--step-in-backward",
+                  "clip_with_previous_norm": "--clip-with-previous-norm"}
 
 
 def _first_type_outside(value, allowed: tuple) -> type | None:
@@ -334,15 +345,17 @@ def _config_option(cfg: Config) -> str:
 
 def check_continues(checkpoint: dict, cfg: Config, variant: str, path: str) -> None:
     """Raise CheckpointError unless ``checkpoint`` (from read_checkpoint) can be continued by this run:
-    the same variant, --config, --optimizer, --amp, --lr and --dropout, and ``cfg.steps`` past its step. Only
-    --steps and --compile may differ (the learning-rate schedule then follows this run's steps)."""
+    the same variant, --config, --optimizer, --amp, --lr, --dropout, --param-dtype and --master-weights, and
+    ``cfg.steps`` past its step. --steps, --compile, --max-grad-norm and the optimizer's other options may
+    differ (the learning-rate schedule then follows this run's steps; 8-bit and float32 optimizer states
+    convert on load)."""
     if checkpoint["variant"] != variant:
         raise CheckpointError(f"{path} is a checkpoint of the {checkpoint['variant']} run; this is the {variant} run")
     saved = Config(**checkpoint["config"])
     from_config = [f.name for f in fields(Config) if f.name not in _OPTION_FIELDS]
     if any(getattr(saved, f) != getattr(cfg, f) for f in from_config):
         raise CheckpointError(f"{path} was saved by a {_config_option(saved)} run; this run has {_config_option(cfg)}")
-    for field in ("optimizer", "amp", "lr", "dropout"):
+    for field in ("optimizer", "amp", "lr", "dropout", "param_dtype", "master_weights"):
         option, before, now = _OPTION_FIELDS[field], getattr(saved, field), getattr(cfg, field)
         if before != now:
             raise CheckpointError(f"{path} was trained with {option} {before}; this run has {option} {now} "
@@ -396,6 +409,7 @@ def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable
     model = GPT(cfg, trainops_kernels() if use_trainops else TORCH_KERNELS).to(device)
     report = None
     if use_trainops:
+        model.to(PARAM_DTYPES[cfg.param_dtype])
         report = trainops.patch(model)
         model.loss.loss_dtype = torch.float32   # half logits in, float32 loss out (torch's autocast does the same)
         model.tokens.check_index = False  # bytes: valid by construction
@@ -405,7 +419,7 @@ def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable
     groups = parameter_groups(model, weight_decay=0.1)
     if use_trainops:
         opt_cls = trainops.optim.LAMB if cfg.optimizer == "lamb" else trainops.optim.AdamW
-        opt = opt_cls(groups, lr=base_lr(cfg), betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
+        opt = opt_cls(groups, lr=base_lr(cfg), betas=(0.9, 0.95), **optimizer_options(cfg))
         scaler = trainops.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     else:
         if cfg.optimizer == "lamb":
@@ -421,9 +435,12 @@ def build(cfg: Config, device: torch.device, use_trainops: bool, shard: Callable
 
 
 def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_trainops, device, max_grad_norm,
-               sharded=False):
+               sharded=False, in_backward=False):
     """Forward/backward over the micro-batches (gradients summed), then one optimizer step.
-    ``sharded``: an FSDP2 model, which sums the micro-batches' gradients into its sharded ones."""
+    ``sharded``: an FSDP2 model, which sums the micro-batches' gradients into its sharded ones.
+    ``in_backward``: the optimizer steps in the last micro-batch's backward (a step_in_backward
+    handle, whose accumulation_steps are the micro-batches: autograd sums their gradients);
+    ``opt.step`` and ``zero_grad`` are then no-ops. ``max_grad_norm`` 0: no clip."""
     import trainops
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -434,7 +451,7 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
             loss = forward(x, y) / len(micro_batches)
         scaler.scale(loss).backward()
         total += loss.detach()
-        if use_trainops and not sharded:
+        if use_trainops and not sharded and not in_backward:
             # Gradients of each micro-batch land in fresh buffers and are summed by one multi-tensor launch.
             if accumulated is None:
                 accumulated = [p.grad for p in params]
@@ -442,10 +459,10 @@ def train_step(model, forward, opt, scaler, micro_batches, amp_dtype, use_traino
                 trainops.grad.accumulate_(accumulated, [p.grad for p in params])
             for p in params:
                 p.grad = None
-    if use_trainops and not sharded:
+    if use_trainops and not sharded and not in_backward:
         for p, g in zip(params, accumulated):
             p.grad = g
-    elif not use_trainops:
+    elif not use_trainops and max_grad_norm:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     scaler.step(opt)
@@ -473,6 +490,7 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
     if checkpoint is not None:
         restore(checkpoint, model, opt, scaler, resume_path)
         start, losses = checkpoint["step"], list(checkpoint["losses"])
+    handle = attach_step_in_backward(model, opt, cfg) if use_trainops else None
     if report is not None and not quiet:
         print(report)
     batches = Batches(data, cfg, device)
@@ -490,7 +508,7 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
                 torch.manual_seed(cfg.seed * 1_000_003 + step)
             t0 = time.perf_counter()
             loss = train_step(model, forward, opt, scaler, batches.train_batch(step), amp_dtype, use_trainops,
-                              device, cfg.max_grad_norm)
+                              device, cfg.max_grad_norm, in_backward=handle is not None)
             losses.append(float(loss))  # one host read per step (the progress bar shows it)
             elapsed = time.perf_counter() - t0
             if step - start >= UNTIMED_STEPS:
@@ -500,6 +518,8 @@ def run(cfg: Config, device: torch.device, use_trainops: bool, data: torch.Tenso
             if not quiet:
                 show_progress(name, step + 1, cfg.steps, losses[-1],
                               timed_tokens / timed_seconds if timed_seconds else 0, final=step + 1 == cfg.steps)
+    if handle is not None:
+        handle.remove()
     val = evaluate(model, batches.val_batches(), amp_dtype, device)
     if save:
         save_checkpoint(dict(variant=name, config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
@@ -571,6 +591,11 @@ def config_from_args(parser, args) -> tuple[Config, str | None]:
     cfg = replace(cfg, optimizer=args.optimizer, amp=args.amp or ("fp16" if device.type == "cuda" else "none"),
                   steps=cfg.steps if args.steps is None else args.steps, lr=cfg.lr if args.lr is None else args.lr,
                   compile=args.compile, dropout=args.dropout)
+    check_optimizer_options(parser, args, cfg.amp)
+    cfg = replace(cfg, max_grad_norm=cfg.max_grad_norm if args.max_grad_norm is None else args.max_grad_norm,
+                  optim_bits=args.optim_bits, param_dtype=args.param_dtype, master_weights=args.master_weights,
+                  stochastic_rounding=args.stochastic_rounding, step_in_backward=args.step_in_backward,
+                  clip_with_previous_norm=args.clip_with_previous_norm)
     if args.compare and cfg.optimizer == "lamb":
         parser.error("argument --compare: the PyTorch run has no LAMB (torch.optim has none); "
                      "compare with --optimizer adamw")
@@ -599,6 +624,7 @@ def main_gpt(parser, args, cfg: Config, plot_path: str | None) -> int:
     print(f"trainops train: {args.config} GPT ({cfg.n_layer} layers, width {cfg.d_model}, {params / 1e6:.2f} M "
           f"parameters), {len(data) / 2**20:.1f} MiB of standard-library source, {cfg.steps} steps of "
           f"{cfg.batch}x{cfg.context} tokens ({cfg.accumulate} micro-batches), {cfg.optimizer}, amp {cfg.amp}, "
+          f"{optimizer_description(cfg)[2:] + ', ' if optimizer_description(cfg) else ''}"
           f"{'torch.compile, ' if cfg.compile else ''}on {device}"
           + (f", resuming at step {checkpoint['step']} from {args.resume}" if checkpoint is not None else ""))
     ours = run(cfg, device, True, data, resume=checkpoint, save=args.save)

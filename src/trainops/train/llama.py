@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import (Batches, RunResult, autocast_dtype, curves_table, learning_rate, parameter_groups, peak_memory_mb,
-                     plot_curves, results_table, run_summary, show_progress, stdlib_source)
+from .common import (PARAM_DTYPES, Batches, RunResult, autocast_dtype, curves_table, learning_rate, optimizer_options,
+                     parameter_groups, peak_memory_mb, plot_curves, results_table, run_summary, show_progress,
+                     stdlib_source)
 
 LLAMA_CONFIGS = {
     # tiny: CI. small: the CPU default, about two minutes on 2 cores. 1b: Llama-3.2-1B's shape (issue 19).
@@ -81,8 +82,15 @@ class LlamaRunConfig:
     warmup: int = 10
     optimizer: str = "adamw"
     amp: str = "none"          # none | fp16 | bf16
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0   # 0: no clip
     accumulate: int = 1        # one micro-batch per step (Batches reads it)
+    # the trainops runs' optimizer options (common.optimizer_options, common.attach_step_in_backward)
+    optim_bits: int = 32
+    param_dtype: str = "float32"   # float32 | bfloat16
+    master_weights: bool = False
+    stochastic_rounding: bool = False
+    step_in_backward: bool = False
+    clip_with_previous_norm: bool = False
 
 
 def missing_packages() -> list[str]:
@@ -188,10 +196,11 @@ def build_run(cfg: LlamaRunConfig, device: torch.device, run: str):
     report = None
     uses_trainops = run.startswith("trainops")
     if uses_trainops:
+        model.to(PARAM_DTYPES[cfg.param_dtype])
         report = trainops.patch(model)
         opt_cls = trainops.optim.LAMB if cfg.optimizer == "lamb" else trainops.optim.AdamW
         lr = cfg.lr * (10 if cfg.optimizer == "lamb" else 1)
-        opt = opt_cls(parameter_groups(model), lr=lr, betas=(0.9, 0.95), max_grad_norm=cfg.max_grad_norm)
+        opt = opt_cls(parameter_groups(model), lr=lr, betas=(0.9, 0.95), **optimizer_options(cfg))
         scaler = trainops.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     else:
         if cfg.optimizer == "lamb":
@@ -240,7 +249,8 @@ def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Token
     if report is not None and not quiet:
         print(report)
     amp_dtype = autocast_dtype(cfg)
-    clip_norm = None if run.startswith("trainops") else cfg.max_grad_norm
+    clip_norm = None if run.startswith("trainops") or not cfg.max_grad_norm else cfg.max_grad_norm
+    handle = common.attach_step_in_backward(model, opt, cfg) if run.startswith("trainops") else None
     batches = Batches(tokens.ids, cfg, device, split=tokens.split)
     model.train()
     if device.type == "cuda":
@@ -262,12 +272,14 @@ def run_llama(cfg: LlamaRunConfig, device: torch.device, run: str, tokens: Token
                 show_progress(run, step + 1, cfg.steps, losses[-1],
                               1e3 * len(step_times) * ids.numel() / timed if timed else 0, final=step + 1 == cfg.steps)
     peak = peak_memory_mb(device)
+    if handle is not None:
+        handle.remove()
     val = evaluate(model, batches.val_batches(), amp_dtype, device)
     tokens_per_step = cfg.batch * cfg.context
     timed = sum(step_times)
     result = RunResult(run, losses, val, 1e3 * len(step_times) * tokens_per_step / timed if timed else math.nan,
                        timed / len(step_times) if step_times else math.nan, peak, dict(used), step_times)
-    del model, forward, opt, scaler
+    del model, forward, opt, scaler, handle
     gc.collect()
     if run.endswith("-compile"):
         torch._dynamo.reset()
@@ -331,9 +343,15 @@ def main_llama(parser, args) -> int:
         parser.error(f"argument --amp: bf16{' (the default on cuda)' if args.amp is None else ''} is not supported "
                      f"by {torch.cuda.get_device_name(device)}; use --amp fp16 or none")
     base = LLAMA_CONFIGS[args.config]
+    amp = args.amp or ("bf16" if device.type == "cuda" else "none")
+    common.check_optimizer_options(parser, args, amp)
     cfg = LlamaRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
                             "lr": base["lr"] if args.lr is None else args.lr},
-                         optimizer=args.optimizer, amp=args.amp or ("bf16" if device.type == "cuda" else "none"))
+                         optimizer=args.optimizer, amp=amp,
+                         max_grad_norm=1.0 if args.max_grad_norm is None else args.max_grad_norm,
+                         optim_bits=args.optim_bits, param_dtype=args.param_dtype, master_weights=args.master_weights,
+                         stochastic_rounding=args.stochastic_rounding, step_in_backward=args.step_in_backward,
+                         clip_with_previous_norm=args.clip_with_previous_norm)
     if cfg.optimizer == "lamb" and any(not run.startswith("trainops") for run in runs):
         parser.error(f"argument {'--runs' if args.runs else '--compare'}: the PyTorch runs have no LAMB "
                      "(torch.optim has none); compare with --optimizer adamw")
@@ -350,7 +368,7 @@ def main_llama(parser, args) -> int:
     print(f"trainops train: {args.config} Llama (transformers LlamaForCausalLM: {cfg.n_layer} layers, width "
           f"{cfg.d_model}, {cfg.n_head} query / {cfg.n_kv_head} key-value heads, vocabulary {cfg.vocab:,}, "
           f"{params / 1e6:.2f} M parameters), {cfg.steps} steps of {cfg.batch}x{cfg.context} tokens, "
-          f"{cfg.optimizer}, amp {cfg.amp}, on {device}; runs: {', '.join(runs)}")
+          f"{cfg.optimizer}{common.optimizer_description(cfg)}, amp {cfg.amp}, on {device}; runs: {', '.join(runs)}")
     print(f"tokenizer: {tokens.describe(cfg)}")
     for note in notes:
         print(note)
