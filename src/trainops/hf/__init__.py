@@ -32,6 +32,12 @@ What each kind computes (``_common.py``):
                hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
                config sets, and the MoE router's auxiliary loss as transformers adds it
 
+PEFT models (``lora.py``): the swapped attention and MLPs call their projections as modules, so
+LoRA layers there (any variant) run peft's forward and train; the fused loss computes a LoRA
+``lm_head`` (h W^T + b + s * dropout(h) A^T B^T, exactly, through concatenated operands) or an
+lm_head in ``modules_to_save`` (the trained copy); DoRA and other variants on the head, and other
+PEFT heads, are refused with the reason.
+
 Adding an architecture: its module here (``SWAPS``: class name -> kind), a row of ``ARCHITECTURES``,
 and its tiny configuration in tests/test_hf.py's ``ARCHS``.
 """
