@@ -418,7 +418,9 @@ class CausalLM(Kind):
     trainops.linear_cross_entropy with the LM head's weight and bias: the logits are never made
     (``output.logits`` is None). A PEFT head (LoRA on lm_head, or lm_head in modules_to_save) is
     computed as trainops.hf.lora says: the adapted logits exactly, LoRA dropout included. Labels shifted as transformers's ForCausalLMLoss shifts them (or
-    ``shift_labels``), ``num_items_in_batch`` and ``ignore_index`` passed on. The logits transform
+    ``shift_labels``), ``num_items_in_batch`` and ``ignore_index`` passed on (a float
+    ``num_items_in_batch`` tensor, as the Trainer of transformers 5.24 passes: the summed loss divided
+    by it). The logits transform
     z = softcap(logit_scale * (h W^T + b)): ``softcap`` names the config attribute holding the cap
     (Gemma 2 / 3's final_logit_softcapping), ``logit_divisor`` the one the logits are divided by
     (Granite's logits_scaling: logit_scale = 1 / it). ``moe``: the router's auxiliary loss, when
@@ -492,8 +494,16 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             options["softcap"] = getattr(self.config, kind.softcap)
         if kind.logit_divisor is not None:
             options["logit_scale"] = 1.0 / getattr(self.config, kind.logit_divisor)
-        loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
-                          num_items_in_batch=loss_kwargs.get("num_items_in_batch"), **options)
+        items = loss_kwargs.get("num_items_in_batch")
+        if isinstance(items, Tensor) and items.is_floating_point():
+            # the Trainer's token count divided by its parallel sizes (transformers 5.24 passes a float
+            # tensor): the summed loss divided by it, as transformers's ForCausalLMLoss does
+            loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
+                              reduction="sum", **options)
+            loss = loss / items.to(loss.device)
+        else:
+            loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
+                              num_items_in_batch=items, **options)
         extra = {}
         if kind.moe:
             aux_loss = None
@@ -505,6 +515,9 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
         return output_class(loss=loss, logits=None, **extra, **{name: getattr(outputs, name) for name in carried})
 
     forward.__doc__ = CausalLM.__doc__
+    # what reads the signature sees transformers's: the Trainer keeps the dataset columns it names
+    # (remove_unused_columns) and passes num_items_in_batch where it takes **kwargs
+    forward.__signature__ = inspect.signature(original)
     return forward
 
 
