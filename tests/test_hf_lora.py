@@ -23,7 +23,7 @@ from test_hf import batch, tiny_model  # noqa: E402
 TARGETS = {   # the attention's and the MLP's projections and the head, by each family's names
     "llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"],
-    "gemma2": ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
+    "gemma2": ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"],
 }
 
 
@@ -72,6 +72,8 @@ def test_lora_model_gives_peft_loss_and_adapter_gradients(arch):
     assert swapped["base_model.model"].startswith("trainops.hf.")   # the causal LM: the fused loss
     assert swapped["base_model.model.model.layers.0.mlp"].endswith("MLP")   # its projections are LoRA layers
     assert swapped["base_model.model.model.layers.1.self_attn"].endswith("Attention")
+    if arch == "gemma2":   # LoRA on the scaled embedding: peft's layer around trainops's embedding
+        assert swapped["base_model.model.model.embed_tokens.base_layer"].endswith("TextScaledWordEmbedding")
     head = model.base_model.model.lm_head
     assert type(head).__name__ == "Linear" and type(head).__module__.startswith("peft.")
     with trainops.track_kernels() as used:
