@@ -21,6 +21,10 @@ temperature 1, divided by num_items_in_batch when the Trainer passes it) between
 ``teacher_model``; generation (lmbda, seq_kd) stays TRL's.
 
 Both are tested against TRL's own trainers on a tiny random Llama (tests/test_trl_trainers.py).
+
+No SFTTrainer here: TRL's (1.16) computes its loss, token accuracy and entropy with a fused LM head
+of its own, without logits, so a ``trainops.patch``-ed model runs under ``trl.SFTTrainer`` as it is
+(its decoder modules trainops's, the loss TRL's; trainops.hf's docstring; tests/test_hf_trainers.py).
 """
 
 from __future__ import annotations
