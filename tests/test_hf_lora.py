@@ -170,6 +170,11 @@ def test_states_the_fused_head_cannot_compute_raise_naming_lm_head():
     with pytest.raises(UnsupportedError, match="lm_head: it has forward hooks"):
         step(model, ids, labels)
     handle.remove()
+    model.add_adapter("dora", peft.LoraConfig(use_dora=True, target_modules=["lm_head"]))   # after patching
+    model.set_adapter("dora")
+    with pytest.raises(UnsupportedError, match="lm_head: its active adapters have LoRA variants.*DoraLinearVariant"):
+        step(model, ids, labels)
+    model.set_adapter("default")
     model.merge_adapter()
     with model.disable_adapter(), pytest.raises(UnsupportedError, match="lm_head: its adapters are disabled while merged"):
         step(model, ids, labels)
