@@ -34,19 +34,22 @@ import trl
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
 
 from .functional import linear_distillation_loss, linear_preference_loss
+from .hf.lora import head_operands
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def hidden_and_head(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(last hidden states (B, T, H), LM head weight (V, H), bias or None) of a causal LM: its
-    backbone (``base_model``, the decoder without the head) on the batch's inputs."""
+    backbone (``base_model``, the decoder without the head) on the batch's inputs. A PEFT head
+    (LoRA on lm_head, or lm_head in modules_to_save) gives the operands whose linear layer is the
+    adapted head (trainops.hf.lora.head_operands: for LoRA, hidden (B, T, H + r) and weight
+    (V, H + r) concatenated with the low-rank terms), never its base weight alone."""
     if hasattr(model, "get_base_model"):   # a PEFT model: the transformers model inside
         model = model.get_base_model()
     kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
     hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    return hidden, head.weight, head.bias
+    return head_operands(model.get_output_embeddings(), hidden)
 
 
 class DPOTrainer(trl.DPOTrainer):
