@@ -43,7 +43,7 @@ def step(model, ids, labels, seed=5):
     torch.manual_seed(seed)
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return out, {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def assert_same_step(model, reference, what=""):
@@ -87,8 +87,8 @@ def test_lora_model_gives_peft_loss_and_adapter_gradients(arch):
 
 def test_lora_head_with_lora_bias_and_several_active_adapters():
     model = lora_model(lora_bias=True, lora_dropout=0.0)
-    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=3, lora_dropout=0.2, target_modules=["lm_head", "q_proj"],
-                                                init_lora_weights=False))
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=3, lora_dropout=0.2, init_lora_weights=False,
+                                                target_modules=["lm_head", "q_proj"]))
     model.base_model.set_adapter(["default", "second"])   # both active, both trained
     assert model.base_model.model.lm_head.active_adapters == ["default", "second"]
     reference = copy.deepcopy(model)
@@ -129,7 +129,8 @@ def test_head_in_modules_to_save_is_the_trained_copy():
     assert swapped_and_skipped(trainops.patch(model))[1] == {}
     with torch.no_grad():   # the copy differs from the original: the loss tells which one was used
         head.modules_to_save["default"].weight.add_(torch.randn_like(head.weight))
-        reference.base_model.model.lm_head.modules_to_save["default"].weight.copy_(head.modules_to_save["default"].weight)
+        copy_weight = head.modules_to_save["default"].weight
+        reference.base_model.model.lm_head.modules_to_save["default"].weight.copy_(copy_weight)
     assert_same_step(model, reference, "modules_to_save")
     assert head.modules_to_save["default"].weight.grad is not None
     assert head.original_module.weight.grad is None
@@ -176,8 +177,9 @@ def test_states_the_fused_head_cannot_compute_raise_naming_lm_head():
         step(model, ids, labels)
     model.set_adapter("default")
     model.merge_adapter()
-    with model.disable_adapter(), pytest.raises(UnsupportedError, match="lm_head: its adapters are disabled while merged"):
-        step(model, ids, labels)
+    with model.disable_adapter():
+        with pytest.raises(UnsupportedError, match="lm_head: its adapters are disabled while merged"):
+            step(model, ids, labels)
 
 
 def test_unpatch_restores_transformers_classes_under_peft():
@@ -190,6 +192,28 @@ def test_unpatch_restores_transformers_classes_under_peft():
     (out, grads), (want, want_grads) = step(model, ids, labels), step(reference, ids, labels)
     assert out.logits is not None
     assert_close(out.loss, want.loss, torch.float32, "unpatched loss")
+    for name in grads:
+        assert_close(grads[name], want_grads[name], torch.float32, name)
+
+
+def test_lora_model_with_gradient_checkpointing():
+    model = lora_model(lora_dropout=0.0)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable()
+        m.enable_input_require_grads()
+    trainops.patch(model)
+    assert_same_step(model, reference, "checkpointed")
+
+
+@pytest.mark.slow
+def test_lora_model_compiles_whole():
+    """torch.compile(fullgraph=True) of the patched PeftModel (the LoRA head's concatenations and
+    checks traced), against the unpatched model run eagerly."""
+    model = lora_model(lora_dropout=0.0)
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    assert_same_step(torch.compile(model, fullgraph=True), reference, "compiled")
 
 
 def three_runs(model, exact, ids, labels):

@@ -5,8 +5,6 @@ logits evaluation asks for; the Trainer's default optimizer and a trainops.optim
 with packing on and off, its token accuracy and entropy logged (TRL's own fused LM head computes
 them: no logits needed), and with a LoRA adapter."""
 
-import copy
-
 import pytest
 import torch
 

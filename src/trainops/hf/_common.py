@@ -417,10 +417,10 @@ class CausalLM(Kind):
     """In training mode with labels, the decoder's last hidden states go to
     trainops.linear_cross_entropy with the LM head's weight and bias: the logits are never made
     (``output.logits`` is None). A PEFT head (LoRA on lm_head, or lm_head in modules_to_save) is
-    computed as trainops.hf.lora says: the adapted logits exactly, LoRA dropout included. Labels shifted as transformers's ForCausalLMLoss shifts them (or
-    ``shift_labels``), ``num_items_in_batch`` and ``ignore_index`` passed on (a float
-    ``num_items_in_batch`` tensor, as the Trainer of transformers 5.24 passes: the summed loss divided
-    by it). The logits transform
+    computed as trainops.hf.lora says: the adapted logits exactly, LoRA dropout included. Labels
+    shifted as transformers's ForCausalLMLoss shifts them (or ``shift_labels``),
+    ``num_items_in_batch`` and ``ignore_index`` passed on (a float ``num_items_in_batch`` tensor,
+    as the Trainer of transformers 5.24 passes: the summed loss divided by it). The logits transform
     z = softcap(logit_scale * (h W^T + b)): ``softcap`` names the config attribute holding the cap
     (Gemma 2 / 3's final_logit_softcapping), ``logit_divisor`` the one the logits are divided by
     (Granite's logits_scaling: logit_scale = 1 / it). ``moe``: the router's auxiliary loss, when
@@ -532,10 +532,10 @@ _HEAD_LOSS = "trainops_linear_cross_entropy"
 
 
 def _head_loss(head: torch.nn.Module, hidden: Tensor, labels: Tensor, **options) -> Tensor:
-    """The fused loss of the LM head's weight and bias (a PEFT head's: trainops.hf.lora). When FSDP2's ``fully_shard`` made the head a
-    unit of its own, the loss runs as a forward method of the head (``register_fsdp_forward_method``):
-    FSDP gathers the weight for it and reduce-scatters its gradient, as for ``head(hidden)``;
-    outside it the weight would be this rank's shard."""
+    """The fused loss of the LM head's weight and bias (a PEFT head's: trainops.hf.lora). When
+    FSDP2's ``fully_shard`` made the head a unit of its own, the loss runs as a forward method of
+    the head (``register_fsdp_forward_method``): FSDP gathers the weight for it and reduce-scatters
+    its gradient, as for ``head(hidden)``; outside it the weight would be this rank's shard."""
     if fsdp_wrapped_class(type(head)) is None:
         return _linear_cross_entropy_of_head(head, hidden, labels, **options)
     if _HEAD_LOSS not in vars(head):

@@ -141,8 +141,9 @@ def _hooked(module) -> bool:
 
 
 def head_operands(head, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(hidden', weight', bias') whose fused loss is the head's: (hidden, W, b) for a torch.nn.Linear, the concatenations of the module docstring for a
-    LoRA head. Raises UnsupportedError (naming lm_head) for the states the docstring lists."""
+    """(hidden', weight', bias') whose fused loss is the head's: (hidden, W, b) for a
+    torch.nn.Linear, the concatenations of the module docstring for a LoRA head. Raises
+    UnsupportedError (naming lm_head) for the states the docstring lists."""
     if isinstance(head, torch.nn.Linear):
         return hidden, head.weight, head.bias
     kind = _class_id(head)
@@ -156,7 +157,7 @@ def head_operands(head, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
                 "loss would not run")
     if kind == _MODULES_TO_SAVE:
         active = head.active_adapters
-        if head.disable_adapters or not active or any(a not in head._adapters for a in active):
+        if head.disable_adapters or not active or any(a not in getattr(head, "_adapters", active) for a in active):
             linear = head.original_module
         else:
             linear = head.modules_to_save[active[0]]
