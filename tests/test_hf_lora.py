@@ -22,6 +22,7 @@ from test_hf import batch, tiny_model  # noqa: E402
 
 TARGETS = {   # the attention's and the MLP's projections and the head, by each family's names
     "llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "lm_head"],   # q / k norms
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"],
     "gemma2": ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"],
 }
