@@ -80,7 +80,8 @@ def test_lora_model_gives_peft_loss_and_adapter_gradients(arch):
     with trainops.track_kernels() as used:
         out = assert_same_step(model, reference, arch)
     ran = {op for op, *_ in used}
-    assert {"cross_entropy", "rotary_embedding", "geglu" if arch == "gemma2" else "swiglu"} <= ran, ran
+    assert {"cross_entropy", "geglu" if arch == "gemma2" else "swiglu"} <= ran, ran
+    assert {"rotary_embedding", "qk_norm_rotary"} & ran, ran   # q / k norm families: the fused one on main
     with model.disable_adapter():   # the adapters change the loss: a head read from its base weight would show
         base = model(input_ids=batch()[0], labels=batch()[1]).loss
     assert relative_error(base, out.loss) > 1e-3
