@@ -287,3 +287,17 @@ def test_gpu_lora_llama_under_bf16_autocast():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             runs.append(step(m, ids, labels))
     assert_as_close_to_float32(runs)
+
+
+def test_a_head_whose_weight_is_not_its_matrix_is_refused():
+    """A quantized head (bitsandbytes's layers subclass torch.nn.Linear and hold packed or int8
+    weights) would be read as garbage: refused with the reason, plain or under LoRA."""
+    for wrap in (False, True):
+        model = tiny_model("llama")
+        head = model.lm_head
+        head.weight = torch.nn.Parameter(torch.zeros(97 * 32 // 2, 1, dtype=torch.uint8), requires_grad=False)
+        if wrap:
+            model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["lm_head"]))
+        skipped = swapped_and_skipped(trainops.patch(model, dry_run=True))[1]
+        why = skipped["base_model.model" if wrap else ""]
+        assert "weight is not a floating (out_features, in_features) matrix ((1552, 1) torch.uint8" in why, why

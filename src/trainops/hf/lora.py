@@ -35,7 +35,9 @@ The LM head of the fused causal-LM loss (``head_operands``), read at every call:
   under autocast), where peft adds a separately computed low-rank product: equal in float32, within
   rounding in bf16.
 
-Refused when the model is patched (the causal LM is left as it is, with the reason): a head of any
+Refused when the model is patched (the causal LM is left as it is, with the reason): a head (or a
+LoRA head's base layer, or a modules_to_save copy) whose weight is not a floating (out_features,
+in_features) matrix (bitsandbytes's quantized layers subclass torch.nn.Linear), a head of any
 other PEFT class (a LoRA layer of another kind, TrainableTokensWrapper, ...), a LoRA head with a
 variant on any adapter (DoRA, aLoRA, ...: ``lora_variant``) or ``fan_in_fan_out``, a
 ModulesToSaveWrapper whose modules are not torch.nn.Linear. Raised at the call
@@ -92,21 +94,35 @@ def out_features(projection) -> int:
     return _base_linear(projection).out_features
 
 
+def _weight_reasons(linear: torch.nn.Linear, what: str) -> list[str]:
+    """A Linear whose weight the fused loss cannot read as the layer's (V, H) matrix: a quantized
+    layer's packed or integer weight (bitsandbytes's Linear4bit / Linear8bitLt subclass Linear)."""
+    weight = getattr(linear, "weight", None)
+    shape = (getattr(linear, "out_features", None), getattr(linear, "in_features", None))
+    if not isinstance(weight, Tensor) or not weight.is_floating_point() or tuple(weight.shape) != shape:
+        held = f"{tuple(weight.shape)} {weight.dtype}" if isinstance(weight, Tensor) else type(weight).__name__
+        return [f"its {what} weight is not a floating (out_features, in_features) matrix ({held}: a quantized "
+                "layer?)"]
+    return []
+
+
 def head_reasons(head) -> list[str]:
     """Why the fused loss cannot compute the LM head ``head`` (empty: it can; module docstring)."""
     if isinstance(head, torch.nn.Linear):
-        return []
+        return _weight_reasons(head, "lm_head")
     kind = _class_id(head)
     if kind == _MODULES_TO_SAVE:
         modules = [getattr(head, "original_module", None), *getattr(head, "modules_to_save", {}).values()]
         if not all(isinstance(m, torch.nn.Linear) for m in modules):
             return ["its lm_head is a PEFT ModulesToSaveWrapper of modules that are not torch.nn.Linear"]
-        return []
+        return [reason for m in modules for reason in _weight_reasons(m, "lm_head's (modules_to_save)")][:1]
     if kind == _LORA_LINEAR:
         reasons = []
         if not isinstance(head.get_base_layer(), torch.nn.Linear):
             reasons.append(f"its lm_head is a PEFT LoRA layer over a {type(head.get_base_layer()).__name__}, "
                            "not a torch.nn.Linear")
+        else:
+            reasons += _weight_reasons(head.get_base_layer(), "lm_head's base layer")
         if getattr(head, "fan_in_fan_out", False):
             reasons.append("its lm_head is a PEFT LoRA layer with fan_in_fan_out=True")
         variants = _variants(head, head.lora_A.keys())
