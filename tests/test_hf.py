@@ -774,3 +774,21 @@ def test_gpu_llama_under_bf16_autocast():
     for name in grads:
         ours, torchs = relative_error(grads[name], want_grads[name]), relative_error(their_grads[name], want_grads[name])
         assert ours <= 1.25 * torchs + 1e-3, (name, ours, torchs)
+
+
+def test_a_float_num_items_in_batch_and_the_forwards_signature():
+    """transformers 5.24's Trainer passes num_items_in_batch as a float tensor (its count divided by
+    its parallel sizes): the summed loss divided by it. The forward shows transformers's signature
+    (the Trainer keeps the dataset columns it names)."""
+    import inspect
+
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    assert inspect.signature(model.forward) == inspect.signature(reference.forward)
+    model.train()
+    reference.train()
+    ids, labels = batch()
+    items = torch.tensor(40.0) / 3
+    assert_same_step(loss_and_grads(model, ids, labels, num_items_in_batch=items),
+                     loss_and_grads(reference, ids, labels, num_items_in_batch=items), "float num_items")

@@ -177,3 +177,27 @@ def test_gkd_trainer_matches_trl_step_by_step(steps):
     assert_steps_match(trainer.pairs, steps, 1e-4)
     assert all(p[1] > 0 for p in trainer.pairs)
     assert TRLGKDTrainer in type(trainer).__mro__
+
+
+
+def test_hidden_and_head_of_a_peft_head_give_the_adapted_logits():
+    """TRL 1.16's trainers refuse a PEFT adapter on lm_head, but hidden_and_head never reads a PEFT
+    head's base weight alone: its operands give peft's logits (LoRA on lm_head: the low-rank terms
+    concatenated; lm_head in modules_to_save: the trained copy)."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(3, len(WORDS), (2, 7), generator=torch.Generator().manual_seed(0))
+    for options in (dict(target_modules=["q_proj", "lm_head"]), dict(target_modules=["q_proj"],
+                                                                      modules_to_save=["lm_head"])):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=4, init_lora_weights=False, **options)).eval()
+        with torch.no_grad():
+            head = model.get_base_model().lm_head
+            if "modules_to_save" in options:   # the copy differs from the original
+                head.modules_to_save["default"].weight.mul_(2)
+            hidden, weight, bias = trl_trainers.hidden_and_head(model, {"input_ids": ids})
+            logits = torch.nn.functional.linear(hidden, weight, bias)
+            want = model(input_ids=ids).logits
+            original = head.original_module if "modules_to_save" in options else head.get_base_layer()
+            silent = torch.nn.functional.linear(hidden[..., :32], original.weight, original.bias)   # the base head
+        assert torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(silent, want, rtol=1e-3, atol=1e-3)

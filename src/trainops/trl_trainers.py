@@ -21,6 +21,10 @@ temperature 1, divided by num_items_in_batch when the Trainer passes it) between
 ``teacher_model``; generation (lmbda, seq_kd) stays TRL's.
 
 Both are tested against TRL's own trainers on a tiny random Llama (tests/test_trl_trainers.py).
+
+No SFTTrainer here: TRL's (1.16) computes its loss, token accuracy and entropy with a fused LM head
+of its own, without logits, so a ``trainops.patch``-ed model runs under ``trl.SFTTrainer`` as it is
+(its decoder modules trainops's, the loss TRL's; trainops.hf's docstring; tests/test_hf_trainers.py).
 """
 
 from __future__ import annotations
@@ -30,19 +34,22 @@ import trl
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
 
 from .functional import linear_distillation_loss, linear_preference_loss
+from .hf.lora import head_operands
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def hidden_and_head(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(last hidden states (B, T, H), LM head weight (V, H), bias or None) of a causal LM: its
-    backbone (``base_model``, the decoder without the head) on the batch's inputs."""
+    backbone (``base_model``, the decoder without the head) on the batch's inputs. A PEFT head
+    (LoRA on lm_head, or lm_head in modules_to_save) gives the operands whose linear layer is the
+    adapted head (trainops.hf.lora.head_operands: for LoRA, hidden (B, T, H + r) and weight
+    (V, H + r) concatenated with the low-rank terms), never its base weight alone."""
     if hasattr(model, "get_base_model"):   # a PEFT model: the transformers model inside
         model = model.get_base_model()
     kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
     hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    return hidden, head.weight, head.bias
+    return head_operands(model.get_output_embeddings(), hidden)
 
 
 class DPOTrainer(trl.DPOTrainer):

@@ -35,6 +35,34 @@ What each kind computes (``_common.py``):
                hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
                config sets, and the MoE router's auxiliary loss as transformers adds it
 
+PEFT models (``lora.py``): the swapped attention and MLPs call their projections as modules, so
+LoRA layers there (any variant) run peft's forward and train; the fused loss computes a LoRA
+``lm_head`` (h W^T + b + s * dropout(h) A^T B^T, exactly, through concatenated operands) or an
+lm_head in ``modules_to_save`` (the trained copy); DoRA and other variants on the head, and other
+PEFT heads, are refused with the reason.
+
+The Hugging Face Trainer: patch the model before handing it over, nothing else changes:
+
+    trainops.patch(model)                     # or the PeftModel: trainops.patch(get_peft_model(model, config))
+    trainer = transformers.Trainer(model=model, args=args, ...)      # optimizers=(trainops.optim.AdamW(...), None) too
+
+Training steps run the fused loss (the Trainer reads only ``outputs.loss``; its ``num_items_in_batch``,
+an int or float tensor, divides the summed loss as transformers's does); evaluation runs the model
+in eval mode, where the original forward makes the logits that prediction_step / compute_metrics
+ask for; label smoothing and ``compute_loss_func`` take the logits of a forward without labels
+(the original forward). The forward shows transformers's signature, so ``remove_unused_columns``
+keeps the dataset's columns. With ``model_init``, patch inside it.
+
+TRL's SFTTrainer (TRL 1.16): it computes the loss, ``mean_token_accuracy`` and ``entropy`` itself,
+with a fused LM head of its own (``trl.trainer.utils.add_fused_lm_head``: chunked, no logits) that
+it installs on the model as an instance ``forward``, calling the model's decoder and reading
+``lm_head.weight``. So on a patched model SFTTrainer's steps run trainops's decoder modules
+(norms, SwiGLU / GeGLU, rotary) and TRL's loss; trainops's fused loss does not run there and its
+metrics need nothing from trainops. Patch before ``SFTTrainer(...)``; patched after it, the causal
+LM is reported as kept (TRL's instance ``forward``) and the rest is patched. TRL refuses a PEFT
+adapter on lm_head itself. SFTTrainers that compute the metrics from ``outputs.logits`` (before
+TRL's fused head) are untested: there a patched training step has no logits.
+
 Adding an architecture: its module here (``SWAPS``: class name -> kind), a row of ``ARCHITECTURES``,
 and its tiny configuration in tests/test_hf.py's ``ARCHS``.
 """

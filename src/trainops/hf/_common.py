@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..dtensor import fsdp_wrapped_class
+from .lora import head_operands, head_reasons, out_features, projection_reasons
 
 
 def is_transformers_class(cls: type) -> bool:
@@ -114,10 +115,6 @@ def _activation_reasons(module, attribute: str) -> list[str]:
     return []
 
 
-def _linears_reasons(module, names) -> list[str]:
-    if not all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in names):
-        return [f"its {' / '.join(names)} are not torch.nn.Linear"]
-    return []
 
 
 def _gated_mlp_forward(self, x: Tensor) -> Tensor:
@@ -142,11 +139,11 @@ class GatedMLP(Kind):
 
     def instance_reasons(self, module):
         if self.fused:
-            reasons = _linears_reasons(module, ("gate_up_proj", "down_proj"))
-            if not reasons and module.gate_up_proj.out_features % 2:
+            reasons = projection_reasons(module, ("gate_up_proj", "down_proj"))
+            if not reasons and out_features(module.gate_up_proj) % 2:
                 reasons.append("its gate_up_proj has an odd number of outputs")
             return reasons + _activation_reasons(module, "activation_fn")
-        return _linears_reasons(module, ("gate_proj", "up_proj", "down_proj")) + _activation_reasons(module, "act_fn")
+        return projection_reasons(module, ("gate_proj", "up_proj", "down_proj")) + _activation_reasons(module, "act_fn")
 
 
 def _tanh_gelu_forward(self, input: Tensor) -> Tensor:
@@ -428,8 +425,11 @@ _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 class CausalLM(Kind):
     """In training mode with labels, the decoder's last hidden states go to
     trainops.linear_cross_entropy with the LM head's weight and bias: the logits are never made
-    (``output.logits`` is None). Labels shifted as transformers's ForCausalLMLoss shifts them (or
-    ``shift_labels``), ``num_items_in_batch`` and ``ignore_index`` passed on. The logits transform
+    (``output.logits`` is None). A PEFT head (LoRA on lm_head, or lm_head in modules_to_save) is
+    computed as trainops.hf.lora says: the adapted logits exactly, LoRA dropout included. Labels
+    shifted as transformers's ForCausalLMLoss shifts them (or ``shift_labels``),
+    ``num_items_in_batch`` and ``ignore_index`` passed on (a float ``num_items_in_batch`` tensor,
+    as the Trainer of transformers 5.24 passes: the summed loss divided by it). The logits transform
     z = softcap(logit_scale * (h W^T + b)): ``softcap`` names the config attribute holding the cap
     (Gemma 2 / 3's final_logit_softcapping), ``logit_divisor`` the one the logits are divided by
     (Granite's logits_scaling: logit_scale = 1 / it). ``moe``: the router's auxiliary loss, when
@@ -464,8 +464,7 @@ class CausalLM(Kind):
 
     def instance_reasons(self, module):
         reasons = []
-        if not isinstance(getattr(module, "lm_head", None), torch.nn.Linear):
-            reasons.append("its lm_head is not a torch.nn.Linear")
+        reasons += head_reasons(getattr(module, "lm_head", None))
         if not isinstance(getattr(module, getattr(module, "base_model_prefix", ""), None), torch.nn.Module):
             reasons.append("it has no decoder under its base_model_prefix")
         return reasons
@@ -504,8 +503,16 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             options["softcap"] = getattr(self.config, kind.softcap)
         if kind.logit_divisor is not None:
             options["logit_scale"] = 1.0 / getattr(self.config, kind.logit_divisor)
-        loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
-                          num_items_in_batch=loss_kwargs.get("num_items_in_batch"), **options)
+        items = loss_kwargs.get("num_items_in_batch")
+        if isinstance(items, Tensor) and items.is_floating_point():
+            # the Trainer's token count divided by its parallel sizes (transformers 5.24 passes a float
+            # tensor): the summed loss divided by it, as transformers's ForCausalLMLoss does
+            loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
+                              reduction="sum", **options)
+            loss = loss / items.to(loss.device)
+        else:
+            loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
+                              num_items_in_batch=items, **options)
         extra = {}
         if kind.moe:
             aux_loss = None
@@ -517,23 +524,27 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
         return output_class(loss=loss, logits=None, **extra, **{name: getattr(outputs, name) for name in carried})
 
     forward.__doc__ = CausalLM.__doc__
+    # what reads the signature sees transformers's: the Trainer keeps the dataset columns it names
+    # (remove_unused_columns) and passes num_items_in_batch where it takes **kwargs
+    forward.__signature__ = inspect.signature(original)
     return forward
 
 
-def _linear_cross_entropy_of_head(head: torch.nn.Linear, hidden: Tensor, labels: Tensor, **options) -> Tensor:
+def _linear_cross_entropy_of_head(head: torch.nn.Module, hidden: Tensor, labels: Tensor, **options) -> Tensor:
     from ..functional import linear_cross_entropy
 
-    return linear_cross_entropy(hidden, head.weight, labels, head.bias, **options)
+    hidden, weight, bias = head_operands(head, hidden)
+    return linear_cross_entropy(hidden, weight, labels, bias, **options)
 
 
 _HEAD_LOSS = "trainops_linear_cross_entropy"
 
 
-def _head_loss(head: torch.nn.Linear, hidden: Tensor, labels: Tensor, **options) -> Tensor:
-    """The fused loss of the LM head's weight and bias. When FSDP2's ``fully_shard`` made the head a
-    unit of its own, the loss runs as a forward method of the head (``register_fsdp_forward_method``):
-    FSDP gathers the weight for it and reduce-scatters its gradient, as for ``head(hidden)``;
-    outside it the weight would be this rank's shard."""
+def _head_loss(head: torch.nn.Module, hidden: Tensor, labels: Tensor, **options) -> Tensor:
+    """The fused loss of the LM head's weight and bias (a PEFT head's: trainops.hf.lora). When
+    FSDP2's ``fully_shard`` made the head a unit of its own, the loss runs as a forward method of
+    the head (``register_fsdp_forward_method``): FSDP gathers the weight for it and reduce-scatters
+    its gradient, as for ``head(hidden)``; outside it the weight would be this rank's shard."""
     if fsdp_wrapped_class(type(head)) is None:
         return _linear_cross_entropy_of_head(head, hidden, labels, **options)
     if _HEAD_LOSS not in vars(head):
