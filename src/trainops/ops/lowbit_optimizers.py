@@ -94,11 +94,13 @@ tiles (4 a thread) needs 102 (float32 parameters; 115 bf16 with stochastic round
 warps an SM), all accesses in one layout (16-byte float32, 4-byte uint8 vectors), 537 instructions
 a tile (134 an element, from about 170). benchmarks/probe_optim_lowbit_speed.py times it."""
 
-MAX_REGISTERS: int | None = None
-"""A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Unmeasured:
-uncapped, the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding)
-a thread, 4 programs of 4 warps an SM; 80 would fit 6 (56-88 bytes spilled outside the tile loop,
-per ptxas). benchmarks/probe_optim_lowbit_speed.py times both."""
+MAX_REGISTERS: int | None = 64
+"""A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Uncapped,
+the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
+thread, 4 programs of 4 warps an SM. Measured on the H200 (benchmarks/probe_optim_lowbit_speed.py,
+1.467 B parameters, two runs; results/probe-optim-lowbit-speed-h200-20261129.json): 8-bit AdamW
+over float32 parameters 11.8 ms uncapped, 9.4-9.5 at 80, 8.7-9.2 at 64, 9.2 at 48; bf16 with
+stochastic rounding 11.4-11.7 uncapped, 9.5-9.8 at 80, 9.6 at 64. The cap changes no value."""
 
 INTERPRETED_ELEMENTS_PER_THREAD = 1 << 20
 """The same under Triton's interpreter: a whole program one tile (the interpreter runs each tile
