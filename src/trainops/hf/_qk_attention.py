@@ -23,8 +23,9 @@ OLMo 2's ``w * x_normed`` over the whole projection (``across_heads=True``: weig
 (heads * head_dim,), the statistic over a token's heads * head_dim features; q's dtype). The
 rotated q and k come out in that dtype, as from the unfused trainops path (transformers's own
 rotation promotes them with cos's dtype); under autocast, in q's dtype (the autocast dtype the
-attention casts them to anyway: the same values without a cast each way, measured on the H200 in
-the bench below; a KV cache then holds them in that dtype).
+attention casts them to anyway: the same values without a cast each way; a KV cache then holds
+them in that dtype). benchmarks/bench_qk_wiring.py on the H200 (8 Qwen3-0.6B-shaped layers, 8 x
+2048 tokens): 76.9 ms a step fused against 84.7 unfused (GPU time 73.6 against 74.3 ms).
 
 What is refused (the attention left as transformers's, the reason in the patch report): a class
 whose forward is not this one (its signature, or any name it reads, differs from transformers
