@@ -255,10 +255,14 @@ def test_weight_gradient_is_bit_identical_run_to_run(backend, device):
     w = _randn((48,), torch.float32, device, gen).requires_grad_()
     b = _randn((48,), torch.float32, device, gen).requires_grad_()
     dy = _randn((100, 48), torch.float32, device, gen)
+    # On a GPU three repeats, where the programs' order can change from call to call. Under Triton's
+    # interpreter (and on the CPU path) the programs run one after another in one order and each call
+    # zeroes its own exchange buffer (ops/exchange.py): one repeat checks that a call carries nothing
+    # over from the last; more would replay it bit for bit.
     for plan in (MANY_ROWS, EXCHANGE):
         with trainops.heuristics(plan):
             first = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
-            for _ in range(3):
+            for _ in range(3 if x.is_cuda else 1):
                 again = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
                 assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 
