@@ -101,9 +101,19 @@ PLAN_CASES = {"default": CASES, "looped": [CASES[0], CASES[2]], "many_rows": [CA
               "slot_sums": [CASES[0], ((40, 3, 17), 1)]}  # 120 rows: several steps a program
 
 
+# Each forced plan with float32, float64 and one of the two 2-byte formats, the default plan with all
+# four: float16 and bfloat16 take the same tiles, kernels and float32 accumulation (the plans key on
+# the element size) and differ in the conversions at load and store alone, which the default plan
+# and the plans named here check for each format (CI time: the exchange and slot-sums cases cost
+# 5-14 s each under the interpreter).
+TWO_BYTE_ON = {"exchange": torch.bfloat16, "looped": torch.float16, "many_rows": torch.bfloat16,
+               "slot_sums": torch.float16}
+PLAN_DTYPES = [(plan, dtype) for plan in sorted(PLANS) for dtype in FLOATS
+               if plan == "default" or dtype.itemsize != 2 or dtype == TWO_BYTE_ON[plan]]
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("plan,dtype", PLAN_DTYPES, ids=str)
 def test_forward_and_backward_match_float64(backend, device, op, dtype, plan):
     gen = torch.Generator().manual_seed(stable_seed(op, str(dtype), plan))
     with trainops.heuristics(PLANS[plan]):
@@ -255,10 +265,14 @@ def test_weight_gradient_is_bit_identical_run_to_run(backend, device):
     w = _randn((48,), torch.float32, device, gen).requires_grad_()
     b = _randn((48,), torch.float32, device, gen).requires_grad_()
     dy = _randn((100, 48), torch.float32, device, gen)
+    # On a GPU three repeats, where the programs' order can change from call to call. Under Triton's
+    # interpreter (and on the CPU path) the programs run one after another in one order and each call
+    # zeroes its own exchange buffer (ops/exchange.py): one repeat checks that a call carries nothing
+    # over from the last; more would replay it bit for bit.
     for plan in (MANY_ROWS, EXCHANGE):
         with trainops.heuristics(plan):
             first = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
-            for _ in range(3):
+            for _ in range(3 if x.is_cuda else 1):
                 again = torch.autograd.grad(trainops.layer_norm(x, 48, w, b), (x, w, b), dy)
                 assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 

@@ -158,6 +158,17 @@ def test_dtype_argument(backend, device, op, in_dtype, out_dtype):
 
 # ---- every plan: fused, looped (long rows), split (few long rows), row and column layouts -------
 
+# The streaming, split and exchange plans' (op, dtype) cases: every dtype through softmax, and
+# log_softmax in float32. The op is one constexpr branch (LOG) of each kernel, on values already in
+# the accumulator's dtype: loads, the accumulator (float64 or float32), the workspace, windows (VEC
+# by element size) and stores follow the dtype alone, so the full op x dtype product ran the LOG
+# lines again for nothing (about a fifth of this file's time under the interpreter). Every
+# (plan, op) and (plan, dtype) pair stays; log_softmax at every dtype stays on the fused plan
+# (test_random_shapes_axes_layouts, test_dtype_argument, test_fused_rows_through_aligned_windows).
+PLAN_OP_DTYPES = [("softmax", torch.float32), ("softmax", torch.bfloat16), ("softmax", torch.float64),
+                  ("log_softmax", torch.float32)]
+
+
 @pytest.fixture
 def small_tiles():
     """Shrink the register and stream tiles so small shapes take the looped and split plans."""
@@ -175,7 +186,7 @@ def exchange_tiles():
         yield
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op,dtype", PLAN_OP_DTYPES, ids=str)
 @pytest.mark.parametrize("shape,dim,expected", [
     ((3, 1000), -1, "split"),      # 3 rows < 2 per SM: rows split into chunks
     ((20, 150), -1, "looped"),     # enough rows: one program streams each row twice
@@ -183,7 +194,6 @@ def exchange_tiles():
     ((6, 70, 12), 1, "looped"),    # column layout streamed
     ((7, 40), 0, "split"),
 ])
-@pytest.mark.parametrize("op", OPS)
 def test_streaming_plans(small_tiles, op, dtype, shape, dim, expected):
     device = BACKEND_DEVICES["triton"]
     gen = torch.Generator().manual_seed(5)
@@ -198,14 +208,13 @@ def test_streaming_plans(small_tiles, op, dtype, shape, dim, expected):
         check_backward(op, make_tensor(shape, dim, "transposed", dtype, device, gen), y, dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op,dtype", PLAN_OP_DTYPES, ids=str)
 @pytest.mark.parametrize("shape,dim,layout", [
     ((3, 1000), -1, "contiguous"),    # 16 chunks a row (15 full, a short last one), 3 rows
     ((20, 150), -1, "sliced"),        # 3 chunks a row, more rows than groups: a persistent loop
     ((2, 5, 130), 2, "offset"),       # rank 3, rows over two batch dims
     ((4, 3, 100), 2, "expanded"),     # stride-0 batch dim
 ])
-@pytest.mark.parametrize("op", OPS)
 def test_exchange_plan(exchange_tiles, op, dtype, shape, dim, layout):
     device = BACKEND_DEVICES["triton"]
     gen = torch.Generator().manual_seed(6)
@@ -257,9 +266,8 @@ def test_exchange_plan_special_values(exchange_tiles):
             assert_close(getattr(trainops, op)(x, -1), getattr(torch, op)(x.cpu(), -1), torch.float32, op)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op,dtype", PLAN_OP_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [65, 129, 301])
-@pytest.mark.parametrize("op", OPS)
 def test_exchange_plan_aligned_windows(exchange_tiles, op, dtype, n):
     """Rows of a length off a multiple of 16 elements are read and written through windows from the
     16-byte boundary below each row's start (first and last partial vectors apart); every row's
