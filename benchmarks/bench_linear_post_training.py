@@ -6,7 +6,7 @@ and DPO from the last hidden states and LM heads, forward + backward.
 
 Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
 at its default chunk (ChunkedLinearHeuristics: 2048 tokens here) with the weight gradient
-accumulated in float32 ("float32", the default) and in bf16 ("weight"), at --chunks sizes:
+accumulated in bf16 ("weight", the default) and in float32 ("float32"), at --chunks sizes:
 - distillation (beta 0.5, temperature 1): trainops.linear_distillation_loss; the unfused formulation
   (F.linear, float32 log-softmaxes, TRL's generalized_jsd_loss) under torch.compile; Liger's
   LigerFusedLinearJSDLoss when installed; the four matmuls alone (student logits, dX, dW, teacher

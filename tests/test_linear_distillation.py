@@ -154,6 +154,16 @@ def test_weight_gradient_accumulated_in_the_weight_dtype():
         with trainops.heuristics(config):
             grads.append(torch.autograd.grad(trainops.linear_distillation_loss(xs, ws, xt, wt, labels), (ws,))[0])
     assert torch.equal(*grads)
+    # a bf16 head under float32 hidden states (the matmuls' dtype): the dW matmul adds into float32
+    # either way (an output in the weight's dtype would round the float32 operands' products)
+    xs, ws, bs, xt, wt, labels = inputs(20, 8, 8, 9, torch.float32)
+    ws = ws.detach().to(torch.bfloat16).requires_grad_()
+    grads = []
+    for accumulator in ("float32", "weight"):
+        config = ChunkedLinearHeuristics(chunk_bytes=1, min_rows=8, weight_grad_accumulator=accumulator)
+        with trainops.heuristics(config):
+            grads.append(torch.autograd.grad(trainops.linear_distillation_loss(xs, ws, xt, wt, labels), (ws,))[0])
+    assert grads[0].dtype == torch.bfloat16 and torch.equal(*grads)
     with pytest.raises(InvalidProblemError, match="weight_grad_accumulator"):
         ChunkedLinearHeuristics(weight_grad_accumulator="bf16")
 

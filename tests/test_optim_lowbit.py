@@ -10,6 +10,7 @@ import trainops
 from trainops.errors import InvalidProblemError, UnsupportedError
 from trainops.ops import lowbit_optimizers as lowbit
 from trainops.ops.multi_tensor import MultiTensorHeuristics
+from trainops.registry import triton_interpreting
 
 from numerics import relative_error
 
@@ -257,6 +258,8 @@ def test_shards_at_unaligned_offsets_step_as_the_whole_tensor(dtype, backend, de
     ("adamw8bit-bf16-sr", torch.bfloat16, dict(optim_bits=8, stochastic_rounding=True, rounding_seed=7)),
     ("lamb8bit", torch.float32, dict(optim_bits=8)),
 ])
+@pytest.mark.skipif(not triton_interpreting(), reason="the interpreter's one-tile layout against the GPU's tiles, "
+                    "on CPU tensors: under the Triton interpreter only")
 def test_a_program_in_tiles_steps_as_one_tile(name, dtype, options, monkeypatch):
     """The Triton step's programs loop over tiles of row chunks (the GPU's 2 chunks a tile at 4
     warps: 4 elements a thread); the interpreter runs one tile a program. Both give the same

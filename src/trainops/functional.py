@@ -1008,8 +1008,8 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     student_hidden (..., Hs), teacher_hidden (..., Ht) with the same leading axes; student_weight
     (V, Hs), teacher_weight (V, Ht), biases (V,); labels (...) int64 / int32 or None (then
     weight_hard_loss must be 0). Each model's matmuls run in its hidden's dtype (autocast's under
-    autocast); math and the loss in float32 (float64 for a float64 student); dW accumulates in
-    float32. The teacher takes no gradient. Only the student gradients that are needed are computed
+    autocast); math and the loss in float32 (float64 for a float64 student); dW accumulates in a
+    half head's own dtype (ChunkedLinearHeuristics.weight_grad_accumulator). The teacher takes no gradient. Only the student gradients that are needed are computed
     (none under no_grad); they are computed in the forward and scaled by the upstream gradient in the
     backward (a second backward through the same loss raises, except in float64 and under
     torch.compile). Deterministic (fixed chunk order, no atomics), no host syncs. Errors name the

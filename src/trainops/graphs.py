@@ -30,6 +30,7 @@ and capturing: a replay runs the recorded kernels on the recorded tensors.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Iterable
 
 import torch
@@ -57,17 +58,21 @@ def capture_step(step: Callable, optimizers: Iterable[torch.optim.Optimizer] = (
     Before each eager call and the capture, the gradients of every parameter of ``optimizers`` are
     set to None, so each call computes its gradients afresh (the captured backward then writes
     rather than accumulates): gradient accumulation belongs inside ``step`` (several micro-batches
-    in one call).
+    in one call). Parameters of no listed optimizer keep their gradients: a step that neither zeroes
+    nor frees them records an in-place accumulation, which every replay repeats.
 
     Args:
         step: a function of tensors (and constants) that runs the forward, backward and the
             optimizer step on CUDA. Its result (a tensor, or a tuple / list / dict of them, or None)
-            is returned from each call as fresh tensors (clones of the graph's outputs).
+            is returned from each call as fresh tensors (clones of the graph's outputs; the eager
+            calls' outputs detached).
         optimizers: the optimizers ``step`` steps. Their hyper-parameters are recorded at the
             capture: a value that is a Python number then lives in the graph, so a later change of
-            it (an LR scheduler writing a float) raises rather than being ignored. Pass the
-            learning rate as a CUDA tensor (``lr=torch.tensor(1e-3, device="cuda")``): torch's LR
-            schedulers fill it in place and every replay reads it. torch's own optimizers need
+            it (an LR scheduler writing a float) raises rather than being ignored; a CPU tensor is
+            read at launch, so it is recorded by value too. Pass the learning rate as a CUDA tensor
+            (``lr=torch.tensor(1e-3, device="cuda")``): torch's LR schedulers fill it in place and
+            every replay reads it (a scheduler that also writes momentum or betas, such as
+            OneCycleLR's ``cycle_momentum``, is refused at the first replay after it does). torch's own optimizers need
             ``capturable=True`` (torch refuses the capture otherwise); trainops.optim's are
             capturable as they are.
         warmup_steps: eager calls before the capture (at least 1).
@@ -79,8 +84,11 @@ def capture_step(step: Callable, optimizers: Iterable[torch.optim.Optimizer] = (
     a tensor argument whose shape, dtype or device differs from the captured call's, a tensor
     argument that requires grad, a non-tensor argument that differs (a graph replays fixed shapes
     and constants: capture another step for another shape); a hyper-parameter that changed since
-    the capture and is not a tensor. Errors of the capture itself (a host synchronisation inside
-    ``step``) are torch's, raised at the capturing call.
+    the capture and is not a CUDA tensor; a capture entered inside ``torch.autocast`` with its weight
+    cache on (enter autocast inside ``step``, as the example does). Errors of the capture itself (a
+    host synchronisation inside ``step``) are torch's, raised at the capturing call, after which
+    the CapturedStep is as before that call (gradients set to None, no graph; the next call
+    captures again).
 
     Memory: the graph keeps its own memory pool, the size of one step's peak of temporaries, for as
     long as the CapturedStep lives.
@@ -128,9 +136,16 @@ class CapturedStep:
             self._check_signature(spec, leaves, names)
         self.calls += 1
         if self.calls <= self.warmup_steps:
-            return self._eager(args, kwargs)
+            return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                                   self._eager(args, kwargs))
         if self.graph is None:
-            self._capture(leaves, spec)
+            try:
+                self._capture(leaves, spec)
+            except BaseException:
+                self.calls -= 1
+                self._static_args = []
+                self._zero_grads()   # what the failed capture's backward left in the graph's pool
+                raise
         else:
             self._check_hyper_parameters()
             for static, leaf in zip(self._static_args, leaves):
@@ -156,6 +171,12 @@ class CapturedStep:
         return out
 
     def _capture(self, leaves, spec):
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled():
+                raise argument_error(UnsupportedError, _OP, "step",
+                                     f"is captured inside torch.autocast({device!r}) with its weight cache on: "
+                                     "the graph would read the casts made before the capture; enter autocast "
+                                     "inside the step (or pass cache_enabled=False)")
         self._static_args = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         static_leaves = [s if s is not None else leaf for s, leaf in zip(self._static_args, leaves)]
         args, kwargs = pytree.tree_unflatten(static_leaves, spec)
@@ -202,7 +223,8 @@ class CapturedStep:
 
 
 def _leaf_names(args, kwargs) -> list[str]:
-    """A name per pytree leaf of (args, kwargs), in tree_flatten's order: 'args[0]', 'kwargs['ids']'."""
+    """A name per pytree leaf of (args, kwargs), in tree_flatten's order: 'args[0]' (every leaf of
+    a nested positional argument), or the keyword ('ids')."""
     names = []
     for i, a in enumerate(args):
         names += [f"args[{i}]"] * len(pytree.tree_leaves(a))
@@ -227,6 +249,11 @@ def _describe(leaf, name: str):
 
 
 def _hyper_parameters(group: dict) -> dict:
-    """A parameter group's settings as the graph holds them: numbers by value, tensors by identity."""
-    return {k: (("tensor", id(v)) if isinstance(v, torch.Tensor) else v)
-            for k, v in group.items() if k != "params"}
+    """A parameter group's settings as the graph holds them: CUDA tensors by identity (a replay reads
+    them), CPU tensors (read at launch) and everything else by value (copied: an in-place change of
+    a list shows)."""
+    def held(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", id(v)) if v.device.type == "cuda" else ("cpu tensor", tuple(v.flatten().tolist()))
+        return copy.deepcopy(v)
+    return {k: held(v) for k, v in group.items() if k != "params"}

@@ -309,6 +309,8 @@ def skip_reason(settings: dict, run: str) -> str | None:
         return "torch.compile on the CPU (Inductor's C++ build): skipped unless --runs names it"
     if device != "cuda" and run.endswith("graphs"):
         return "CUDA graphs need CUDA"
+    if run.endswith("graphs") and settings["warmup"] < 2:
+        return "a graphs run captures in its last warm-up step after at least one eager one: --warmup 2 or more"
     if run == "liger":
         if spec.liger is None:
             return f"Liger-Kernel has no patch for {settings['model']}"
@@ -390,7 +392,7 @@ def run_one(settings: dict, run: str) -> dict:
             return loss
 
         if run.endswith("graphs"):   # captured in the last warm-up step
-            train_step = trainops.capture_step(train_step, [opt], warmup_steps=max(1, settings["warmup"] - 1))
+            train_step = trainops.capture_step(train_step, [opt], warmup_steps=settings["warmup"] - 1)
 
         def step(i: int) -> float:
             return train_step(batches[i % len(batches)]).item()

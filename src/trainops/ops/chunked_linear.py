@@ -10,7 +10,9 @@ transform and the head's matmuls into dhidden, dweight and dbias.
     dlogits  = du_c * logit_scale * (1 - (u_c / c)^2)        written by the loss's row kernel straight in the
                                                              matmuls' dtype (rounded once), over u_c's own storage
     dhidden_c = dlogits @ W                                   float32 output, rounded once into dhidden's rows
-    dW (+)= dlogits^T @ hidden_c                              a float32 accumulator (a float32 weight's gradient itself)
+    dW (+)= dlogits^T @ hidden_c                              a half head's own dtype (the default; or a float32
+                                                             buffer, ChunkedLinearHeuristics); a float32 weight's
+                                                             gradient itself
     db += column sums of dlogits                              float32
 
 The softcap's derivative 1 - tanh^2 is 1 - (u / c)^2 of the capped logits themselves (u = c tanh):
@@ -115,9 +117,10 @@ class ChunkedHead:
         dev = hidden.device
         self.dx = torch.empty_like(hidden) if needs & NEEDS_HIDDEN else None
         # dW in the accumulator dtype: a float32 weight's gradient itself, else a buffer rounded at the end;
-        # or in a half weight's own dtype (WEIGHT_DTYPE_DW)
+        # or in a half weight's own dtype (WEIGHT_DTYPE_DW) where it is the matmuls' (hidden's) dtype too: the
+        # dW matmul adds into its output, which must be its operands' dtype or float32
         dw_dtype = (weight.dtype if needs & WEIGHT_DTYPE_DW and weight.dtype in (torch.float16, torch.bfloat16)
-                    else self.acc)
+                    and weight.dtype == hidden.dtype else self.acc)
         # the first chunk's dW matmul writes it (no memset of the whole head); finish() zeroes it if none ran
         self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=dev) if needs & NEEDS_WEIGHT else None
         self.db = (torch.zeros(weight.shape[0], dtype=self.acc, device=dev)

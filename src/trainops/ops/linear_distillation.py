@@ -33,15 +33,16 @@ and p - q for beta = 0; the hard loss's gradient softmax(zs) - onehot(label).
 
 Dtypes: each model's hidden float32 / float16 / bfloat16 / float64 sets its matmuls' dtype (under
 autocast the autocast dtype); weights and biases any float dtype (cast once). Math in float32
-(float64 for a float64 student); dW accumulates in float32 across chunks and is rounded once. The
+(float64 for a float64 student); dW accumulates across chunks in a half head's own dtype (the
+default, ChunkedLinearHeuristics.weight_grad_accumulator; "float32": a float32 buffer rounded once). The
 loss is float32 (float64). Deterministic: fixed chunk order, no atomics, no host syncs. With the
 hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRangeError on the CPU
 and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
 Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
 writes the student's dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's
-torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and the float32 dW
-accumulator of a half weight (none with weight_grad_accumulator="weight").
+torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and with
+weight_grad_accumulator="float32" (not the default) a float32 dW buffer of a half weight.
 """
 
 from __future__ import annotations

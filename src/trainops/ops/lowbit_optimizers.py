@@ -98,9 +98,18 @@ MAX_REGISTERS: int | None = 64
 """A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Uncapped,
 the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
 thread, 4 programs of 4 warps an SM. Measured on the H200 (benchmarks/probe_optim_lowbit_speed.py,
-1.467 B parameters, two runs; results/probe-optim-lowbit-speed-h200-20261129.json): 8-bit AdamW
-over float32 parameters 11.8 ms uncapped, 9.4-9.5 at 80, 8.7-9.2 at 64, 9.2 at 48; bf16 with
-stochastic rounding 11.4-11.7 uncapped, 9.5-9.8 at 80, 9.6 at 64. The cap changes no value."""
+1.467 B parameters; results/probe-optim-lowbit-speed-*-h200-20261129.json, four runs): 8-bit AdamW
+over float32 parameters 11.8-11.9 ms uncapped, 10.7 / 9.5 / 9.4 at 80, 9.2 / 8.7 at 64, 9.2 at 48;
+bf16 with stochastic rounding 12.8 / 11.7 / 11.4 uncapped, 9.8 / 9.5 at 80, 9.6 at 64; with the cap
+of 64 as the default, 9.16 (float32) and 9.11 (bf16 + stochastic rounding). The cap changes no value."""
+
+
+def _register_cap(device: torch.device) -> dict:
+    """The launch option of MAX_REGISTERS: NVIDIA GPUs only (ROCm's Triton has no maxnreg; the
+    interpreter ignores registers)."""
+    if MAX_REGISTERS is None or triton_interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return {}
+    return {"maxnreg": MAX_REGISTERS}
 
 INTERPRETED_ELEMENTS_PER_THREAD = 1 << 20
 """The same under Triton's interpreter: a whole program one tile (the interpreter runs each tile
@@ -887,7 +896,7 @@ if triton_available():
             rows_aligned = all(rows_of(p.shape)[1] % BLOCK_WIDTH == 0 for p in columns[0])
             warps = problem.heuristics.warps
             tile_rows = _tile_rows(tables.block, warps)
-            register_cap = {} if MAX_REGISTERS is None or triton_interpreting() else {"maxnreg": MAX_REGISTERS}
+            register_cap = _register_cap(problem.device)
 
             def launch(mode, partials=None, ratios=None):
                 _lowbit_blocks[(tables.n_blocks,)](
@@ -908,7 +917,8 @@ if triton_available():
         block = max(1, problem.heuristics.block // BLOCK_WIDTH)
         return MultiTensorLaunch(run, KernelChoice(name, "triton", (("W", BLOCK_WIDTH), ("QB", block),
                                                                      ("R", _tile_rows(block, problem.heuristics.warps)),
-                                                                     ("num_warps", problem.heuristics.warps))),
+                                                                     ("num_warps", problem.heuristics.warps),
+                                                                     *_register_cap(problem.device).items())),
                                  torch.float32)
 
     def _prepare_adam_lowbit_triton(problem: MultiTensorProblem) -> MultiTensorLaunch:
