@@ -93,6 +93,12 @@ def test_model_defaults_and_overrides():
         (2048, 16, 8, 128256) and llama.tie_word_embeddings
     qwen3 = step.build_config("qwen3", layers=3)
     assert (qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.head_dim, qwen3.vocab_size) == (1024, 3, 128, 151936)
+    moe = step.build_config("qwen3moe")
+    assert (moe.hidden_size, moe.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok) == (2048, 4, 128, 8)
+    tiny = step.build_config("qwen3moe", tiny=True)   # the experts shrink with the widths
+    assert (tiny.num_experts, tiny.num_experts_per_tok, tiny.moe_intermediate_size) == (4, 2, 32)
+    gemma3 = step.build_config("gemma3")
+    assert (gemma3.hidden_size, gemma3.head_dim, gemma3.vocab_size, gemma3.sliding_window) == (1152, 256, 262144, 512)
     gpt2 = step.build_config("gpt2", seq=2048)
     assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_positions, gpt2.resid_pdrop) == (768, 12, 2048, 0.0)
 

@@ -68,6 +68,10 @@ import trainops
 LLAMA_KEYS = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
                   kv_heads="num_key_value_heads", head_dim="head_dim", intermediate="intermediate_size",
                   vocab="vocab_size", positions="max_position_embeddings")
+# MoE rows: their experts, top-k and expert widths (so that --tiny shrinks them too)
+MOE_KEYS = {"mixtral": dict(experts="num_local_experts", top_k="num_experts_per_tok"),
+            "qwen3moe": dict(experts="num_experts", top_k="num_experts_per_tok",
+                             expert_intermediate="moe_intermediate_size")}
 GPT2_KEYS = dict(layers="n_layer", hidden="n_embd", heads="n_head", intermediate="n_inner", vocab="vocab_size",
                  positions="n_positions")
 
@@ -108,11 +112,42 @@ MODELS = {
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         batch=16, seq=1024, liger=None, keys=dict(GPT2_KEYS),
         source="GPT-2 124M (dropout off, so that every run computes the same function)"),
+    "gemma3": StepModel(
+        "Gemma3TextConfig", dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                 head_dim=256, intermediate_size=6912, vocab_size=262144, sliding_window=512,
+                                 query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                 rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
+        batch=4, seq=2048, liger="apply_liger_kernel_to_gemma3_text", source="Gemma-3-1B's shape (its config.json)"),
+    "phi3": StepModel(
+        "Phi3Config", dict(hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                           intermediate_size=8192, vocab_size=32064, rope_theta=10000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+        batch=2, seq=2048, liger="apply_liger_kernel_to_phi3",
+        source="Phi-3-mini-4k's shape (its config.json; dropout off)"),
+    "olmo2": StepModel(
+        "Olmo2Config", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                            intermediate_size=8192, vocab_size=100352, rope_theta=500000.0, rms_norm_eps=1e-6,
+                            max_position_embeddings=4096, tie_word_embeddings=False),
+        batch=4, seq=2048, liger="apply_liger_kernel_to_olmo2", source="OLMo-2-0425-1B's shape (its config.json)"),
+    "mixtral": StepModel(
+        "MixtralConfig", dict(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                              intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                              rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768),
+        batch=2, seq=2048, liger="apply_liger_kernel_to_mixtral", keys=dict(LLAMA_KEYS, **MOE_KEYS["mixtral"]),
+        source="Mixtral-8x7B's layer widths, 2 of its 32 layers (the whole model does not train on one GPU)"),
+    "qwen3moe": StepModel(
+        "Qwen3MoeConfig", dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                               norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                               max_position_embeddings=40960, tie_word_embeddings=False),
+        batch=2, seq=2048, liger="apply_liger_kernel_to_qwen3_moe", keys=dict(LLAMA_KEYS, **MOE_KEYS["qwen3moe"]),
+        source="Qwen3-30B-A3B's layer widths, 4 of its 48 layers (the whole model does not train on one GPU)"),
 }
 # Every model: no KV cache in training.
 COMMON_VALUES = dict(use_cache=False)
 # --tiny: the widths of a model small enough for the CPU self-check (a generic size name -> value).
-TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512)
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, experts=4, top_k=2,
+            expert_intermediate=32)
 
 RUNS = {
     "eager": "transformers's model, torch fused AdamW",
@@ -243,7 +278,7 @@ def build_config(model: str, layers: int | None = None, seq: int | None = None, 
         values[spec.keys["layers"]] = layers
     if tiny:   # (no special token ids: the tiny vocabulary may not hold the model's)
         values.update({spec.keys[name]: value for name, value in TINY.items() if name in spec.keys},
-                      bos_token_id=None, eos_token_id=None)
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if seq is not None:
         values[spec.keys["positions"]] = max(values.get(spec.keys["positions"], 0), seq)
     return getattr(transformers, spec.config)(**values)
