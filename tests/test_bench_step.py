@@ -26,7 +26,7 @@ ROW_KEYS = list(Row.__dataclass_fields__)[:-1]   # the runner's keys, "fields" f
 def _settings(**overrides):
     settings = dict(model="llama-small", batch=2, seq=16, layers=1, steps=2, warmup=1, profile_steps=0,
                     compile_scope="model", tiny=True, device="cpu", runs=list(step.RUNS), runs_named=False, out=None,
-                    run_one=None)
+                    run_one=None, run_timeout=step.CHILD_TIMEOUT_S)
     return {**settings, **overrides}
 
 
@@ -124,6 +124,15 @@ def test_a_child_that_dies_is_a_failed_row(monkeypatch):
     assert row["ms"] is None
 
 
+def test_a_child_past_the_run_timeout_is_killed_and_a_failed_row(monkeypatch):
+    """A run that hangs (a peer that never returns) costs --run-timeout seconds, not the whole bench."""
+    monkeypatch.setattr(step, "_child_command", lambda settings, run, out: [
+        sys.executable, "-c", "import time; time.sleep(60)"])
+    row = step.spawn(_settings(run_timeout=0.5), "eager")
+    assert row["status"] == "failed" and "hung" in row["reason"] and "killed after 0.5 s (--run-timeout)" in row["reason"]
+    assert row["ms"] is None and row["wall_s"] < 30
+
+
 def test_a_failing_run_is_recorded_and_the_table_shows_it(monkeypatch):
     """An exception inside a run (out of memory, a patch that fails) is its row's reason; the
     rows and the table carry it with the others."""
@@ -153,6 +162,7 @@ def test_a_failing_run_is_recorded_and_the_table_shows_it(monkeypatch):
     (["--step", "gpt2", "--sweep"], "leave out --sweep"),
     (["--step", "gpt2", "--run-one", "eager"], "--run-one: needs --out"),
     (["--step", "gpt2", "--compile-scope", "graph"], "invalid choice: 'graph'"),
+    (["--step", "gpt2", "--run-timeout", "0"], "--run-timeout: must be more than 0 seconds, got 0"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

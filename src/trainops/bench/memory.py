@@ -40,6 +40,8 @@ import os
 
 import torch
 
+from .._argparse import positive_int
+
 PROG = "python -m trainops bench --memory"
 DEFAULT = dict(width=2048, layers=8, vocab=32000, batch=4, length=1024)
 TINY = dict(width=128, layers=2, vocab=500, batch=2, length=32)   # --cpu's defaults
@@ -166,14 +168,6 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {value}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -181,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="JSON path (default: ./bench-memory-<device>-<time>.json; a directory: that name in it)")
     for name, value in DEFAULT.items():
-        p.add_argument(f"--{name}", type=_positive_int, default=None,
+        p.add_argument(f"--{name}", type=positive_int, default=None,
                        help=f"default {value} (with --cpu: {TINY[name]})")
     p.add_argument("--only", default="", help="comma-separated substrings: the configurations whose name has one")
     p.add_argument("--no-peers", action="store_true", help="leave out torchao and bitsandbytes")

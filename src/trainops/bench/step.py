@@ -168,7 +168,7 @@ ROW_FIELDS = ("model", "batch", "seq", "layers", "tokens_per_step", "status", "r
               "setup", "compile_scope", "wall_s")
 COMPILE_SCOPES = ("model", "layers")
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_PROFILE_STEPS = 10, 4, 3
-CHILD_TIMEOUT_S = 1200   # a run still going after this is killed and recorded as failed
+CHILD_TIMEOUT_S = 1200   # default --run-timeout: a run still going after this is killed and recorded as failed
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 
@@ -196,13 +196,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --step: what the compile runs compile: model (torch.compile(model), the default) or "
                              "layers (each decoder layer, module.compile(): one graph reused by every layer, a "
                              "fraction of the compile time; embedding, final norm and loss eager)")
+    parser.add_argument("--run-timeout", type=float, default=None,
+                        help=f"with --step: seconds after which a run's process is killed and its row marked failed "
+                             f"(default {CHILD_TIMEOUT_S})")
     parser.add_argument("--tiny", action="store_true",
                         help="with --step: tiny widths (hidden 64, vocabulary 512): a self-check, not a benchmark")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)   # a child process: one run
 
 
 STEP_OPTIONS = ("batch", "seq", "layers", "steps", "warmup", "profile_steps", "runs", "device", "compile_scope",
-                "run_one")
+                "run_timeout", "run_one")
 
 
 def given(args) -> bool:
@@ -227,7 +230,10 @@ def resolve(args, error) -> dict:
                     steps=DEFAULT_STEPS if args.steps is None else args.steps,
                     warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
                     profile_steps=DEFAULT_PROFILE_STEPS if args.profile_steps is None else args.profile_steps,
-                    compile_scope=args.compile_scope or "model", tiny=args.tiny, out=args.out)
+                    compile_scope=args.compile_scope or "model", tiny=args.tiny, out=args.out,
+                    run_timeout=CHILD_TIMEOUT_S if args.run_timeout is None else args.run_timeout)
+    if not settings["run_timeout"] > 0:
+        error(f"argument --run-timeout: must be more than 0 seconds, got {settings['run_timeout']:g}")
     for name in ("batch", "seq", "layers", "steps"):
         if settings[name] < 1:
             error(f"argument --{name}: must be at least 1, got {settings[name]}")
@@ -506,10 +512,10 @@ def spawn(settings: dict, run: str) -> dict:
         started = time.perf_counter()
         try:
             done = subprocess.run(_child_command(settings, run, out), env=_child_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, timeout=CHILD_TIMEOUT_S)
+                                  stderr=subprocess.PIPE, text=True, timeout=settings["run_timeout"])
             returncode, stderr = done.returncode, done.stderr
         except subprocess.TimeoutExpired:
-            returncode, stderr = None, f"killed after {CHILD_TIMEOUT_S} s"
+            returncode, stderr = None, f"killed after {settings['run_timeout']:g} s (--run-timeout)"
         if returncode == 0 and os.path.exists(out):
             with open(out) as f:
                 return json.load(f)

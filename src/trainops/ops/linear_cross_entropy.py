@@ -96,6 +96,13 @@ class LinearCrossEntropyHeuristics:
     kept trainops's peak at Liger's (29.6 GiB against 30.1 with 4096-row chunks; benchmarks/NOTES.md,
     "Fused linear cross-entropy" and "Hugging Face models").
 
+    max_rows: a chunk's rows at most (min_rows wins over it). Each chunk's dW reread costs the same
+    fraction of its matmuls at every vocabulary (8 V H bytes against 6 rows V H flops: about 250 /
+    rows at 4.2 TB/s and 800 TFLOP/s), so past 2048 rows a larger chunk saves little time while its
+    logits grow: at a small vocabulary the whole batch fit one chunk, and Phi-3-mini's step (32064
+    words, 4096 tokens: one 250 MiB chunk) peaked 80 MiB above Liger's on the H200
+    (benchmarks/NOTES.md, "Issue 40's families on the H200").
+
     vocab_align: the logits chunks' row length is the vocabulary rounded up to a multiple of this
     (module docstring, "Aligned logits rows"); 1 turns the padding off. 8 (16-byte rows in bf16),
     measured on the H200 at GPT-2's 16384 x 768 x 50257: 7.73 ms of GPU time a forward + backward
@@ -107,10 +114,11 @@ class LinearCrossEntropyHeuristics:
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
+    max_rows: int = 2048
     vocab_align: int = 8
 
     def __post_init__(self):
-        for name in ("chunk_bytes", "min_rows", "vocab_align"):
+        for name in ("chunk_bytes", "min_rows", "max_rows", "vocab_align"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise argument_error(InvalidProblemError, OP, f"heuristics.{name}",
@@ -122,7 +130,7 @@ class LinearCrossEntropyHeuristics:
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
         fit = self.chunk_bytes // max(1, classes * itemsize)
-        rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
+        rows = max(self.min_rows, min(self.max_rows, 1 << (fit.bit_length() - 1) if fit else 0))
         return max(1, min(n, rows))
 
 

@@ -13,21 +13,13 @@ import math
 import torch
 
 from . import cnn, gpt, llama
+from .._argparse import positive_int
 from .common import DEFAULT_PLOT, PARAM_DTYPES
 
 # --help's description: the first line of the gpt demo's docstring before the demos became a package.
 DESCRIPTION = "``python -m trainops train``: a byte-level GPT trained on the Python standard library's sources."
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -102,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="small", choices=sorted({name for _, configs in models for name in configs}),
                         help=f"model size and data budget (default: small); gpt: {', '.join(gpt.CONFIGS)}; "
                              f"llama: {', '.join(llama.LLAMA_CONFIGS)}; cnn: {', '.join(cnn.CNN_CONFIGS)}")
-    parser.add_argument("--steps", type=_positive_int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"optimizer steps, at least 1 (default: the config's: {default_steps})")
     parser.add_argument("--lr", type=_positive_float, default=None,
                         help="peak learning rate, above 0 (default: the config's; LAMB uses 10x)")
@@ -118,7 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", default=None,
                         help="checkpoint to continue (from --save): same --config, --optimizer, --amp and --lr, "
                              "and --steps past its step")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads, at least 1 (torch.set_num_threads)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model (gpt: both runs; llama: the trainops run, --compare's "
