@@ -511,11 +511,12 @@ def test_moe_eager_experts_and_no_router_loss(arch):
     assert with_router_loss[0].aux_loss is not None
 
 
-def test_moe_compiles_whole_without_router_logits():
-    """Mixtral with transformers's default grouped_mm experts compiles whole when the router logits
-    are not recorded (transformers's output recorder does not compile whole, patched or not, so
-    output_router_logits=True is compiled with graph breaks; see the other compile test)."""
-    model = tiny_model("mixtral", output_router_logits=False)
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+def test_moe_compiles_whole_without_router_logits(arch):
+    """Mixtral and Qwen3-MoE with transformers's default grouped_mm experts compile whole when the
+    router logits are not recorded (transformers's output recorder does not compile whole, patched
+    or not, so output_router_logits=True is compiled with graph breaks; see the other compile test)."""
+    model = tiny_model(arch, output_router_logits=False)
     reference = copy.deepcopy(model)
     trainops.patch(model)
     model.train()
