@@ -343,7 +343,7 @@ def test_logit_scale_and_temperature_gradcheck():
                                                               logit_scale=0.75, temperature=1.5), (x, w, b))
 
 
-@pytest.mark.parametrize("field, value", [("vocab_align", 0), ("vocab_align", True), ("min_rows", 0), ("max_rows", 0),
+@pytest.mark.parametrize("field, value", [("vocab_align", 0), ("vocab_align", True), ("min_rows", 0), ("min_chunks", 0),
                                           ("chunk_bytes", 1.5)])
 def test_heuristics_fields_are_checked(field, value):
     with pytest.raises(InvalidProblemError, match=f"heuristics.{field}"):
@@ -354,11 +354,14 @@ def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
     default = LinearCrossEntropyHeuristics()
     assert default.rows(10**6, 128256, 2) == 2048   # 512 MiB of bf16 logits: 2093 rows fit
     assert default.rows(10**6, 128256, 4) == 1024
-    assert default.rows(100, 128256, 2) == 100      # never more than the tokens
+    assert default.rows(100, 128256, 2) == 64       # two chunks, at least min_rows each
+    assert default.rows(50, 128256, 2) == 50        # never more than the tokens
     assert default.rows(10**6, 2**40, 2) == 64      # a vocabulary too wide for the budget: min_rows
-    assert default.rows(4096, 32064, 2) == 2048     # a small vocabulary: max_rows, not the one 8192-row fit
-    assert LinearCrossEntropyHeuristics(max_rows=8192).rows(4096, 32064, 2) == 4096
-    assert LinearCrossEntropyHeuristics(min_rows=4096).rows(10**6, 32064, 2) == 4096   # min_rows wins
+    assert default.rows(4096, 32064, 2) == 2048     # a small vocabulary: two chunks, not the one 8192 rows fit
+    assert default.rows(4095, 32064, 2) == 2048
+    assert default.rows(16384, 50304, 2) == 4096    # GPT-2's 16 x 1024: the budget's 4096 rows
+    assert LinearCrossEntropyHeuristics(min_chunks=1).rows(4096, 32064, 2) == 4096
+    assert LinearCrossEntropyHeuristics(min_rows=4096).rows(4096, 32064, 2) == 4096   # min_rows wins
 
 
 @pytest.mark.parametrize("call, error, match", [

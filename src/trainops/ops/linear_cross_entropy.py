@@ -96,12 +96,13 @@ class LinearCrossEntropyHeuristics:
     kept trainops's peak at Liger's (29.6 GiB against 30.1 with 4096-row chunks; benchmarks/NOTES.md,
     "Fused linear cross-entropy" and "Hugging Face models").
 
-    max_rows: a chunk's rows at most (min_rows wins over it). Each chunk's dW reread costs the same
-    fraction of its matmuls at every vocabulary (8 V H bytes against 6 rows V H flops: about 250 /
-    rows at 4.2 TB/s and 800 TFLOP/s), so past 2048 rows a larger chunk saves little time while its
-    logits grow: at a small vocabulary the whole batch fit one chunk, and Phi-3-mini's step (32064
-    words, 4096 tokens: one 250 MiB chunk) peaked 80 MiB above Liger's on the H200
-    (benchmarks/NOTES.md, "Issue 40's families on the H200").
+    min_chunks: the tokens go in at least this many chunks (the rows a power of two; min_rows wins
+    over it): one chunk holds the whole logits, which the fused loss exists to avoid. At a small
+    vocabulary the whole batch fit one chunk: Phi-3-mini's step (32064 words, 4096 tokens, one 250
+    MiB chunk) peaked at 65.53 GiB against Liger's 65.45; in two chunks of 2048 rows, 65.38 (H200,
+    benchmarks/NOTES.md, "Issue 40's families on the H200"). A cap of 2048 rows, tried first, also
+    split GPT-2's 16384 tokens into eight chunks instead of four: 49.6 ms a step against 44.4
+    measured earlier (another machine session, so not separated from its variance).
 
     vocab_align: the logits chunks' row length is the vocabulary rounded up to a multiple of this
     (module docstring, "Aligned logits rows"); 1 turns the padding off. 8 (16-byte rows in bf16),
@@ -114,11 +115,11 @@ class LinearCrossEntropyHeuristics:
 
     chunk_bytes: int = 512 * 2**20
     min_rows: int = 64
-    max_rows: int = 2048
+    min_chunks: int = 2
     vocab_align: int = 8
 
     def __post_init__(self):
-        for name in ("chunk_bytes", "min_rows", "max_rows", "vocab_align"):
+        for name in ("chunk_bytes", "min_rows", "min_chunks", "vocab_align"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise argument_error(InvalidProblemError, OP, f"heuristics.{name}",
@@ -130,7 +131,9 @@ class LinearCrossEntropyHeuristics:
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
         fit = self.chunk_bytes // max(1, classes * itemsize)
-        rows = max(self.min_rows, min(self.max_rows, 1 << (fit.bit_length() - 1) if fit else 0))
+        share = -(-n // self.min_chunks)   # the rows of min_chunks chunks, rounded up to a power of two
+        rows = max(self.min_rows, min(1 << (share - 1).bit_length() if share > 1 else 1,
+                                      1 << (fit.bit_length() - 1) if fit else 0))
         return max(1, min(n, rows))
 
 
