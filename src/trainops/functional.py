@@ -295,8 +295,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     counted row (all ignored, or empty): both 0, as TRL logs then, never NaN. Reduction "none"
     with either raises UnsupportedError naming it (they are batch means). Cost: each chunk's
     logits are read by torch ops before the loss kernel overwrites them with the gradients: one
-    argmax pass for the accuracy; for the entropy a max, the shifted values, exp, and a product
-    with two sums (about five passes), in row blocks whose two float32 temporaries together take
+    argmax pass for the accuracy; for the entropy a max, the shifted values, their exp, a product
+    and two sums (six passes), in row blocks whose two float32 temporaries together take
     at most the chunk's own bytes, so memory stays one chunk. Under torch.compile(fullgraph=True)
     it runs as its own custom op, torch.ops.trainops.linear_cross_entropy_metrics.
     """
