@@ -91,6 +91,8 @@ def _recorded_calls():
         run(trainops.embedding(torch.randint(0, 16, (5,)), leaf(16, 8)))
         run(trainops.linear_cross_entropy(leaf(2, 3, 16), leaf(10, 16), torch.randint(0, 10, (2, 3)), leaf(10)))
         run(trainops.linear_cross_entropy(leaf(5, 16), leaf(10, 16), torch.randint(0, 10, (5,)), reduction="none"))
+        run(trainops.linear_cross_entropy(leaf(5, 16), leaf(10, 16), torch.randint(0, 10, (5,)), token_accuracy=True,
+                                          entropy=True))
         run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
         run(trainops.batch_norm(leaf(4, 3, 5), torch.zeros(3), torch.ones(3), leaf(3), leaf(3), training=True))
         run(trainops.gist.relu(leaf(3, 7)))

@@ -243,7 +243,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                          logit_scale: float = 1.0, temperature: float = 1.0,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
-                         check_target: bool | str = True) -> Tensor:
+                         check_target: bool | str = True, token_accuracy: bool = False,
+                         entropy: bool = False) -> Tensor:
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
     logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one
@@ -277,12 +278,33 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     Targets are checked as ``trainops.cross_entropy`` checks them (``check_target``: on the GPU
     the kernels flag a bad index without a host sync, "immediate" checks before the launch). Deterministic (fixed chunk order,
     no atomics). Errors name the argument (InvalidProblemError, UnsupportedError).
+
+    token_accuracy / entropy (keyword-only, False by default): the metrics a trainer logs from the
+    logits (TRL's mean_token_accuracy and entropy), computed without them. When either is True the
+    call returns ``LinearCrossEntropyOutput(loss, token_accuracy, entropy)`` (a NamedTuple; the one
+    not asked for None); with both False, the loss tensor alone, through the same op as before
+    (nothing else computed). Over the rows whose target is a class index other than ignore_index
+    (the rows the loss counts), with z the transformed logits above (softcap, logit_scale and
+    temperature as the loss sees them, in the matmuls' dtype):
+        token_accuracy = mean over those rows of [argmax(z) == target] (torch.argmax's tie rule:
+                         the first maximum)
+        entropy        = mean over those rows of H(softmax(z)) = logsumexp(z) - sum softmax(z) z
+    Unweighted means of this call's rows (class_weight, label_smoothing, z_loss and
+    num_items_in_batch do not enter them); float32 scalars, accumulated in float32 (float64 for
+    float64 hidden) on the device (no host sync) and divided at the end; without gradient. No
+    counted row (all ignored, or empty): both 0, as TRL logs then, never NaN. Reduction "none"
+    with either raises UnsupportedError naming it (they are batch means). Cost: each chunk's
+    logits are read by torch ops before the loss kernel overwrites them with the gradients: one
+    argmax pass for the accuracy; for the entropy a max, the shifted values, their exp, a product
+    and two sums (six passes), in row blocks whose two float32 temporaries together take
+    at most the chunk's own bytes, so memory stays one chunk. Under torch.compile(fullgraph=True)
+    it runs as its own custom op, torch.ops.trainops.linear_cross_entropy_metrics.
     """
     return linear_cross_entropy_ops.linear_cross_entropy(
         hidden, weight, target, bias, class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
         temperature=temperature, num_items_in_batch=num_items_in_batch, loss_dtype=loss_dtype,
-        check_target=check_target)
+        check_target=check_target, token_accuracy=token_accuracy, entropy=entropy)
 
 
 def _check_norm_tensors(op: str, x, params: dict) -> None:

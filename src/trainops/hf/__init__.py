@@ -63,6 +63,18 @@ LM is reported as kept (TRL's instance ``forward``) and the rest is patched. TRL
 adapter on lm_head itself. SFTTrainers that compute the metrics from ``outputs.logits`` (before
 TRL's fused head) are untested: there a patched training step has no logits.
 
+Token accuracy and entropy without logits (for loops and trainers that read them from
+``outputs.logits``, which a patched training step does not make): pass
+``return_token_accuracy=True`` and / or ``return_entropy=True`` to the patched causal LM's forward,
+and read ``outputs.token_accuracy`` / ``outputs.entropy`` (float32 scalars without gradient: the
+means, over the tokens whose shifted label is not ignore_index, of [argmax(z) == label] and of
+the entropy of softmax(z), z the logits as the loss sees them; 0 when no token counts). The fused
+loss computes them from each chunk's logits (trainops.linear_cross_entropy's ``token_accuracy`` /
+``entropy``). ``return_token_accuracy`` is the keyword Liger-Kernel's patched forward takes. In
+eval mode or without labels the original forward runs: logits, no metrics (the keywords are taken
+out of the call). TRL 1.16's SFTTrainer needs none of this: it computes both with its own fused
+head (above).
+
 Adding an architecture: its module here (``SWAPS``: class name -> kind), a row of ``ARCHITECTURES``,
 and its tiny configuration in tests/test_hf.py's ``ARCHS``.
 """

@@ -419,6 +419,8 @@ EXPERTS = Experts()
 # ---- the causal-LM loss -----------------------------------------------------------------------------
 
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+# forward keywords asking the fused loss for its metrics -> linear_cross_entropy's keyword and the output's key
+_METRIC_KWARGS = {"return_token_accuracy": "token_accuracy", "return_entropy": "entropy"}
 
 
 @dataclass(frozen=True)
@@ -438,6 +440,14 @@ class CausalLM(Kind):
     model takes the labels too and is called with return_dict=True (Gemma 3's multimodal model).
     ``output``: the name of the output class in the model's module. ``loss_types``: the
     ``loss_type`` values whose loss is this one.
+
+    ``return_token_accuracy=True`` / ``return_entropy=True`` (forward keywords, taken out of the
+    call whichever forward runs): the fused loss also computes the token accuracy / entropy of its
+    logits (trainops.linear_cross_entropy's token_accuracy / entropy: means over the rows whose
+    shifted label is not ignore_index, float32 scalars without gradient), set on the output as
+    ``output.token_accuracy`` / ``output.entropy`` (as Liger's output), for loops that would read
+    them from ``output.logits``. Where the original forward runs (eval mode, no labels, ...) the
+    output has its logits and no metrics.
 
     The original forward runs without labels, in eval mode, with ``logits_to_keep``,
     ``return_dict=False``, a custom ``model.loss_function`` or another ``loss_type``. An LM head
@@ -478,6 +488,7 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
     carried = tuple(f.name for f in dataclasses.fields(output_class) if f.name not in ("loss", "logits", "aux_loss"))
 
     def forward(self, *args, **kwargs):
+        metrics = {key: kwargs.pop(name) for name, key in _METRIC_KWARGS.items() if name in kwargs}
         named = dict(zip(positional, args))
         named.update(kwargs)
         labels, keep = named.get("labels"), named.get("logits_to_keep", 0)
@@ -508,11 +519,15 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             # the Trainer's token count divided by its parallel sizes (transformers 5.24 passes a float
             # tensor): the summed loss divided by it, as transformers's ForCausalLMLoss does
             loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
-                              reduction="sum", **options)
-            loss = loss / items.to(loss.device)
+                              reduction="sum", **metrics, **options)
         else:
             loss = _head_loss(self.lm_head, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index,
-                              num_items_in_batch=items, **options)
+                              num_items_in_batch=items, **metrics, **options)
+        found = None
+        if any(metrics.values()):   # linear_cross_entropy returned a LinearCrossEntropyOutput
+            loss, found = loss.loss, loss
+        if isinstance(items, Tensor) and items.is_floating_point():
+            loss = loss / items.to(loss.device)
         extra = {}
         if kind.moe:
             aux_loss = None
@@ -521,7 +536,11 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
                                    named.get("attention_mask"))
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
             extra["aux_loss"] = aux_loss
-        return output_class(loss=loss, logits=None, **extra, **{name: getattr(outputs, name) for name in carried})
+        output = output_class(loss=loss, logits=None, **extra, **{name: getattr(outputs, name) for name in carried})
+        for key in ("token_accuracy", "entropy") if found is not None else ():
+            if getattr(found, key) is not None:   # a ModelOutput key and attribute: output.token_accuracy
+                output[key] = getattr(found, key)
+        return output
 
     forward.__doc__ = CausalLM.__doc__
     # what reads the signature sees transformers's: the Trainer keeps the dataset columns it names

@@ -61,6 +61,12 @@ dtype, +127 MiB at 32001 x 2048 in bf16). A float32 weight's gradient is the fir
 (Vp, H) accumulator: its storage holds the pad rows too. A hidden whose leading axes do not merge
 (a transposed batch) is copied once by the reshape to (N, H).
 
+Metrics (token_accuracy / entropy, trainops.functional.linear_cross_entropy): each chunk's z is
+read by torch ops (_chunk_metrics) before the loss kernel writes the gradients over it, the sums
+kept in a 3-element device buffer and divided after the last chunk. A separate custom op,
+linear_cross_entropy_metrics (the same impl, a sixth output), so that the plain call's op, schema
+and graph are unchanged.
+
 A composite op: its kernels are torch's matmuls and the cross-entropy family's registered kernels
 (each chunk's cross-entropy call plans through that family), so it registers none of its own.
 """
@@ -69,7 +75,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -82,6 +88,15 @@ from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inpla
                             note_target_flag, scale_gradient_)
 
 OP = "linear_cross_entropy"
+
+
+class LinearCrossEntropyOutput(NamedTuple):
+    """linear_cross_entropy's result when token_accuracy or entropy is asked for: the loss and the
+    two metrics (float32 scalars without gradient; the one not asked for None)."""
+    loss: Tensor
+    token_accuracy: Optional[Tensor]
+    entropy: Optional[Tensor]
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -204,7 +219,7 @@ def _padded_operands(x: Tensor, weight: Tensor, bias: Optional[Tensor], padded: 
 def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
             ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
             logit_scale: float, temperature: float, needs: int, rows: int, padded: int, row_grad: Optional[Tensor],
-            scale: Tensor):
+            scale: Tensor, metrics: int = 0, stats: Optional[Tensor] = None):
     """The chunk loop, ``rows`` tokens a chunk, each chunk's logits ``padded`` columns wide (the
     vocabulary rounded up; module docstring). Returns (row losses (reduction "none" without
     gradients) or their sum, float32 (float64); dhidden, dweight, dbias in their tensors' dtypes
@@ -213,7 +228,8 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
     times ``scale`` (a device scalar: 1 / the divisor). The kernel stores dz times 2^k (k =
     flags[1], cross_entropy's float16 headroom, the same for every chunk of a call), divided out
     with ``scale`` and dz/dl's constant factor logit_scale / temperature when each gradient is
-    rounded to its dtype (once)."""
+    rounded to its dtype (once). ``metrics`` (bits METRIC_ACCURACY, METRIC_ENTROPY): each chunk's
+    z read by _chunk_metrics before the loss kernel overwrites it, its sums added into ``stats``."""
     n, h = x.shape
     classes = weight.shape[0]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -236,6 +252,8 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
         xc, tc = x[start:stop], target[start:stop]
         padded_logits, t = _chunk_logits(xc, w, b, softcap, logit_scale, temperature)
         logits = padded_logits[:, :classes]   # the loss kernel reads (and writes) the vocabulary's columns
+        if metrics:   # before the loss kernel writes the gradients over the logits
+            _chunk_metrics(logits, tc, ignore_index, metrics, stats)
         if not compute_grad:
             loss, _, _, chunk_flags = cross_entropy_op(logits, tc, class_weight, ignore_index,
                                                        "none" if per_row else "sum", label_smoothing, z_loss, acc,
@@ -286,6 +304,31 @@ def _chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], c
 
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
+METRIC_ACCURACY, METRIC_ENTROPY = 1, 2   # the metrics a call computes, as bits
+
+
+def _chunk_metrics(z: Tensor, target: Tensor, ignore_index: int, metrics: int, stats: Tensor) -> None:
+    """Adds one chunk's [rows whose argmax is the target, summed entropy, kept rows] into ``stats``
+    (the accumulator dtype, on the device): over the rows whose target is a class index that is not
+    ignore_index (the rows the loss counts). Entropy per row, in the accumulator dtype, from the
+    row's maximum m: H = log(s) - sum(e * d) / s with d = z - m, e = exp(d), s = sum(e) (no
+    cancellation between logsumexp and the mean logit). Passes over the chunk: one argmax; for the
+    entropy one max, then d, exp, and e * d with the two sums, in row blocks whose two float32
+    (float64) temporaries together take at most the chunk's own bytes."""
+    rows, classes = z.shape
+    kept = (target != ignore_index) & (target >= 0) & (target < classes)
+    stats[2] += kept.sum()
+    if metrics & METRIC_ACCURACY:
+        stats[0] += ((z.argmax(-1) == target) & kept).sum()
+    if metrics & METRIC_ENTROPY:
+        block = max(1, rows * z.element_size() // (2 * stats.element_size()))
+        for start in range(0, rows, block):
+            zb = z[start:start + block]
+            d = torch.sub(zb, zb.amax(-1, keepdim=True).to(stats.dtype))   # promoted: a new buffer, z untouched
+            e = d.exp()
+            s = e.sum(-1)
+            entropy = s.log() - e.mul_(d).sum(-1) / s
+            stats[1] += torch.where(kept[start:start + block], entropy, 0).sum()
 
 
 def _heuristic_rows(hidden: Tensor, weight: Tensor) -> int:
@@ -313,6 +356,13 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     check_target: check the indices before any work (one host sync on the GPU). deferred_check (a
     CUDA call): an earlier flagged error raised first, then the kernels' flag remembered for a
     later call (cross_entropy.note_target_flag), without waiting for the GPU."""
+    return _run(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing,
+                z_loss, softcap, logit_scale, temperature, needs, rows, check_target, deferred_check, 0)
+
+
+def _run(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
+         softcap, logit_scale, temperature, needs, rows, check_target, deferred_check, metrics) -> tuple:
+    """_impl and _metrics_impl: the target check, the call, the deferred flag."""
     if check_target:
         check_class_indices(OP, target, weight.shape[0], ignore_index)
     deferred = deferred_check and hidden.device.type == "cuda"
@@ -320,29 +370,44 @@ def _impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
     if hidden.device.type == "cuda":   # an earlier call's flagged error first, checked or not
         raise_flagged(in_capture if deferred else None)
     outputs = _compute(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap, logit_scale, temperature, needs, rows)
+                       label_smoothing, z_loss, softcap, logit_scale, temperature, needs, rows, metrics)
     if deferred:
-        note_target_flag(outputs[-1], OP, in_capture)
-    return outputs
+        note_target_flag(outputs[4], OP, in_capture)
+    return outputs if metrics else outputs[:5]
+
+
+def _metrics_impl(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                  class_weight: Optional[Tensor], num_items: Optional[Tensor], ignore_index: int, reduction: str,
+                  label_smoothing: float, z_loss: float, softcap: Optional[float], logit_scale: float,
+                  temperature: float, needs: int, rows: int, check_target: bool, deferred_check: bool,
+                  metrics: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """_impl's outputs and a sixth, float32 [token accuracy, entropy] (the metrics not in
+    ``metrics`` 0): linear_cross_entropy(..., token_accuracy=True / entropy=True). Its own op, so
+    that the plain loss's op, graph and cost stay as they are."""
+    return _run(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing,
+                z_loss, softcap, logit_scale, temperature, needs, rows, check_target, deferred_check, metrics)
 
 
 def _compute(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              num_items: Optional[Tensor], ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
              softcap: Optional[float], logit_scale: float, temperature: float, needs: int,
-             rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """_impl's work after the checks."""
+             rows: int, metrics: int = 0) -> tuple:
+    """_impl's work after the checks, and the metrics (float32 [accuracy, entropy], None without)."""
     rows = rows or _heuristic_rows(hidden, weight)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     with torch.autocast(hidden.device.type, enabled=False):
         chunk_weight, divisor = _class_weight_and_divisor(target, class_weight, ignore_index, reduction, num_items,
                                                           weight.shape[0], acc)
         scale = torch.where(divisor != 0, 1 / divisor, 0)   # no row counted: zero gradients
+        stats = torch.zeros(3, dtype=acc, device=hidden.device) if metrics else None
         losses, dx, dw, db, flags = _chunks(hidden, weight, target, bias, chunk_weight, ignore_index, reduction,
                                             label_smoothing, z_loss, softcap, logit_scale, temperature, needs, rows,
-                                            _heuristic_padded(weight.shape[0]), None, scale)
+                                            _heuristic_padded(weight.shape[0]), None, scale, metrics, stats)
     loss = losses if reduction == "none" else losses / divisor
+    # means over the kept rows; none kept: 0 (TRL's SFTTrainer logs 0.0 then), never NaN
+    means = None if stats is None else (stats[:2] / stats[2].clamp(min=1)).to(torch.float32)
     return (loss, dx if dx is not None else hidden.new_empty(0), dw if dw is not None else weight.new_empty(0),
-            db if db is not None else hidden.new_empty(0), flags)
+            db if db is not None else hidden.new_empty(0), flags, means)
 
 
 def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing, z_loss,
@@ -353,6 +418,13 @@ def _fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, r
     dw = weight.new_empty(weight.shape if needs & NEEDS_WEIGHT else 0)
     db = bias.new_empty(bias.shape) if bias is not None and needs & NEEDS_BIAS else hidden.new_empty(0)
     return loss, dx, dw, db, hidden.new_empty(2, dtype=torch.int32)
+
+
+def _metrics_fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing,
+                  z_loss, softcap, logit_scale, temperature, needs, rows, check_target, deferred_check, metrics):
+    return (*_fake(hidden, weight, target, bias, class_weight, num_items, ignore_index, reduction, label_smoothing,
+                   z_loss, softcap, logit_scale, temperature, needs, rows, check_target, deferred_check),
+            hidden.new_empty(2, dtype=torch.float32))
 
 
 _ONE_UNIT = {}   # device -> int32 [0, 0]: flags meaning "stored times 2^0" for scale_gradient_
@@ -441,6 +513,7 @@ def _none_backward_fake(dloss, hidden, weight, target, bias, class_weight, ignor
 
 none_backward_op = custom_op(f"{OP}_none_backward", _none_backward_impl, _none_backward_fake)
 linear_cross_entropy_op = custom_op(OP, _impl, _fake, backward=_grad, save=_save)
+linear_cross_entropy_metrics_op = custom_op(f"{OP}_metrics", _metrics_impl, _metrics_fake, backward=_grad, save=_save)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,9 +607,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                          logit_scale: float = 1.0, temperature: float = 1.0,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
-                         check_target: bool | str = True) -> Tensor:
+                         check_target: bool | str = True, token_accuracy: bool = False,
+                         entropy: bool = False) -> Tensor | LinearCrossEntropyOutput:
     """See trainops.functional.linear_cross_entropy."""
     check, immediate = check_mode(OP, "check_target", check_target)
+    for name, value in (("token_accuracy", token_accuracy), ("entropy", entropy)):
+        if not isinstance(value, bool):
+            raise _error(InvalidProblemError, name, f"must be a bool, got {value!r}")
+        if value and reduction == "none":
+            raise _error(UnsupportedError, name, "is a mean over the batch's rows: it needs reduction 'mean' or "
+                         "'sum', not 'none'")
+    metrics = METRIC_ACCURACY * token_accuracy + METRIC_ENTROPY * entropy
     _check(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, reduction, label_smoothing,
            z_loss, softcap, loss_dtype, logit_scale, temperature)
     autocast = torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != torch.float64
@@ -568,18 +649,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     # compiled on the CPU: checked before any work
     on_device = hidden.device.type == "cuda"
     deferred = check and not immediate and (on_device or not compiling)
-    loss, *_, flags = linear_cross_entropy_op(x, weight, t, bias, class_weight, num_items, ignore_index, reduction,
-                                              float(label_smoothing), float(z_loss),
-                                              None if softcap is None else float(softcap),
-                                              float(logit_scale), float(temperature),
-                                              0 if reduction == "none" else needs, 0, check and not deferred,
-                                              deferred and on_device)
+    arguments = (x, weight, t, bias, class_weight, num_items, ignore_index, reduction, float(label_smoothing),
+                 float(z_loss), None if softcap is None else float(softcap), float(logit_scale), float(temperature),
+                 0 if reduction == "none" else needs, 0, check and not deferred, deferred and on_device)
+    if metrics:
+        loss, *_, flags, means = linear_cross_entropy_metrics_op(*arguments, metrics)
+    else:
+        loss, *_, flags = linear_cross_entropy_op(*arguments)
     if deferred and not on_device and flags[0]:
         raise IndexOutOfRangeError(f"trainops.{OP}: argument 'target' holds a class index out of range "
                                    f"[0, {weight.shape[0] - 1}] that is not ignore_index ({ignore_index})")
     if reduction == "none":
         loss = loss.reshape(shape)
-    return loss.to(out_dtype)
+    if not metrics:
+        return loss.to(out_dtype)
+    return LinearCrossEntropyOutput(loss.to(out_dtype), means[0] if token_accuracy else None,
+                                    means[1] if entropy else None)
 
 
-__all__ = ["LinearCrossEntropyHeuristics", "check_settings", "linear_cross_entropy", "linear_cross_entropy_op"]
+__all__ = ["LinearCrossEntropyHeuristics", "LinearCrossEntropyOutput", "check_settings", "linear_cross_entropy",
+           "linear_cross_entropy_metrics_op", "linear_cross_entropy_op"]
