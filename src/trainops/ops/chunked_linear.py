@@ -41,9 +41,12 @@ import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..plan import heuristics_for
+from ..launch import launcher
+from ..plan import KernelChoice, heuristics_for
+from ..registry import ACCUMULATOR, register, register_op, triton_available
 from ..registry import accumulator_dtype as accumulator
 from ._common import matmul_into
+from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
 GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
@@ -74,6 +77,7 @@ class ChunkedLinearHeuristics:
     chunk_bytes: int = 2**30
     min_rows: int = 16
     weight_grad_accumulator: str = "weight"
+    teacher_chunk_bytes: int = 2**29
 
     def __post_init__(self):
         if self.weight_grad_accumulator not in ("float32", "weight"):
@@ -81,7 +85,14 @@ class ChunkedLinearHeuristics:
                                  f"is {self.weight_grad_accumulator!r}; expected 'float32' or 'weight'")
 
     def rows(self, n: int, classes: int) -> int:
-        fit = self.chunk_bytes // max(1, classes * 4)
+        return self._fit(self.chunk_bytes, n, classes)
+
+    def teacher_rows(self, n: int, classes: int) -> int:
+        """Rows of distillation's teacher sub-chunk (at most the student chunk's ``rows``)."""
+        return min(self._fit(self.teacher_chunk_bytes, n, classes), self.rows(n, classes))
+
+    def _fit(self, budget: int, n: int, classes: int) -> int:
+        fit = budget // max(1, classes * 4)
         rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
         return max(1, min(n, rows))
 
@@ -94,6 +105,11 @@ def weight_dtype_bit() -> int:
 def heuristic_rows(n: int, classes: int) -> int:
     """Tokens a chunk from the ChunkedLinearHeuristics in force (read at run time, not traced)."""
     return heuristics_for(ChunkedLinearHeuristics).rows(n, classes)
+
+
+def heuristic_teacher_rows(n: int, classes: int) -> int:
+    """Tokens of distillation's teacher sub-chunk from the ChunkedLinearHeuristics in force."""
+    return heuristics_for(ChunkedLinearHeuristics).teacher_rows(n, classes)
 
 
 class ChunkedHead:
@@ -129,18 +145,25 @@ class ChunkedHead:
         self.b_acc = None if bias is None else bias.to(self.acc)
         self._first = True
 
-    def logits(self, start: int, stop: int) -> Tensor:
-        """u = softcap(logit_scale * (x W^T + b)) of rows [start, stop) in the accumulator dtype (a new
-        buffer the caller may overwrite). The matmul writes float32 itself from half inputs (out_dtype
-        on CUDA; converted operands on the CPU): the logits are never rounded to the half dtype."""
-        return self.logits_of(self.x[start:stop])
+    def logits(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
+        """u = softcap(logit_scale * (x W^T + b)) of rows [start, stop) in the accumulator dtype, written
+        into ``out`` ((rows, V) contiguous, the accumulator dtype: a buffer a call allocates once and
+        reuses chunk after chunk) or a new buffer; the caller may overwrite it. The matmul writes
+        float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU): the logits
+        are never rounded to the half dtype."""
+        return self.logits_of(self.x[start:stop], out)
 
-    def logits_of(self, xc: Tensor) -> Tensor:
+    def logits_of(self, xc: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """``logits`` of rows gathered by the caller (xc: (rows, H) in hidden's dtype)."""
+        if out is None:
+            out = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
+        u = out
         if self.acc == self.x.dtype:
-            u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
+            if self.b is None:
+                torch.mm(xc, self.w.t(), out=u)
+            else:
+                torch.addmm(self.b, xc, self.w.t(), out=u)
         else:
-            u = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
             if xc.device.type == "cuda":
                 torch.mm(xc, self.w.t(), out_dtype=self.acc, out=u)
             else:
@@ -171,13 +194,14 @@ class ChunkedHead:
         """(1 / softcap or 0, logit_scale): the row kernels' dlogits = du logit_scale (1 - (u / c)^2)."""
         return (0.0 if self.softcap is None else 1.0 / self.softcap), float(self.logit_scale)
 
-    def backward(self, start: int, stop: int, dlogits: Tensor) -> None:
+    def backward(self, start: int, stop: int, dlogits: Tensor, scratch: Optional[Tensor] = None) -> None:
         """Accumulate the gradients of rows [start, stop) from their dlogits (``gradient_buffer``:
         d loss / d logits in the matmuls' dtype, the transform's factors and the loss's normalisation
-        already in)."""
-        self.backward_of(self.x[start:stop], dlogits, ((start, stop),))
+        already in). ``scratch``: a dead buffer in the accumulator dtype whose storage may hold the
+        float32 dhidden chunk (distillation's teacher logits), instead of one allocated a call."""
+        self.backward_of(self.x[start:stop], dlogits, ((start, stop),), scratch)
 
-    def backward_of(self, xc: Tensor, dlogits: Tensor, parts) -> None:
+    def backward_of(self, xc: Tensor, dlogits: Tensor, parts, scratch: Optional[Tensor] = None) -> None:
         """``backward`` of gathered rows xc: ``parts``, the (start, stop) ranges of x that xc's rows
         are, in order (dhidden's rows are written there)."""
         if self.dx is None and self.dw is None and self.db is None:
@@ -187,12 +211,18 @@ class ChunkedHead:
             if self.acc == self.x.dtype and len(parts) == 1:
                 torch.mm(dlogits, self.w, out=self.dx[parts[0][0]:parts[0][1]])
             else:
-                if self._dx_chunk is None or self._dx_chunk.shape[0] != rows:
-                    self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
-                matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
+                size = rows * self.x.shape[1]
+                if (scratch is not None and scratch.dtype == self.acc and scratch.is_contiguous()
+                        and scratch.numel() >= size):
+                    chunk = scratch.view(-1)[:size].view(rows, self.x.shape[1])
+                else:   # allocated once a call (the first chunk is the largest)
+                    if self._dx_chunk is None or self._dx_chunk.shape[0] < rows:
+                        self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
+                    chunk = self._dx_chunk[:rows]
+                matmul_into(chunk, dlogits, self.w, accumulate=False)
                 offset = 0
                 for start, stop in parts:
-                    self.dx[start:stop].copy_(self._dx_chunk[offset:offset + stop - start])
+                    self.dx[start:stop].copy_(chunk[offset:offset + stop - start])
                     offset += stop - start
         if self.dw is not None:
             matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
@@ -224,6 +254,94 @@ def store_gradient_torch(out: Tensor, du: Tensor, u: Tensor, cap_inv: float, sca
     out.copy_(du)
 
 
+# ----------------------------------------------------------------------------------------------
+# Op "scale_unless_one": the backward's in-place scaling of the gradients by the upstream gradient
+# ----------------------------------------------------------------------------------------------
+
+SCALE_OP = "scale_unless_one"
+register_op(SCALE_OP, multi_tensor_describer(SCALE_OP),
+            doc="t *= s in place, s a one-element tensor on t's device; the Triton kernel reads s on the device "
+                "and reads and writes nothing else when s is 1")
+
+
+def scale_unless_one_(t: Tensor, s: Tensor) -> Tensor:
+    """t *= s in place (returned): float math, one rounding into t's dtype (torch's ``t.mul_(s)``).
+    t contiguous, float32 / float16 / bfloat16 (float64: ``mul_``); s one element on t's device.
+    On CUDA (Triton) each program reads s and returns when it is 1: the usual ``loss.backward()``
+    (s = 1) then costs one launch instead of a pass over t (a bf16 128256 x 4096 head's gradient:
+    1 GiB read and 1 GiB written, and torch's mul_ by a 0-dim CUDA float32 tensor of a bf16 tensor
+    runs its non-vectorised casting kernel). No host sync."""
+    if t.dtype == torch.float64 or not t.is_contiguous() or s.numel() != 1 or s.device != t.device:
+        return t.mul_(s)
+    multi_tensor_launch(SCALE_OP, t.device, t.dtype).run(t, s.reshape(()))
+    return t
+
+
+def _prepare_scale_cpu(problem) -> MultiTensorLaunch:
+    def run(t, s):
+        t.mul_(s)
+
+    return MultiTensorLaunch(run, KernelChoice(f"{SCALE_OP}_cpu", "cpu"), problem.dtype)
+
+
+register(SCALE_OP, backend="cpu", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
+         accumulator=ACCUMULATOR, name=f"{SCALE_OP}_cpu")(_prepare_scale_cpu)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_unless_one(
+        t_ptr,        # (n,) the tensor, scaled in place
+        s_ptr,        # () the factor
+        n,            # elements
+        BLOCK: tl.constexpr,
+    ):
+        """Grid-stride over the blocks; nothing read but s when s == 1 (each program returns)."""
+        s = tl.load(s_ptr).to(tl.float32)
+        if s != 1.0:
+            offs = tl.arange(0, BLOCK)
+            first = tl.program_id(0).to(tl.int64) * BLOCK
+            for start in range(first, n, tl.num_programs(0).to(tl.int64) * BLOCK):
+                at = start + offs
+                mask = at < n
+                x = tl.load(t_ptr + at, mask=mask)
+                tl.store(t_ptr + at, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
+
+    def _prepare_scale_triton(problem) -> MultiTensorLaunch:
+        launches: dict[int, object] = {}
+
+        def run(t, s):
+            n = t.numel()
+            if not n:
+                return
+            programs = min(triton.cdiv(n, _SCALE_BLOCK), _programs(t.device))
+            launch = launches.get(programs)
+            if launch is None:
+                launch = launches[programs] = launcher(_scale_unless_one, (programs,), BLOCK=_SCALE_BLOCK,
+                                                       num_warps=8)
+            launch(t, s, n)
+
+        return MultiTensorLaunch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)),
+                                 problem.dtype)
+
+    register(SCALE_OP, backend="triton", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
+             accumulator=ACCUMULATOR, name=f"{SCALE_OP}_triton")(_prepare_scale_triton)
+
+
+# Elements a program scales at a time (unmeasured: a bandwidth-bound pass, 16-32 KiB a block), and the
+# programs of the grid-stride loop: 4 an SM on CUDA, 3 under the interpreter (the loop runs on small tensors)
+_SCALE_BLOCK = 8192
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def save_scaled_gradients(ctx, needs: int, gradients) -> None:
     """A custom op's save for a loss whose gradients its forward computed: (dhidden, dweight, dbias)."""
     ctx.set_materialize_grads(False)
@@ -249,7 +367,8 @@ def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -
     grads = {}
     for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
         if ctx.needs & bit:
-            grads[name] = (g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place else g.mul_(dloss)
+            grads[name] = ((g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place
+                           else scale_unless_one_(g, dloss))
     return grads
 
 
@@ -353,6 +472,6 @@ def gradient_bits(*pairs) -> int:
 
 
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
-           "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
+           "SCALE_OP", "WEIGHT_DTYPE_DW", "accumulator", "scale_unless_one_", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
-           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients", "store_gradient_torch"]
+           "gradient_bits", "heuristic_rows", "heuristic_teacher_rows", "save_scaled_gradients", "scaled_gradients", "store_gradient_torch"]
