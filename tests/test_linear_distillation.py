@@ -436,23 +436,25 @@ def assert_rounded_once(du, full, backend, device):
 
 # ---- the row kernel's passes, the teacher's sub-chunks, the memory formula ---------------------------
 
+@pytest.mark.parametrize("alternate", [True, False], ids=["alternate", "forwards"])
 @pytest.mark.parametrize("beta, soft, hard, grad", [(0.0, True, True, True), (1.0, True, False, True),
                                                     (1.0, True, True, False), (0.5, True, True, True),
                                                     (0.5, True, False, False), (0.3, False, True, True)],
                          ids=["fwd-kl-hard", "rev-kl", "rev-kl-no-grad", "jsd-hard", "jsd-no-grad", "hard-only"])
-def test_row_kernel_passes_over_several_blocks(beta, soft, hard, grad):
-    """Each pass layout of the Triton row kernel (MODE 1's loss from its online first pass, the
-    read-only passes run backwards, MODE 2's three passes) over a vocabulary of 3 blocks + 37
-    entries, float32 against float64: the per-row losses and dlogits within 1e-5; an ignored row
-    (weight 0) gets a zero gradient row; nothing written without grad."""
-    from trainops.ops.linear_distillation import _ROWS_BLOCK, distillation_rows
+def test_row_kernel_passes_over_several_blocks(beta, soft, hard, grad, alternate):
+    """Each pass layout of the Triton row kernel (MODE 1's loss from its online first pass, MODE 2's
+    three passes; the read-only passes backwards or, alternate_passes=False, every pass forwards)
+    over a vocabulary of 3 blocks + 5 entries (row_block 16), float32 against float64: the per-row
+    losses and dlogits within 1e-5; a row of weight 0 (ignored) gets a zero gradient row; nothing
+    written without grad."""
+    from trainops.ops.linear_distillation import distillation_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, v = 4, 3 * _ROWS_BLOCK + 37
+    rows, v, block = 4, 3 * 16 + 5, 16
     gen = torch.Generator().manual_seed(7)
     us = (torch.randn(rows, v, generator=gen) * 3).to(device)
     ut = (us + torch.randn(rows, v, generator=gen) * 2).to(device)   # a teacher near the student
-    labels = torch.tensor([0, v - 1, 2 * _ROWS_BLOCK + 5, 17], device=device)
+    labels = torch.tensor([0, v - 1, 2 * block + 5, 17], device=device)
     soft_w = torch.tensor([0.5, 0.0, 1.5, 1.0], device=device) if grad and soft else None
     hard_w = torch.tensor([0.25, 0.0, 1.0, 2.0], device=device) if grad and hard else None
     args = dict(hard=hard, grad=grad, chain=(0.2, 0.75))
@@ -461,12 +463,13 @@ def test_row_kernel_passes_over_several_blocks(beta, soft, hard, grad):
                                        None if soft_w is None else soft_w.double(),
                                        None if hard_w is None else hard_w.double(), beta, 1.5, **args)
     got = us.clone()
-    soft_out, hard_out = torch.full((rows,), float("nan"), device=device), torch.full((rows,), float("nan"),
-                                                                                      device=device)
-    with trainops.backend("triton"):
+    soft_out = torch.full((rows,), float("nan"), device=device) if soft else torch.zeros(rows, device=device)
+    hard_out = torch.full((rows,), float("nan"), device=device) if hard else torch.zeros(rows, device=device)
+    config = ChunkedLinearHeuristics(row_block=block, row_warps=1, alternate_passes=alternate)
+    with trainops.backend("triton"), trainops.heuristics(config), trainops.track_kernels() as used:
         distillation_rows(got, ut.clone() if soft else None, labels, soft_w, hard_w, beta, 1.5, **args,
-                          soft_out=soft_out if soft else soft_out.zero_(),
-                          hard_out=hard_out if hard else hard_out.zero_())
+                          soft_out=soft_out, hard_out=hard_out)
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", "triton")}
     assert_close(soft_out, w_soft, torch.float32, "soft")
     assert_close(hard_out, w_hard, torch.float32, "hard")
     if grad:
@@ -474,6 +477,13 @@ def test_row_kernel_passes_over_several_blocks(beta, soft, hard, grad):
         assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[0]) == v
     else:
         assert torch.equal(got, us)   # nothing written without grad
+
+
+@pytest.mark.parametrize("field, value", [("row_block", 24), ("row_block", 8), ("row_block", True), ("row_warps", 3),
+                                          ("alternate_passes", 1), ("teacher_chunk_bytes", 0), ("chunk_bytes", 1.5)])
+def test_heuristics_errors_name_the_field(field, value):
+    with pytest.raises(InvalidProblemError, match=f"argument '{field}'"):
+        ChunkedLinearHeuristics(**{field: value})
 
 
 @pytest.mark.parametrize("backend_name, dtype", [("cpu", torch.float64), ("cpu", torch.float32),

@@ -55,9 +55,14 @@ WEIGHT_DTYPE_DW = 8   # with NEEDS_WEIGHT: accumulate a half weight's gradient i
 
 @dataclass(frozen=True, eq=False)
 class ChunkedLinearHeuristics:
-    """chunk_bytes: the most bytes one chunk's logits may take in float32 (the per-chunk math holds
-    a few float32 buffers of that size: about five for distillation, three for the preference
-    losses); a chunk's rows are the largest power of two that fits, at least ``min_rows``. Each chunk
+    """chunk_bytes: the most bytes one chunk's logits may take in float32; a chunk's rows are the
+    largest power of two that fits, at least ``min_rows``. On the GPU the buffers a call holds beyond
+    its inputs and gradients (allocated once a call, reused by every chunk): the preference losses
+    one float32 chunk of logits, 4 V rows bytes (+ a float32 dhidden chunk, 4 H rows); distillation
+    the student's chunk and the teacher's sub-chunk, 4 V (rows + teacher_rows) bytes (its float32
+    dhidden chunk lives in the teacher's buffer once the row kernel has read it, when 4 H rows
+    fits there), plus per-token vectors (about 24 N bytes) and, with weight_grad_accumulator
+    "float32", 4 V H. Each chunk
     after the first rereads and rewrites the dW accumulator, so fewer, larger chunks are faster and
     hold more memory. The default, 1 GiB, is 2048 rows of a
     128256-class vocabulary (unmeasured here: chosen as linear_cross_entropy's 2048-row chunks at
@@ -72,17 +77,50 @@ class ChunkedLinearHeuristics:
     benchmarks/results/linear-post-training-h200-20261129.json): DPO 56.0 ms and 1050 MiB of
     extra memory with "weight" against 58.4 ms and 2052 MiB with "float32"; distillation 64.3 ms
     and 2036 MiB against 63.5 ms and 3038 MiB; the weight gradient's error against float32
-    arithmetic 3.3e-3 against 2.2e-3 (distillation), 2.1e-3 against 1.9e-3 (DPO)."""
+    arithmetic 3.3e-3 against 2.2e-3 (distillation), 2.1e-3 against 1.9e-3 (DPO).
+
+    teacher_chunk_bytes: distillation computes the teacher's logits in sub-chunks of the student's
+    chunk, each followed by the row kernel on its rows: the largest power of two of rows whose
+    float32 logits fit, at least ``min_rows``, at most the student chunk's. The default, 512 MiB, is
+    1024 rows at 128256 classes: 4 V (2048 + 1024) bytes = 1503 MiB of logits at H 4096, V 128256
+    (the student's and teacher's chunks of 2048 rows took 2004 MiB + a 32 MiB float32 dhidden
+    chunk: 2036 MiB measured on the H200 against Liger's 1996). The cost: one more teacher matmul
+    and row-kernel launch a chunk, on half the rows (unmeasured; the bench's "teacher chunk 2048"
+    row runs the old layout).
+
+    row_block, row_warps: vocabulary entries distillation's row kernel reads at a time a program
+    and its warps (unmeasured: a 4096-entry float32 block is 16 KiB a load, the cross-entropy
+    kernel's order of size; the bench runs other pairs). alternate_passes: the row kernel's
+    read-only passes alternate direction with the pass before (False: every pass forwards, the
+    kernel before this option; the bench compares them)."""
 
     chunk_bytes: int = 2**30
     min_rows: int = 16
     weight_grad_accumulator: str = "weight"
     teacher_chunk_bytes: int = 2**29
+    row_block: int = 4096
+    row_warps: int = 8
+    alternate_passes: bool = True
 
     def __post_init__(self):
+        name = "ChunkedLinearHeuristics"
         if self.weight_grad_accumulator not in ("float32", "weight"):
-            raise argument_error(InvalidProblemError, "ChunkedLinearHeuristics", "weight_grad_accumulator",
+            raise argument_error(InvalidProblemError, name, "weight_grad_accumulator",
                                  f"is {self.weight_grad_accumulator!r}; expected 'float32' or 'weight'")
+        for field in ("chunk_bytes", "teacher_chunk_bytes", "min_rows"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise argument_error(InvalidProblemError, name, field, f"must be an int >= 1, got {value!r}")
+        block = self.row_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1):
+            raise argument_error(InvalidProblemError, name, "row_block", f"must be a power of two >= 16, got "
+                                 f"{block!r}")
+        if isinstance(self.row_warps, bool) or self.row_warps not in (1, 2, 4, 8, 16, 32):
+            raise argument_error(InvalidProblemError, name, "row_warps", f"must be 1, 2, 4, 8, 16 or 32, got "
+                                 f"{self.row_warps!r}")
+        if not isinstance(self.alternate_passes, bool):
+            raise argument_error(InvalidProblemError, name, "alternate_passes", f"must be a bool, got "
+                                 f"{self.alternate_passes!r}")
 
     def rows(self, n: int, classes: int) -> int:
         return self._fit(self.chunk_bytes, n, classes)
@@ -474,4 +512,5 @@ def gradient_bits(*pairs) -> int:
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
            "SCALE_OP", "WEIGHT_DTYPE_DW", "accumulator", "scale_unless_one_", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
-           "gradient_bits", "heuristic_rows", "heuristic_teacher_rows", "save_scaled_gradients", "scaled_gradients", "store_gradient_torch"]
+           "gradient_bits", "heuristic_rows", "heuristic_teacher_rows", "save_scaled_gradients", "scaled_gradients",
+           "store_gradient_torch"]

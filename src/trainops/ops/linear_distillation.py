@@ -56,13 +56,13 @@ from torch import Tensor
 from ..errors import InvalidProblemError, argument_error
 from ..launch import launcher
 from ..library import custom_op
-from ..plan import KernelChoice
+from ..plan import KernelChoice, heuristics_for
 from ..registry import ACCUMULATOR, register, register_op, triton_available
 from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
-from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
-                             check_ignore_index, check_label_range, check_labels, check_number, check_transform,
-                             gradient_bits, heuristic_rows, heuristic_teacher_rows, save_scaled_gradients, scaled_gradients,
-                             store_gradient_torch, weight_dtype_bit)
+from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, ChunkedLinearHeuristics,
+                             accumulator, check_head, check_ignore_index, check_label_range, check_labels,
+                             check_number, check_transform, gradient_bits, heuristic_rows, heuristic_teacher_rows,
+                             save_scaled_gradients, scaled_gradients, store_gradient_torch, weight_dtype_bit)
 
 OP = "linear_distillation"
 
@@ -95,7 +95,9 @@ def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_wei
     matmuls' dtype: ``us`` itself or ChunkedHead.gradient_buffer(us) (default: us). ``ut`` may be
     overwritten. Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU);
     float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
-    options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad)
+    tuning = heuristics_for(ChunkedLinearHeuristics)
+    options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad, block=tuning.row_block,
+                   warps=tuning.row_warps, alternate=tuning.alternate_passes)
     if soft_out is None:
         soft_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
     if hard_out is None:
@@ -200,6 +202,7 @@ if triton_available():
         V, stride_s, stride_t, stride_d,
         inv_t, beta, log_1mb, log_b, cap_inv, scale,
         MODE: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+        ALTERNATE: tl.constexpr,
     ):
         """One row a program, in blocks of BLOCK entries. Pass 1: the logsumexps of us / T, ut / T (and
         of us, the hard loss's), online (running max and sum); MODE 1 also sum p (zs - zt) online, which
@@ -231,7 +234,7 @@ if triton_available():
         l_1 = 0.0
         w_s = 0.0    # MODE 1: sum exp(zs - m_s) (zs - zt), rescaled with l_s
         for forward_start in range(0, V, BLOCK):
-            if SOFT and MODE == 2:
+            if (SOFT and MODE == 2) or not ALTERNATE:
                 start = forward_start
             else:
                 start = last - forward_start
@@ -276,7 +279,7 @@ if triton_available():
                 student_term = w_s / l_s - lse_s + lse_t
             else:
                 for forward_start in range(0, V, BLOCK):
-                    if MODE == 2:
+                    if MODE == 2 and ALTERNATE:
                         start = last - forward_start
                     else:
                         start = forward_start
@@ -336,7 +339,7 @@ if triton_available():
     def _prepare_rows_triton(problem) -> MultiTensorLaunch:
         opts = dict(problem.options)
         meta = dict(MODE=opts["mode"], SOFT=opts["soft"], HARD=opts["hard"], GRAD=opts["grad"],
-                    BLOCK=_ROWS_BLOCK, num_warps=_ROWS_WARPS)
+                    BLOCK=opts["block"], ALTERNATE=opts["alternate"], num_warps=opts["warps"])
         launches: dict[int, object] = {}
 
         def run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du, beta, temperature, cap_inv, scale):
@@ -354,17 +357,18 @@ if triton_available():
                    us.stride(0) if ut is None else ut.stride(0), du.stride(0), 1.0 / temperature, beta,
                    math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0, cap_inv, scale)
 
-        return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton", (("BLOCK", _ROWS_BLOCK),)),
+        return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton",
+                                                   (("BLOCK", opts["block"]), ("num_warps", opts["warps"]),
+                                                    ("ALTERNATE", opts["alternate"]))),
                                  problem.dtype)
 
     register(ROWS_OP, backend="triton", dtypes=(torch.float32,), deterministic=True,
              accumulator=ACCUMULATOR, name=f"{ROWS_OP}_triton")(_prepare_rows_triton)
 
 
-# Block of vocabulary entries a program reads at a time, and its warps: unmeasured (a 4096-entry float32
-# block is 16 KiB a load, the cross-entropy kernel's order of size); bench_linear_post_training.py times it.
-_ROWS_BLOCK = 4096
-_ROWS_WARPS = 8
+# Block of vocabulary entries a program reads at a time, and its warps: ChunkedLinearHeuristics.row_block and
+# row_warps (unmeasured; bench_linear_post_training.py times other pairs). The default block, for tests:
+_ROWS_BLOCK = ChunkedLinearHeuristics.row_block
 
 
 def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
