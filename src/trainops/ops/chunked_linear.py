@@ -297,6 +297,9 @@ def store_gradient_torch(out: Tensor, du: Tensor, u: Tensor, cap_inv: float, sca
 # ----------------------------------------------------------------------------------------------
 
 SCALE_OP = "scale_unless_one"
+# False: scaled_gradients multiplies with torch's mul_ (the code before scale_unless_one_), for
+# benchmarks/bench_linear_post_training.py to compare; a module global, read by the backward's thread
+SCALE_ON_DEVICE = True
 register_op(SCALE_OP, multi_tensor_describer(SCALE_OP),
             doc="t *= s in place, s a one-element tensor on t's device; the Triton kernel reads s on the device "
                 "and reads and writes nothing else when s is 1")
@@ -406,7 +409,7 @@ def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -
     for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
         if ctx.needs & bit:
             grads[name] = ((g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place
-                           else scale_unless_one_(g, dloss))
+                           else scale_unless_one_(g, dloss) if SCALE_ON_DEVICE else g.mul_(dloss))
     return grads
 
 
