@@ -25,10 +25,13 @@ Chunks go in a fixed order and nothing uses atomics: the gradients are bit-ident
 Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
 costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
 
-Not an op family: this module registers no op and no kernel (each loss registers its per-chunk
-row kernels). ChunkedLinearHeuristics sets the chunk size of both losses. Also here: the backward
-both losses use when their forward computed the gradients (``scaled_gradients``) and the argument
-checks they share.
+Not an op family of its own: each loss registers its per-chunk row kernels; this module registers
+one small op, "scale_unless_one" (``scale_unless_one_``: the backward's in-place scaling of the
+gradients the forward computed by the upstream gradient, which on CUDA reads that gradient on the
+device and touches nothing when it is 1, the usual ``loss.backward()``).
+ChunkedLinearHeuristics sets the chunk sizes of both losses and the memory they hold. Also here: the
+backward both losses use when their forward computed the gradients (``scaled_gradients``) and the
+argument checks they share.
 """
 
 from __future__ import annotations
@@ -393,8 +396,9 @@ def save_scaled_gradients(ctx, needs: int, gradients) -> None:
 
 def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -> dict:
     """The backward of such a loss: the saved gradients times the upstream gradient, on the device
-    (in place in eager mode, exact when dloss is 1; a second backward through the same loss raises;
-    out of place while tracing (torch.compile) and in float64, any number of times)."""
+    (in place in eager mode by ``scale_unless_one_``, nothing read or written on CUDA when dloss is 1;
+    a second backward through the same loss raises; out of place while tracing (torch.compile) and
+    in float64, any number of times)."""
     if dloss is None:
         return {}
     if torch.is_grad_enabled():

@@ -17,11 +17,12 @@ accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 fact
 teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
-per chunk one teacher matmul, one student matmul (float32 logits from the matmul), the chunk's
-loss terms and dlogits (in the matmuls' dtype, the transform's factors and the count folded in)
-written over the student's logits' storage by the row kernel (op
-"linear_distillation_rows": Triton on the GPU, torch ops on the CPU), then the student's two
-gradient matmuls. The gradients (for an upstream
+per chunk one student matmul (float32 logits from the matmul) and, for each teacher sub-chunk
+(ChunkedLinearHeuristics.teacher_chunk_bytes: half the student's chunk by default), one teacher
+matmul and the row kernel on those rows, which writes their loss terms and dlogits (in the
+matmuls' dtype, the transform's factors and the count folded in) over the student's logits'
+storage (op "linear_distillation_rows": Triton on the GPU, torch ops on the CPU; its passes and
+bytes in its docstring), then the student's two gradient matmuls. The gradients (for an upstream
 gradient of 1, normalised by the count, known on the device before the loop) are computed in the
 forward pass: four matmuls in all, as an unfused student + teacher forward and student backward.
 The backward scales them by the upstream gradient on the device (in place in eager mode: a second
@@ -39,9 +40,12 @@ loss is float32 (float64). Deterministic: fixed chunk order, no atomics, no host
 hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRangeError on the CPU
 and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
-Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
-writes the student's dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's
-torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and with
+Memory beyond inputs and gradients, allocated once a call and reused by every chunk: the
+student's chunk of float32 logits and the teacher's sub-chunk, 4 V (rows + teacher_rows) bytes
+(1503 MiB at V 128256 with the default 2048 and 1024 rows; the row kernel writes the student's
+dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's torch ops take about
+three more chunk-sized buffers), the float32 dhidden chunk (inside the teacher's buffer, dead by
+then, where it fits), per-token vectors (about 24 N bytes), and with
 weight_grad_accumulator="float32" (not the default) a float32 dW buffer of a half weight.
 """
 
@@ -93,8 +97,11 @@ def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_wei
     d hard / d us) * scale * (1 - (us cap_inv)^2), (soft_weight, hard_weight (rows,); chain =
     (cap_inv, scale): ChunkedHead.chain) written into ``du`` (rows, V), unit stride along V, in the
     matmuls' dtype: ``us`` itself or ChunkedHead.gradient_buffer(us) (default: us). ``ut`` may be
-    overwritten. Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU);
-    float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
+    overwritten. soft_out, hard_out: (rows,) buffers the per-row values are written into (default:
+    new zeros; one a call does not compute is left as it is). Float32 runs the registry's kernel
+    (Triton on the GPU, torch ops on the CPU; its block, warps and pass order from
+    ChunkedLinearHeuristics); float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel
+    is float32 only)."""
     tuning = heuristics_for(ChunkedLinearHeuristics)
     options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad, block=tuning.row_block,
                    warps=tuning.row_warps, alternate=tuning.alternate_passes)
