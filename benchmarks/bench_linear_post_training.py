@@ -25,8 +25,9 @@ chunks of 1024 tokens for JSD, one pair for DPO, its torch.compile'd chunk funct
 after trainops (those two always run); the runs go in order of importance and any other left when
 --budget seconds have passed is reported as skipped (the torch.compile unfused formulation last: its compile is the slowest;
 half the budget for distillation, the rest for DPO), so that with one run started just before the
-deadline (a compile: up to a minute, unmeasured) the whole stays under about four minutes. One profiled trainops step per task (unless
---no-profile) prints where its GPU time goes: the matmuls, the row kernels, the rest.
+deadline (a compile: up to a minute, unmeasured) the whole stays under about four minutes. Three profiled trainops steps per task, back to back (unless
+--no-profile), print where a step's GPU time goes (the matmuls, the row kernels, the rest) and how
+long the GPU sat idle within them (launch and host gaps).
 The last table: each run's ms, x the matmuls' own time, extra MiB, and for trainops the ratios
 to Liger's time and extra memory (the targets: time <= Liger's and <= 1.1x the matmuls, extra
 memory <= Liger's).
@@ -271,6 +272,9 @@ def profile(fn, args, leaves, label):
         return {}
 
 
+PROFILED_STEPS = 3   # back to back, no synchronisation between them (as do_bench runs them)
+
+
 def _profile(fn, args, leaves, label):
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -278,8 +282,12 @@ def _profile(fn, args, leaves, label):
         t.grad = None
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args).backward()
+        for _ in range(PROFILED_STEPS):
+            for t in leaves:
+                t.grad = None
+            fn(*args).backward()
         torch.cuda.synchronize()
+    timeline = _gpu_timeline(prof)
     groups: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
@@ -289,14 +297,46 @@ def _profile(fn, args, leaves, label):
         name = ("matmul (cuBLAS)" if any(k in key.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"))
                 else key if key.startswith(("_distillation_rows", "_token_rows", "_scale_unless_one"))
                 else "other: " + key[:48])
-        groups[name] = groups.get(name, 0.0) + us / 1000
+        groups[name] = groups.get(name, 0.0) + us / 1000 / PROFILED_STEPS
     total = sum(groups.values())
-    print(f"  profile of {label}: {total:.2f} ms of kernels", flush=True)
+    print(f"  profile of {label} (a step, the mean of {PROFILED_STEPS} back to back): {total:.2f} ms of kernels"
+          + (f"; the GPU busy {timeline['busy_ms']:.2f} ms of a {timeline['span_ms']:.2f} ms span, idle "
+             f"{timeline['idle_ms']:.2f} ms (largest gap {timeline['largest_gap_ms']:.2f} ms)" if timeline else ""),
+          flush=True)
     for name, ms in sorted(groups.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {ms:8.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name}", flush=True)
     for t in leaves:
         t.grad = None
-    return {name: ms for name, ms in groups.items()}
+    return {**{name: ms for name, ms in groups.items()}, **{f"timeline {k}": v for k, v in timeline.items()}}
+
+
+def _gpu_timeline(prof) -> dict:
+    """A step's GPU time from the profiled steps' device events: busy (the union of their
+    intervals), span (first start to last end) and idle (span - busy: launch and host gaps), ms a
+    step; {} when the events carry no device times (another torch version)."""
+    try:
+        from torch.autograd import DeviceType
+
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    except Exception:   # reported as absent, the rest of the profile stands
+        return {}
+    if not spans:
+        return {}
+    busy, gap, (start, end) = 0.0, 0.0, spans[0]
+    first = start
+    for a, b in spans[1:]:
+        if a > end:
+            busy += end - start
+            gap = max(gap, a - end)
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    span = end - first
+    steps = PROFILED_STEPS
+    return dict(busy_ms=busy / 1000 / steps, span_ms=span / 1000 / steps, idle_ms=(span - busy) / 1000 / steps,
+                largest_gap_ms=gap / 1000)
 
 
 def main():
