@@ -383,7 +383,14 @@ _SCALE_BLOCK = 8192
 def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 3
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = _SMS.get(index)
+    if programs is None:
+        programs = _SMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
+    return programs
+
+
+_SMS: dict[int, int] = {}   # CUDA device index -> the scaling kernel's programs
 
 
 def save_scaled_gradients(ctx, needs: int, gradients) -> None:
