@@ -2,7 +2,7 @@
 and DPO from the last hidden states and LM heads, forward + backward.
 
     python benchmarks/bench_linear_post_training.py [--tokens 8192] [--seq 1024] [--out results.json]
-        [--budget 160] [--no-profile]
+        [--budget 180] [--no-profile]
 
 Side by side in one process, bf16 hidden (N x H) and heads (V x H), H = 4096, V = 128256, trainops
 at its default chunk (ChunkedLinearHeuristics: 2048 tokens here) with the weight gradient
@@ -25,16 +25,28 @@ chunks of 1024 tokens for JSD, one pair for DPO, its torch.compile'd chunk funct
 after trainops (those two always run); the runs go in order of importance and any other left when
 --budget seconds have passed is reported as skipped (the torch.compile unfused formulation last: its compile is the slowest;
 half the budget for distillation, the rest for DPO), so that with one run started just before the
-deadline (a compile: up to a minute, unmeasured) the whole stays under about four minutes. One profiled trainops step per task (unless
---no-profile) prints where its GPU time goes: the matmuls, the row kernels, the rest.
+deadline (a compile: up to a minute, unmeasured) the whole stays under about four minutes. Three profiled trainops steps per task, back to back (unless
+--no-profile), print where a step's GPU time goes (the matmuls, the row kernels, the rest) and how
+long the GPU sat idle within them (launch and host gaps).
 The last table: each run's ms, x the matmuls' own time, extra MiB, and for trainops the ratios
 to Liger's time and extra memory (the targets: time <= Liger's and <= 1.1x the matmuls, extra
 memory <= Liger's).
+
+Old against new in one run (the distill branch's changes, each switchable): "trainops before distill"
+runs the layout before it (distillation: the teacher's logits in chunks as large as the student's,
+every row-kernel pass forwards, the backward's scaling by torch's mul_; DPO: the mul_ scaling), and
+one row for each change alone ("teacher chunk 2048", "passes forwards", "scale by mul_"); distillation
+also runs other row-kernel tiles ("row block B / W warps"). Each task's header prints the byte floor:
+the four matmuls' time plus the row kernels' least traffic at 4.2 TB/s (distillation: student and
+teacher float32 logits read once and the bf16 dlogits written, 10 bytes a logit, and the three-pass
+kernel beta in (0, 1) needs, 26; DPO: 14, the policy's forward and backward row kernels and the
+reference's forward).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -46,7 +58,8 @@ import torch.nn.functional as F
 import trainops
 
 H, V = 4096, 128256
-ESSENTIAL = ("trainops", "liger")   # run whatever the budget says
+ESSENTIAL = ("trainops", "liger", "trainops before distill")   # run whatever the budget says
+COPY_BYTES_PER_S = 4.2e12   # the H200's copy speed, the byte floors' rate
 
 
 def rel(a, b):
@@ -143,17 +156,35 @@ def liger_dpo():
     return loss
 
 
-def chunked(fn, rows: int = 2048, accumulator: str = "weight"):
+def chunked(fn, rows: int = 2048, accumulator: str = "weight", **fields):
     """``fn`` with chunks of ``rows`` tokens (DPO: fewer than a pair's 2 x seq tokens takes the two-pass
-    path) and the weight gradient accumulated in ``accumulator`` ("float32" or "weight": bf16)."""
+    path), the weight gradient accumulated in ``accumulator`` ("float32" or "weight": bf16) and other
+    ChunkedLinearHeuristics ``fields`` (read by the forward, where both losses compute everything)."""
     from trainops.ops.chunked_linear import ChunkedLinearHeuristics
 
-    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1, weight_grad_accumulator=accumulator)
+    config = ChunkedLinearHeuristics(chunk_bytes=rows * V * 4, min_rows=1, weight_grad_accumulator=accumulator,
+                                     **fields)
 
     def loss(*args):
         with trainops.heuristics(config):
             return fn(*args)
     return loss
+
+
+@contextlib.contextmanager
+def scale_by_mul():
+    """The backward's scaling by the upstream gradient with torch's mul_ (before scale_unless_one_)."""
+    from trainops.ops import chunked_linear
+
+    chunked_linear.SCALE_ON_DEVICE = False
+    try:
+        yield
+    finally:
+        chunked_linear.SCALE_ON_DEVICE = True
+
+
+def byte_floor(matmuls_ms: float, n: int, bytes_per_logit: float) -> float:
+    return matmuls_ms + bytes_per_logit * n * V / COPY_BYTES_PER_S * 1e3
 
 
 def measure(fn, args, leaves, reps):
@@ -191,12 +222,16 @@ def matmul_floor(n, x, w, reps):
 
 
 def record(results, task, name, fn, args, leaves, floor, reference, reps, deadline):
+    """Measure run ``name``: ``fn`` a loss, or (loss, context factory) whose context is held over the
+    whole forward + backward (a module switch the backward's thread reads too)."""
+    fn, context = fn if isinstance(fn, tuple) else (fn, contextlib.nullcontext)
     if deadline is not None and time.monotonic() > deadline:
         print(f"  {name}: skipped (past --budget)", flush=True)
         results["skipped"].append(f"{task}: {name}")
         return
     try:
-        ms, extra, loss, grads = measure(fn, args, leaves, reps)
+        with context():
+            ms, extra, loss, grads = measure(fn, args, leaves, reps)
     except Exception as error:   # a peer that fails is reported, not fatal
         print(f"  {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
         torch.cuda.empty_cache()
@@ -204,7 +239,7 @@ def record(results, task, name, fn, args, leaves, floor, reference, reps, deadli
     errors = [rel(loss, reference[0])] + [rel(g, r) for g, r in zip(grads, reference[1])]
     results["rows"].append(dict(task=task, impl=name, ms=ms, extra_mib=extra, vs_matmuls=ms / floor, matmuls_ms=floor,
                                 err_loss=errors[0], err_dx=errors[1], err_dw=errors[2]))
-    print(f"  {name:28s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
+    print(f"  {name:36s} {ms:8.2f} ms ({ms / floor:.2f}x matmuls)  extra {extra:9.0f} MiB  "
           f"err loss {errors[0]:.1e} dx {errors[1]:.1e} dw {errors[2]:.1e}", flush=True)
     torch.cuda.empty_cache()
 
@@ -237,6 +272,9 @@ def profile(fn, args, leaves, label):
         return {}
 
 
+PROFILED_STEPS = 3   # back to back, no synchronisation between them (as do_bench runs them)
+
+
 def _profile(fn, args, leaves, label):
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -244,8 +282,12 @@ def _profile(fn, args, leaves, label):
         t.grad = None
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args).backward()
+        for _ in range(PROFILED_STEPS):
+            for t in leaves:
+                t.grad = None
+            fn(*args).backward()
         torch.cuda.synchronize()
+    timeline = _gpu_timeline(prof)
     groups: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
@@ -253,15 +295,48 @@ def _profile(fn, args, leaves, label):
             continue
         key = event.key
         name = ("matmul (cuBLAS)" if any(k in key.lower() for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"))
-                else key if key.startswith(("_distillation_rows", "_token_rows")) else "other: " + key[:48])
-        groups[name] = groups.get(name, 0.0) + us / 1000
+                else key if key.startswith(("_distillation_rows", "_token_rows", "_scale_unless_one"))
+                else "other: " + key[:48])
+        groups[name] = groups.get(name, 0.0) + us / 1000 / PROFILED_STEPS
     total = sum(groups.values())
-    print(f"  profile of {label}: {total:.2f} ms of kernels", flush=True)
+    print(f"  profile of {label} (a step, the mean of {PROFILED_STEPS} back to back): {total:.2f} ms of kernels"
+          + (f"; the GPU busy {timeline['busy_ms']:.2f} ms of a {timeline['span_ms']:.2f} ms span, idle "
+             f"{timeline['idle_ms']:.2f} ms (largest gap {timeline['largest_gap_ms']:.2f} ms)" if timeline else ""),
+          flush=True)
     for name, ms in sorted(groups.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {ms:8.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name}", flush=True)
     for t in leaves:
         t.grad = None
-    return {name: ms for name, ms in groups.items()}
+    return {**{name: ms for name, ms in groups.items()}, **{f"timeline {k}": v for k, v in timeline.items()}}
+
+
+def _gpu_timeline(prof) -> dict:
+    """A step's GPU time from the profiled steps' device events: busy (the union of their
+    intervals), span (first start to last end) and idle (span - busy: launch and host gaps), ms a
+    step; {} when the events carry no device times (another torch version)."""
+    try:
+        from torch.autograd import DeviceType
+
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    except Exception:   # reported as absent, the rest of the profile stands
+        return {}
+    if not spans:
+        return {}
+    busy, gap, (start, end) = 0.0, 0.0, spans[0]
+    first = start
+    for a, b in spans[1:]:
+        if a > end:
+            busy += end - start
+            gap = max(gap, a - end)
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    span = end - first
+    steps = PROFILED_STEPS
+    return dict(busy_ms=busy / 1000 / steps, span_ms=span / 1000 / steps, idle_ms=(span - busy) / 1000 / steps,
+                largest_gap_ms=gap / 1000)
 
 
 def main():
@@ -272,7 +347,7 @@ def main():
     parser.add_argument("--only", choices=["distillation", "dpo"], default=None)
     parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
                         help="trainops chunk sizes (tokens) to run besides the default (2048 at this vocabulary)")
-    parser.add_argument("--budget", type=float, default=160.0,
+    parser.add_argument("--budget", type=float, default=180.0,
                         help="seconds after which the remaining runs are skipped (reported)")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out", default=None)
@@ -281,7 +356,7 @@ def main():
     start = time.monotonic()
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    liger=liger_version(), host=platform.node(), tokens=args.tokens, H=H, V=V, rows=[], skipped=[],
-                   profiles={})
+                   profiles={}, floors={})
     n = args.tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
     tasks = [args.only] if args.only else ["distillation", "dpo"]
@@ -298,7 +373,11 @@ def main():
         labels = torch.randint(0, V, (n,), device="cuda", generator=gen)
         labels[::11] = -100
         floor = matmul_floor(n, xs, ws, args.reps)
-        print(f"== distillation, {n} tokens, H {H}, V {V}: four matmuls alone {floor:.2f} ms", flush=True)
+        one_pass, three_pass = byte_floor(floor, n, 10), byte_floor(floor, n, 26)
+        results["floors"]["distillation"] = dict(matmuls_ms=floor, one_pass_ms=one_pass, three_pass_ms=three_pass)
+        print(f"== distillation, {n} tokens, H {H}, V {V}: four matmuls alone {floor:.2f} ms; byte floor "
+              f"{one_pass:.2f} ms ({one_pass / floor:.3f}x) with the logits read once, {three_pass:.2f} ms "
+              f"({three_pass / floor:.3f}x) with beta in (0, 1)'s three passes", flush=True)
         call = (xs, ws, xt, wt, labels)
         reference = float32_reference(unfused_distillation, call, (0, 1))
 
@@ -308,6 +387,13 @@ def main():
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
+        runs["trainops before distill"] = (chunked(distill, teacher_chunk_bytes=2048 * V * 4, alternate_passes=False),
+                                           scale_by_mul)
+        runs["trainops teacher chunk 2048"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4)
+        runs["trainops passes forwards"] = chunked(distill, alternate_passes=False)
+        runs["trainops scale by mul_"] = (distill, scale_by_mul)
+        for block, warps in ((4096, 16), (8192, 16), (2048, 4)):
+            runs[f"trainops row block {block} / {warps} warps"] = chunked(distill, row_block=block, row_warps=warps)
         runs["trainops dW in float32"] = chunked(distill, accumulator="float32")
         runs.update({f"trainops chunk {rows}": chunked(distill, rows) for rows in args.chunks if rows <= n})
         runs["torch.compile unfused"] = torch.compile(unfused_distillation)
@@ -327,8 +413,10 @@ def main():
         labels = torch.randint(0, V, (b, args.seq), device="cuda", generator=gen)
         labels[:, : args.seq // 4] = -100   # the prompts
         floor = matmul_floor(n, x.view(n, H), w, args.reps)
+        bytes_floor = byte_floor(floor, n, 14)
+        results["floors"]["dpo"] = dict(matmuls_ms=floor, two_pass_ms=bytes_floor)
         print(f"== DPO, {b} sequences of {args.seq} tokens (+ the reference's), H {H}, V {V}: four matmuls alone "
-              f"{floor:.2f} ms", flush=True)
+              f"{floor:.2f} ms; byte floor {bytes_floor:.2f} ms ({bytes_floor / floor:.3f}x)", flush=True)
         call = (x, w, labels, rx)
         reference = float32_reference(unfused_dpo, call, (0, 1))
 
@@ -339,6 +427,7 @@ def main():
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger
+        runs["trainops before distill"] = (ours, scale_by_mul)
         runs["trainops dW in float32"] = chunked(ours, accumulator="float32")
         runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
         runs["torch.compile unfused"] = torch.compile(unfused_dpo)
@@ -349,14 +438,14 @@ def main():
                 results["profiles"]["dpo"] = profile(ours, call, (x, w), "trainops DPO")
 
     liger_rows = {r["task"]: r for r in results["rows"] if r["impl"] == "liger"}
-    print("\ntask          impl                          ms  x matmuls   extra MiB   x liger ms  x liger MiB   "
+    print("\ntask          impl                                    ms  x matmuls   extra MiB   x liger ms  x liger MiB   "
           "err loss / dx / dw")
     for r in results["rows"]:
         peer = liger_rows.get(r["task"])
         if peer is not None and r["impl"].startswith("trainops"):
             r["vs_liger_ms"], r["vs_liger_mib"] = r["ms"] / peer["ms"], r["extra_mib"] / max(peer["extra_mib"], 1.0)
         vs = (f"{r['vs_liger_ms']:11.2f} {r['vs_liger_mib']:12.2f}" if "vs_liger_ms" in r else " " * 24)
-        print(f"{r['task']:13s} {r['impl']:26s} {r['ms']:8.2f} {r['vs_matmuls']:9.2f} {r['extra_mib']:11.0f} {vs}   "
+        print(f"{r['task']:13s} {r['impl']:36s} {r['ms']:8.2f} {r['vs_matmuls']:9.2f} {r['extra_mib']:11.0f} {vs}   "
               f"{r['err_loss']:.0e} / {r['err_dx']:.0e} / {r['err_dw']:.0e}")
     for name in results["skipped"]:
         print(f"skipped (budget): {name}")

@@ -102,7 +102,9 @@ def test_float32_each_backend_against_float64(backend, device, settings):
     with small_chunks(8), trainops.track_kernels() as used:
         loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
         got = torch.autograd.grad(loss, (xs, ws, bs))
-    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", backend)}
+    # the row kernel, and the backward's scaling by the upstream gradient (chunked_linear.scale_unless_one_)
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", backend),
+                                                                         ("scale_unless_one", backend)}
     leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
     want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
     expected = torch.autograd.grad(want, leaves)
@@ -430,3 +432,139 @@ def assert_rounded_once(du, full, backend, device):
     else:
         ulp = 2.0 ** -7 if du.dtype == torch.bfloat16 else 2.0 ** -10
         assert torch.allclose(du.float(), full, rtol=ulp, atol=1e-7), (du.float() - full).abs().max()
+
+
+# ---- the row kernel's passes, the teacher's sub-chunks, the memory formula ---------------------------
+
+@pytest.mark.parametrize("alternate", [True, False], ids=["alternate", "forwards"])
+@pytest.mark.parametrize("beta, soft, hard, grad", [(0.0, True, True, True), (1.0, True, False, True),
+                                                    (1.0, True, True, False), (0.5, True, True, True),
+                                                    (0.5, True, False, False), (0.3, False, True, True)],
+                         ids=["fwd-kl-hard", "rev-kl", "rev-kl-no-grad", "jsd-hard", "jsd-no-grad", "hard-only"])
+def test_row_kernel_passes_over_several_blocks(beta, soft, hard, grad, alternate):
+    """Each pass layout of the Triton row kernel (MODE 1's loss from its online first pass, MODE 2's
+    three passes; the read-only passes backwards or, alternate_passes=False, every pass forwards)
+    over a vocabulary of 3 blocks + 5 entries (row_block 16), float32 against float64: the per-row
+    losses and dlogits within 1e-5; a row of weight 0 (ignored) gets a zero gradient row; nothing
+    written without grad."""
+    from trainops.ops.linear_distillation import distillation_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, v, block = 4, 3 * 16 + 5, 16
+    gen = torch.Generator().manual_seed(7)
+    us = (torch.randn(rows, v, generator=gen) * 3).to(device)
+    ut = (us + torch.randn(rows, v, generator=gen) * 2).to(device)   # a teacher near the student
+    labels = torch.tensor([0, v - 1, 2 * block + 5, 17], device=device)
+    soft_w = torch.tensor([0.5, 0.0, 1.5, 1.0], device=device) if grad and soft else None
+    hard_w = torch.tensor([0.25, 0.0, 1.0, 2.0], device=device) if grad and hard else None
+    args = dict(hard=hard, grad=grad, chain=(0.2, 0.75))
+    want = us.double()
+    w_soft, w_hard = distillation_rows(want, ut.double() if soft else None, labels,
+                                       None if soft_w is None else soft_w.double(),
+                                       None if hard_w is None else hard_w.double(), beta, 1.5, **args)
+    got = us.clone()
+    soft_out = torch.full((rows,), float("nan"), device=device) if soft else torch.zeros(rows, device=device)
+    hard_out = torch.full((rows,), float("nan"), device=device) if hard else torch.zeros(rows, device=device)
+    config = ChunkedLinearHeuristics(row_block=block, row_warps=1, alternate_passes=alternate)
+    with trainops.backend("triton"), trainops.heuristics(config), trainops.track_kernels() as used:
+        distillation_rows(got, ut.clone() if soft else None, labels, soft_w, hard_w, beta, 1.5, **args,
+                          soft_out=soft_out, hard_out=hard_out)
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", "triton")}
+    assert_close(soft_out, w_soft, torch.float32, "soft")
+    assert_close(hard_out, w_hard, torch.float32, "hard")
+    if grad:
+        assert_close(got, want, torch.float32, "dlogits")
+        assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[0]) == v
+    else:
+        assert torch.equal(got, us)   # nothing written without grad
+
+
+@pytest.mark.parametrize("field, value", [("row_block", 24), ("row_block", 8), ("row_block", True), ("row_warps", 3),
+                                          ("alternate_passes", 1), ("teacher_chunk_bytes", 0), ("chunk_bytes", 1.5)])
+def test_heuristics_errors_name_the_field(field, value):
+    with pytest.raises(InvalidProblemError, match=f"argument '{field}'"):
+        ChunkedLinearHeuristics(**{field: value})
+
+
+@pytest.mark.parametrize("backend_name, dtype", [("cpu", torch.float64), ("triton", torch.float32),
+                                                 ("triton", torch.bfloat16)])
+def test_teacher_sub_chunks_against_float64(backend_name, dtype):
+    """The teacher's logits in sub-chunks of the student's chunk (ChunkedLinearHeuristics
+    .teacher_chunk_bytes < chunk_bytes: 8-token chunks, 2-token teacher sub-chunks, a last chunk of
+    3), the half head's float32 dhidden chunk in the teacher's dead buffer: float64 (the torch ops)
+    within 1e-12, float32 (the Triton kernel) within 1e-5, bf16 within 1e-2; ignored tokens; an
+    all-ignored batch gives 0 and zero gradients."""
+    v, h = 61, 8
+    xs, ws, bs, xt, wt, labels = inputs(11, h, 6, v, dtype, ignored=(0, 5, 9))
+    config = ChunkedLinearHeuristics(chunk_bytes=8 * v * 4, min_rows=1, teacher_chunk_bytes=3 * v * 4)
+    assert config.rows(11, v) == 8 and config.teacher_rows(11, v) == 2
+    settings = dict(beta=0.4, temperature=1.5, weight_hard_loss=0.3, softcap=6.0)
+    with trainops.heuristics(config), trainops.backend(backend_name):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
+        got = torch.autograd.grad(loss, (xs, ws, bs))
+    leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
+    want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
+    expected = torch.autograd.grad(want, leaves)
+    assert_close(loss, want, dtype, "loss")
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert_close(a, e, dtype, name)
+    labels = torch.full_like(labels, -100)
+    with trainops.heuristics(config), trainops.backend(backend_name):
+        loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
+        grads = torch.autograd.grad(loss, (xs, ws, bs))
+    assert loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_backward_scales_by_the_upstream_gradient(backend, device):
+    """The eager backward scales the forward's gradients in place (scale_unless_one_): an upstream
+    gradient of 0.75 gives the gradients of 1 times 0.75 rounded once (float32 and bf16 heads; the
+    interpreter truncates to bf16 where the GPU rounds: one ulp there)."""
+    from numerics import interpreter_rounding
+
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws, bs, xt, wt, labels = (t.to(device) if t is not None else t for t in inputs(12, 8, 8, 9, dtype))
+        leaves = [t.detach().requires_grad_() for t in (xs, ws, bs)]
+        ones = torch.autograd.grad(trainops.linear_distillation_loss(leaves[0], leaves[1], xt, wt, labels,
+                                                                     student_bias=leaves[2]), leaves)
+        scaled = torch.autograd.grad(trainops.linear_distillation_loss(leaves[0], leaves[1], xt, wt, labels,
+                                                                       student_bias=leaves[2]) * 0.75, leaves)
+        for name, a, e in zip(("dx", "dw", "db"), scaled, ones):
+            want = e.float() * 0.75
+            if dtype == torch.float32 or backend == "cpu":
+                assert torch.equal(a, want.to(dtype)), name
+            elif device == "cpu":
+                assert torch.equal(a, interpreter_rounding(want, dtype)), name
+            else:
+                assert torch.allclose(a.float(), want, rtol=2.0 ** -7, atol=0), name
+
+
+def test_extra_memory_formula_at_the_benchmark_shape():
+    """ChunkedLinearHeuristics' defaults at H 4096, V 128256, 8192 tokens: 2048-token student chunks
+    and 1024-token teacher sub-chunks, so the float32 logits buffers take 4 V (2048 + 1024) bytes,
+    1503 MiB (Liger's fused JSD measured 1996 MiB extra on the H200)."""
+    default = ChunkedLinearHeuristics()
+    rows, teacher = default.rows(8192, 128256), default.teacher_rows(8192, 128256)
+    assert (rows, teacher) == (2048, 1024)
+    assert 4 * 128256 * (rows + teacher) / 2**20 < 1504
+    assert default.teacher_rows(8192, 1000) == default.rows(8192, 1000) == 8192   # a small head: one chunk
+
+
+@pytest.mark.gpu
+def test_gpu_extra_memory_at_the_benchmark_shape():
+    """The peak memory a bf16 forward + backward adds beyond inputs and gradients, H 4096, V 128256,
+    8192 tokens: at most Liger's 1996 MiB (the formula's 1503 MiB plus per-token vectors)."""
+    n, h, v = 8192, 4096, 128256
+    xs = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    ws = (torch.randn(v, h, device="cuda") / 64).to(torch.bfloat16).requires_grad_()
+    xt = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    wt = (torch.randn(v, h, device="cuda") / 64).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[::11] = -100
+    trainops.linear_distillation_loss(xs, ws, xt, wt, labels).backward()
+    xs.grad = ws.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    trainops.linear_distillation_loss(xs, ws, xt, wt, labels).backward()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()) / 2**20
+    assert extra <= 1996, extra

@@ -25,10 +25,13 @@ Chunks go in a fixed order and nothing uses atomics: the gradients are bit-ident
 Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
 costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
 
-Not an op family: this module registers no op and no kernel (each loss registers its per-chunk
-row kernels). ChunkedLinearHeuristics sets the chunk size of both losses. Also here: the backward
-both losses use when their forward computed the gradients (``scaled_gradients``) and the argument
-checks they share.
+Not an op family of its own: each loss registers its per-chunk row kernels; this module registers
+one small op, "scale_unless_one" (``scale_unless_one_``: the backward's in-place scaling of the
+gradients the forward computed by the upstream gradient, which on CUDA reads that gradient on the
+device and touches nothing when it is 1, the usual ``loss.backward()``).
+ChunkedLinearHeuristics sets the chunk sizes of both losses and the memory they hold. Also here: the
+backward both losses use when their forward computed the gradients (``scaled_gradients``) and the
+argument checks they share.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..plan import heuristics_for
+from ..launch import launcher
+from ..plan import KernelChoice, heuristics_for
+from ..registry import ACCUMULATOR, register, register_op, triton_available
 from ..registry import accumulator_dtype as accumulator
 from ._common import matmul_into
+from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
 GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
@@ -52,9 +58,14 @@ WEIGHT_DTYPE_DW = 8   # with NEEDS_WEIGHT: accumulate a half weight's gradient i
 
 @dataclass(frozen=True, eq=False)
 class ChunkedLinearHeuristics:
-    """chunk_bytes: the most bytes one chunk's logits may take in float32 (the per-chunk math holds
-    a few float32 buffers of that size: about five for distillation, three for the preference
-    losses); a chunk's rows are the largest power of two that fits, at least ``min_rows``. Each chunk
+    """chunk_bytes: the most bytes one chunk's logits may take in float32; a chunk's rows are the
+    largest power of two that fits, at least ``min_rows``. On the GPU the buffers a call holds beyond
+    its inputs and gradients (allocated once a call, reused by every chunk): the preference losses
+    one float32 chunk of logits, 4 V rows bytes (+ a float32 dhidden chunk, 4 H rows); distillation
+    the student's chunk and the teacher's sub-chunk, 4 V (rows + teacher_rows) bytes (its float32
+    dhidden chunk lives in the teacher's buffer once the row kernel has read it, when 4 H rows
+    fits there), plus per-token vectors (about 24 N bytes) and, with weight_grad_accumulator
+    "float32", 4 V H. Each chunk
     after the first rereads and rewrites the dW accumulator, so fewer, larger chunks are faster and
     hold more memory. The default, 1 GiB, is 2048 rows of a
     128256-class vocabulary (unmeasured here: chosen as linear_cross_entropy's 2048-row chunks at
@@ -69,19 +80,60 @@ class ChunkedLinearHeuristics:
     benchmarks/results/linear-post-training-h200-20261129.json): DPO 56.0 ms and 1050 MiB of
     extra memory with "weight" against 58.4 ms and 2052 MiB with "float32"; distillation 64.3 ms
     and 2036 MiB against 63.5 ms and 3038 MiB; the weight gradient's error against float32
-    arithmetic 3.3e-3 against 2.2e-3 (distillation), 2.1e-3 against 1.9e-3 (DPO)."""
+    arithmetic 3.3e-3 against 2.2e-3 (distillation), 2.1e-3 against 1.9e-3 (DPO).
+
+    teacher_chunk_bytes: distillation computes the teacher's logits in sub-chunks of the student's
+    chunk, each followed by the row kernel on its rows: the largest power of two of rows whose
+    float32 logits fit, at least ``min_rows``, at most the student chunk's. The default, 512 MiB, is
+    1024 rows at 128256 classes: 4 V (2048 + 1024) bytes = 1503 MiB of logits at H 4096, V 128256
+    (the student's and teacher's chunks of 2048 rows took 2004 MiB + a 32 MiB float32 dhidden
+    chunk: 2036 MiB measured on the H200 against Liger's 1996). The cost: one more teacher matmul
+    and row-kernel launch a chunk, on half the rows (unmeasured; the bench's "teacher chunk 2048"
+    row runs the old layout).
+
+    row_block, row_warps: vocabulary entries distillation's row kernel reads at a time a program
+    and its warps (unmeasured: a 4096-entry float32 block is 16 KiB a load, the cross-entropy
+    kernel's order of size; the bench runs other pairs). alternate_passes: the row kernel's
+    read-only passes alternate direction with the pass before (False: every pass forwards, the
+    kernel before this option; the bench compares them)."""
 
     chunk_bytes: int = 2**30
     min_rows: int = 16
     weight_grad_accumulator: str = "weight"
+    teacher_chunk_bytes: int = 2**29
+    row_block: int = 4096
+    row_warps: int = 8
+    alternate_passes: bool = True
 
     def __post_init__(self):
+        name = "ChunkedLinearHeuristics"
         if self.weight_grad_accumulator not in ("float32", "weight"):
-            raise argument_error(InvalidProblemError, "ChunkedLinearHeuristics", "weight_grad_accumulator",
+            raise argument_error(InvalidProblemError, name, "weight_grad_accumulator",
                                  f"is {self.weight_grad_accumulator!r}; expected 'float32' or 'weight'")
+        for field in ("chunk_bytes", "teacher_chunk_bytes", "min_rows"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise argument_error(InvalidProblemError, name, field, f"must be an int >= 1, got {value!r}")
+        block = self.row_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1):
+            raise argument_error(InvalidProblemError, name, "row_block", f"must be a power of two >= 16, got "
+                                 f"{block!r}")
+        if isinstance(self.row_warps, bool) or self.row_warps not in (1, 2, 4, 8, 16, 32):
+            raise argument_error(InvalidProblemError, name, "row_warps", f"must be 1, 2, 4, 8, 16 or 32, got "
+                                 f"{self.row_warps!r}")
+        if not isinstance(self.alternate_passes, bool):
+            raise argument_error(InvalidProblemError, name, "alternate_passes", f"must be a bool, got "
+                                 f"{self.alternate_passes!r}")
 
     def rows(self, n: int, classes: int) -> int:
-        fit = self.chunk_bytes // max(1, classes * 4)
+        return self._fit(self.chunk_bytes, n, classes)
+
+    def teacher_rows(self, n: int, classes: int) -> int:
+        """Rows of distillation's teacher sub-chunk (at most the student chunk's ``rows``)."""
+        return min(self._fit(self.teacher_chunk_bytes, n, classes), self.rows(n, classes))
+
+    def _fit(self, budget: int, n: int, classes: int) -> int:
+        fit = budget // max(1, classes * 4)
         rows = max(self.min_rows, 1 << (fit.bit_length() - 1) if fit else 0)
         return max(1, min(n, rows))
 
@@ -94,6 +146,11 @@ def weight_dtype_bit() -> int:
 def heuristic_rows(n: int, classes: int) -> int:
     """Tokens a chunk from the ChunkedLinearHeuristics in force (read at run time, not traced)."""
     return heuristics_for(ChunkedLinearHeuristics).rows(n, classes)
+
+
+def heuristic_teacher_rows(n: int, classes: int) -> int:
+    """Tokens of distillation's teacher sub-chunk from the ChunkedLinearHeuristics in force."""
+    return heuristics_for(ChunkedLinearHeuristics).teacher_rows(n, classes)
 
 
 class ChunkedHead:
@@ -129,18 +186,25 @@ class ChunkedHead:
         self.b_acc = None if bias is None else bias.to(self.acc)
         self._first = True
 
-    def logits(self, start: int, stop: int) -> Tensor:
-        """u = softcap(logit_scale * (x W^T + b)) of rows [start, stop) in the accumulator dtype (a new
-        buffer the caller may overwrite). The matmul writes float32 itself from half inputs (out_dtype
-        on CUDA; converted operands on the CPU): the logits are never rounded to the half dtype."""
-        return self.logits_of(self.x[start:stop])
+    def logits(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
+        """u = softcap(logit_scale * (x W^T + b)) of rows [start, stop) in the accumulator dtype, written
+        into ``out`` ((rows, V) contiguous, the accumulator dtype: a buffer a call allocates once and
+        reuses chunk after chunk) or a new buffer; the caller may overwrite it. The matmul writes
+        float32 itself from half inputs (out_dtype on CUDA; converted operands on the CPU): the logits
+        are never rounded to the half dtype."""
+        return self.logits_of(self.x[start:stop], out)
 
-    def logits_of(self, xc: Tensor) -> Tensor:
+    def logits_of(self, xc: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """``logits`` of rows gathered by the caller (xc: (rows, H) in hidden's dtype)."""
+        if out is None:
+            out = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
+        u = out
         if self.acc == self.x.dtype:
-            u = torch.mm(xc, self.w.t()) if self.b is None else torch.addmm(self.b, xc, self.w.t())
+            if self.b is None:
+                torch.mm(xc, self.w.t(), out=u)
+            else:
+                torch.addmm(self.b, xc, self.w.t(), out=u)
         else:
-            u = torch.empty(xc.shape[0], self.w.shape[0], dtype=self.acc, device=xc.device)
             if xc.device.type == "cuda":
                 torch.mm(xc, self.w.t(), out_dtype=self.acc, out=u)
             else:
@@ -171,13 +235,14 @@ class ChunkedHead:
         """(1 / softcap or 0, logit_scale): the row kernels' dlogits = du logit_scale (1 - (u / c)^2)."""
         return (0.0 if self.softcap is None else 1.0 / self.softcap), float(self.logit_scale)
 
-    def backward(self, start: int, stop: int, dlogits: Tensor) -> None:
+    def backward(self, start: int, stop: int, dlogits: Tensor, scratch: Optional[Tensor] = None) -> None:
         """Accumulate the gradients of rows [start, stop) from their dlogits (``gradient_buffer``:
         d loss / d logits in the matmuls' dtype, the transform's factors and the loss's normalisation
-        already in)."""
-        self.backward_of(self.x[start:stop], dlogits, ((start, stop),))
+        already in). ``scratch``: a dead buffer in the accumulator dtype whose storage may hold the
+        float32 dhidden chunk (distillation's teacher logits), instead of one allocated a call."""
+        self.backward_of(self.x[start:stop], dlogits, ((start, stop),), scratch)
 
-    def backward_of(self, xc: Tensor, dlogits: Tensor, parts) -> None:
+    def backward_of(self, xc: Tensor, dlogits: Tensor, parts, scratch: Optional[Tensor] = None) -> None:
         """``backward`` of gathered rows xc: ``parts``, the (start, stop) ranges of x that xc's rows
         are, in order (dhidden's rows are written there)."""
         if self.dx is None and self.dw is None and self.db is None:
@@ -187,12 +252,18 @@ class ChunkedHead:
             if self.acc == self.x.dtype and len(parts) == 1:
                 torch.mm(dlogits, self.w, out=self.dx[parts[0][0]:parts[0][1]])
             else:
-                if self._dx_chunk is None or self._dx_chunk.shape[0] != rows:
-                    self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
-                matmul_into(self._dx_chunk, dlogits, self.w, accumulate=False)
+                size = rows * self.x.shape[1]
+                if (scratch is not None and scratch.dtype == self.acc and scratch.is_contiguous()
+                        and scratch.numel() >= size):
+                    chunk = scratch.view(-1)[:size].view(rows, self.x.shape[1])
+                else:   # allocated once a call (the first chunk is the largest)
+                    if self._dx_chunk is None or self._dx_chunk.shape[0] < rows:
+                        self._dx_chunk = torch.empty(rows, self.x.shape[1], dtype=self.acc, device=self.x.device)
+                    chunk = self._dx_chunk[:rows]
+                matmul_into(chunk, dlogits, self.w, accumulate=False)
                 offset = 0
                 for start, stop in parts:
-                    self.dx[start:stop].copy_(self._dx_chunk[offset:offset + stop - start])
+                    self.dx[start:stop].copy_(chunk[offset:offset + stop - start])
                     offset += stop - start
         if self.dw is not None:
             matmul_into(self.dw, dlogits.t(), xc, accumulate=not self._first)
@@ -224,6 +295,104 @@ def store_gradient_torch(out: Tensor, du: Tensor, u: Tensor, cap_inv: float, sca
     out.copy_(du)
 
 
+# ----------------------------------------------------------------------------------------------
+# Op "scale_unless_one": the backward's in-place scaling of the gradients by the upstream gradient
+# ----------------------------------------------------------------------------------------------
+
+SCALE_OP = "scale_unless_one"
+# False: scaled_gradients multiplies with torch's mul_ (the code before scale_unless_one_), for
+# benchmarks/bench_linear_post_training.py to compare; a module global, read by the backward's thread
+SCALE_ON_DEVICE = True
+register_op(SCALE_OP, multi_tensor_describer(SCALE_OP),
+            doc="t *= s in place, s a one-element tensor on t's device; the Triton kernel reads s on the device "
+                "and reads and writes nothing else when s is 1")
+
+
+def scale_unless_one_(t: Tensor, s: Tensor) -> Tensor:
+    """t *= s in place (returned): float math, one rounding into t's dtype (torch's ``t.mul_(s)``).
+    t contiguous, float32 / float16 / bfloat16 (float64: ``mul_``); s one element on t's device.
+    On CUDA (Triton) each program reads s and returns when it is 1: the usual ``loss.backward()``
+    (s = 1) then costs one launch instead of a pass over t (a bf16 128256 x 4096 head's gradient:
+    1 GiB read and 1 GiB written, and torch's mul_ by a 0-dim CUDA float32 tensor of a bf16 tensor
+    runs its non-vectorised casting kernel). No host sync."""
+    if t.dtype == torch.float64 or not t.is_contiguous() or s.numel() != 1 or s.device != t.device:
+        return t.mul_(s)
+    multi_tensor_launch(SCALE_OP, t.device, t.dtype).run(t, s.reshape(()))
+    return t
+
+
+def _prepare_scale_cpu(problem) -> MultiTensorLaunch:
+    def run(t, s):
+        t.mul_(s)
+
+    return MultiTensorLaunch(run, KernelChoice(f"{SCALE_OP}_cpu", "cpu"), problem.dtype)
+
+
+register(SCALE_OP, backend="cpu", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
+         accumulator=ACCUMULATOR, name=f"{SCALE_OP}_cpu")(_prepare_scale_cpu)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_unless_one(
+        t_ptr,        # (n,) the tensor, scaled in place
+        s_ptr,        # () the factor
+        n,            # elements
+        BLOCK: tl.constexpr,
+    ):
+        """Grid-stride over the blocks; nothing read but s when s == 1 (each program returns)."""
+        s = tl.load(s_ptr).to(tl.float32)
+        if s != 1.0:
+            offs = tl.arange(0, BLOCK)
+            first = tl.program_id(0).to(tl.int64) * BLOCK
+            for start in range(first, n, tl.num_programs(0).to(tl.int64) * BLOCK):
+                at = start + offs
+                mask = at < n
+                x = tl.load(t_ptr + at, mask=mask)
+                tl.store(t_ptr + at, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
+
+    def _prepare_scale_triton(problem) -> MultiTensorLaunch:
+        launches: dict[int, object] = {}
+
+        def run(t, s):
+            n = t.numel()
+            if not n:
+                return
+            programs = min(triton.cdiv(n, _SCALE_BLOCK), _programs(t.device))
+            launch = launches.get(programs)
+            if launch is None:
+                launch = launches[programs] = launcher(_scale_unless_one, (programs,), BLOCK=_SCALE_BLOCK,
+                                                       num_warps=8)
+            launch(t, s, n)
+
+        return MultiTensorLaunch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)),
+                                 problem.dtype)
+
+    register(SCALE_OP, backend="triton", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
+             accumulator=ACCUMULATOR, name=f"{SCALE_OP}_triton")(_prepare_scale_triton)
+
+
+# Elements a program scales at a time (unmeasured: a bandwidth-bound pass, 16-32 KiB a block), and the
+# programs of the grid-stride loop: 4 an SM on CUDA, 3 under the interpreter (the loop runs on small tensors)
+_SCALE_BLOCK = 8192
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = _SMS.get(index)
+    if programs is None:
+        programs = _SMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
+    return programs
+
+
+_SMS: dict[int, int] = {}   # CUDA device index -> the scaling kernel's programs
+
+
 def save_scaled_gradients(ctx, needs: int, gradients) -> None:
     """A custom op's save for a loss whose gradients its forward computed: (dhidden, dweight, dbias)."""
     ctx.set_materialize_grads(False)
@@ -234,8 +403,9 @@ def save_scaled_gradients(ctx, needs: int, gradients) -> None:
 
 def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -> dict:
     """The backward of such a loss: the saved gradients times the upstream gradient, on the device
-    (in place in eager mode, exact when dloss is 1; a second backward through the same loss raises;
-    out of place while tracing (torch.compile) and in float64, any number of times)."""
+    (in place in eager mode by ``scale_unless_one_``, nothing read or written on CUDA when dloss is 1;
+    a second backward through the same loss raises; out of place while tracing (torch.compile) and
+    in float64, any number of times)."""
     if dloss is None:
         return {}
     if torch.is_grad_enabled():
@@ -249,7 +419,8 @@ def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -
     grads = {}
     for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
         if ctx.needs & bit:
-            grads[name] = (g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place else g.mul_(dloss)
+            grads[name] = ((g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place
+                           else scale_unless_one_(g, dloss) if SCALE_ON_DEVICE else g.mul_(dloss))
     return grads
 
 
@@ -353,6 +524,7 @@ def gradient_bits(*pairs) -> int:
 
 
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
-           "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
+           "SCALE_OP", "WEIGHT_DTYPE_DW", "accumulator", "scale_unless_one_", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
-           "gradient_bits", "heuristic_rows", "save_scaled_gradients", "scaled_gradients", "store_gradient_torch"]
+           "gradient_bits", "heuristic_rows", "heuristic_teacher_rows", "save_scaled_gradients", "scaled_gradients",
+           "store_gradient_torch"]

@@ -17,11 +17,12 @@ accumulation: this micro-batch's sum over the whole batch's tokens). No T^2 fact
 teacher takes no gradient.
 
 Chunks of ``rows`` tokens (ChunkedLinearHeuristics) go through ops/chunked_linear.ChunkedHead:
-per chunk one teacher matmul, one student matmul (float32 logits from the matmul), the chunk's
-loss terms and dlogits (in the matmuls' dtype, the transform's factors and the count folded in)
-written over the student's logits' storage by the row kernel (op
-"linear_distillation_rows": Triton on the GPU, torch ops on the CPU), then the student's two
-gradient matmuls. The gradients (for an upstream
+per chunk one student matmul (float32 logits from the matmul) and, for each teacher sub-chunk
+(ChunkedLinearHeuristics.teacher_chunk_bytes: half the student's chunk by default), one teacher
+matmul and the row kernel on those rows, which writes their loss terms and dlogits (in the
+matmuls' dtype, the transform's factors and the count folded in) over the student's logits'
+storage (op "linear_distillation_rows": Triton on the GPU, torch ops on the CPU; its passes and
+bytes in its docstring), then the student's two gradient matmuls. The gradients (for an upstream
 gradient of 1, normalised by the count, known on the device before the loop) are computed in the
 forward pass: four matmuls in all, as an unfused student + teacher forward and student backward.
 The backward scales them by the upstream gradient on the device (in place in eager mode: a second
@@ -39,9 +40,12 @@ loss is float32 (float64). Deterministic: fixed chunk order, no atomics, no host
 hard loss, a label out of [0, V) that is not ignore_index raises IndexOutOfRangeError on the CPU
 and is a device-side assert on CUDA (chunked_linear.check_label_range).
 
-Memory beyond inputs and gradients: one chunk's logits of each model in float32 (the row kernel
-writes the student's dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's
-torch ops take about three more chunk-sized buffers), a float32 dhidden chunk, and with
+Memory beyond inputs and gradients, allocated once a call and reused by every chunk: the
+student's chunk of float32 logits and the teacher's sub-chunk, 4 V (rows + teacher_rows) bytes
+(1503 MiB at V 128256 with the default 2048 and 1024 rows; the row kernel writes the student's
+dlogits in the matmuls' dtype over its logits' own storage; the CPU kernel's torch ops take about
+three more chunk-sized buffers), the float32 dhidden chunk (inside the teacher's buffer, dead by
+then, where it fits), per-token vectors (about 24 N bytes), and with
 weight_grad_accumulator="float32" (not the default) a float32 dW buffer of a half weight.
 """
 
@@ -56,13 +60,13 @@ from torch import Tensor
 from ..errors import InvalidProblemError, argument_error
 from ..launch import launcher
 from ..library import custom_op
-from ..plan import KernelChoice
+from ..plan import KernelChoice, heuristics_for
 from ..registry import ACCUMULATOR, register, register_op, triton_available
 from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
-from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, accumulator, check_head,
-                             check_ignore_index, check_label_range, check_labels, check_number, check_transform,
-                             gradient_bits, heuristic_rows, save_scaled_gradients, scaled_gradients,
-                             store_gradient_torch, weight_dtype_bit)
+from .chunked_linear import (GRADIENTS, NEEDS_BIAS, NEEDS_HIDDEN, NEEDS_WEIGHT, ChunkedHead, ChunkedLinearHeuristics,
+                             accumulator, check_head, check_ignore_index, check_label_range, check_labels,
+                             check_number, check_transform, gradient_bits, heuristic_rows, heuristic_teacher_rows,
+                             save_scaled_gradients, scaled_gradients, store_gradient_torch, weight_dtype_bit)
 
 OP = "linear_distillation"
 
@@ -84,8 +88,8 @@ def _mode(beta: float) -> int:
 
 def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_weight: Optional[Tensor],
                       hard_weight: Optional[Tensor], beta: float, temperature: float, *, hard: bool,
-                      grad: bool, du: Optional[Tensor] = None, chain: tuple[float, float] = (0.0, 1.0)
-                      ) -> tuple[Tensor, Tensor]:
+                      grad: bool, du: Optional[Tensor] = None, chain: tuple[float, float] = (0.0, 1.0),
+                      soft_out: Optional[Tensor] = None, hard_out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(jsd_beta per row (zeros without ``ut``), -log_softmax(us)[label] per row (zeros unless
     ``hard``)) of a chunk's rows. us, ut: (rows, V) contiguous float32 / float64, the student's and
     the teacher's logits before the temperature; ut None: no soft loss. labels (rows,): class indices
@@ -93,11 +97,18 @@ def distillation_rows(us: Tensor, ut: Optional[Tensor], labels: Tensor, soft_wei
     d hard / d us) * scale * (1 - (us cap_inv)^2), (soft_weight, hard_weight (rows,); chain =
     (cap_inv, scale): ChunkedHead.chain) written into ``du`` (rows, V), unit stride along V, in the
     matmuls' dtype: ``us`` itself or ChunkedHead.gradient_buffer(us) (default: us). ``ut`` may be
-    overwritten. Float32 runs the registry's kernel (Triton on the GPU, torch ops on the CPU);
-    float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel is float32 only)."""
-    options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad)
-    soft_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
-    hard_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
+    overwritten. soft_out, hard_out: (rows,) buffers the per-row values are written into (default:
+    new zeros; one a call does not compute is left as it is). Float32 runs the registry's kernel
+    (Triton on the GPU, torch ops on the CPU; its block, warps and pass order from
+    ChunkedLinearHeuristics); float64 (gradcheck's dtype) the torch ops everywhere (the Triton kernel
+    is float32 only)."""
+    tuning = heuristics_for(ChunkedLinearHeuristics)
+    options = dict(mode=_mode(beta), soft=ut is not None, hard=hard, grad=grad, block=tuning.row_block,
+                   warps=tuning.row_warps, alternate=tuning.alternate_passes)
+    if soft_out is None:
+        soft_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
+    if hard_out is None:
+        hard_out = torch.zeros(us.shape[0], dtype=us.dtype, device=us.device)
     du = us if du is None else du
     cap_inv, scale = float(chain[0]), float(chain[1])
     if us.dtype == torch.float64:
@@ -198,17 +209,29 @@ if triton_available():
         V, stride_s, stride_t, stride_d,
         inv_t, beta, log_1mb, log_b, cap_inv, scale,
         MODE: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+        ALTERNATE: tl.constexpr,
     ):
-        """One row a program. Pass 1: the logsumexps of us / T, ut / T (and of us, the hard loss's) by
-        blocks. Pass 2: the row's loss sums (MODE 0 writes its gradient here: p - q needs no sum).
-        Pass 3 (MODE 1, 2 with GRAD): the gradient, p (g - <p, g>). The gradient is stored times the
-        transform's factor scale (1 - (u cap_inv)^2) in du's dtype, after a barrier: du may alias the
-        row, its element j landing on bytes of us[j / 2], which every thread has then read."""
+        """One row a program, in blocks of BLOCK entries. Pass 1: the logsumexps of us / T, ut / T (and
+        of us, the hard loss's), online (running max and sum); MODE 1 also sum p (zs - zt) online, which
+        gives its loss KL(p || q) = that / l_s - lse_s + lse_t without another pass. Pass 2 (MODE 0, 2):
+        the loss sums (MODE 0 writes its gradient there too: p - q needs no sum). Pass 3 (MODE 1, MODE 2
+        with GRAD, the hard loss alone): the gradient, p (g - <p, g>). So with GRAD two passes (MODE 0,
+        MODE 1, hard only) or three (MODE 2, whose <p, g> needs both logsumexps first and then a whole
+        row). Bytes an entry of each (rows, V) pair of logits from memory at most: MODE 0 / 1 8 + 8 read
+        + 2 written (du in bf16), MODE 2 24 + 2; without GRAD 16, 8 (MODE 1) and 16; hard only 4 + 4 + 2.
+        Passes that only read alternate direction with the pass before (the first pass runs backwards
+        when a writing pass follows it, MODE 2's second pass runs backwards): the blocks a pass starts
+        with are the ones the previous pass read last, still in L2. The gradient pass runs forwards:
+        its store of block k lands on us[kB / 2, (k + 1)B / 2), entries the pass has read already. The
+        gradient is stored times the transform's factor scale (1 - (u cap_inv)^2) in du's dtype, after
+        a barrier: du may alias the row, its element j landing on bytes of us[j / 2], which every
+        thread has then read."""
         row = tl.program_id(0).to(tl.int64)
         s_row = us_ptr + row * stride_s
         t_row = ut_ptr + row * stride_t
         d_row = du_ptr + row * stride_d
         offs = tl.arange(0, BLOCK)
+        last = ((V - 1) // BLOCK) * BLOCK   # the last block's start
         neg_inf = float("-inf")
         m_s = neg_inf
         l_s = 0.0
@@ -216,15 +239,24 @@ if triton_available():
         l_t = 0.0
         m_1 = neg_inf
         l_1 = 0.0
-        for start in range(0, V, BLOCK):
+        w_s = 0.0    # MODE 1: sum exp(zs - m_s) (zs - zt), rescaled with l_s
+        for forward_start in range(0, V, BLOCK):
+            if (SOFT and MODE == 2) or not ALTERNATE:
+                start = forward_start
+            else:
+                start = last - forward_start
             mask = start + offs < V
             u = tl.load(s_row + start + offs, mask=mask, other=neg_inf)
             if SOFT:
                 zs = u * inv_t
                 new = tl.maximum(m_s, tl.max(zs, 0))
-                l_s = l_s * tl.exp(m_s - new) + tl.sum(tl.exp(zs - new), 0)
-                m_s = new
+                alpha = tl.exp(m_s - new)
+                e = tl.exp(zs - new)
+                l_s = l_s * alpha + tl.sum(e, 0)
                 zt = tl.load(t_row + start + offs, mask=mask, other=neg_inf) * inv_t
+                if MODE == 1:
+                    w_s = w_s * alpha + tl.sum(tl.where(mask, e * (zs - zt), 0.0), 0)
+                m_s = new
                 new = tl.maximum(m_t, tl.max(zt, 0))
                 l_t = l_t * tl.exp(m_t - new) + tl.sum(tl.exp(zt - new), 0)
                 m_t = new
@@ -250,32 +282,37 @@ if triton_available():
         teacher_term = 0.0
         student_term = 0.0
         if SOFT:
-            for start in range(0, V, BLOCK):
-                mask = start + offs < V
-                u = tl.load(s_row + start + offs, mask=mask, other=0.0)
-                ls = u * inv_t - lse_s
-                lt = tl.load(t_row + start + offs, mask=mask, other=0.0) * inv_t - lse_t
-                p = tl.exp(ls)
-                q = tl.exp(lt)
-                if MODE == 0:
-                    teacher_term += tl.sum(tl.where(mask, q * (lt - ls), 0.0), 0)
-                    if GRAD:
-                        du = soft_w * (p - q)
-                        if HARD:
-                            du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
-                        cap = u * cap_inv
-                        du = du * (scale * (1 - cap * cap))
-                        tl.debug_barrier()
-                        tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
-                elif MODE == 1:
-                    student_term += tl.sum(tl.where(mask, p * (ls - lt), 0.0), 0)
-                else:
-                    a = ls + log_1mb
-                    c = lt + log_b
-                    hi = tl.maximum(a, c)
-                    lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))   # log((1 - beta) p + beta q)
-                    teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
-                    student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
+            if MODE == 1:
+                student_term = w_s / l_s - lse_s + lse_t
+            else:
+                for forward_start in range(0, V, BLOCK):
+                    if MODE == 2 and ALTERNATE:
+                        start = last - forward_start
+                    else:
+                        start = forward_start
+                    mask = start + offs < V
+                    u = tl.load(s_row + start + offs, mask=mask, other=0.0)
+                    ls = u * inv_t - lse_s
+                    lt = tl.load(t_row + start + offs, mask=mask, other=0.0) * inv_t - lse_t
+                    p = tl.exp(ls)
+                    q = tl.exp(lt)
+                    if MODE == 0:
+                        teacher_term += tl.sum(tl.where(mask, q * (lt - ls), 0.0), 0)
+                        if GRAD:
+                            du = soft_w * (p - q)
+                            if HARD:
+                                du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
+                            cap = u * cap_inv
+                            du = du * (scale * (1 - cap * cap))
+                            tl.debug_barrier()
+                            tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
+                    else:
+                        a = ls + log_1mb
+                        c = lt + log_b
+                        hi = tl.maximum(a, c)
+                        lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))   # log((1 - beta) p + beta q)
+                        teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
+                        student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
             if MODE == 0:
                 tl.store(soft_out_ptr + row, teacher_term)
             elif MODE == 1:
@@ -309,7 +346,7 @@ if triton_available():
     def _prepare_rows_triton(problem) -> MultiTensorLaunch:
         opts = dict(problem.options)
         meta = dict(MODE=opts["mode"], SOFT=opts["soft"], HARD=opts["hard"], GRAD=opts["grad"],
-                    BLOCK=_ROWS_BLOCK, num_warps=_ROWS_WARPS)
+                    BLOCK=opts["block"], ALTERNATE=opts["alternate"], num_warps=opts["warps"])
         launches: dict[int, object] = {}
 
         def run(us, ut, labels, soft_weight, hard_weight, soft_out, hard_out, du, beta, temperature, cap_inv, scale):
@@ -327,17 +364,18 @@ if triton_available():
                    us.stride(0) if ut is None else ut.stride(0), du.stride(0), 1.0 / temperature, beta,
                    math.log1p(-beta) if mixture else 0.0, math.log(beta) if mixture else 0.0, cap_inv, scale)
 
-        return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton", (("BLOCK", _ROWS_BLOCK),)),
+        return MultiTensorLaunch(run, KernelChoice("distillation_rows", "triton",
+                                                   (("BLOCK", opts["block"]), ("num_warps", opts["warps"]),
+                                                    ("ALTERNATE", opts["alternate"]))),
                                  problem.dtype)
 
     register(ROWS_OP, backend="triton", dtypes=(torch.float32,), deterministic=True,
              accumulator=ACCUMULATOR, name=f"{ROWS_OP}_triton")(_prepare_rows_triton)
 
 
-# Block of vocabulary entries a program reads at a time, and its warps: unmeasured (a 4096-entry float32
-# block is 16 KiB a load, the cross-entropy kernel's order of size); bench_linear_post_training.py times it.
-_ROWS_BLOCK = 4096
-_ROWS_WARPS = 8
+# Block of vocabulary entries a program reads at a time, and its warps: ChunkedLinearHeuristics.row_block and
+# row_warps (unmeasured; bench_linear_post_training.py times other pairs). The default block, for tests:
+_ROWS_BLOCK = ChunkedLinearHeuristics.row_block
 
 
 def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
@@ -347,12 +385,20 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
           rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, soft, hard, dstudent_hidden, dstudent_weight, dstudent_bias): the losses in the
     accumulator dtype, the gradients (of an upstream gradient of 1) in their tensors' dtypes, an
-    empty tensor where not in ``needs``. rows: tokens a chunk, 0 for ChunkedLinearHeuristics'."""
+    empty tensor where not in ``needs``. rows: tokens a chunk, 0 for ChunkedLinearHeuristics'.
+
+    Buffers, allocated once a call and reused by every chunk: the student's float32 logits
+    (rows, V), the teacher's (teacher_rows, V) (ChunkedLinearHeuristics.teacher_rows: the teacher's
+    logits are computed in sub-chunks of the student's chunk, each followed by the row kernel on
+    those rows), the float32 dhidden chunk inside the teacher's buffer (dead by then) where it fits,
+    and per-token vectors (N,). Per chunk: the student matmul, a teacher matmul and a row-kernel
+    launch a sub-chunk, the dX matmul (+ its rounding copy for a half student) and the dW matmul."""
     x, xt = student_hidden, teacher_hidden
     n, v = x.shape[0], student_weight.shape[0]
     acc = accumulator(x.dtype)
     dev = x.device
     rows = rows or heuristic_rows(n, v)
+    teacher_rows = min(rows, heuristic_teacher_rows(n, v))
     with torch.autocast(dev.type, enabled=False):
         kept = None if labels is None else labels != ignore_index
         if weight_hard:
@@ -369,31 +415,37 @@ def _impl(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor
             needs |= weight_dtype_bit()
         student = ChunkedHead(x, student_weight, student_bias, logit_scale, softcap, needs)
         teacher = ChunkedHead(xt, teacher_weight, teacher_bias, logit_scale, softcap) if weight_soft else None
-        soft = torch.zeros((), dtype=acc, device=dev)
-        hard = torch.zeros((), dtype=acc, device=dev)
-        ones = torch.ones(min(n, rows), dtype=acc, device=dev) if kept is None else None
+        # per token, once a call: 1 / 0 for kept / ignored rows, the labels (ignored: 0), each row's factors of the
+        # two gradients (d / d us = d / d (us / T) / T: the kernel's 1 / T), normalised by the count
+        keep = torch.ones(n, dtype=acc, device=dev) if kept is None else kept.to(acc)
+        index = torch.where(kept, labels, 0) if weight_hard else None
+        soft_weight = keep * (inv_count * weight_soft) if grad and weight_soft else None
+        hard_weight = keep * (inv_count * weight_hard) if grad and weight_hard else None
+        soft_rows = torch.zeros(n, dtype=acc, device=dev)
+        hard_rows = torch.zeros(n, dtype=acc, device=dev)
+        first = min(n, rows)
+        us_buffer = torch.empty(first, v, dtype=acc, device=dev)
+        ut_buffer = torch.empty(min(first, teacher_rows), v, dtype=acc, device=dev) if weight_soft else None
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            us = student.logits(start, stop)
-            keep = ones[: stop - start] if kept is None else kept[start:stop].to(acc)
-            ut = teacher.logits(start, stop) if weight_soft else None
-            chunk_labels = torch.where(kept[start:stop], labels[start:stop], 0) if weight_hard else None
-            # each row's factors of the two gradients: d / d us = d / d (us / T) / T (the kernel's
-            # 1 / T), normalised by the count; ignored rows 0
-            soft_weight = keep * (inv_count * weight_soft) if grad and weight_soft else None
-            hard_weight = keep * (inv_count * weight_hard) if grad and weight_hard else None
+            us = student.logits(start, stop, us_buffer[: stop - start])
             dlogits = student.gradient_buffer(us) if grad else None
-            soft_row, hard_row = distillation_rows(us, ut, chunk_labels, soft_weight, hard_weight, beta, temperature,
-                                                   hard=bool(weight_hard), grad=grad, du=dlogits, chain=student.chain)
-            del ut
-            if weight_soft:
-                soft += (soft_row * keep).sum()
-            if weight_hard:
-                hard += (hard_row * keep).sum()
+            step = teacher_rows if weight_soft else stop - start
+            for a in range(0, stop - start, step):   # the teacher's sub-chunks, each then the row kernel
+                b = min(stop - start, a + step)
+                ut = teacher.logits(start + a, start + b, ut_buffer[: b - a]) if weight_soft else None
+                distillation_rows(us[a:b], ut, None if index is None else index[start + a:start + b],
+                                  None if soft_weight is None else soft_weight[start + a:start + b],
+                                  None if hard_weight is None else hard_weight[start + a:start + b], beta,
+                                  temperature, hard=bool(weight_hard), grad=grad,
+                                  du=None if dlogits is None else dlogits[a:b], chain=student.chain,
+                                  soft_out=soft_rows[start + a:start + b], hard_out=hard_rows[start + a:start + b])
             if grad:   # the kernel wrote dlogits over us's storage
-                student.backward(start, stop, dlogits)
+                student.backward(start, stop, dlogits, ut_buffer)
             del us, dlogits
-        soft, hard = soft * inv_count, hard * inv_count
+        del us_buffer, ut_buffer
+        soft = (soft_rows * keep).sum() * inv_count
+        hard = (hard_rows * keep).sum() * inv_count
         loss = weight_soft * soft + weight_hard * hard
         dx, dw, db = student.finish()
     empty = x.new_empty(0)

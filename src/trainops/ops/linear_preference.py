@@ -266,9 +266,10 @@ def _tokens_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[
     keep_f = kept.to(acc)
     with torch.autocast(hidden.device.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap)
+        u_buffer = torch.empty(min(n, rows), weight.shape[0], dtype=acc, device=hidden.device)   # once a call
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            u = head.logits(start, stop)
+            u = head.logits(start, stop, u_buffer[: stop - start])
             lse[start:stop], logp[start:stop], logit_sum[start:stop] = token_rows_forward(
                 u, index[start:stop], keep_f[start:stop], temperature)
             del u
@@ -319,9 +320,10 @@ def _tokens_backward_impl(dlogp: Tensor, hidden: Tensor, weight: Tensor, labels:
     factor = torch.where(kept, dlogp.to(acc), 0)   # ignored tokens get no gradient whatever their upstream one
     with torch.autocast(hidden.device.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
+        u_buffer = torch.empty(min(n, rows), weight.shape[0], dtype=acc, device=hidden.device)   # once a call
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            u = head.logits(start, stop)
+            u = head.logits(start, stop, u_buffer[: stop - start])
             dlogits = token_rows_backward_(u, index[start:stop], lse[start:stop], factor[start:stop], temperature,
                                            head.gradient_buffer(u), head.chain)
             head.backward(start, stop, dlogits)
@@ -608,6 +610,8 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     nll_sum = torch.zeros((), dtype=acc, device=dev)
     with torch.autocast(dev.type, enabled=False):
         head = ChunkedHead(hidden, weight, bias, logit_scale, softcap, needs)
+        # the logits' buffer, once a call (the first chunk is the largest), reused by every chunk
+        u_buffer = torch.empty(2 * min(pairs, pairs_per_chunk) * length, weight.shape[0], dtype=acc, device=dev)
         for i0 in range(0, pairs, pairs_per_chunk):
             i1 = min(pairs, i0 + pairs_per_chunk)
             m = i1 - i0
@@ -616,7 +620,7 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
             keep = torch.cat([kept[a:b] for a, b in parts])
             index = torch.where(keep, torch.cat([labels[a:b] for a, b in parts]), 0)
             row_index = torch.cat([torch.arange(i0, i1, device=dev), torch.arange(pairs + i0, pairs + i1, device=dev)])
-            u = head.logits_of(xc)
+            u = head.logits_of(xc, u_buffer[: 2 * m * length])
             keep_f = keep.to(acc)
             lse, tokens, token_sums = token_rows_forward(u, index, keep_f, temperature)
             logit_sum[row_index] = token_sums.view(2 * m, length).sum(-1)
@@ -636,6 +640,7 @@ def _pairs_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
                 head.backward_of(xc, dlogits, parts)
                 del dlogits
             del u, xc
+        del u_buffer
         dx, dw, db = head.finish()
     loss = pair_sum / pairs
     if nll_weight:
