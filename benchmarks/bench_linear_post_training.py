@@ -32,11 +32,13 @@ The last table: each run's ms, x the matmuls' own time, extra MiB, and for train
 to Liger's time and extra memory (the targets: time <= Liger's and <= 1.1x the matmuls, extra
 memory <= Liger's).
 
-Old against new in one run (the distill branch's changes, each switchable): "trainops before distill"
-runs the layout before it (distillation: the teacher's logits in chunks as large as the student's,
-every row-kernel pass forwards, the backward's scaling by torch's mul_; DPO: the mul_ scaling), and
-one row for each change alone ("teacher chunk 2048", "passes forwards", "scale by mul_"); distillation
-also runs other row-kernel tiles ("row block B / W warps"). Each task's header prints the byte floor:
+Old against new in one run (the distill branch's changes that are switchable): "trainops before
+distill" runs distillation's layout before it (the teacher's logits in chunks as large as the
+student's, every row-kernel pass forwards), and one row for each alone ("teacher chunk 2048",
+"passes forwards"); distillation also runs other row-kernel tiles ("row block B / W warps"). The
+backward's scaling (now cross_entropy's scale_unless_one_ for both losses, torch's mul_ before) is
+not switchable: compare the "scale_unless_one" profile group against the earlier runs'
+elementwise_kernel group. Each task's header prints the byte floor:
 the four matmuls' time plus the row kernels' least traffic at 4.2 TB/s (distillation: student and
 teacher float32 logits read once and the bf16 dlogits written, 10 bytes a logit, and the three-pass
 kernel beta in (0, 1) needs, 26; DPO: 14, the policy's forward and backward row kernels and the
@@ -169,18 +171,6 @@ def chunked(fn, rows: int = 2048, accumulator: str = "weight", **fields):
         with trainops.heuristics(config):
             return fn(*args)
     return loss
-
-
-@contextlib.contextmanager
-def scale_by_mul():
-    """The backward's scaling by the upstream gradient with torch's mul_ (before scale_unless_one_)."""
-    from trainops.ops import chunked_linear
-
-    chunked_linear.SCALE_ON_DEVICE = False
-    try:
-        yield
-    finally:
-        chunked_linear.SCALE_ON_DEVICE = True
 
 
 def byte_floor(matmuls_ms: float, n: int, bytes_per_logit: float) -> float:
@@ -387,11 +377,9 @@ def main():
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
-        runs["trainops before distill"] = (chunked(distill, teacher_chunk_bytes=2048 * V * 4, alternate_passes=False),
-                                           scale_by_mul)
+        runs["trainops before distill"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4, alternate_passes=False)
         runs["trainops teacher chunk 2048"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4)
         runs["trainops passes forwards"] = chunked(distill, alternate_passes=False)
-        runs["trainops scale by mul_"] = (distill, scale_by_mul)
         for block, warps in ((4096, 16), (8192, 16), (2048, 4)):
             runs[f"trainops row block {block} / {warps} warps"] = chunked(distill, row_block=block, row_warps=warps)
         runs["trainops dW in float32"] = chunked(distill, accumulator="float32")
@@ -427,7 +415,6 @@ def main():
         liger = liger_dpo()
         if liger is not None:
             runs["liger"] = liger
-        runs["trainops before distill"] = (ours, scale_by_mul)
         runs["trainops dW in float32"] = chunked(ours, accumulator="float32")
         runs.update({f"trainops chunk {rows}": chunked(ours, rows) for rows in args.chunks if rows <= n})
         runs["torch.compile unfused"] = torch.compile(unfused_dpo)

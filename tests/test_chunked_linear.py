@@ -1,13 +1,13 @@
-"""ops/chunked_linear's op "scale_unless_one" (the fused linear losses' backward scaling of the
-gradients their forward computed by the upstream gradient): nothing touched when the factor is 1,
-the float product rounded once otherwise; both backends, the Triton kernel's grid-stride loop over
-more blocks than programs."""
+"""cross_entropy's ``scale_unless_one_`` (the fused linear losses' backward scaling of the gradients
+their forward computed by the upstream gradient, through the op "cross_entropy_grad_scale"):
+nothing touched when the factor is 1, the float product rounded once otherwise; both backends, more
+blocks than one program."""
 
 import pytest
 import torch
 
 import trainops
-from trainops.ops.chunked_linear import scale_unless_one_
+from trainops.ops.cross_entropy import scale_unless_one_
 
 from numerics import interpreter_rounding
 
@@ -21,7 +21,7 @@ def test_scale_unless_one(backend, device, dtype):
     before = t.clone()
     with trainops.track_kernels() as used:
         assert scale_unless_one_(t, torch.ones((), device=device)) is t
-    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("scale_unless_one", backend)}
+    assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("cross_entropy_grad_scale", backend)}
     assert torch.equal(t[~before.isnan()], before[~before.isnan()]) and t[7].isnan()   # s == 1: untouched
     scale_unless_one_(t, torch.tensor([0.37], device=device))   # a one-element tensor of any shape
     want = before.float() * 0.37
@@ -40,8 +40,7 @@ def test_scale_unless_one_edge_cases(backend, device):
     empty = torch.empty(0, device=device)
     scale_unless_one_(empty, torch.tensor(0.5, device=device))
     base = torch.arange(12.0, device=device).view(3, 4)
-    strided = base.t()   # not contiguous: torch's mul_
-    scale_unless_one_(strided, torch.tensor(0.5, device=device))
+    scale_unless_one_(base.t(), torch.tensor(0.5, device=device))   # dense in another dim order
     assert torch.equal(base, torch.arange(12.0, device=device).view(3, 4) * 0.5)
     t64 = torch.arange(5.0, dtype=torch.float64, device=device)
     scale_unless_one_(t64, torch.tensor(2.0, dtype=torch.float64, device=device))

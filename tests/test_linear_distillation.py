@@ -102,9 +102,9 @@ def test_float32_each_backend_against_float64(backend, device, settings):
     with small_chunks(8), trainops.track_kernels() as used:
         loss = trainops.linear_distillation_loss(xs, ws, xt, wt, labels, student_bias=bs, **settings)
         got = torch.autograd.grad(loss, (xs, ws, bs))
-    # the row kernel, and the backward's scaling by the upstream gradient (chunked_linear.scale_unless_one_)
+    # the row kernel, and the backward's scaling by the upstream gradient (cross_entropy.scale_unless_one_)
     assert {(op, kernel_backend) for op, kernel_backend, *_ in used} == {("linear_distillation_rows", backend),
-                                                                         ("scale_unless_one", backend)}
+                                                                         ("cross_entropy_grad_scale", backend)}
     leaves = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
     want = reference(leaves[0], leaves[1], xt, wt, labels, bs=leaves[2], **settings)
     expected = torch.autograd.grad(want, leaves)

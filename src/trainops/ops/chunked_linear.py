@@ -25,10 +25,10 @@ Chunks go in a fixed order and nothing uses atomics: the gradients are bit-ident
 Only the gradients a call asks for are computed (``needs``: a frozen head costs no dW, no_grad
 costs no gradient matmul). A loss computes everything under ``torch.autocast(enabled=False)``.
 
-Not an op family of its own: each loss registers its per-chunk row kernels; this module registers
-one small op, "scale_unless_one" (``scale_unless_one_``: the backward's in-place scaling of the
-gradients the forward computed by the upstream gradient, which on CUDA reads that gradient on the
-device and touches nothing when it is 1, the usual ``loss.backward()``).
+Not an op family: this module registers no op and no kernel (each loss registers its per-chunk row
+kernels; the backward's in-place scaling of the gradients by the upstream gradient is
+cross_entropy's ``scale_unless_one_``, which on CUDA reads that gradient on the device and touches
+nothing when it is 1, the usual ``loss.backward()``, as linear_cross_entropy's backward).
 ChunkedLinearHeuristics sets the chunk sizes of both losses and the memory they hold. Also here: the
 backward both losses use when their forward computed the gradients (``scaled_gradients``) and the
 argument checks they share.
@@ -44,12 +44,10 @@ import torch
 from torch import Tensor
 
 from ..errors import IndexOutOfRangeError, InvalidProblemError, UnsupportedError, argument_error
-from ..launch import launcher
-from ..plan import KernelChoice, heuristics_for
-from ..registry import ACCUMULATOR, register, register_op, triton_available
+from ..plan import heuristics_for
 from ..registry import accumulator_dtype as accumulator
 from ._common import matmul_into
-from .multi_tensor import MultiTensorLaunch, multi_tensor_describer, multi_tensor_launch
+from .cross_entropy import scale_unless_one_
 
 NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS = 1, 2, 4   # the gradients a call computes, as bits
 GRADIENTS = NEEDS_HIDDEN | NEEDS_WEIGHT | NEEDS_BIAS
@@ -295,104 +293,6 @@ def store_gradient_torch(out: Tensor, du: Tensor, u: Tensor, cap_inv: float, sca
     out.copy_(du)
 
 
-# ----------------------------------------------------------------------------------------------
-# Op "scale_unless_one": the backward's in-place scaling of the gradients by the upstream gradient
-# ----------------------------------------------------------------------------------------------
-
-SCALE_OP = "scale_unless_one"
-# False: scaled_gradients multiplies with torch's mul_ (the code before scale_unless_one_), for
-# benchmarks/bench_linear_post_training.py to compare; a module global, read by the backward's thread
-SCALE_ON_DEVICE = True
-register_op(SCALE_OP, multi_tensor_describer(SCALE_OP),
-            doc="t *= s in place, s a one-element tensor on t's device; the Triton kernel reads s on the device "
-                "and reads and writes nothing else when s is 1")
-
-
-def scale_unless_one_(t: Tensor, s: Tensor) -> Tensor:
-    """t *= s in place (returned): float math, one rounding into t's dtype (torch's ``t.mul_(s)``).
-    t contiguous, float32 / float16 / bfloat16 (float64: ``mul_``); s one element on t's device.
-    On CUDA (Triton) each program reads s and returns when it is 1: the usual ``loss.backward()``
-    (s = 1) then costs one launch instead of a pass over t (a bf16 128256 x 4096 head's gradient:
-    1 GiB read and 1 GiB written, and torch's mul_ by a 0-dim CUDA float32 tensor of a bf16 tensor
-    runs its non-vectorised casting kernel). No host sync."""
-    if t.dtype == torch.float64 or not t.is_contiguous() or s.numel() != 1 or s.device != t.device:
-        return t.mul_(s)
-    multi_tensor_launch(SCALE_OP, t.device, t.dtype).run(t, s.reshape(()))
-    return t
-
-
-def _prepare_scale_cpu(problem) -> MultiTensorLaunch:
-    def run(t, s):
-        t.mul_(s)
-
-    return MultiTensorLaunch(run, KernelChoice(f"{SCALE_OP}_cpu", "cpu"), problem.dtype)
-
-
-register(SCALE_OP, backend="cpu", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
-         accumulator=ACCUMULATOR, name=f"{SCALE_OP}_cpu")(_prepare_scale_cpu)
-
-
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _scale_unless_one(
-        t_ptr,        # (n,) the tensor, scaled in place
-        s_ptr,        # () the factor
-        n,            # elements
-        BLOCK: tl.constexpr,
-    ):
-        """Grid-stride over the blocks; nothing read but s when s == 1 (each program returns)."""
-        s = tl.load(s_ptr).to(tl.float32)
-        if s != 1.0:
-            offs = tl.arange(0, BLOCK)
-            first = tl.program_id(0).to(tl.int64) * BLOCK
-            for start in range(first, n, tl.num_programs(0).to(tl.int64) * BLOCK):
-                at = start + offs
-                mask = at < n
-                x = tl.load(t_ptr + at, mask=mask)
-                tl.store(t_ptr + at, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
-
-    def _prepare_scale_triton(problem) -> MultiTensorLaunch:
-        launches: dict[int, object] = {}
-
-        def run(t, s):
-            n = t.numel()
-            if not n:
-                return
-            programs = min(triton.cdiv(n, _SCALE_BLOCK), _programs(t.device))
-            launch = launches.get(programs)
-            if launch is None:
-                launch = launches[programs] = launcher(_scale_unless_one, (programs,), BLOCK=_SCALE_BLOCK,
-                                                       num_warps=8)
-            launch(t, s, n)
-
-        return MultiTensorLaunch(run, KernelChoice("scale_unless_one", "triton", (("BLOCK", _SCALE_BLOCK),)),
-                                 problem.dtype)
-
-    register(SCALE_OP, backend="triton", dtypes=(torch.float32, torch.float16, torch.bfloat16), deterministic=True,
-             accumulator=ACCUMULATOR, name=f"{SCALE_OP}_triton")(_prepare_scale_triton)
-
-
-# Elements a program scales at a time (unmeasured: a bandwidth-bound pass, 16-32 KiB a block), and the
-# programs of the grid-stride loop: 4 an SM on CUDA, 3 under the interpreter (the loop runs on small tensors)
-_SCALE_BLOCK = 8192
-
-
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    programs = _SMS.get(index)
-    if programs is None:
-        programs = _SMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
-    return programs
-
-
-_SMS: dict[int, int] = {}   # CUDA device index -> the scaling kernel's programs
-
-
 def save_scaled_gradients(ctx, needs: int, gradients) -> None:
     """A custom op's save for a loss whose gradients its forward computed: (dhidden, dweight, dbias)."""
     ctx.set_materialize_grads(False)
@@ -403,7 +303,8 @@ def save_scaled_gradients(ctx, needs: int, gradients) -> None:
 
 def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -> dict:
     """The backward of such a loss: the saved gradients times the upstream gradient, on the device
-    (in place in eager mode by ``scale_unless_one_``, nothing read or written on CUDA when dloss is 1;
+    (in place in eager mode by cross_entropy's ``scale_unless_one_``, nothing read or written on CUDA
+    when dloss is 1;
     a second backward through the same loss raises; out of place while tracing (torch.compile) and
     in float64, any number of times)."""
     if dloss is None:
@@ -420,7 +321,7 @@ def scaled_gradients(op: str, ctx, dloss: Tensor, names: tuple[str, str, str]) -
     for name, g, bit in zip(names, ctx.saved_tensors, (NEEDS_HIDDEN, NEEDS_WEIGHT, NEEDS_BIAS)):
         if ctx.needs & bit:
             grads[name] = ((g.to(accumulator(g.dtype)) * dloss).to(g.dtype) if out_of_place
-                           else scale_unless_one_(g, dloss) if SCALE_ON_DEVICE else g.mul_(dloss))
+                           else scale_unless_one_(g, dloss))
     return grads
 
 
@@ -524,7 +425,7 @@ def gradient_bits(*pairs) -> int:
 
 
 __all__ = ["ChunkedHead", "ChunkedLinearHeuristics", "GRADIENTS", "NEEDS_BIAS", "NEEDS_HIDDEN", "NEEDS_WEIGHT",
-           "SCALE_OP", "WEIGHT_DTYPE_DW", "accumulator", "scale_unless_one_", "weight_dtype_bit",
+           "WEIGHT_DTYPE_DW", "accumulator", "weight_dtype_bit",
            "check_head", "check_ignore_index", "check_label_range", "check_labels", "check_number", "check_transform",
            "gradient_bits", "heuristic_rows", "heuristic_teacher_rows", "save_scaled_gradients", "scaled_gradients",
            "store_gradient_torch"]

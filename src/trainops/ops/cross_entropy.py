@@ -325,6 +325,26 @@ def scale_gradient_(grad: torch.Tensor, dloss: torch.Tensor, flags: torch.Tensor
     multi_tensor_launch("cross_entropy_grad_scale", grad.device, grad.dtype).run(grad, dloss.reshape(1), flags)
 
 
+_UNIT_FLAGS: dict = {}   # device -> int32 [0, 0]: flags meaning "stored times 2^0" for scale_gradient_
+
+
+def scale_unless_one_(grad: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    """grad *= dloss in place (returned): ``scale_gradient_`` with the exponent 0, for the fused
+    losses whose forward computed their gradients (linear_cross_entropy, the post-training losses).
+    The kernel reads dloss on the device and returns at once when it is exactly 1 (a plain
+    ``loss.backward()``): no pass over grad, no host sync. grad: dense, float dtypes (empty: nothing
+    done); dloss: one element on grad's device."""
+    if not grad.numel():
+        return grad
+    unit = _UNIT_FLAGS.get(grad.device)
+    if unit is None:
+        unit = torch.zeros(2, dtype=torch.int32, device=grad.device)
+        if not capturing(grad.device):  # made in a capture, it would hold zeros only once replayed
+            _UNIT_FLAGS[grad.device] = unit
+    scale_gradient_(grad, dloss.reshape(1), unit)
+    return grad
+
+
 def check_targets(problem: CrossEntropyProblem, target: torch.Tensor) -> None:
     """Raise IndexOutOfRangeError unless every class index is in [0, C) or equals ignore_index (one sync)."""
     if not problem.probabilities:

@@ -85,7 +85,7 @@ from ..library import custom_op
 from ..plan import heuristics_for
 from ._common import capturing, check_mode, matmul_into, raise_flagged
 from .cross_entropy import (REDUCTIONS, check_class_indices, cross_entropy_inplace_op, cross_entropy_op,
-                            note_target_flag, scale_gradient_)
+                            note_target_flag, scale_unless_one_)
 
 OP = "linear_cross_entropy"
 
@@ -427,9 +427,6 @@ def _metrics_fake(hidden, weight, target, bias, class_weight, num_items, ignore_
             hidden.new_empty(2, dtype=torch.float32))
 
 
-_ONE_UNIT = {}   # device -> int32 [0, 0]: flags meaning "stored times 2^0" for scale_gradient_
-
-
 def _save(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
@@ -478,14 +475,7 @@ def _grad(ctx, dloss: Tensor, *unused) -> dict:
         if out_of_place:
             grads[name] = (g.to(torch.float64 if g.dtype == torch.float64 else torch.float32) * dloss).to(g.dtype)
         else:
-            if g.numel():
-                unit = _ONE_UNIT.get(g.device)
-                if unit is None:
-                    unit = torch.zeros(2, dtype=torch.int32, device=g.device)
-                    if not capturing(g.device):  # made in a capture, it would hold zeros only once replayed
-                        _ONE_UNIT[g.device] = unit
-                scale_gradient_(g, dloss.reshape(1), unit)
-            grads[name] = g
+            grads[name] = scale_unless_one_(g, dloss)
     return grads
 
 
