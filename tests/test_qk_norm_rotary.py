@@ -257,14 +257,21 @@ def test_weight_gradient_is_deterministic(backend, device):
         return torch.autograd.grad((qo, ko), (wq, wk), (dq_out, dk_out))
     first, again = weight_grads(), weight_grads()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    for h in (QKNormRotaryHeuristics(programs_per_sm=1), QKNormRotaryHeuristics(programs_per_sm=1000, tile=8)):
+    for h in (QKNormRotaryHeuristics(tile_programs_per_sm=1, backward_tile=16),
+              QKNormRotaryHeuristics(tile_programs_per_sm=2, backward_tile=8),
+              QKNormRotaryHeuristics(backward_kernel="tokens", programs_per_sm=1000, tile=8)):
         with trainops.heuristics(h):
             other = weight_grads()
         for a, b in zip(first, other):
             assert_close(a, b, torch.float32, f"{h}")
     if backend == "triton":
-        p = trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
-                          dtype=q.dtype, device=q.device, heuristics=QKNormRotaryHeuristics(programs_per_sm=1))
+        def plan(**fields):
+            return trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                                 dtype=q.dtype, device=q.device, heuristics=QKNormRotaryHeuristics(**fields))
+        p = plan(tile_programs_per_sm=1, backward_tile=16)   # 12 tokens, a token a tile, over 4 "SMs": 3 tiles each
+        assert p.kernel["grid"] == (8,) and p.kernel["programs"] == 4 and p.kernel["tiles"] == (12, 12)
+        assert p.kernel["BLOCK_T"] == 1 and p.kernel["BLOCK_H"] == (2, 1)
+        p = plan(backward_kernel="tokens", programs_per_sm=1)
         assert p.kernel["grid"] == (4,) and p.kernel["rows_per_program"] == 3   # 12 tokens over 4 "SMs"
 
 
@@ -273,18 +280,45 @@ def test_forced_plans(backend, device):
     every head, weight sums per head slot: all give the reference's result."""
     gen = torch.Generator().manual_seed(22)
     inputs = make_inputs(2, 2, 5, 3, 8, torch.float32, device, gen)
-    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False)):
+    tokens = dict(backward_kernel="tokens")   # the first backward, kept for the benchmark
+    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False, **tokens)):
         check(*inputs, torch.float32, "loop of one step, per-slot weight sums")
         check(*make_inputs(1, 2, 3, 2, 8, torch.float32, device, gen, across_heads=True), torch.float32,
               "loop of one step, across heads", across_heads=True)
-    with trainops.heuristics(QKNormRotaryHeuristics(tile=8, step_head_sums=False)):
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=8, step_head_sums=False, **tokens)):
         check(*inputs, torch.float32, "one head a step, per-slot weight sums")
-    with trainops.heuristics(QKNormRotaryHeuristics(tile=16)):
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=16, **tokens)):
         check(*inputs, torch.float32, "two heads a step")
         p = trainops.plan("qk_norm_rotary", q_shape=inputs[0].shape, k_shape=inputs[1].shape,
                           cos_shape=inputs[4].shape, dtype=torch.float32, device=device)
     if backend == "triton":
         assert p.kernel["BLOCK_HQ"] == 2 and p.kernel["grid"] == (4,)   # 5 heads: steps of 2, 2, 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_backward_plans(backend, device, dtype):
+    """The tiles backward (the default) where its plan branches: one head a tile (head blocks, q's 5
+    heads and k's 3 in separate tiles), several tokens a tile with a ragged last tile, programs
+    walking several tiles, the norm across heads with two tokens a tile and Gemma's weight offset;
+    read in place from transposed and strided views; against float64 (q, k and both weights)."""
+    gen = torch.Generator().manual_seed(30)
+    cases = [
+        (dict(backward_tile=8, tile_programs_per_sm=1), (2, 3, 5, 3, 8), dict(layout="transposed"), {},
+         dict(BLOCK_T=1, BLOCK_H=(1, 1), tiles=(30, 18), programs=4)),
+        (dict(backward_tile=128), (1, 7, 5, 3, 8), dict(layout="strided", cos_shape="1"), {},
+         dict(BLOCK_T=2, BLOCK_H=(8, 4), tiles=(4, 4))),
+        (dict(backward_tile=64, tile_programs_per_sm=1), (1, 5, 3, 2, 8), dict(across_heads=True, cos_shape="none"),
+         dict(across_heads=True, weight_offset=1.0), dict(BLOCK_T=2, BLOCK_H=(4, 2), tiles=(3, 3), programs=3)),
+    ]
+    for fields, (b, s, hq, hk, d), make, call, want in cases:
+        with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
+            inputs = make_inputs(b, s, hq, hk, d, dtype, device, gen, **make)
+            check(*inputs, dtype, f"{fields} {make}", **call)
+            if backend == "triton":
+                q, k, *_, cos, _ = inputs
+                p = trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                                  dtype=dtype, device=device, across_heads=call.get("across_heads", False))
+                assert {key: p.kernel[key] for key in want} == want, p.kernel
 
 
 def test_special_values(backend, device):

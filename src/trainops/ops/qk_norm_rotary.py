@@ -45,9 +45,16 @@ column sum; no atomics). The number of programs depends on the device's SM count
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
 then its q heads and k heads, BLOCK_H heads a step (across heads: all of them at once). Bytes:
-q, k, cos, sin read once, q_out and k_out written once. Backward: SMs x ``programs_per_sm``
-programs each looping over a block of tokens, reading dq_out, dk_out, q, k, cos, sin once,
-writing dq and dk once and its partial weight-gradient rows once.
+q, k, cos, sin read once, q_out and k_out written once. Backward ("tiles"): 2 x P programs
+(P <= SMs x ``tile_programs_per_sm``), the even ones walking q's tiles (BLOCK_T tokens x BLOCK_H
+heads x the head), the odd ones k's over the same tokens, every load of a tile issued before its
+stores, no reduction across warps inside the loop (the weight-gradient terms summed element by
+element in registers, reduced once at the program's end into its partial row), then one column
+sum per weight over the P partial rows. Bytes: dq_out, dk_out, q, k read once, dq, dk written
+once, cos and sin read once from memory (the k program's read hits the L2 cache), the partial
+rows written and read once (P x (weight sizes) floats). The first backward ("tokens", one token a
+step, its weight sums reduced across the heads each step) is kept behind
+``QKNormRotaryHeuristics(backward_kernel="tokens")`` for the benchmark.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device
 from ._common import check_heuristic_fields, checked_strides, first_step, float_dtype
 
 OPS = ("qk_norm_rotary", "qk_norm_rotary_backward")
+BACKWARD_KERNELS = ("tiles", "tokens")
+PARTIAL_SHARE = 32   # a tiles program's partial weight-gradient row: at most 1/32 of its tensor's bytes a program
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,6 +109,15 @@ class QKNormRotaryHeuristics:
     8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing).
     ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by identity (a
     plan's cache key holds the object it was made with).
+
+    backward_kernel: "tiles" (the default) or "tokens" (the first backward, kept for the benchmark's
+        side-by-side timing: ``programs_per_sm``, ``straight_line`` and ``step_head_sums`` are its
+        fields). "tiles": each program walks tiles of (BLOCK_T tokens x BLOCK_H heads x the head) of
+        one tensor, ``backward_tile`` elements at most (across heads: every head, BLOCK_T >= 1),
+        with no reduction across warps inside its loop (the weight-gradient terms accumulate
+        element by element); at most ``tile_programs_per_sm`` x SMs programs a tensor, fewer where
+        their partial rows would exceed 1/32 of the tensor's bytes (OLMo 2's wide weights).
+        Untimed (benchmarks/notes/qkback.md: why the first backward ran at a quarter of copy speed).
     """
 
     tile: int = 2048
@@ -110,6 +128,9 @@ class QKNormRotaryHeuristics:
     step_head_sums: bool = True
     reduce_block: int = 64
     across_max: int = 16384
+    backward_kernel: str = "tiles"
+    backward_tile: int = 4096
+    tile_programs_per_sm: int = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,8 +299,11 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
     elif not isinstance(heuristics, QKNormRotaryHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a QKNormRotaryHeuristics, got {type(heuristics).__name__}")
-    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block"),
-                           at_least_one=("programs_per_sm", "across_max"))
+    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block", "backward_tile"),
+                           at_least_one=("programs_per_sm", "across_max", "tile_programs_per_sm"))
+    if heuristics.backward_kernel not in BACKWARD_KERNELS:
+        raise argument_error(InvalidProblemError, op, "heuristics", f"backward_kernel must be one of "
+                             f"{BACKWARD_KERNELS}, got {heuristics.backward_kernel!r}")
     if across_heads:
         held = next_pow2(max(q_heads, k_shape[2], 1)) * 2 * next_pow2(head_dim // 2)
         if held > heuristics.across_max:
@@ -614,6 +638,117 @@ if triton_available():
             _store_partial(DWQ_PART, pid, dwq_a, dwq_b, q_heads, ACROSS, HALF, BLOCK_HQ, BLOCK_R, STEP_SUMS)
             _store_partial(DWK_PART, pid, dwk_a, dwk_b, k_heads, ACROSS, HALF, BLOCK_HK, BLOCK_R, STEP_SUMS)
 
+    @triton.jit
+    def _tiles_tensor(
+        DO, X, W, DX, PART, p, programs, n_tiles, head_blocks,   # one tensor; this program's index p
+        rows, seq, heads, do_sb, do_ss, do_sh, do_sd, x_sb, x_ss, x_sh, x_sd,
+        COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+        ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+    ):
+        """Tiles p, p + programs, ... of one tensor's (token block, head block) tiles: dx written,
+        dy * n added element by element to [BLOCK_T, BLOCK_H, BLOCK_R] sums, which are reduced (over
+        tokens, and per head over heads) once, at the end, into the program's partial row."""
+        j = tl.arange(0, BLOCK_R)[None, None, :]
+        j64 = j.to(tl.int64)
+        j_mask = j < HALF
+        if DW:
+            sum_a = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
+            sum_b = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
+        if ACROSS:   # every head in the tile: the weights once, per head slot
+            h0 = tl.arange(0, BLOCK_H)[None, :, None]
+            wp = W + h0 * (2 * HALF) + j
+            wm = (h0 < heads) & j_mask
+            w_a = tl.load(wp, mask=wm, other=0.0).to(ACC) + w_offset
+            w_b = tl.load(wp + HALF, mask=wm, other=0.0).to(ACC) + w_offset
+        else:
+            w_a = tl.load(W + j, mask=j_mask, other=0.0).to(ACC) + w_offset
+            w_b = tl.load(W + HALF + j, mask=j_mask, other=0.0).to(ACC) + w_offset
+        for tile in range(p, n_tiles, programs):
+            t = (tile // head_blocks).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+            h = (tile % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+            h64 = h.to(tl.int64)
+            t_mask = t < rows
+            mask = t_mask & (h < heads) & j_mask
+            b = t // seq
+            s = t % seq
+            # every load of the tile before any store (the stores may alias the inputs for all the
+            # compiler knows: loads after them would wait)
+            pd = DO + b * do_sb + s * do_ss + h64 * do_sh + j64 * do_sd
+            do_a = tl.load(pd, mask=mask, other=0.0).to(ACC)
+            do_b = tl.load(pd + HALF * do_sd, mask=mask, other=0.0).to(ACC)
+            px = X + b * x_sb + s * x_ss + h64 * x_sh + j64 * x_sd
+            x_a = tl.load(px, mask=mask, other=0.0).to(ACC)
+            x_b = tl.load(px + HALF * x_sd, mask=mask, other=0.0).to(ACC)
+            cm = t_mask & j_mask
+            pc = COS + b * c_sb + s * c_ss + j64 * c_sd
+            c_a = tl.load(pc, mask=cm, other=0.0).to(ACC)
+            c_b = tl.load(pc + HALF * c_sd, mask=cm, other=0.0).to(ACC)
+            ps = SIN + b * s_sb + s * s_ss + j64 * s_sd
+            s_a = tl.load(ps, mask=cm, other=0.0).to(ACC)
+            s_b = tl.load(ps + HALF * s_sd, mask=cm, other=0.0).to(ACC)
+            # the rotation's transpose, then RMSNorm's backward
+            dy_a = do_a * c_a + do_b * s_b
+            dy_b = do_b * c_b - do_a * s_a
+            sq = tl.sum(x_a * x_a + x_b * x_b, 2)                      # [BLOCK_T, BLOCK_H]
+            if ACROSS:
+                rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / (heads * 2 * HALF) + eps)   # [BLOCK_T]
+                rstd = rstd[:, None, None].to(ACC)
+            else:
+                rstd = (1.0 / tl.sqrt(sq / (2 * HALF) + eps)).to(ACC)[:, :, None]
+            n_a = x_a * rstd
+            n_b = x_b * rstd
+            g_a = dy_a * w_a
+            g_b = dy_b * w_b
+            gn = tl.sum(g_a * n_a + g_b * n_b, 2)
+            if ACROSS:
+                c = (tl.sum(gn, 1) / (heads * 2 * HALF))[:, None, None]
+            else:
+                c = (gn / (2 * HALF))[:, :, None]
+            pdx = DX + (t * heads + h64) * (2 * HALF) + j
+            tl.store(pdx, (rstd * (g_a - n_a * c)).to(DX.dtype.element_ty), mask=mask)
+            tl.store(pdx + HALF, (rstd * (g_b - n_b * c)).to(DX.dtype.element_ty), mask=mask)
+            if DW:
+                sum_a += dy_a * n_a
+                sum_b += dy_b * n_b
+        if DW:
+            jj = tl.arange(0, BLOCK_R)
+            if ACROSS:
+                hh = tl.arange(0, BLOCK_H)[:, None]
+                pp = PART + p.to(tl.int64) * heads * (2 * HALF) + hh * (2 * HALF) + jj[None, :]
+                pm = (hh < heads) & (jj < HALF)[None, :]
+                tl.store(pp, tl.sum(sum_a, 0), mask=pm)
+                tl.store(pp + HALF, tl.sum(sum_b, 0), mask=pm)
+            else:
+                pp = PART + p.to(tl.int64) * (2 * HALF) + jj
+                tl.store(pp, tl.sum(tl.sum(sum_a, 0), 0), mask=jj < HALF)
+                tl.store(pp + HALF, tl.sum(tl.sum(sum_b, 0), 0), mask=jj < HALF)
+
+    @triton.jit
+    def _qk_norm_rotary_bwd_tiles(
+        DQO, DKO, Q, K, WQ, WK, COS, SIN, DQ, DK, DWQ_PART, DWK_PART,   # DW*_PART: (programs, weight size)
+        rows, seq, q_heads, k_heads, programs, q_tiles, k_tiles, q_head_blocks, k_head_blocks,
+        dqo_sb, dqo_ss, dqo_sh, dqo_sd, dko_sb, dko_ss, dko_sh, dko_sd,
+        q_sb, q_ss, q_sh, q_sd, k_sb, k_ss, k_sh, k_sd,
+        c_sb, c_ss, c_sd, s_sb, s_ss, s_sd,
+        eps, w_offset,
+        ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+    ):
+        """Even programs 2p take q's tiles p, p + programs, ...; odd ones 2p + 1 k's, the same tokens
+        (neighbouring programs run together: cos and sin come from the L2 cache the second time)."""
+        pid = tl.program_id(0)
+        p = pid // 2
+        if pid % 2 == 0:
+            _tiles_tensor(DQO, Q, WQ, DQ, DWQ_PART, p, programs, q_tiles, q_head_blocks, rows, seq, q_heads,
+                          dqo_sb, dqo_ss, dqo_sh, dqo_sd, q_sb, q_ss, q_sh, q_sd,
+                          COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HQ, BLOCK_R, ACC)
+        else:
+            _tiles_tensor(DKO, K, WK, DK, DWK_PART, p, programs, k_tiles, k_head_blocks, rows, seq,
+                          k_heads, dko_sb, dko_ss, dko_sh, dko_sd, k_sb, k_ss, k_sh, k_sd,
+                          COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HK, BLOCK_R, ACC)
 
 def _prev_pow2(v: int) -> int:
     return 1 << (max(1, int(v)).bit_length() - 1)
@@ -651,7 +786,92 @@ def _choose_config(problem: QKNormRotaryProblem) -> QKNormRotaryConfig:
     return QKNormRotaryConfig(block_hq, block_hk, block_r, warps, -(-rows // per), per)
 
 
+@dataclass(frozen=True)
+class TilesConfig:
+    """The tiles backward's plan: tokens a tile holds (both tensors: a q program and its k twin walk
+    the same tokens, so that cos and sin come from the L2 cache the second time); per tensor (q, k)
+    heads a tile holds, tiles and head blocks; programs per tensor; the padded half head; warps."""
+
+    block_t: int
+    block_h: tuple[int, int]
+    tiles: tuple[int, int]
+    head_blocks: tuple[int, int]
+    programs: int
+    block_r: int
+    num_warps: int
+
+
+def _choose_tiles_config(problem: QKNormRotaryProblem) -> TilesConfig:
+    """BLOCK_H x 2 BLOCK_R x BLOCK_T at most ``backward_tile`` elements for the tensor with more
+    heads (per head: the heads first, BLOCK_T >= 1 tokens with what is left; across heads: every
+    head); programs per tensor at most SMs x ``tile_programs_per_sm``, and at most the number whose
+    partial rows (weight size x the accumulator's bytes) stay within 1/PARTIAL_SHARE of each
+    tensor's bytes (but one a SM at least)."""
+    h = problem.heuristics
+    block_r = next_pow2(problem.head_dim // 2)
+    rows = max(1, problem.rows)
+    heads = (max(problem.q_shape[2], 1), max(problem.k_shape[2], 1))
+    if problem.across_heads:
+        block_h = tuple(next_pow2(n) for n in heads)
+    else:
+        fit = _prev_pow2(max(1, h.backward_tile // (2 * block_r)))
+        block_h = tuple(min(next_pow2(n), fit) for n in heads)
+    block_t = min(next_pow2(rows), _prev_pow2(max(1, h.backward_tile // (max(block_h) * 2 * block_r))))
+    head_blocks = tuple(-(-n // b) for n, b in zip(heads, block_h))
+    tiles = tuple(-(-rows // block_t) * hb for hb in head_blocks)
+    programs = min(max(tiles), sm_count(problem.device) * h.tile_programs_per_sm)
+    if problem.weight_grad:
+        for n, wsize in zip(heads, (math.prod(s) for s in problem.weight_shapes)):
+            tensor_bytes = rows * n * problem.head_dim * problem.dtype.itemsize
+            programs = min(programs, max(sm_count(problem.device),
+                                         tensor_bytes // (PARTIAL_SHARE * max(1, wsize) * problem.acc_dtype.itemsize)))
+    warps = first_step(h.backward_warps, block_t * max(block_h) * 2 * block_r)
+    return TilesConfig(block_t, block_h, tiles, head_blocks, max(1, programs), block_r, warps)
+
+
+def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = None) -> Launch:
+    config = config or _choose_tiles_config(problem)
+    acc = problem.acc_dtype
+    hq, hk = problem.q_shape[2], problem.k_shape[2]
+    rows = problem.rows
+    dw = problem.weight_grad
+    tables = (*problem.table_view("cos"), *problem.table_view("sin"))
+    pq = pk = config.programs
+    launch = launcher(_qk_norm_rotary_bwd_tiles, (2 * pq,),
+                      trailing=(rows, problem.seq, hq, hk, pq, *config.tiles, *config.head_blocks,
+                                *(s for name in ("dq_out", "dk_out", "q", "k") for s in problem.stride_of(name)),
+                                *tables, problem.eps, problem.weight_offset),
+                      ACROSS=problem.across_heads, DW=dw, HALF=problem.head_dim // 2, BLOCK_T=config.block_t,
+                      BLOCK_HQ=config.block_h[0], BLOCK_HK=config.block_h[1],
+                      BLOCK_R=config.block_r, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                      num_warps=config.num_warps)
+    wq_size, wk_size = (math.prod(s) for s in problem.weight_shapes)
+    sums = [column_sum(parts, size, problem.heuristics.reduce_block, 64)
+            for parts, size in ((pq, wq_size), (pk, wk_size))]
+
+    def run(tensors, outputs):
+        dq, dk, dwq, dwk = outputs
+        if rows == 0:
+            dwq.zero_()
+            dwk.zero_()
+            return
+        parts = ([torch.empty((n, size), dtype=acc, device=dq.device) for n, size in ((pq, wq_size), (pk, wk_size))]
+                 if dw else [None, None])
+        launch(*tensors, dq, dk, *parts)
+        if dw:
+            sums[0](parts[0], dwq)
+            sums[1](parts[1], dwk)
+
+    params = (("grid", (2 * pq,)), ("programs", pq), ("tiles", config.tiles),
+              ("BLOCK_T", config.block_t), ("BLOCK_H", config.block_h), ("BLOCK_R", config.block_r),
+              ("num_warps", config.num_warps))
+    workspace = (pq * wq_size + pk * wk_size) * acc.itemsize if dw else 0
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
+
+
 def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | None = None) -> Launch:
+    if problem.backward and problem.heuristics.backward_kernel == "tiles" and config is None:
+        return _prepare_tiles(problem)
     config = config or _choose_config(problem)
     acc = problem.acc_dtype
     hq, hk = problem.q_shape[2], problem.k_shape[2]
@@ -705,7 +925,7 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
               ("step_head_sums", problem.heuristics.step_head_sums), ("BLOCK_HQ", config.block_hq),
               ("BLOCK_HK", config.block_hk), ("BLOCK_R", config.block_r), ("num_warps", config.num_warps))
     workspace = programs * (wq_size + wk_size) * acc.itemsize if dw else 0
-    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd_tokens", "triton", params), acc, workspace_bytes=workspace)
 
 
 if triton_available():
