@@ -5,6 +5,7 @@ place, broadcast cos / sin, odd widths, out_dtype, frozen weights, unused output
 determinism, gradcheck, torch.compile, errors. Tiny shapes: the interpreter is slow."""
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -511,10 +512,10 @@ def test_gpu_compiled_graph_launches_the_kernels():
         assert_close(got, want, torch.bfloat16, "compiled grad")
 
 
-def test_bench_front_end_on_the_cpu(tmp_path, capsys):
-    """benchmarks/bench_qk_norm_rotary.py --cpu --sweep: every implementation and heuristics variant
-    checked against float64, rows written, the defaults' variant marked (a self-check of the GPU
-    script)."""
+def test_bench_front_end_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """benchmarks/bench_qk_norm_rotary.py --cpu --sweep: every implementation checked against
+    float64 and timed in interleaved rounds, the tiles and tokens backwards side by side, the sweep's
+    variants, rows written (a self-check of the GPU script)."""
     import importlib.util
     import json
     import os
@@ -522,13 +523,20 @@ def test_bench_front_end_on_the_cpu(tmp_path, capsys):
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_qk_norm_rotary.py")
     spec = importlib.util.spec_from_file_location("_bench_qk_norm_rotary", path)
     script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)   # its dataclass looks its module up
     spec.loader.exec_module(script)
     out = tmp_path / "qk.json"
     with trainops.backend("cpu"):
-        assert script.main(["--cpu", "--sweep", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    rows, sweep = result["rows"], result["sweep"]
-    assert [r["impl"] for r in rows] == ["trainops", "trainops unfused", "torch (HF's sequence)"] * 2
-    assert all(r["error"] < 1e-5 for r in rows + sweep)
-    assert len(sweep) == len(script.cases.SWEEP[1]) and sum(r["default"] for r in sweep) == 1
+        assert script.main(["--cpu", "--sweep", "--rounds", "2", "--shapes", "qwen3-tiny,olmo2-tiny",
+                            "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for shape in ("qwen3-tiny", "olmo2-tiny"):
+        got = {(r["direction"], r["impl"]) for r in rows if r["shape"] == shape and " tile=" not in r["impl"]}
+        assert got == {("bwd", "trainops tiles"), ("bwd", "trainops tokens"), ("bwd", "torch eager (HF)"),
+                       ("fwd+bwd", "trainops tiles"), ("fwd+bwd", "trainops tokens"),
+                       ("fwd+bwd", "torch eager (HF)"), ("fwd", "trainops"), ("fwd", "torch eager (HF)")}
+        assert sum(r["shape"] == shape and " tile=" in r["impl"] for r in rows) == len(script.SWEEP)
+    assert all(len(r["rounds"]) == 2 and r["ms"] > 0 for r in rows)
+    checked = [r["max_error"] for r in rows if r["max_error"] is not None]
+    assert len(checked) == 16 and all(e < 1e-2 for e in checked)   # bf16 inputs; NaN fails
     assert "summary" in capsys.readouterr().out
