@@ -455,15 +455,23 @@ def _assert_rounded_once(out: torch.Tensor, ref: torch.Tensor, what: str) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["tiles", "tokens"])
 @pytest.mark.parametrize("shape,across", [((8, 2048, 16, 8, 128), False), ((4, 2048, 32, 8, 64), False),
-                                          ((4, 2048, 16, 16, 128), True)],
-                         ids=["qwen3-0.6b", "llama-3.2-1b-like", "olmo2-1b-across-heads"])
-def test_gpu_real_sizes(shape, across):
+                                          ((4, 2048, 16, 16, 128), True), ((4, 2048, 32, 8, 128), False),
+                                          ((4, 2048, 4, 1, 256), False)],
+                         ids=["qwen3-0.6b", "llama-3.2-1b-like", "olmo2-1b-across-heads", "qwen3-8b-like",
+                              "gemma3-1b"])
+def test_gpu_real_sizes(shape, across, kernel):
     b, s, hq, hk, d = shape
     gen = torch.Generator().manual_seed(28)
     q, k, wq, wk, cos, sin = make_inputs(b, s, hq, hk, d, torch.bfloat16, "cuda", gen, across_heads=across,
                                          cos_shape="1", cos_dtype=torch.bfloat16)
     q, k, wq, wk = (t.requires_grad_() for t in (q, k, wq, wk))
+    with trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=kernel)):
+        _gpu_real_sizes(q, k, wq, wk, cos, sin, across)
+
+
+def _gpu_real_sizes(q, k, wq, wk, cos, sin, across):
     qo, ko = trainops.qk_norm_rotary(q, k, wq, wk, cos, sin, 1e-6, across_heads=across)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
     rq, rk = reference(*leaves64, cos, sin, 1e-6, 0.0, across)

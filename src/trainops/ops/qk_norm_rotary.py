@@ -167,9 +167,12 @@ class QKNormRotaryProblem:
 
     @property
     def compiled_size(self) -> int | None:
-        """The size CompiledChoices key a forward on (the head dim); None for a backward, which runs
-        under torch.compile whenever its forward op does (trainops.compiled)."""
-        return None if self.backward else self.q_shape[-1]
+        """The size CompiledChoices key a forward on: the norm's width (the head dim; across heads
+        q_heads x head dim); None for a backward, which runs under torch.compile whenever its
+        forward op does (trainops.compiled)."""
+        if self.backward:
+            return None
+        return self.q_shape[2] * self.q_shape[3] if self.across_heads else self.q_shape[3]
 
     @property
     def strided_names(self) -> tuple[str, ...]:
@@ -1072,8 +1075,14 @@ def _decomposed(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: T
     return one(q, q_weight), one(k, k_weight)
 
 
-DECOMPOSITION = Decomposition(_decomposed, lambda arguments: arguments.q.shape[-1],
-                              lambda arguments: arguments.q.dtype)
+def _compiled_size(arguments):
+    """The norm's width, the CompiledChoices size: the head dim, or across heads q's heads x head
+    dim (OLMo 2's 16 x 128: class 2048, apart from the per-head classes 64-256)."""
+    q = arguments.q
+    return q.shape[2] * q.shape[-1] if arguments.across_heads else q.shape[-1]
+
+
+DECOMPOSITION = Decomposition(_decomposed, _compiled_size, lambda arguments: arguments.q.dtype)
 
 backward_op = custom_op("qk_norm_rotary_backward", _backward_impl, _backward_fake, inline_triton=True)
 qk_norm_rotary_op = custom_op("qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_fake, backward=_grad,
