@@ -432,6 +432,14 @@ def test_errors_name_the_argument():
         assert text in str(info.value) and "trainops.qk_norm_rotary" in str(info.value), str(info.value)
     with torch.no_grad():  # nothing is differentiated: angles that require grad are fine
         f(q, k, wq, wk, cos.detach().requires_grad_(), sin)
+    for fields, text in ((dict(backward_kernel="rows"), "backward_kernel must be one of"),
+                         (dict(backward_tile=3000), "backward_tile must be a power of two"),
+                         (dict(tile_reduce_block=0), "tile_reduce_block must be a power of two"),
+                         (dict(tile_programs_per_sm=0), "tile_programs_per_sm must be an int >= 1")):
+        with pytest.raises(InvalidProblemError, match="argument 'heuristics'") as info:
+            trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                          dtype=q.dtype, device="cpu", heuristics=QKNormRotaryHeuristics(**fields))
+        assert text in str(info.value), str(info.value)
     big = torch.zeros(1, 1, 300, 64)
     with pytest.raises(UnsupportedError, match="'across_heads' norms over 300 heads"):
         f(big, big, torch.ones(300 * 64), torch.ones(300 * 64), torch.ones(1, 64), torch.ones(1, 64),

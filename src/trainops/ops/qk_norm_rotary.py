@@ -117,6 +117,9 @@ class QKNormRotaryHeuristics:
         with no reduction across warps inside its loop (the weight-gradient terms accumulate
         element by element); at most ``tile_programs_per_sm`` x SMs programs a tensor, fewer where
         their partial rows would exceed 1/32 of the tensor's bytes (OLMo 2's wide weights).
+        The partial rows are then summed by a column sum whose programs own ``tile_reduce_block``
+        columns each and add row slabs as tall as its tile allows (at 1056 partial rows, three
+        serial steps: with the first kernel's 64-column, 64-row blocks it would be 17).
         Untimed (benchmarks/notes/qkback.md: why the first backward ran at a quarter of copy speed).
     """
 
@@ -131,6 +134,7 @@ class QKNormRotaryHeuristics:
     backward_kernel: str = "tiles"
     backward_tile: int = 4096
     tile_programs_per_sm: int = 8
+    tile_reduce_block: int = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +306,7 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
     elif not isinstance(heuristics, QKNormRotaryHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a QKNormRotaryHeuristics, got {type(heuristics).__name__}")
-    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block", "backward_tile"),
+    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block", "backward_tile", "tile_reduce_block"),
                            at_least_one=("programs_per_sm", "across_max", "tile_programs_per_sm"))
     if heuristics.backward_kernel not in BACKWARD_KERNELS:
         raise argument_error(InvalidProblemError, op, "heuristics", f"backward_kernel must be one of "
@@ -849,7 +853,8 @@ def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = No
                       BLOCK_R=config.block_r, ACC=tl.float64 if acc == torch.float64 else tl.float32,
                       num_warps=config.num_warps)
     wq_size, wk_size = (math.prod(s) for s in problem.weight_shapes)
-    sums = [column_sum(parts, size, problem.heuristics.reduce_block, 64)
+    # the partials' sum: narrow column blocks, tall row slabs (up to the tile): few serial steps
+    sums = [column_sum(parts, size, problem.heuristics.tile_reduce_block, 1 << 30)
             for parts, size in ((pq, wq_size), (pk, wk_size))]
 
     def run(tensors, outputs):
