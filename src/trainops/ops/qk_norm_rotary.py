@@ -89,38 +89,36 @@ PARTIAL_SHARE = 32   # a tiles program's partial weight-gradient row: at most 1/
 class QKNormRotaryHeuristics:
     """The family's tunables (trainops.heuristics(...) overrides them).
 
-    tile: elements of one tensor a program holds per step: BLOCK_H heads (a power of two) of its
-        token's heads at once, BLOCK_H x the head's padded features at most ``tile`` (per-head
-        norms; across heads every head is held: at most ``across_max`` elements, else
-        UnsupportedError).
-    warps / backward_warps: (tile elements at most, warps) steps, the first that fits.
-    programs_per_sm: backward programs per SM (each sums its tokens' weight gradients into one
-        workspace row); reduce_block: columns one program of the partials' sum owns.
-    straight_line: where one step holds a token's heads, no loop over head steps (the compiler may
-        then issue k's loads beside q's, with more registers: the backward at 4 warps 168 against
-        127 with the loop); False keeps the loop.
-    step_head_sums: per-head backward, each step's dy * n summed over its heads at once (a
-        reduction across the head axis per token); False keeps one sum per head slot in registers
-        and adds the slots once, at the program's end.
-    Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
-    own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
-    no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
-    (254 across 16 heads of 128), at 8 warps 114-142, no spills either way; at ~120 registers two
-    8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing).
-    ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by identity (a
-    plan's cache key holds the object it was made with).
-
+    tile: elements of one tensor a forward (and "tokens" backward) program holds per step: BLOCK_H
+        heads (a power of two) of its token's heads at once, BLOCK_H x the head's padded features
+        at most ``tile`` (per-head norms; across heads every head is held: at most ``across_max``
+        elements, else UnsupportedError).
+    warps / backward_warps: (tile elements at most, warps) steps, the first that fits (the
+        backward's keyed by its kernel's tile: ``backward_tile`` for "tiles", ``tile`` for "tokens").
     backward_kernel: "tiles" (the default) or "tokens" (the first backward, kept for the benchmark's
-        side-by-side timing: ``programs_per_sm``, ``straight_line`` and ``step_head_sums`` are its
-        fields). "tiles": each program walks tiles of (BLOCK_T tokens x BLOCK_H heads x the head) of
-        one tensor, ``backward_tile`` elements at most (across heads: every head, BLOCK_T >= 1),
-        with no reduction across warps inside its loop (the weight-gradient terms accumulate
-        element by element); at most ``tile_programs_per_sm`` x SMs programs a tensor, fewer where
-        their partial rows would exceed 1/32 of the tensor's bytes (OLMo 2's wide weights).
-        The partial rows are then summed by a column sum whose programs own ``tile_reduce_block``
-        columns each and add row slabs as tall as its tile allows (at 1056 partial rows, three
-        serial steps: with the first kernel's 64-column, 64-row blocks it would be 17).
-        Untimed (benchmarks/notes/qkback.md: why the first backward ran at a quarter of copy speed).
+        side-by-side timing).
+    "tiles" backward: each program walks tiles of one tensor of BLOCK_T tokens x BLOCK_H heads x
+        the head, ``backward_tile`` elements at most (per head the heads first, then tokens; across
+        heads every head, BLOCK_T >= 1), with no reduction across warps inside its loop (the
+        weight-gradient terms accumulate element by element); ``tile_programs_per_sm`` x SMs
+        programs a tensor at most, fewer where their partial rows would exceed 1/32 of the tensor's
+        bytes (OLMo 2's wide weights; one a SM at least). The partial rows are summed by a column
+        sum whose programs own ``tile_reduce_block`` columns and add row slabs as tall as its tile
+        allows (1056 partial rows: three serial steps; 64 x 64 blocks would take 17).
+        Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
+        8 warps, 114-122 registers, no spills, 16-byte loads, no barrier in the loop
+        (benchmarks/notes/qkback.md: why the first backward was latency-bound).
+    "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
+        into one workspace row); reduce_block: columns one program of its partials' sum owns.
+        straight_line: where one step holds a token's heads, no loop over head steps (the compiler
+        may then issue k's loads beside q's, with more registers: 168 against 127 at 4 warps);
+        False keeps the loop. step_head_sums: each step's dy * n summed over its heads at once (a
+        reduction across the head axis per token: across warps, two barriers each); False keeps
+        one sum per head slot in registers and adds the slots once, at the program's end.
+    Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
+    own per-token kernel). ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the tiles
+    backward's alternatives. Compared by identity (a plan's cache key holds the object it was made
+    with).
     """
 
     tile: int = 2048
