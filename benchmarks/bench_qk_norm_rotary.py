@@ -62,7 +62,7 @@ CPU_SHAPES = {"qwen3-tiny": (2, 8, 4, 2, 16, "qwen3"), "olmo2-tiny": (1, 8, 2, 2
               "gemma3-tiny": (1, 4, 2, 1, 16, "gemma3")}
 EPS = 1e-6
 SWEEP = [dict(backward_tile=t, tile_programs_per_sm=p, backward_warps=((1 << 62, w),))
-         for t, w in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)) for p in (4, 8, 16)]
+         for t, w in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)) for p in (2, 4, 8, 16)]
 
 
 def rotate_half(x):

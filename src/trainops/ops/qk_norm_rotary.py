@@ -104,10 +104,12 @@ class QKNormRotaryHeuristics:
         programs a tensor at most, fewer where their partial rows would exceed 1/32 of the tensor's
         bytes (OLMo 2's wide weights; one a SM at least). The partial rows are summed by a column
         sum whose programs own ``tile_reduce_block`` columns and add row slabs as tall as its tile
-        allows (1056 partial rows: three serial steps; 64 x 64 blocks would take 17).
+        allows (528 partial rows: two serial steps; 64 x 64 blocks would take 9).
         Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
-        8 warps, 114-122 registers, no spills, 16-byte loads, no barrier in the loop
-        (benchmarks/notes/qkback.md: why the first backward was latency-bound).
+        8 warps, 114-122 registers (two programs a SM), no spills, 16-byte loads, no barrier in the
+        loop; 4 programs a SM a tensor: 4 waves of 8 q and 8 k tiles a program at Qwen3-0.6B, its
+        end-of-program reduction (across warps) amortised over them (benchmarks/notes/qkback.md:
+        why the first backward was latency-bound).
     "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
         into one workspace row); reduce_block: columns one program of its partials' sum owns.
         straight_line: where one step holds a token's heads, no loop over head steps (the compiler
@@ -131,7 +133,7 @@ class QKNormRotaryHeuristics:
     across_max: int = 16384
     backward_kernel: str = "tiles"
     backward_tile: int = 4096
-    tile_programs_per_sm: int = 8
+    tile_programs_per_sm: int = 4
     tile_reduce_block: int = 16
 
 
