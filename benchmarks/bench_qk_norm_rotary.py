@@ -3,7 +3,7 @@ kernel, the default, and the first "tokens" kernel) side by side with Hugging Fa
 sequence in torch eager and under torch.compile, in one process, timed in interleaved rounds.
 
     PYTHONPATH=src python benchmarks/bench_qk_norm_rotary.py --out FILE [--shapes a,b] [--rounds 5]
-        [--rep 100] [--sweep] [--no-compile] [--grad-layout bshd|bhsd] [--cpu]
+        [--rep 100] [--quick] [--sweep] [--no-compile] [--grad-layout bshd|bhsd] [--cpu]
 
 Shapes (8 x 2048 tokens; inputs as a Hugging Face model makes them under bf16 autocast with float32
 parameters: q, k bf16 (b, s, h, d) views of the projections, norm weights float32, cos and sin
@@ -269,7 +269,10 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-layout", choices=("bshd", "bhsd"), default="bshd",
                         help="storage order of the upstream gradients of the (b, h, s, d) outputs")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a self-check)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of rep 50 ms (sets --rounds and --rep)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.rep = 2, 50
     log = lambda s: print(s, flush=True)  # noqa: E731
     from trainops.bench import copy_ceiling_gbps, environment, kernel_ms
     env = environment()
