@@ -30,8 +30,9 @@ fewest bytes (bwd: dq_out, dk_out, q, k, cos, sin read once, dq, dk written once
 read once, q_out, k_out written once; the weights and their gradients; nothing else).
 Every implementation's outputs (and gradients of q, k and both weights) are compared with a float64
 evaluation of the same formulas first; ``max_error`` is the largest relative-norm error.
---sweep: also the tiles kernel's backward under variants of backward_tile x tile_programs_per_sm x
-warps (bwd only, in the same rounds). --cpu: tiny shapes on the CPU (a self-check of this script,
+--sweep: also the tiles kernel's backward under variants of (backward_tile, warps) x
+tile_programs_per_sm x tile_stages, and the tiles at 4 / 8 warps at the defaults (bwd only, in the
+same rounds). --cpu: tiny shapes on the CPU (a self-check of this script,
 no compile, wall time only; --shapes then names CPU_SHAPES).
 JSON: {"environment", "copy_ceiling_gbps", "settings", "rows"}.
 """
@@ -61,8 +62,9 @@ SHAPES = {   # name: (batch, seq, q heads, k heads, head dim, family)
 CPU_SHAPES = {"qwen3-tiny": (2, 8, 4, 2, 16, "qwen3"), "olmo2-tiny": (1, 8, 2, 2, 8, "olmo2"),
               "gemma3-tiny": (1, 4, 2, 1, 16, "gemma3")}
 EPS = 1e-6
-SWEEP = [dict(backward_tile=t, tile_programs_per_sm=p, backward_warps=((1 << 62, w),))
-         for t, w in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)) for p in (2, 4, 8, 16)]
+SWEEP = ([dict(backward_tile=t, tile_programs_per_sm=p, tile_stages=st, backward_warps=((1 << 62, w),))
+          for t, w in ((2048, 8), (4096, 8), (8192, 16)) for p in (2, 4, 8) for st in (1, 2, 3)]
+         + [dict(backward_tile=t, backward_warps=((1 << 62, w),)) for t, w in ((2048, 4), (4096, 4), (8192, 8))])
 
 
 def rotate_half(x):
@@ -199,9 +201,10 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
                 configs.append(Config(name, "bwd", f"trainops {label}", bwd_op, bwd_bytes, h, max_error=berr))
             if sweep:
                 for fields in SWEEP:
-                    tag = (f"trainops tiles tile={fields['backward_tile']} pps={fields['tile_programs_per_sm']} "
-                           f"warps={fields['backward_warps'][0][1]}")
-                    configs.append(Config(name, "bwd", tag, bwd_op, bwd_bytes, QKNormRotaryHeuristics(**fields)))
+                    h = QKNormRotaryHeuristics(**fields)
+                    tag = (f"trainops tiles tile={h.backward_tile} pps={h.tile_programs_per_sm} "
+                           f"stages={h.tile_stages} warps={h.backward_warps[0][1]}")
+                    configs.append(Config(name, "bwd", tag, bwd_op, bwd_bytes, h))
         else:
             o = f(*leaves, cos, sin)
 

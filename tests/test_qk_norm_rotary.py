@@ -304,8 +304,8 @@ def test_tiles_backward_plans(backend, device, dtype):
     read in place from transposed and strided views; against float64 (q, k and both weights)."""
     gen = torch.Generator().manual_seed(30)
     cases = [
-        (dict(backward_tile=8, tile_programs_per_sm=1), (2, 3, 5, 3, 8), dict(layout="transposed"), {},
-         dict(BLOCK_T=1, BLOCK_H=(1, 1), tiles=(30, 18), programs=4)),
+        (dict(backward_tile=8, tile_programs_per_sm=1, tile_stages=3), (2, 3, 5, 3, 8), dict(layout="transposed"), {},
+         dict(BLOCK_T=1, BLOCK_H=(1, 1), tiles=(30, 18), programs=4, stages=3)),
         (dict(backward_tile=128), (1, 7, 5, 3, 8), dict(layout="strided", cos_shape="1"), {},
          dict(BLOCK_T=2, BLOCK_H=(8, 4), tiles=(4, 4))),
         (dict(backward_tile=64, tile_programs_per_sm=1), (1, 5, 3, 2, 8), dict(across_heads=True, cos_shape="none"),
@@ -435,7 +435,8 @@ def test_errors_name_the_argument():
     for fields, text in ((dict(backward_kernel="rows"), "backward_kernel must be one of"),
                          (dict(backward_tile=3000), "backward_tile must be a power of two"),
                          (dict(tile_reduce_block=0), "tile_reduce_block must be a power of two"),
-                         (dict(tile_programs_per_sm=0), "tile_programs_per_sm must be an int >= 1")):
+                         (dict(tile_programs_per_sm=0), "tile_programs_per_sm must be an int >= 1"),
+                         (dict(tile_stages=0), "tile_stages must be an int >= 1")):
         with pytest.raises(InvalidProblemError, match="argument 'heuristics'") as info:
             trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
                           dtype=q.dtype, device="cpu", heuristics=QKNormRotaryHeuristics(**fields))

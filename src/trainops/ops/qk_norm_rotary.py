@@ -104,7 +104,11 @@ class QKNormRotaryHeuristics:
         programs a tensor at most, fewer where their partial rows would exceed 1/32 of the tensor's
         bytes (OLMo 2's wide weights; one a SM at least). The partial rows are summed by a column
         sum whose programs own ``tile_reduce_block`` columns and add row slabs as tall as its tile
-        allows (528 partial rows: two serial steps; 64 x 64 blocks would take 9).
+        allows (528 partial rows: two serial steps; 64 x 64 blocks would take 9). ``tile_stages``:
+        the tile loop's ``num_stages`` (1: plain loads, each warp's next tile loaded after its
+        stores; 2-3: Triton's software pipelining, the next tiles' loads issued as cp.async into
+        shared memory while this one computes: 36 KB a program at 3 and Qwen3-0.6B's tile, two
+        barriers a step; compiled for sm_90 by Triton 3.9, untimed).
         Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
         8 warps, 114-122 registers (two programs a SM), no spills, 16-byte loads, no barrier in the
         loop; 4 programs a SM a tensor: 4 waves of 8 q and 8 k tiles a program at Qwen3-0.6B, its
@@ -135,6 +139,7 @@ class QKNormRotaryHeuristics:
     backward_tile: int = 4096
     tile_programs_per_sm: int = 4
     tile_reduce_block: int = 16
+    tile_stages: int = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,7 +312,7 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a QKNormRotaryHeuristics, got {type(heuristics).__name__}")
     check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block", "backward_tile", "tile_reduce_block"),
-                           at_least_one=("programs_per_sm", "across_max", "tile_programs_per_sm"))
+                           at_least_one=("programs_per_sm", "across_max", "tile_programs_per_sm", "tile_stages"))
     if heuristics.backward_kernel not in BACKWARD_KERNELS:
         raise argument_error(InvalidProblemError, op, "heuristics", f"backward_kernel must be one of "
                              f"{BACKWARD_KERNELS}, got {heuristics.backward_kernel!r}")
@@ -651,7 +656,7 @@ if triton_available():
         rows, seq, heads, do_sb, do_ss, do_sh, do_sd, x_sb, x_ss, x_sh, x_sd,
         COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr,
     ):
         """Tiles p, p + programs, ... of one tensor's (token block, head block) tiles: dx written,
         dy * n added element by element to [BLOCK_T, BLOCK_H, BLOCK_R] sums, which are reduced (over
@@ -671,7 +676,7 @@ if triton_available():
         else:
             w_a = tl.load(W + j, mask=j_mask, other=0.0).to(ACC) + w_offset
             w_b = tl.load(W + HALF + j, mask=j_mask, other=0.0).to(ACC) + w_offset
-        for tile in range(p, n_tiles, programs):
+        for tile in tl.range(p, n_tiles, programs, num_stages=STAGES):
             t = (tile // head_blocks).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
             h = (tile % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
             h64 = h.to(tl.int64)
@@ -740,7 +745,8 @@ if triton_available():
         c_sb, c_ss, c_sd, s_sb, s_ss, s_sd,
         eps, w_offset,
         ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+        ACC: tl.constexpr,
     ):
         """Even programs 2p take q's tiles p, p + programs, ...; odd ones 2p + 1 k's, the same tokens
         (neighbouring programs run together: cos and sin come from the L2 cache the second time)."""
@@ -750,12 +756,12 @@ if triton_available():
             _tiles_tensor(DQO, Q, WQ, DQ, DWQ_PART, p, programs, q_tiles, q_head_blocks, rows, seq, q_heads,
                           dqo_sb, dqo_ss, dqo_sh, dqo_sd, q_sb, q_ss, q_sh, q_sd,
                           COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
-                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HQ, BLOCK_R, ACC)
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HQ, BLOCK_R, STAGES, ACC)
         else:
             _tiles_tensor(DKO, K, WK, DK, DWK_PART, p, programs, k_tiles, k_head_blocks, rows, seq,
                           k_heads, dko_sb, dko_ss, dko_sh, dko_sd, k_sb, k_ss, k_sh, k_sd,
                           COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
-                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HK, BLOCK_R, ACC)
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HK, BLOCK_R, STAGES, ACC)
 
 def _prev_pow2(v: int) -> int:
     return 1 << (max(1, int(v)).bit_length() - 1)
@@ -850,8 +856,8 @@ def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = No
                                 *tables, problem.eps, problem.weight_offset),
                       ACROSS=problem.across_heads, DW=dw, HALF=problem.head_dim // 2, BLOCK_T=config.block_t,
                       BLOCK_HQ=config.block_h[0], BLOCK_HK=config.block_h[1],
-                      BLOCK_R=config.block_r, ACC=tl.float64 if acc == torch.float64 else tl.float32,
-                      num_warps=config.num_warps)
+                      BLOCK_R=config.block_r, STAGES=problem.heuristics.tile_stages,
+                      ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=config.num_warps)
     wq_size, wk_size = (math.prod(s) for s in problem.weight_shapes)
     # the partials' sum: narrow column blocks, tall row slabs (up to the tile): few serial steps
     sums = [column_sum(parts, size, problem.heuristics.tile_reduce_block, 1 << 30)
@@ -871,6 +877,7 @@ def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = No
             sums[1](parts[1], dwk)
 
     params = (("grid", (2 * pq,)), ("programs", pq), ("tiles", config.tiles),
+              ("stages", problem.heuristics.tile_stages),
               ("BLOCK_T", config.block_t), ("BLOCK_H", config.block_h), ("BLOCK_R", config.block_r),
               ("num_warps", config.num_warps))
     workspace = (pq * wq_size + pk * wk_size) * acc.itemsize if dw else 0
