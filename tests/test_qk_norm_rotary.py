@@ -322,6 +322,19 @@ def test_tiles_backward_plans(backend, device, dtype):
                 assert {key: p.kernel[key] for key in want} == want, p.kernel
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # the interpreter computes the padded 1 / sqrt(0)
+def test_eps_zero_with_padded_lanes(backend, device):
+    """eps = 0 where the Triton plans pad (5 q heads and 3 k heads held as 8 and 4; a ragged last
+    tile of tokens): the padded lanes' 1 / sqrt(0) must not reach the weight gradients (it did, as
+    NaN, before); both backward kernels, per head and across heads, against float64."""
+    gen = torch.Generator().manual_seed(31)
+    for fields in (dict(backward_tile=128), dict(backward_kernel="tokens")):
+        with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
+            for across in (False, True):
+                inputs = make_inputs(1, 3, 5, 3, 8, torch.float32, device, gen, across_heads=across)
+                check(*inputs, torch.float32, f"eps 0 {fields} across={across}", eps=0.0, across_heads=across)
+
+
 def test_special_values(backend, device):
     """Per head, a NaN poisons only its own head (its whole head: the norm mixes the features)."""
     gen = torch.Generator().manual_seed(23)

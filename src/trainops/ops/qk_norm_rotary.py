@@ -542,7 +542,7 @@ if triton_available():
         # the rotation's transpose
         dy_a = do_a * c_a[None, :] + do_b * s_b[None, :]
         dy_b = do_b * c_b[None, :] - do_a * s_a[None, :]
-        rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
+        rstd = tl.where(h_mask, _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC), 0.0)   # eps 0: no NaN
         w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
         n_a = x_a * rstd[:, None]
         n_b = x_b * rstd[:, None]
@@ -703,11 +703,14 @@ if triton_available():
             dy_a = do_a * c_a + do_b * s_b
             dy_b = do_b * c_b - do_a * s_a
             sq = tl.sum(x_a * x_a + x_b * x_b, 2)                      # [BLOCK_T, BLOCK_H]
+            # padded lanes (heads, a ragged tile's tokens) get rstd 0: with eps 0 their 1 / sqrt(0)
+            # would make n = 0 * inf = NaN and poison the weight-gradient sums
             if ACROSS:
                 rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / (heads * 2 * HALF) + eps)   # [BLOCK_T]
-                rstd = rstd[:, None, None].to(ACC)
+                rstd = tl.where(t_mask, rstd[:, None, None].to(ACC), 0.0)
             else:
                 rstd = (1.0 / tl.sqrt(sq / (2 * HALF) + eps)).to(ACC)[:, :, None]
+                rstd = tl.where(t_mask & (h < heads), rstd, 0.0)
             n_a = x_a * rstd
             n_b = x_b * rstd
             g_a = dy_a * w_a
