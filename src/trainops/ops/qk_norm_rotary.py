@@ -667,15 +667,16 @@ if triton_available():
         if DW:
             sum_a = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
             sum_b = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
+        # (w + w_offset) in ACC: w_offset (and eps) may come as float64 from Inductor's launch
         if ACROSS:   # every head in the tile: the weights once, per head slot
             h0 = tl.arange(0, BLOCK_H)[None, :, None]
             wp = W + h0 * (2 * HALF) + j
             wm = (h0 < heads) & j_mask
-            w_a = tl.load(wp, mask=wm, other=0.0).to(ACC) + w_offset
-            w_b = tl.load(wp + HALF, mask=wm, other=0.0).to(ACC) + w_offset
+            w_a = (tl.load(wp, mask=wm, other=0.0).to(ACC) + w_offset).to(ACC)
+            w_b = (tl.load(wp + HALF, mask=wm, other=0.0).to(ACC) + w_offset).to(ACC)
         else:
-            w_a = tl.load(W + j, mask=j_mask, other=0.0).to(ACC) + w_offset
-            w_b = tl.load(W + HALF + j, mask=j_mask, other=0.0).to(ACC) + w_offset
+            w_a = (tl.load(W + j, mask=j_mask, other=0.0).to(ACC) + w_offset).to(ACC)
+            w_b = (tl.load(W + HALF + j, mask=j_mask, other=0.0).to(ACC) + w_offset).to(ACC)
         for tile in tl.range(p, n_tiles, programs, num_stages=STAGES):
             t = (tile // head_blocks).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
             h = (tile % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
