@@ -142,10 +142,9 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()   # (b, s, d) float32, as the model's
 
     def upstream(shape_bhsd, dt):   # SDPA's gradients of (b, h, s, d) views
-        g = randn(*shape_bhsd, dt=dt)
         if grad_layout == "bshd":   # the storage in (b, s, h, d) order
-            g = randn(shape_bhsd[0], shape_bhsd[2], shape_bhsd[1], shape_bhsd[3], dt=dt).transpose(1, 2)
-        return g
+            return randn(shape_bhsd[0], shape_bhsd[2], shape_bhsd[1], shape_bhsd[3], dt=dt).transpose(1, 2)
+        return randn(*shape_bhsd, dt=dt)
 
     e = dtype.itemsize
     elements = b * s * (hq + hk) * d
@@ -168,12 +167,17 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
     if compile_peers:
         impls["torch.compile (HF)"] = torch.compile(hf, dynamic=False)
     for impl, f in impls.items():
-        out = f(*leaves, cos, sin)
+        variants = [("tiles", None), ("tokens", QKNormRotaryHeuristics(backward_kernel="tokens"))] \
+            if impl == "trainops" else [("", None)]
+        errors = {}
+        for label, h in variants:   # forward and backward through autograd against float64
+            with trainops.heuristics(h) if h is not None else _null():
+                out = f(*leaves, cos, sin)
+                # the reference's upstream gradients, cast to the output dtype
+                grads = torch.autograd.grad(out, leaves, tuple(u.to(o.dtype) for u, o in zip((g_q, g_k), out)))
+            errors[label] = max([_rel(o.transpose(1, 2), r.transpose(1, 2)) for o, r in zip(out, ref_out)]
+                                + [_rel(g, r) for g, r in zip(grads, ref_grads)])
         ups = tuple(upstream(o.shape, o.dtype) for o in out)
-        # the check: the reference's upstream gradients (cast to the output dtype)
-        grads = torch.autograd.grad(out, leaves, tuple(u.to(o.dtype) for u, o in zip((g_q, g_k), out)))
-        err = max([_rel(o.transpose(1, 2), r.transpose(1, 2)) for o, r in zip(out, ref_out)]
-                  + [_rel(g, r) for g, r in zip(grads, ref_grads)])
 
         def fwd(f=f):
             with torch.no_grad():
@@ -182,35 +186,34 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
         def fwd_bwd(f=f, ups=ups):
             o = f(*leaves, cos, sin)
             return torch.autograd.grad(o, leaves, ups)
-        configs.append(Config(name, "fwd", impl, fwd, fwd_bytes, max_error=err))
-        variants = [("tiles", None), ("tokens", QKNormRotaryHeuristics(backward_kernel="tokens"))] \
-            if impl == "trainops" else [("", None)]
+        configs.append(Config(name, "fwd", impl, fwd, fwd_bytes, max_error=errors[variants[0][0]]))
         for label, h in variants:
             configs.append(Config(name, "fwd+bwd", f"{impl} {label}".strip(), fwd_bwd, fwd_bytes + bwd_bytes, h,
-                                  max_error=err))
+                                  max_error=errors[label]))
         if impl == "trainops":
             op = torch.ops.trainops.qk_norm_rotary_backward
             dq_out, dk_out = (u.transpose(1, 2) for u in ups)   # (b, s, h, d) views, as the op sees them
+            want = ref_grads_for(ref_leaves, ref_out, ups)
 
             def bwd_op():
                 return op(dq_out, dk_out, q, k, wq, wk, cos, sin, EPS, offset, family == "olmo2", True)
-            for label, h in variants:
-                with trainops.heuristics(h) if h is not None else _null():
-                    got = bwd_op()
-                berr = max(_rel(g, r) for g, r in zip(got, ref_grads_for(ref_leaves, ref_out, ups)))
-                configs.append(Config(name, "bwd", f"trainops {label}", bwd_op, bwd_bytes, h, max_error=berr))
+            backward_variants = [(f"trainops {label}", h) for label, h in variants]
             if sweep:
                 for fields in SWEEP:
                     h = QKNormRotaryHeuristics(**fields)
-                    tag = (f"trainops tiles tile={h.backward_tile} pps={h.tile_programs_per_sm} "
-                           f"stages={h.tile_stages} warps={h.backward_warps[0][1]}")
-                    configs.append(Config(name, "bwd", tag, bwd_op, bwd_bytes, h))
+                    backward_variants.append((f"trainops tiles tile={h.backward_tile} pps={h.tile_programs_per_sm} "
+                                              f"stages={h.tile_stages} warps={h.backward_warps[0][1]}", h))
+            for label, h in backward_variants:   # each checked against float64 (its first call compiles)
+                with trainops.heuristics(h) if h is not None else _null():
+                    got = bwd_op()
+                berr = max(_rel(g, r) for g, r in zip(got, want))
+                configs.append(Config(name, "bwd", label, bwd_op, bwd_bytes, h, max_error=berr))
         else:
             o = f(*leaves, cos, sin)
 
             def bwd_graph(o=o, ups=ups):
                 return torch.autograd.grad(o, leaves, ups, retain_graph=True)
-            configs.append(Config(name, "bwd", impl, bwd_graph, bwd_bytes, max_error=err))
+            configs.append(Config(name, "bwd", impl, bwd_graph, bwd_bytes, max_error=errors[""]))
     return configs
 
 

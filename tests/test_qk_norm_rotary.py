@@ -567,6 +567,5 @@ def test_bench_front_end_on_the_cpu(tmp_path, capsys, monkeypatch):
                        ("fwd+bwd", "torch eager (HF)"), ("fwd", "trainops"), ("fwd", "torch eager (HF)")}
         assert sum(r["shape"] == shape and " tile=" in r["impl"] for r in rows) == len(script.SWEEP)
     assert all(len(r["rounds"]) == 2 and r["ms"] > 0 for r in rows)
-    checked = [r["max_error"] for r in rows if r["max_error"] is not None]
-    assert len(checked) == 16 and all(e < 1e-2 for e in checked)   # bf16 inputs; NaN fails
+    assert all(r["max_error"] < 1e-2 for r in rows)   # every row checked against float64 (bf16); NaN fails
     assert "summary" in capsys.readouterr().out
