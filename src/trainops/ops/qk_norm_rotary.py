@@ -111,7 +111,7 @@ class QKNormRotaryHeuristics:
         barriers a step; compiled for sm_90 by Triton 3.9, untimed).
         Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
         8 warps, 114-122 registers (two programs a SM), no spills, 16-byte loads, no barrier in the
-        loop; 4 programs a SM a tensor: 4 waves of 8 q and 8 k tiles a program at Qwen3-0.6B, its
+        loop; 4 programs a SM a tensor: 4 waves of programs walking ~16 tiles each at Qwen3-0.6B, its
         end-of-program reduction (across warps) amortised over them (benchmarks/notes/qkback.md:
         why the first backward was latency-bound).
     "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
