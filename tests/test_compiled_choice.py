@@ -115,7 +115,11 @@ def test_qk_norm_rotary_decomposition_matches_the_op(across_heads, offset, dtype
         assert_close(a, e, dtype, name)
     for i, (a, e) in enumerate(zip(got_grads, want_grads)):
         assert_close(a, e, dtype, f"gradient {i}")
-    assert qk_ops.DECOMPOSITION.size(qk_ops.qk_norm_rotary_op._by_name(*args)) == 16
+    # the norm's width: the head dim, or across heads q's heads x head dim
+    assert qk_ops.DECOMPOSITION.size(qk_ops.qk_norm_rotary_op._by_name(*args)) == (64 if across_heads else 16)
+    plan = trainops.plan("qk_norm_rotary", q_shape=q.shape, k_shape=k.shape, cos_shape=angles.shape, dtype=dtype,
+                         device="cpu", weight_dtype=torch.float32, cos_dtype=torch.float32, across_heads=across_heads)
+    assert plan.problem.compiled_size == (64 if across_heads else 16)
 
 
 def test_size_classes_and_lookup():
@@ -221,6 +225,33 @@ def test_the_bench_flags_are_checked():
         main(["bench", "--write-table", "x.py"])            # only with --compiled-choice
     with pytest.raises(SystemExit):
         main(["bench", "--compiled-choice", "--quick"])     # runs alone
+    for ops in ("softmax", "qk_norm_rotary,qk_norm_rotary"):   # no decomposition; twice
+        with pytest.raises(SystemExit) as refused:
+            main(["bench", "--compiled-choice", "--ops", ops])
+        assert refused.value.code == 2
+    if not torch.cuda.is_available():   # an op with a decomposition passes the flags, then wants a GPU
+        with pytest.raises(SystemExit, match="CUDA device"):
+            main(["bench", "--compiled-choice", "--ops", "qk_norm_rotary", "--write-table", "x.py"])
+
+
+def test_the_bench_measures_the_chosen_ops_and_keeps_the_others_entries():
+    """--compiled-choice --ops qk_norm_rotary: its problems per head (head dims) and across heads
+    (OLMo 2's widths); --write-table then keeps the other ops' shipped entries and replaces the
+    measured op's, in both dtypes."""
+    from trainops.bench.compiled_choice import OPS, merged_table, problems, table_source
+    assert problems(("qk_norm_rotary",)) == [("qk_norm_rotary", n) for n in (64, 128, 256, 2048, 4096)]
+    assert {op for op, _ in problems()} == set(OPS)
+    old = {("cuda", "rms_norm", "bfloat16", 128): "inductor", ("cuda", "qk_norm_rotary", "float32", 128): "inductor",
+           ("cuda", "qk_norm_rotary", "bfloat16", 64): "inductor"}
+    new = {("cuda", "qk_norm_rotary", "bfloat16", 2048): "inductor"}
+    merged = merged_table(old, new, ("qk_norm_rotary",))
+    assert merged == {("cuda", "rms_norm", "bfloat16", 128): "inductor",
+                      ("cuda", "qk_norm_rotary", "bfloat16", 2048): "inductor"}
+    source = table_source(merged, dict(device="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-29T10:00"),
+                          measured=("qk_norm_rotary",))
+    namespace = {}
+    exec(compile(source, "compiled_table.py", "exec"), namespace)
+    assert namespace["TABLE"] == merged and "qk_norm_rotary; the other ops' entries kept" in source
 
 
 def _rms(x, w):

@@ -5,6 +5,7 @@ place, broadcast cos / sin, odd widths, out_dtype, frozen weights, unused output
 determinism, gradcheck, torch.compile, errors. Tiny shapes: the interpreter is slow."""
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -257,14 +258,21 @@ def test_weight_gradient_is_deterministic(backend, device):
         return torch.autograd.grad((qo, ko), (wq, wk), (dq_out, dk_out))
     first, again = weight_grads(), weight_grads()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    for h in (QKNormRotaryHeuristics(programs_per_sm=1), QKNormRotaryHeuristics(programs_per_sm=1000, tile=8)):
+    for h in (QKNormRotaryHeuristics(tile_programs_per_sm=1, backward_tile=16),
+              QKNormRotaryHeuristics(tile_programs_per_sm=2, backward_tile=8),
+              QKNormRotaryHeuristics(backward_kernel="tokens", programs_per_sm=1000, tile=8)):
         with trainops.heuristics(h):
             other = weight_grads()
         for a, b in zip(first, other):
             assert_close(a, b, torch.float32, f"{h}")
     if backend == "triton":
-        p = trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
-                          dtype=q.dtype, device=q.device, heuristics=QKNormRotaryHeuristics(programs_per_sm=1))
+        def plan(**fields):
+            return trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                                 dtype=q.dtype, device=q.device, heuristics=QKNormRotaryHeuristics(**fields))
+        p = plan(tile_programs_per_sm=1, backward_tile=16)   # 12 tokens, a token a tile, over 4 "SMs": 3 tiles each
+        assert p.kernel["grid"] == (8,) and p.kernel["programs"] == 4 and p.kernel["tiles"] == (12, 12)
+        assert p.kernel["BLOCK_T"] == 1 and p.kernel["BLOCK_H"] == (2, 1)
+        p = plan(backward_kernel="tokens", programs_per_sm=1)
         assert p.kernel["grid"] == (4,) and p.kernel["rows_per_program"] == 3   # 12 tokens over 4 "SMs"
 
 
@@ -273,18 +281,58 @@ def test_forced_plans(backend, device):
     every head, weight sums per head slot: all give the reference's result."""
     gen = torch.Generator().manual_seed(22)
     inputs = make_inputs(2, 2, 5, 3, 8, torch.float32, device, gen)
-    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False)):
+    tokens = dict(backward_kernel="tokens")   # the first backward, kept for the benchmark
+    with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False, **tokens)):
         check(*inputs, torch.float32, "loop of one step, per-slot weight sums")
         check(*make_inputs(1, 2, 3, 2, 8, torch.float32, device, gen, across_heads=True), torch.float32,
               "loop of one step, across heads", across_heads=True)
-    with trainops.heuristics(QKNormRotaryHeuristics(tile=8, step_head_sums=False)):
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=8, step_head_sums=False, **tokens)):
         check(*inputs, torch.float32, "one head a step, per-slot weight sums")
-    with trainops.heuristics(QKNormRotaryHeuristics(tile=16)):
+    with trainops.heuristics(QKNormRotaryHeuristics(tile=16, **tokens)):
         check(*inputs, torch.float32, "two heads a step")
         p = trainops.plan("qk_norm_rotary", q_shape=inputs[0].shape, k_shape=inputs[1].shape,
                           cos_shape=inputs[4].shape, dtype=torch.float32, device=device)
     if backend == "triton":
         assert p.kernel["BLOCK_HQ"] == 2 and p.kernel["grid"] == (4,)   # 5 heads: steps of 2, 2, 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_backward_plans(backend, device, dtype):
+    """The tiles backward (the default) where its plan branches: one head a tile (head blocks, q's 5
+    heads and k's 3 in separate tiles), several tokens a tile with a ragged last tile, programs
+    walking several tiles, the norm across heads with two tokens a tile and Gemma's weight offset;
+    read in place from transposed and strided views; against float64 (q, k and both weights)."""
+    gen = torch.Generator().manual_seed(30)
+    cases = [
+        (dict(backward_tile=8, tile_programs_per_sm=1, tile_stages=3), (2, 3, 5, 3, 8), dict(layout="transposed"), {},
+         dict(BLOCK_T=1, BLOCK_H=(1, 1), tiles=(30, 18), programs=4, stages=3)),
+        (dict(backward_tile=128), (1, 7, 5, 3, 8), dict(layout="strided", cos_shape="1"), {},
+         dict(BLOCK_T=2, BLOCK_H=(8, 4), tiles=(4, 4))),
+        (dict(backward_tile=64, tile_programs_per_sm=1), (1, 5, 3, 2, 8), dict(across_heads=True, cos_shape="none"),
+         dict(across_heads=True, weight_offset=1.0), dict(BLOCK_T=2, BLOCK_H=(4, 2), tiles=(3, 3), programs=3)),
+    ]
+    for fields, (b, s, hq, hk, d), make, call, want in cases:
+        with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
+            inputs = make_inputs(b, s, hq, hk, d, dtype, device, gen, **make)
+            check(*inputs, dtype, f"{fields} {make}", **call)
+            if backend == "triton":
+                q, k, *_, cos, _ = inputs
+                p = trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                                  dtype=dtype, device=device, across_heads=call.get("across_heads", False))
+                assert {key: p.kernel[key] for key in want} == want, p.kernel
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")   # the interpreter computes the padded 1 / sqrt(0)
+def test_eps_zero_with_padded_lanes(backend, device):
+    """eps = 0 where the Triton plans pad (5 q heads and 3 k heads held as 8 and 4; a ragged last
+    tile of tokens): the padded lanes' 1 / sqrt(0) must not reach the weight gradients (it did, as
+    NaN, before); both backward kernels, per head and across heads, against float64."""
+    gen = torch.Generator().manual_seed(31)
+    for fields in (dict(backward_tile=128), dict(backward_kernel="tokens")):
+        with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
+            for across in (False, True):
+                inputs = make_inputs(1, 3, 5, 3, 8, torch.float32, device, gen, across_heads=across)
+                check(*inputs, torch.float32, f"eps 0 {fields} across={across}", eps=0.0, across_heads=across)
 
 
 def test_special_values(backend, device):
@@ -397,6 +445,15 @@ def test_errors_name_the_argument():
         assert text in str(info.value) and "trainops.qk_norm_rotary" in str(info.value), str(info.value)
     with torch.no_grad():  # nothing is differentiated: angles that require grad are fine
         f(q, k, wq, wk, cos.detach().requires_grad_(), sin)
+    for fields, text in ((dict(backward_kernel="rows"), "backward_kernel must be one of"),
+                         (dict(backward_tile=3000), "backward_tile must be a power of two"),
+                         (dict(tile_reduce_block=0), "tile_reduce_block must be a power of two"),
+                         (dict(tile_programs_per_sm=0), "tile_programs_per_sm must be an int >= 1"),
+                         (dict(tile_stages=0), "tile_stages must be an int >= 1")):
+        with pytest.raises(InvalidProblemError, match="argument 'heuristics'") as info:
+            trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
+                          dtype=q.dtype, device="cpu", heuristics=QKNormRotaryHeuristics(**fields))
+        assert text in str(info.value), str(info.value)
     big = torch.zeros(1, 1, 300, 64)
     with pytest.raises(UnsupportedError, match="'across_heads' norms over 300 heads"):
         f(big, big, torch.ones(300 * 64), torch.ones(300 * 64), torch.ones(1, 64), torch.ones(1, 64),
@@ -420,15 +477,23 @@ def _assert_rounded_once(out: torch.Tensor, ref: torch.Tensor, what: str) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["tiles", "tokens"])
 @pytest.mark.parametrize("shape,across", [((8, 2048, 16, 8, 128), False), ((4, 2048, 32, 8, 64), False),
-                                          ((4, 2048, 16, 16, 128), True)],
-                         ids=["qwen3-0.6b", "llama-3.2-1b-like", "olmo2-1b-across-heads"])
-def test_gpu_real_sizes(shape, across):
+                                          ((4, 2048, 16, 16, 128), True), ((4, 2048, 32, 8, 128), False),
+                                          ((4, 2048, 4, 1, 256), False)],
+                         ids=["qwen3-0.6b", "llama-3.2-1b-like", "olmo2-1b-across-heads", "qwen3-8b-like",
+                              "gemma3-1b"])
+def test_gpu_real_sizes(shape, across, kernel):
     b, s, hq, hk, d = shape
     gen = torch.Generator().manual_seed(28)
     q, k, wq, wk, cos, sin = make_inputs(b, s, hq, hk, d, torch.bfloat16, "cuda", gen, across_heads=across,
                                          cos_shape="1", cos_dtype=torch.bfloat16)
     q, k, wq, wk = (t.requires_grad_() for t in (q, k, wq, wk))
+    with trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=kernel)):
+        _gpu_real_sizes(q, k, wq, wk, cos, sin, across)
+
+
+def _gpu_real_sizes(q, k, wq, wk, cos, sin, across):
     qo, ko = trainops.qk_norm_rotary(q, k, wq, wk, cos, sin, 1e-6, across_heads=across)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
     rq, rk = reference(*leaves64, cos, sin, 1e-6, 0.0, across)
@@ -477,10 +542,10 @@ def test_gpu_compiled_graph_launches_the_kernels():
         assert_close(got, want, torch.bfloat16, "compiled grad")
 
 
-def test_bench_front_end_on_the_cpu(tmp_path, capsys):
-    """benchmarks/bench_qk_norm_rotary.py --cpu --sweep: every implementation and heuristics variant
-    checked against float64, rows written, the defaults' variant marked (a self-check of the GPU
-    script)."""
+def test_bench_front_end_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """benchmarks/bench_qk_norm_rotary.py --cpu --sweep: every implementation checked against
+    float64 and timed in interleaved rounds, the tiles and tokens backwards side by side, the sweep's
+    variants, rows written (a self-check of the GPU script)."""
     import importlib.util
     import json
     import os
@@ -488,13 +553,19 @@ def test_bench_front_end_on_the_cpu(tmp_path, capsys):
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_qk_norm_rotary.py")
     spec = importlib.util.spec_from_file_location("_bench_qk_norm_rotary", path)
     script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)   # its dataclass looks its module up
     spec.loader.exec_module(script)
     out = tmp_path / "qk.json"
     with trainops.backend("cpu"):
-        assert script.main(["--cpu", "--sweep", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    rows, sweep = result["rows"], result["sweep"]
-    assert [r["impl"] for r in rows] == ["trainops", "trainops unfused", "torch (HF's sequence)"] * 2
-    assert all(r["error"] < 1e-5 for r in rows + sweep)
-    assert len(sweep) == len(script.cases.SWEEP[1]) and sum(r["default"] for r in sweep) == 1
+        assert script.main(["--cpu", "--sweep", "--rounds", "2", "--shapes", "qwen3-tiny,olmo2-tiny",
+                            "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for shape in ("qwen3-tiny", "olmo2-tiny"):
+        got = {(r["direction"], r["impl"]) for r in rows if r["shape"] == shape and " tile=" not in r["impl"]}
+        assert got == {("bwd", "trainops tiles"), ("bwd", "trainops tokens"), ("bwd", "torch eager (HF)"),
+                       ("fwd+bwd", "trainops tiles"), ("fwd+bwd", "trainops tokens"),
+                       ("fwd+bwd", "torch eager (HF)"), ("fwd", "trainops"), ("fwd", "torch eager (HF)")}
+        assert sum(r["shape"] == shape and " tile=" in r["impl"] for r in rows) == len(script.SWEEP)
+    assert all(len(r["rounds"]) == 2 and r["ms"] > 0 for r in rows)
+    assert all(r["max_error"] < 1e-2 for r in rows)   # every row checked against float64 (bf16); NaN fails
     assert "summary" in capsys.readouterr().out

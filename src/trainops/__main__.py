@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --sweep: start no new problem after this many seconds")
     bench.add_argument("--compiled-choice", action="store_true",
                        help="measure our kernels against Inductor's fusion of their decompositions under "
-                            "torch.compile (trainops.compiled); --write-table PATH writes the table trainops ships")
+                            "torch.compile (trainops.compiled); --write-table PATH writes the table trainops ships; "
+                            "--ops picks ops (the table written keeps the other ops' shipped entries)")
     bench.add_argument("--write-table", default=None, help="with --compiled-choice: where to write compiled_table.py")
     bench.add_argument("--memory", action="store_true",
                        help="training-step memory (weights, gradients, optimizer states, activations, peak) by "
@@ -70,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_table is not None and not args.compiled_choice:
         bench.error("argument --write-table: only with --compiled-choice")
     if args.compiled_choice:
-        if args.sweep or args.quick or args.ops != "all" or step.given(args):
-            bench.error("argument --compiled-choice: runs alone (no --sweep, --step, --quick or --ops)")
+        if args.sweep or args.quick or step.given(args):
+            bench.error("argument --compiled-choice: runs alone (no --sweep, --step or --quick)")
         from .bench import compiled_choice
-        return compiled_choice.main(args.out, args.write_table)
+        chosen = compiled_choice.OPS if args.ops == "all" else tuple(args.ops.split(","))
+        unknown = sorted(set(chosen) - set(compiled_choice.OPS))
+        if unknown or len(set(chosen)) != len(chosen):
+            bench.error(f"argument --ops: with --compiled-choice, distinct ops among those with a decomposition "
+                        f"({', '.join(compiled_choice.OPS)}), or 'all'; got {args.ops!r}")
+        return compiled_choice.main(args.out, args.write_table, chosen)
     if step.given(args):
         return step.main(args, bench.error)
     if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None):

@@ -20,8 +20,7 @@ import torch
 
 import trainops
 
-from ..ops.qk_norm_rotary import QKNormRotaryHeuristics
-from .case import Case, Impl, _dt, _heuristics_impls, _randn
+from .case import Case, _dt, _randn
 
 
 def rotate_half(x):
@@ -68,10 +67,10 @@ def _angles(s, d, dtype, device):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool = False, peers_compile=True,
-            variants=None) -> Case:
-    """One case; ``variants``: instead of the implementations, the fused op under each
-    QKNormRotaryHeuristics variant (a sweep: (names, value tuples))."""
+def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool = False,
+            peers_compile=True) -> Case:
+    """One case (the fused op's backward kernels and their heuristics variants, timed side by side
+    in interleaved rounds: benchmarks/bench_qk_norm_rotary.py)."""
     eps = 1e-6
 
     def build(peers):
@@ -98,15 +97,9 @@ def qk_case(b, s, hq, hk, d, dtype, device, backward: bool, across_heads: bool =
                 return run
             return factory
 
-        if variants is not None:
-            names, values = variants
-            impls = {name: Impl(make(fused_trainops), **kw) for name, kw in _heuristics_impls(
-                QKNormRotaryHeuristics, names, values,
-                lambda v: "trainops " + " ".join(f"{n}={_short(x)}" for n, x in zip(names, v)))}
-        else:
-            impls = {"trainops": make(fused_trainops), "trainops unfused": make(unfused_trainops),
-                     "torch (HF's sequence)": make(hf_qk_norm_rotary)}
-        if variants is None and peers and peers_compile:
+        impls = {"trainops": make(fused_trainops), "trainops unfused": make(unfused_trainops),
+                 "torch (HF's sequence)": make(hf_qk_norm_rotary)}
+        if peers and peers_compile:
             impls["torch.compile (HF's sequence)"] = make(torch.compile(hf_qk_norm_rotary, dynamic=False))
 
         def reference():
@@ -149,32 +142,3 @@ def qk_norm_rotary_cpu_cases() -> list[Case]:
     device = torch.device("cpu")
     return [qk_case(2, 16, 4, 2, 16, torch.float32, device, False, peers_compile=False),
             qk_case(2, 16, 4, 2, 16, torch.float32, device, True, True, peers_compile=False)]
-
-
-def _short(value) -> str:
-    """A variant's value in its row name: a warps table of one step as its warps, another as 'by-size'."""
-    if isinstance(value, tuple):
-        return str(value[0][1]) if len(value) == 1 else "by-size"
-    return str(value)
-
-
-def _warps(n):
-    return ((1 << 62, n),)
-
-
-# (names, values) of the sweep: the backward's programs a SM x warps x straight-line code x per-step
-# head sums (forward at its defaults), then the forward's warps x tile (the backward at its defaults),
-# then the defaults
-_BWD_DEFAULT_WARPS = ((1024, 4), (1 << 62, 8))
-_FWD_DEFAULT_WARPS = ((1024, 2), (4096, 4), (1 << 62, 8))
-SWEEP = (("programs_per_sm", "backward_warps", "straight_line", "step_head_sums", "warps", "tile"),
-         [(p, _warps(bw), sl, hs, _FWD_DEFAULT_WARPS, 2048) for p in (2, 4, 8) for bw in (4, 8)
-          for sl in (True, False) for hs in (True, False)]
-         + [(4, _BWD_DEFAULT_WARPS, True, True, _warps(fw), t) for fw in (4, 8) for t in (1024, 4096)]
-         + [(4, _BWD_DEFAULT_WARPS, True, True, _FWD_DEFAULT_WARPS, 2048)])
-
-
-def qk_norm_rotary_sweep_cases(device) -> list[Case]:
-    """The fused op's heuristics variants, forward + backward, on each benchmark shape."""
-    return [qk_case(*shape, torch.bfloat16, device, True, name.startswith("olmo"), variants=SWEEP)
-            for name, shape in SHAPES.items()]

@@ -45,9 +45,16 @@ column sum; no atomics). The number of programs depends on the device's SM count
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
 then its q heads and k heads, BLOCK_H heads a step (across heads: all of them at once). Bytes:
-q, k, cos, sin read once, q_out and k_out written once. Backward: SMs x ``programs_per_sm``
-programs each looping over a block of tokens, reading dq_out, dk_out, q, k, cos, sin once,
-writing dq and dk once and its partial weight-gradient rows once.
+q, k, cos, sin read once, q_out and k_out written once. Backward ("tiles"): 2 x P programs
+(P <= SMs x ``tile_programs_per_sm``), the even ones walking q's tiles (BLOCK_T tokens x BLOCK_H
+heads x the head), the odd ones k's over the same tokens, every load of a tile issued before its
+stores, no reduction across warps inside the loop (the weight-gradient terms summed element by
+element in registers, reduced once at the program's end into its partial row), then one column
+sum per weight over the P partial rows. Bytes: dq_out, dk_out, q, k read once, dq, dk written
+once, cos and sin read once from memory (the k program's read hits the L2 cache), the partial
+rows written and read once (P x (weight sizes) floats). The first backward ("tokens", one token a
+step, its weight sums reduced across the heads each step) is kept behind
+``QKNormRotaryHeuristics(backward_kernel="tokens")`` for the benchmark.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device
 from ._common import check_heuristic_fields, checked_strides, first_step, float_dtype
 
 OPS = ("qk_norm_rotary", "qk_norm_rotary_backward")
+BACKWARD_KERNELS = ("tiles", "tokens")
+PARTIAL_SHARE = 32   # a tiles program's partial weight-gradient row: at most 1/32 of its tensor's bytes a program
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,26 +89,42 @@ OPS = ("qk_norm_rotary", "qk_norm_rotary_backward")
 class QKNormRotaryHeuristics:
     """The family's tunables (trainops.heuristics(...) overrides them).
 
-    tile: elements of one tensor a program holds per step: BLOCK_H heads (a power of two) of its
-        token's heads at once, BLOCK_H x the head's padded features at most ``tile`` (per-head
-        norms; across heads every head is held: at most ``across_max`` elements, else
-        UnsupportedError).
-    warps / backward_warps: (tile elements at most, warps) steps, the first that fits.
-    programs_per_sm: backward programs per SM (each sums its tokens' weight gradients into one
-        workspace row); reduce_block: columns one program of the partials' sum owns.
-    straight_line: where one step holds a token's heads, no loop over head steps (the compiler may
-        then issue k's loads beside q's, with more registers: the backward at 4 warps 168 against
-        127 with the loop); False keeps the loop.
-    step_head_sums: per-head backward, each step's dy * n summed over its heads at once (a
-        reduction across the head axis per token); False keeps one sum per head slot in registers
-        and adds the slots once, at the program's end.
+    tile: elements of one tensor a forward (and "tokens" backward) program holds per step: BLOCK_H
+        heads (a power of two) of its token's heads at once, BLOCK_H x the head's padded features
+        at most ``tile`` (per-head norms; across heads every head is held: at most ``across_max``
+        elements, else UnsupportedError).
+    warps / backward_warps: (tile elements at most, warps) steps, the first that fits (the
+        backward's keyed by its kernel's tile: ``backward_tile`` for "tiles", ``tile`` for "tokens").
+    backward_kernel: "tiles" (the default) or "tokens" (the first backward, kept for the benchmark's
+        side-by-side timing).
+    "tiles" backward: each program walks tiles of one tensor of BLOCK_T tokens x BLOCK_H heads x
+        the head, ``backward_tile`` elements at most (per head the heads first, then tokens; across
+        heads every head, BLOCK_T >= 1), with no reduction across warps inside its loop (the
+        weight-gradient terms accumulate element by element); ``tile_programs_per_sm`` x SMs
+        programs a tensor at most, fewer where their partial rows would exceed 1/32 of the tensor's
+        bytes (OLMo 2's wide weights; one a SM at least). The partial rows are summed by a column
+        sum whose programs own ``tile_reduce_block`` columns and add row slabs as tall as its tile
+        allows (528 partial rows: two serial steps; 64 x 64 blocks would take 9). ``tile_stages``:
+        the tile loop's ``num_stages`` (1: plain loads, each warp's next tile loaded after its
+        stores; 2-3: Triton's software pipelining, the next tiles' loads issued as cp.async into
+        shared memory while this one computes: 36 KB a program at 3 and Qwen3-0.6B's tile, two
+        barriers a step; compiled for sm_90 by Triton 3.9, untimed).
+        Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
+        8 warps, 114-122 registers (two programs a SM), no spills, 16-byte loads, no barrier in the
+        loop; 4 programs a SM a tensor: 4 waves of programs walking ~16 tiles each at Qwen3-0.6B, its
+        end-of-program reduction (across warps) amortised over them (benchmarks/notes/qkback.md:
+        why the first backward was latency-bound).
+    "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
+        into one workspace row); reduce_block: columns one program of its partials' sum owns.
+        straight_line: where one step holds a token's heads, no loop over head steps (the compiler
+        may then issue k's loads beside q's, with more registers: 168 against 127 at 4 warps);
+        False keeps the loop. step_head_sums: each step's dy * n summed over its heads at once (a
+        reduction across the head axis per token: across warps, two barriers each); False keeps
+        one sum per head slot in registers and adds the slots once, at the program's end.
     Untimed defaults: tile and forward warps are the rotary family's (measured on the H100 for its
-    own per-token kernel); backward_warps from register counts of the sm_90 cubins (bf16, cuobjdump,
-    no GPU run): at 4 warps the backward of a 2048-element tile holds 163-168 registers a thread
-    (254 across 16 heads of 128), at 8 warps 114-142, no spills either way; at ~120 registers two
-    8-warp programs fit an SM, so programs_per_sm 4 makes two waves (a guess, not a timing).
-    ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the alternatives. Compared by identity (a
-    plan's cache key holds the object it was made with).
+    own per-token kernel). ``benchmarks/bench_qk_norm_rotary.py --sweep`` times the tiles
+    backward's alternatives. Compared by identity (a plan's cache key holds the object it was made
+    with).
     """
 
     tile: int = 2048
@@ -110,6 +135,11 @@ class QKNormRotaryHeuristics:
     step_head_sums: bool = True
     reduce_block: int = 64
     across_max: int = 16384
+    backward_kernel: str = "tiles"
+    backward_tile: int = 4096
+    tile_programs_per_sm: int = 4
+    tile_reduce_block: int = 16
+    tile_stages: int = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,9 +176,12 @@ class QKNormRotaryProblem:
 
     @property
     def compiled_size(self) -> int | None:
-        """The size CompiledChoices key a forward on (the head dim); None for a backward, which runs
-        under torch.compile whenever its forward op does (trainops.compiled)."""
-        return None if self.backward else self.q_shape[-1]
+        """The size CompiledChoices key a forward on: the norm's width (the head dim; across heads
+        q_heads x head dim); None for a backward, which runs under torch.compile whenever its
+        forward op does (trainops.compiled)."""
+        if self.backward:
+            return None
+        return self.q_shape[2] * self.q_shape[3] if self.across_heads else self.q_shape[3]
 
     @property
     def strided_names(self) -> tuple[str, ...]:
@@ -278,8 +311,11 @@ def _describe(op: str, q_shape, k_shape, cos_shape, dtype, device="cuda", *, out
     elif not isinstance(heuristics, QKNormRotaryHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a QKNormRotaryHeuristics, got {type(heuristics).__name__}")
-    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block"),
-                           at_least_one=("programs_per_sm", "across_max"))
+    check_heuristic_fields(op, heuristics, powers_of_two=("tile", "reduce_block", "backward_tile", "tile_reduce_block"),
+                           at_least_one=("programs_per_sm", "across_max", "tile_programs_per_sm", "tile_stages"))
+    if heuristics.backward_kernel not in BACKWARD_KERNELS:
+        raise argument_error(InvalidProblemError, op, "heuristics", f"backward_kernel must be one of "
+                             f"{BACKWARD_KERNELS}, got {heuristics.backward_kernel!r}")
     if across_heads:
         held = next_pow2(max(q_heads, k_shape[2], 1)) * 2 * next_pow2(head_dim // 2)
         if held > heuristics.across_max:
@@ -506,7 +542,7 @@ if triton_available():
         # the rotation's transpose
         dy_a = do_a * c_a[None, :] + do_b * s_b[None, :]
         dy_b = do_b * c_b[None, :] - do_a * s_a[None, :]
-        rstd = _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC)
+        rstd = tl.where(h_mask, _norm_scale(x_a, x_b, heads, eps, ACROSS, HALF, BLOCK_H, ACC), 0.0)   # eps 0: no NaN
         w_a, w_b = _weight_halves(W, h, h_mask, w_offset, ACROSS, HALF, BLOCK_H, BLOCK_R, ACC)
         n_a = x_a * rstd[:, None]
         n_b = x_b * rstd[:, None]
@@ -614,6 +650,122 @@ if triton_available():
             _store_partial(DWQ_PART, pid, dwq_a, dwq_b, q_heads, ACROSS, HALF, BLOCK_HQ, BLOCK_R, STEP_SUMS)
             _store_partial(DWK_PART, pid, dwk_a, dwk_b, k_heads, ACROSS, HALF, BLOCK_HK, BLOCK_R, STEP_SUMS)
 
+    @triton.jit
+    def _tiles_tensor(
+        DO, X, W, DX, PART, p, programs, n_tiles, head_blocks,   # one tensor; this program's index p
+        rows, seq, heads, do_sb, do_ss, do_sh, do_sd, x_sb, x_ss, x_sh, x_sd,
+        COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+        ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr,
+    ):
+        """Tiles p, p + programs, ... of one tensor's (token block, head block) tiles: dx written,
+        dy * n added element by element to [BLOCK_T, BLOCK_H, BLOCK_R] sums, which are reduced (over
+        tokens, and per head over heads) once, at the end, into the program's partial row."""
+        j = tl.arange(0, BLOCK_R)[None, None, :]
+        j64 = j.to(tl.int64)
+        j_mask = j < HALF
+        if DW:
+            sum_a = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
+            sum_b = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_R], ACC)
+        # (w + w_offset) in ACC: w_offset (and eps) may come as float64 from Inductor's launch
+        if ACROSS:   # every head in the tile: the weights once, per head slot
+            h0 = tl.arange(0, BLOCK_H)[None, :, None]
+            wp = W + h0 * (2 * HALF) + j
+            wm = (h0 < heads) & j_mask
+            w_a = (tl.load(wp, mask=wm, other=0.0).to(ACC) + w_offset).to(ACC)
+            w_b = (tl.load(wp + HALF, mask=wm, other=0.0).to(ACC) + w_offset).to(ACC)
+        else:
+            w_a = (tl.load(W + j, mask=j_mask, other=0.0).to(ACC) + w_offset).to(ACC)
+            w_b = (tl.load(W + HALF + j, mask=j_mask, other=0.0).to(ACC) + w_offset).to(ACC)
+        for tile in tl.range(p, n_tiles, programs, num_stages=STAGES):
+            t = (tile // head_blocks).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+            h = (tile % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+            h64 = h.to(tl.int64)
+            t_mask = t < rows
+            mask = t_mask & (h < heads) & j_mask
+            b = t // seq
+            s = t % seq
+            # every load of the tile before any store (the stores may alias the inputs for all the
+            # compiler knows: loads after them would wait)
+            pd = DO + b * do_sb + s * do_ss + h64 * do_sh + j64 * do_sd
+            do_a = tl.load(pd, mask=mask, other=0.0).to(ACC)
+            do_b = tl.load(pd + HALF * do_sd, mask=mask, other=0.0).to(ACC)
+            px = X + b * x_sb + s * x_ss + h64 * x_sh + j64 * x_sd
+            x_a = tl.load(px, mask=mask, other=0.0).to(ACC)
+            x_b = tl.load(px + HALF * x_sd, mask=mask, other=0.0).to(ACC)
+            cm = t_mask & j_mask
+            pc = COS + b * c_sb + s * c_ss + j64 * c_sd
+            c_a = tl.load(pc, mask=cm, other=0.0).to(ACC)
+            c_b = tl.load(pc + HALF * c_sd, mask=cm, other=0.0).to(ACC)
+            ps = SIN + b * s_sb + s * s_ss + j64 * s_sd
+            s_a = tl.load(ps, mask=cm, other=0.0).to(ACC)
+            s_b = tl.load(ps + HALF * s_sd, mask=cm, other=0.0).to(ACC)
+            # the rotation's transpose, then RMSNorm's backward
+            dy_a = do_a * c_a + do_b * s_b
+            dy_b = do_b * c_b - do_a * s_a
+            sq = tl.sum(x_a * x_a + x_b * x_b, 2)                      # [BLOCK_T, BLOCK_H]
+            # padded lanes (heads, a ragged tile's tokens) get rstd 0: with eps 0 their 1 / sqrt(0)
+            # would make n = 0 * inf = NaN and poison the weight-gradient sums
+            if ACROSS:
+                rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / (heads * 2 * HALF) + eps)   # [BLOCK_T]
+                rstd = tl.where(t_mask, rstd[:, None, None].to(ACC), 0.0)
+            else:
+                rstd = (1.0 / tl.sqrt(sq / (2 * HALF) + eps)).to(ACC)[:, :, None]
+                rstd = tl.where(t_mask & (h < heads), rstd, 0.0)
+            n_a = x_a * rstd
+            n_b = x_b * rstd
+            g_a = dy_a * w_a
+            g_b = dy_b * w_b
+            gn = tl.sum(g_a * n_a + g_b * n_b, 2)
+            if ACROSS:
+                c = (tl.sum(gn, 1) / (heads * 2 * HALF))[:, None, None]
+            else:
+                c = (gn / (2 * HALF))[:, :, None]
+            pdx = DX + (t * heads + h64) * (2 * HALF) + j
+            tl.store(pdx, (rstd * (g_a - n_a * c)).to(DX.dtype.element_ty), mask=mask)
+            tl.store(pdx + HALF, (rstd * (g_b - n_b * c)).to(DX.dtype.element_ty), mask=mask)
+            if DW:
+                sum_a += dy_a * n_a
+                sum_b += dy_b * n_b
+        if DW:
+            jj = tl.arange(0, BLOCK_R)
+            if ACROSS:
+                hh = tl.arange(0, BLOCK_H)[:, None]
+                pp = PART + p.to(tl.int64) * heads * (2 * HALF) + hh * (2 * HALF) + jj[None, :]
+                pm = (hh < heads) & (jj < HALF)[None, :]
+                tl.store(pp, tl.sum(sum_a, 0), mask=pm)
+                tl.store(pp + HALF, tl.sum(sum_b, 0), mask=pm)
+            else:
+                pp = PART + p.to(tl.int64) * (2 * HALF) + jj
+                tl.store(pp, tl.sum(tl.sum(sum_a, 0), 0), mask=jj < HALF)
+                tl.store(pp + HALF, tl.sum(tl.sum(sum_b, 0), 0), mask=jj < HALF)
+
+    @triton.jit
+    def _qk_norm_rotary_bwd_tiles(
+        DQO, DKO, Q, K, WQ, WK, COS, SIN, DQ, DK, DWQ_PART, DWK_PART,   # DW*_PART: (programs, weight size)
+        rows, seq, q_heads, k_heads, programs, q_tiles, k_tiles, q_head_blocks, k_head_blocks,
+        dqo_sb, dqo_ss, dqo_sh, dqo_sd, dko_sb, dko_ss, dko_sh, dko_sd,
+        q_sb, q_ss, q_sh, q_sd, k_sb, k_ss, k_sh, k_sd,
+        c_sb, c_ss, c_sd, s_sb, s_ss, s_sd,
+        eps, w_offset,
+        ACROSS: tl.constexpr, DW: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+        ACC: tl.constexpr,
+    ):
+        """Even programs 2p take q's tiles p, p + programs, ...; odd ones 2p + 1 k's, the same tokens
+        (neighbouring programs run together: cos and sin come from the L2 cache the second time)."""
+        pid = tl.program_id(0)
+        p = pid // 2
+        if pid % 2 == 0:
+            _tiles_tensor(DQO, Q, WQ, DQ, DWQ_PART, p, programs, q_tiles, q_head_blocks, rows, seq, q_heads,
+                          dqo_sb, dqo_ss, dqo_sh, dqo_sd, q_sb, q_ss, q_sh, q_sd,
+                          COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HQ, BLOCK_R, STAGES, ACC)
+        else:
+            _tiles_tensor(DKO, K, WK, DK, DWK_PART, p, programs, k_tiles, k_head_blocks, rows, seq,
+                          k_heads, dko_sb, dko_ss, dko_sh, dko_sd, k_sb, k_ss, k_sh, k_sd,
+                          COS, SIN, c_sb, c_ss, c_sd, s_sb, s_ss, s_sd, eps, w_offset,
+                          ACROSS, DW, HALF, BLOCK_T, BLOCK_HK, BLOCK_R, STAGES, ACC)
 
 def _prev_pow2(v: int) -> int:
     return 1 << (max(1, int(v)).bit_length() - 1)
@@ -651,7 +803,94 @@ def _choose_config(problem: QKNormRotaryProblem) -> QKNormRotaryConfig:
     return QKNormRotaryConfig(block_hq, block_hk, block_r, warps, -(-rows // per), per)
 
 
+@dataclass(frozen=True)
+class TilesConfig:
+    """The tiles backward's plan: tokens a tile holds (both tensors: a q program and its k twin walk
+    the same tokens, so that cos and sin come from the L2 cache the second time); per tensor (q, k)
+    heads a tile holds, tiles and head blocks; programs per tensor; the padded half head; warps."""
+
+    block_t: int
+    block_h: tuple[int, int]
+    tiles: tuple[int, int]
+    head_blocks: tuple[int, int]
+    programs: int
+    block_r: int
+    num_warps: int
+
+
+def _choose_tiles_config(problem: QKNormRotaryProblem) -> TilesConfig:
+    """BLOCK_H x 2 BLOCK_R x BLOCK_T at most ``backward_tile`` elements for the tensor with more
+    heads (per head: the heads first, BLOCK_T >= 1 tokens with what is left; across heads: every
+    head); programs per tensor at most SMs x ``tile_programs_per_sm``, and at most the number whose
+    partial rows (weight size x the accumulator's bytes) stay within 1/PARTIAL_SHARE of each
+    tensor's bytes (but one a SM at least)."""
+    h = problem.heuristics
+    block_r = next_pow2(problem.head_dim // 2)
+    rows = max(1, problem.rows)
+    heads = (max(problem.q_shape[2], 1), max(problem.k_shape[2], 1))
+    if problem.across_heads:
+        block_h = tuple(next_pow2(n) for n in heads)
+    else:
+        fit = _prev_pow2(max(1, h.backward_tile // (2 * block_r)))
+        block_h = tuple(min(next_pow2(n), fit) for n in heads)
+    block_t = min(next_pow2(rows), _prev_pow2(max(1, h.backward_tile // (max(block_h) * 2 * block_r))))
+    head_blocks = tuple(-(-n // b) for n, b in zip(heads, block_h))
+    tiles = tuple(-(-rows // block_t) * hb for hb in head_blocks)
+    programs = min(max(tiles), sm_count(problem.device) * h.tile_programs_per_sm)
+    if problem.weight_grad:
+        for n, wsize in zip(heads, (math.prod(s) for s in problem.weight_shapes)):
+            tensor_bytes = rows * n * problem.head_dim * problem.dtype.itemsize
+            programs = min(programs, max(sm_count(problem.device),
+                                         tensor_bytes // (PARTIAL_SHARE * max(1, wsize) * problem.acc_dtype.itemsize)))
+    warps = first_step(h.backward_warps, block_t * max(block_h) * 2 * block_r)
+    return TilesConfig(block_t, block_h, tiles, head_blocks, max(1, programs), block_r, warps)
+
+
+def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = None) -> Launch:
+    config = config or _choose_tiles_config(problem)
+    acc = problem.acc_dtype
+    hq, hk = problem.q_shape[2], problem.k_shape[2]
+    rows = problem.rows
+    dw = problem.weight_grad
+    tables = (*problem.table_view("cos"), *problem.table_view("sin"))
+    pq = pk = config.programs
+    launch = launcher(_qk_norm_rotary_bwd_tiles, (2 * pq,),
+                      trailing=(rows, problem.seq, hq, hk, pq, *config.tiles, *config.head_blocks,
+                                *(s for name in ("dq_out", "dk_out", "q", "k") for s in problem.stride_of(name)),
+                                *tables, problem.eps, problem.weight_offset),
+                      ACROSS=problem.across_heads, DW=dw, HALF=problem.head_dim // 2, BLOCK_T=config.block_t,
+                      BLOCK_HQ=config.block_h[0], BLOCK_HK=config.block_h[1],
+                      BLOCK_R=config.block_r, STAGES=problem.heuristics.tile_stages,
+                      ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=config.num_warps)
+    wq_size, wk_size = (math.prod(s) for s in problem.weight_shapes)
+    # the partials' sum: narrow column blocks, tall row slabs (up to the tile): few serial steps
+    sums = [column_sum(parts, size, problem.heuristics.tile_reduce_block, 1 << 30)
+            for parts, size in ((pq, wq_size), (pk, wk_size))]
+
+    def run(tensors, outputs):
+        dq, dk, dwq, dwk = outputs
+        if rows == 0:
+            dwq.zero_()
+            dwk.zero_()
+            return
+        parts = ([torch.empty((n, size), dtype=acc, device=dq.device) for n, size in ((pq, wq_size), (pk, wk_size))]
+                 if dw else [None, None])
+        launch(*tensors, dq, dk, *parts)
+        if dw:
+            sums[0](parts[0], dwq)
+            sums[1](parts[1], dwk)
+
+    params = (("grid", (2 * pq,)), ("programs", pq), ("tiles", config.tiles),
+              ("stages", problem.heuristics.tile_stages),
+              ("BLOCK_T", config.block_t), ("BLOCK_H", config.block_h), ("BLOCK_R", config.block_r),
+              ("num_warps", config.num_warps))
+    workspace = (pq * wq_size + pk * wk_size) * acc.itemsize if dw else 0
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
+
+
 def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | None = None) -> Launch:
+    if problem.backward and problem.heuristics.backward_kernel == "tiles" and config is None:
+        return _prepare_tiles(problem)
     config = config or _choose_config(problem)
     acc = problem.acc_dtype
     hq, hk = problem.q_shape[2], problem.k_shape[2]
@@ -705,7 +944,7 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
               ("step_head_sums", problem.heuristics.step_head_sums), ("BLOCK_HQ", config.block_hq),
               ("BLOCK_HK", config.block_hk), ("BLOCK_R", config.block_r), ("num_warps", config.num_warps))
     workspace = programs * (wq_size + wk_size) * acc.itemsize if dw else 0
-    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd_tokens", "triton", params), acc, workspace_bytes=workspace)
 
 
 if triton_available():
@@ -852,8 +1091,14 @@ def _decomposed(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: T
     return one(q, q_weight), one(k, k_weight)
 
 
-DECOMPOSITION = Decomposition(_decomposed, lambda arguments: arguments.q.shape[-1],
-                              lambda arguments: arguments.q.dtype)
+def _compiled_size(arguments):
+    """The norm's width, the CompiledChoices size: the head dim, or across heads q's heads x head
+    dim (OLMo 2's 16 x 128: class 2048, apart from the per-head classes 64-256)."""
+    q = arguments.q
+    return q.shape[2] * q.shape[-1] if arguments.across_heads else q.shape[-1]
+
+
+DECOMPOSITION = Decomposition(_decomposed, _compiled_size, lambda arguments: arguments.q.dtype)
 
 backward_op = custom_op("qk_norm_rotary_backward", _backward_impl, _backward_fake, inline_triton=True)
 qk_norm_rotary_op = custom_op("qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_fake, backward=_grad,
