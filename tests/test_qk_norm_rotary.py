@@ -258,8 +258,8 @@ def test_weight_gradient_is_deterministic(backend, device):
         return torch.autograd.grad((qo, ko), (wq, wk), (dq_out, dk_out))
     first, again = weight_grads(), weight_grads()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    for h in (QKNormRotaryHeuristics(tile_programs_per_sm=1, backward_tile=16),
-              QKNormRotaryHeuristics(tile_programs_per_sm=2, backward_tile=8),
+    for h in (QKNormRotaryHeuristics(backward_kernel="tiles", tile_programs_per_sm=1, backward_tile=16),
+              QKNormRotaryHeuristics(backward_kernel="tiles", tile_programs_per_sm=2, backward_tile=8),
               QKNormRotaryHeuristics(backward_kernel="tokens", programs_per_sm=1000, tile=8)):
         with trainops.heuristics(h):
             other = weight_grads()
@@ -269,7 +269,7 @@ def test_weight_gradient_is_deterministic(backend, device):
         def plan(**fields):
             return trainops.plan("qk_norm_rotary_backward", q_shape=q.shape, k_shape=k.shape, cos_shape=cos.shape,
                                  dtype=q.dtype, device=q.device, heuristics=QKNormRotaryHeuristics(**fields))
-        p = plan(tile_programs_per_sm=1, backward_tile=16)   # 12 tokens, a token a tile, over 4 "SMs": 3 tiles each
+        p = plan(backward_kernel="tiles", tile_programs_per_sm=1, backward_tile=16)   # 12 tokens, a token a tile, over 4 "SMs": 3 tiles each
         assert p.kernel["grid"] == (8,) and p.kernel["programs"] == 4 and p.kernel["tiles"] == (12, 12)
         assert p.kernel["BLOCK_T"] == 1 and p.kernel["BLOCK_H"] == (2, 1)
         p = plan(backward_kernel="tokens", programs_per_sm=1)
@@ -298,7 +298,7 @@ def test_forced_plans(backend, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiles_backward_plans(backend, device, dtype):
-    """The tiles backward (the default) where its plan branches: one head a tile (head blocks, q's 5
+    """The tiles backward (opt-in until timed on a GPU) where its plan branches: one head a tile (head blocks, q's 5
     heads and k's 3 in separate tiles), several tokens a tile with a ragged last tile, programs
     walking several tiles, the norm across heads with two tokens a tile and Gemma's weight offset;
     read in place from transposed and strided views; against float64 (q, k and both weights)."""
@@ -312,7 +312,7 @@ def test_tiles_backward_plans(backend, device, dtype):
          dict(across_heads=True, weight_offset=1.0), dict(BLOCK_T=2, BLOCK_H=(4, 2), tiles=(3, 3), programs=3)),
     ]
     for fields, (b, s, hq, hk, d), make, call, want in cases:
-        with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
+        with trainops.heuristics(QKNormRotaryHeuristics(backward_kernel="tiles", **fields)):
             inputs = make_inputs(b, s, hq, hk, d, dtype, device, gen, **make)
             check(*inputs, dtype, f"{fields} {make}", **call)
             if backend == "triton":
@@ -328,7 +328,7 @@ def test_eps_zero_with_padded_lanes(backend, device):
     tile of tokens): the padded lanes' 1 / sqrt(0) must not reach the weight gradients (it did, as
     NaN, before); both backward kernels, per head and across heads, against float64."""
     gen = torch.Generator().manual_seed(31)
-    for fields in (dict(backward_tile=128), dict(backward_kernel="tokens")):
+    for fields in (dict(backward_kernel="tiles", backward_tile=128), dict(backward_kernel="tokens")):
         with trainops.heuristics(QKNormRotaryHeuristics(**fields)):
             for across in (False, True):
                 inputs = make_inputs(1, 3, 5, 3, 8, torch.float32, device, gen, across_heads=across)

@@ -92,8 +92,9 @@ class ChunkedLinearHeuristics:
     row_block, row_warps: vocabulary entries distillation's row kernel reads at a time a program
     and its warps (unmeasured: a 4096-entry float32 block is 16 KiB a load, the cross-entropy
     kernel's order of size; the bench runs other pairs). alternate_passes: the row kernel's
-    read-only passes alternate direction with the pass before (False: every pass forwards, the
-    kernel before this option; the bench compares them)."""
+    read-only passes alternate direction with the pass before, for the L2 reuse at the turns (False,
+    the default: every pass forwards, as measured on the H200; True is untimed there: the bench
+    compares them)."""
 
     chunk_bytes: int = 2**30
     min_rows: int = 16
@@ -101,7 +102,7 @@ class ChunkedLinearHeuristics:
     teacher_chunk_bytes: int = 2**29
     row_block: int = 4096
     row_warps: int = 8
-    alternate_passes: bool = True
+    alternate_passes: bool = False
 
     def __post_init__(self):
         name = "ChunkedLinearHeuristics"

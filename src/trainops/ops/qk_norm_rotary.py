@@ -95,8 +95,10 @@ class QKNormRotaryHeuristics:
         elements, else UnsupportedError).
     warps / backward_warps: (tile elements at most, warps) steps, the first that fits (the
         backward's keyed by its kernel's tile: ``backward_tile`` for "tiles", ``tile`` for "tokens").
-    backward_kernel: "tiles" (the default) or "tokens" (the first backward, kept for the benchmark's
-        side-by-side timing).
+    backward_kernel: "tokens" (the default: the first backward, measured on the H200 at about 4x its
+        bytes' time in a Qwen3-0.6B step) or "tiles" (written to reach about 1.3x its floor; compiled
+        for sm_90 under Triton 3.6 and 3.9 and tested under the interpreter, not yet timed on a GPU:
+        the default once benchmarks/bench_qk_norm_rotary.py has measured it).
     "tiles" backward: each program walks tiles of one tensor of BLOCK_T tokens x BLOCK_H heads x
         the head, ``backward_tile`` elements at most (per head the heads first, then tokens; across
         heads every head, BLOCK_T >= 1), with no reduction across warps inside its loop (the
@@ -135,7 +137,7 @@ class QKNormRotaryHeuristics:
     step_head_sums: bool = True
     reduce_block: int = 64
     across_max: int = 16384
-    backward_kernel: str = "tiles"
+    backward_kernel: str = "tokens"
     backward_tile: int = 4096
     tile_programs_per_sm: int = 4
     tile_reduce_block: int = 16
