@@ -173,18 +173,17 @@ def test_num_items_in_batch_and_shift_labels_go_to_the_loss():
     assert_close(out.loss, want.loss, torch.float32, "shift_labels loss")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "phi3", "olmo2", "smollm3", "glm4", "granite", "mixtral",
-                                  "qwen3_moe", "gpt2"])
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt2"])
 def test_bfloat16_model(arch):
     """bf16 weights: the patched model is at least as close to a float32 run of the same weights as
     the unpatched one is (both round in bf16, differently): the loss, and each gradient within 1.25x
     the unpatched one's error, the median over the gradients at most 1.1x. Gemma 3: within 2x each
     (the median still 1.1x): both errors are dominated by what both run, transformers's bf16
     attention, and over 4 seeds ours is the larger on about half of the gradients (median ratio
-    1.01, largest 1.66), where Llama's is smaller on 93% (median 0.89). GLM-4: within 2x each too:
-    over 5 seeds ours is the smaller error on 72-90% of the gradients (median ratio 0.74-0.85), the
-    largest 1.59, on a q / k projection's 8-element bias or a norm's weight, where a few roundings
-    decide the relative error."""
+    1.01, largest 1.66), where Llama's is smaller on 93% (median 0.89). Gradients of 64 elements or
+    fewer (norm weights, Qwen2's and GLM-4's q / k / v biases) within 2x too: a few roundings decide
+    their relative error; over 5 seeds, Qwen2's and GLM-4's errors were ours the smaller on 72-96% of
+    the gradients (median ratio 0.74-0.91), the largest ratios 1.59 and 1.79 on 8-element biases."""
     import statistics
 
     from numerics import relative_error
@@ -204,11 +203,12 @@ def test_bfloat16_model(arch):
     (out, grads), (theirs, their_grads), (want, want_grads) = results
     assert out.loss.dtype == torch.float32
     assert abs(out.loss.item() - want.loss.item()) <= 1.25 * abs(theirs.loss.item() - want.loss.item()) + 1e-3
-    factor, ratios = (2.0 if arch in ("gemma3", "glm4") else 1.25), []
+    ratios = []
     for name in grads:
         assert grads[name].dtype == torch.bfloat16
         ours = relative_error(grads[name], want_grads[name])
         torchs = relative_error(their_grads[name], want_grads[name])
+        factor = 2.0 if arch == "gemma3" or grads[name].numel() <= 64 else 1.25
         assert ours <= factor * torchs + 1e-3, (name, ours, torchs)
         ratios.append(ours / torchs)
     assert statistics.median(ratios) <= 1.1, sorted(ratios)
