@@ -1,0 +1,232 @@
+"""Host time per eager call of issue 39's seven small calls, trainops against torch (item 5, "the
+host floor").
+
+    python benchmarks/probe_host_time.py --out host.json [--device cuda] [--calls 1000] [--rounds 3]
+
+Each call runs on a problem small enough that the device idles, so the time per call is host time
+(Python, dispatch, allocation, launch). Per call and implementation: warm-up calls, then
+``--calls`` calls with no synchronisation between them, then one synchronisation; the figure is
+us a call, the median of ``--rounds`` rounds, trainops and torch alternated within each round.
+
+Calls (bf16 tensors unless said; the same arguments for both):
+- softmax 64x64: forward, no grad (``trainops.softmax`` / ``torch.softmax``);
+- cross_entropy, no grad: 64 x 512 logits, int64 targets, mean (``trainops.cross_entropy`` /
+  ``F.cross_entropy``), in ``torch.no_grad()``;
+- embedding forward: 64 int64 ids into a 1000 x 512 table that does not require grad;
+- AdamW, 8 small tensors: one ``step()`` over 8 float32 parameters of 256 x 256 with gradients
+  set (``trainops.optim.AdamW`` / ``torch.optim.AdamW``, fused on CUDA, foreach on the CPU);
+- rms_norm 64x4096, forward + backward: x (requires grad) and a float32 weight (requires grad),
+  ``y.backward(dy)`` (``F.rms_norm(x, (4096,), weight, eps)`` for torch);
+- cross_entropy, forward + backward: 64 x 512 logits that require grad, ``loss.backward()``;
+- softmax 64x4096, forward + backward: ``y.backward(dy)``.
+
+Before timing, each pair's outputs are compared (relative-norm error, NaN fails), so the probe
+never times a broken call. The JSON (``--out``) holds the settings, versions and every round;
+a table (us a call, trainops / torch, ratio, the issue's target) prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import trainops
+
+TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    error = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return float("inf") if error != error else error
+
+
+def _cases(device: torch.device, dtype: torch.dtype):
+    """(name, kind, make) -> make() returns (trainops call, torch call, check) on fresh inputs."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, dt=dtype, grad=False):
+        t = torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+        return t.requires_grad_(grad)
+
+    def softmax_small():
+        x = rand(64, 64)
+        return (lambda: trainops.softmax(x, -1)), (lambda: torch.softmax(x, -1)), None
+
+    def ce_no_grad():
+        logits = rand(64, 512)
+        target = torch.randint(0, 512, (64,), generator=g).to(device)
+
+        def ours():
+            with torch.no_grad():
+                return trainops.cross_entropy(logits, target)
+
+        def theirs():
+            with torch.no_grad():
+                return F.cross_entropy(logits, target)
+        return ours, theirs, None
+
+    def embedding_forward():
+        table = rand(1000, 512)
+        ids = torch.randint(0, 1000, (64,), generator=g).to(device)
+        return (lambda: trainops.embedding(ids, table)), (lambda: F.embedding(ids, table)), None
+
+    def adamw():
+        def params():
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            ps = [torch.randn(256, 256, generator=gen).to(device).requires_grad_() for _ in range(8)]
+            for p in ps:
+                p.grad = torch.randn(256, 256, generator=gen).to(device) * 1e-2
+            return ps
+        ours_p, theirs_p = params(), params()
+        ours_opt = trainops.optim.AdamW(ours_p, lr=1e-3)
+        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        theirs_opt = torch.optim.AdamW(theirs_p, lr=1e-3, **kwargs)
+
+        def check():   # one step each from the same start: the same parameters
+            a, b = params(), params()
+            trainops.optim.AdamW(a, lr=1e-3).step()
+            torch.optim.AdamW(b, lr=1e-3, **kwargs).step()
+            return max(_relative(x.detach(), y.detach()) for x, y in zip(a, b))
+        return ours_opt.step, theirs_opt.step, check
+
+    def rms_norm_fwd_bwd():
+        x = rand(64, 4096, grad=True)
+        w = rand(4096, dt=torch.float32, grad=True)
+        dy = rand(64, 4096)
+
+        def ours():
+            y = trainops.rms_norm(x, w, 1e-6)
+            y.backward(dy)
+            return y
+
+        def theirs():
+            y = F.rms_norm(x, (4096,), w, 1e-6)
+            y.backward(dy)
+            return y
+        return ours, theirs, None
+
+    def ce_fwd_bwd():
+        logits = rand(64, 512, grad=True)
+        target = torch.randint(0, 512, (64,), generator=g).to(device)
+
+        def ours():
+            loss = trainops.cross_entropy(logits, target)
+            loss.backward()
+            return loss
+
+        def theirs():
+            loss = F.cross_entropy(logits, target)
+            loss.backward()
+            return loss
+        return ours, theirs, None
+
+    def softmax_fwd_bwd():
+        x = rand(64, 4096, grad=True)
+        dy = rand(64, 4096)
+
+        def ours():
+            y = trainops.softmax(x, -1)
+            y.backward(dy)
+            return y
+
+        def theirs():
+            y = torch.softmax(x, -1)
+            y.backward(dy)
+            return y
+        return ours, theirs, None
+
+    return [("softmax 64x64", "forward", softmax_small),
+            ("cross_entropy, no grad", "forward", ce_no_grad),
+            ("embedding forward", "forward", embedding_forward),
+            ("AdamW, 8 small tensors", "optimizer", adamw),
+            ("rms_norm 64x4096, forward + backward", "forward + backward", rms_norm_fwd_bwd),
+            ("cross_entropy, forward + backward", "forward + backward", ce_fwd_bwd),
+            ("softmax 64x4096, forward + backward", "forward + backward", softmax_fwd_bwd)]
+
+
+def _time_us(fn, calls: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter_ns() - start) / calls / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--calls", type=int, default=1000, help="timed calls per round")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated substrings of the call names to run")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+
+    rows = []
+    for name, kind, make in _cases(device, dtype):
+        if args.only and not any(s.strip() in name for s in args.only.split(",")):
+            continue
+        ours, theirs, check = make()
+        if check is not None:
+            error = check()
+        else:
+            a, b = ours(), theirs()
+            error = _relative(a.detach().float(), b.detach().float())
+        tolerance = 2e-2 if dtype != torch.float32 else 1e-4
+        if not error <= tolerance:
+            raise SystemExit(f"{name}: trainops and torch disagree (relative error {error:.3g}); not timed")
+        for fn in (ours, theirs):
+            for _ in range(args.warmup):
+                fn()
+        _sync(device)
+        rounds = {"trainops": [], "torch": []}
+        for _ in range(args.rounds):
+            rounds["trainops"].append(_time_us(ours, args.calls, device))
+            rounds["torch"].append(_time_us(theirs, args.calls, device))
+        us = {k: statistics.median(v) for k, v in rounds.items()}
+        rows.append({"call": name, "kind": kind, "trainops_us": us["trainops"], "torch_us": us["torch"],
+                     "ratio": us["trainops"] / us["torch"], "target_ratio": TARGETS[kind], "rounds_us": rounds,
+                     "relative_error": error})
+        print(f"{name}: trainops {us['trainops']:.1f} us, torch {us['torch']:.1f} us", flush=True)
+
+    result = {"probe": "host_time", "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "dtype": args.dtype, "calls": args.calls, "warmup": args.warmup, "rounds": args.rounds,
+              "torch": torch.__version__, "trainops": getattr(trainops, "__version__", None),
+              "triton": _version("triton"), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+    print(f"\nhost time per call, us (median of {args.rounds} rounds of {args.calls} calls; {device}, {args.dtype})")
+    print(f"{'call':40s} {'trainops':>9s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")
+    for r in rows:
+        print(f"{r['call']:40s} {r['trainops_us']:9.1f} {r['torch_us']:8.1f} {r['ratio']:5.2f}x "
+              f"{'<=' + format(r['target_ratio'], '.1f') + 'x':>7s}")
+
+
+def _version(package: str) -> str | None:
+    try:
+        import importlib.metadata
+        return importlib.metadata.version(package)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    main()
