@@ -23,20 +23,36 @@ Calls (bf16 tensors unless said; the same arguments for both):
 Before timing, each pair's outputs are compared (relative-norm error, NaN fails), so the probe
 never times a broken call. The JSON (``--out``) holds the settings, versions and every round;
 a table (us a call, trainops / torch, ratio, the issue's target) prints last.
+
+``--python-only`` (CPU tensors, no GPU needed): the Triton path's Python layers alone, as a GPU
+call runs them (functional, the eager shortcut, plan cache, descriptors, outputs, autograd) with
+every Triton launch replaced by a no-op: TRITON_INTERPRET=1, the triton backend pinned, each op
+module's ``launcher`` stubbed (the outputs are garbage: no comparison; AdamW, which launches
+through Triton's JIT, is left out). CUDA-only work (the launches themselves, the deferred checks'
+pinned copies and events) is not in it; the CPU-only immediate checks are (use --no-check for the
+cross-entropy and embedding calls without them). Timed in thread CPU time (time.thread_time_ns),
+which a busy host perturbs less than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
+
+if __name__ == "__main__" and "--python-only" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"   # before trainops is imported: Triton plans for CPU tensors
 
 import torch
 import torch.nn.functional as F
 
 import trainops
+
+_CLOCK = [time.perf_counter_ns]
 
 TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0}
 
@@ -52,7 +68,23 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if error != error else error
 
 
-def _cases(device: torch.device, dtype: torch.dtype):
+def _stub_launches() -> None:
+    """Every op module's ``launcher`` made a no-op factory (--python-only)."""
+    import importlib
+    import pkgutil
+
+    import trainops.ops as ops
+
+    def launcher(kernel, grid, trailing=(), **meta):
+        return lambda *args: None
+
+    for info in pkgutil.iter_modules(ops.__path__):
+        module = importlib.import_module(f"trainops.ops.{info.name}")
+        if hasattr(module, "launcher"):
+            module.launcher = launcher
+
+
+def _cases(device: torch.device, dtype: torch.dtype, check: bool = True):
     """(name, kind, make) -> make() returns (trainops call, torch call, check) on fresh inputs."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -70,7 +102,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
 
         def ours():
             with torch.no_grad():
-                return trainops.cross_entropy(logits, target)
+                return trainops.cross_entropy(logits, target, check_target=check)
 
         def theirs():
             with torch.no_grad():
@@ -80,7 +112,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
     def embedding_forward():
         table = rand(1000, 512)
         ids = torch.randint(0, 1000, (64,), generator=g).to(device)
-        return (lambda: trainops.embedding(ids, table)), (lambda: F.embedding(ids, table)), None
+        return (lambda: trainops.embedding(ids, table, check_index=check)), (lambda: F.embedding(ids, table)), None
 
     def adamw():
         def params():
@@ -122,7 +154,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
         target = torch.randint(0, 512, (64,), generator=g).to(device)
 
         def ours():
-            loss = trainops.cross_entropy(logits, target)
+            loss = trainops.cross_entropy(logits, target, check_target=check)
             loss.backward()
             return loss
 
@@ -157,12 +189,13 @@ def _cases(device: torch.device, dtype: torch.dtype):
 
 
 def _time_us(fn, calls: int, device: torch.device) -> float:
+    clock = _CLOCK[0]
     _sync(device)
-    start = time.perf_counter_ns()
+    start = clock()
     for _ in range(calls):
         fn()
     _sync(device)
-    return (time.perf_counter_ns() - start) / calls / 1e3
+    return (clock() - start) / calls / 1e3
 
 
 def main() -> None:
@@ -174,22 +207,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated substrings of the call names to run")
+    parser.add_argument("--python-only", action="store_true",
+                        help="CPU: the Triton path's Python layers, launches stubbed (see the module docstring)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="cross_entropy with check_target=False, embedding with check_index=False")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if device.type == "cpu":
+        torch.set_num_threads(1)   # tiny problems: one thread, no intra-op pool waking (stable on a shared host)
+    pinned = None
+    if args.python_only:
+        if device.type != "cpu":
+            raise SystemExit("--python-only runs on CPU tensors (--device cpu)")
+        _stub_launches()
+        _CLOCK[0] = time.thread_time_ns
+        pinned = trainops.backend("triton")
+        pinned.__enter__()
 
     rows = []
-    for name, kind, make in _cases(device, dtype):
+    for name, kind, make in _cases(device, dtype, not args.no_check):
         if args.only and not any(s.strip() in name for s in args.only.split(",")):
             continue
+        if args.python_only and kind == "optimizer":
+            continue
         ours, theirs, check = make()
-        if check is not None:
+        if args.python_only:
+            error = float("nan")   # the stubbed launches write nothing: not compared
+        elif check is not None:
             error = check()
         else:
             a, b = ours(), theirs()
             error = _relative(a.detach().float(), b.detach().float())
         tolerance = 2e-2 if dtype != torch.float32 else 1e-4
-        if not error <= tolerance:
+        if not args.python_only and not error <= tolerance:
             raise SystemExit(f"{name}: trainops and torch disagree (relative error {error:.3g}); not timed")
         for fn in (ours, theirs):
             for _ in range(args.warmup):
@@ -202,18 +253,22 @@ def main() -> None:
         us = {k: statistics.median(v) for k, v in rounds.items()}
         rows.append({"call": name, "kind": kind, "trainops_us": us["trainops"], "torch_us": us["torch"],
                      "ratio": us["trainops"] / us["torch"], "target_ratio": TARGETS[kind], "rounds_us": rounds,
-                     "relative_error": error})
+                     "relative_error": None if error != error else error})
         print(f"{name}: trainops {us['trainops']:.1f} us, torch {us['torch']:.1f} us", flush=True)
 
     result = {"probe": "host_time", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "python_only": args.python_only, "checks": not args.no_check,
               "dtype": args.dtype, "calls": args.calls, "warmup": args.warmup, "rounds": args.rounds,
               "torch": torch.__version__, "trainops": getattr(trainops, "__version__", None),
               "triton": _version("triton"), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
-    print(f"\nhost time per call, us (median of {args.rounds} rounds of {args.calls} calls; {device}, {args.dtype})")
+    if pinned is not None:
+        pinned.__exit__(None, None, None)
+    mode = ", Python layers only (launches stubbed), thread time" if args.python_only else ""
+    print(f"\nhost time per call, us (median of {args.rounds} rounds of {args.calls} calls; {device}, {args.dtype}{mode})")
     print(f"{'call':40s} {'trainops':>9s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")
     for r in rows:
         print(f"{r['call']:40s} {r['trainops_us']:9.1f} {r['torch_us']:8.1f} {r['ratio']:5.2f}x "
