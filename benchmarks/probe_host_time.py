@@ -18,7 +18,13 @@ Calls (bf16 tensors unless said; the same arguments for both):
 - rms_norm 64x4096, forward + backward: x (requires grad) and a float32 weight (requires grad),
   ``y.backward(dy)`` (``F.rms_norm(x, (4096,), weight, eps)`` for torch);
 - cross_entropy, forward + backward: 64 x 512 logits that require grad, ``loss.backward()``;
-- softmax 64x4096, forward + backward: ``y.backward(dy)``.
+- softmax 64x4096, forward + backward: ``y.backward(dy)``;
+- the floor (CUDA, or --python-only): a minimal autograd.Function whose forward and backward each
+  allocate one output and launch one Triton copy kernel through trainops.launch.launcher, on
+  64x4096, beside torch's softmax 64x4096 forward + backward (the issue's ~1.4x reference).
+
+A call that fails is recorded with its error and the others still run; the JSON is rewritten
+after every row.
 
 Before timing, each pair's outputs are compared (relative-norm error, NaN fails), so the probe
 never times a broken call. The JSON (``--out``) holds the settings, versions and every round;
@@ -54,7 +60,8 @@ import trainops
 
 _CLOCK = [time.perf_counter_ns]
 
-TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0}
+TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0, "floor": 1.5}
+_STUB = [False]   # --python-only: launches are no-ops (the floor's too)
 
 
 def _sync(device: torch.device) -> None:
@@ -82,6 +89,55 @@ def _stub_launches() -> None:
         module = importlib.import_module(f"trainops.ops.{info.name}")
         if hasattr(module, "launcher"):
             module.launcher = launcher
+    _STUB[0] = True
+
+
+def _floor_case(device: torch.device, dtype: torch.dtype, rand):
+    """The issue's floor: a minimal autograd.Function launching one Triton kernel (a copy) each way
+    through trainops.launch.launcher, one output allocated each way; torch's softmax 64x4096 forward
+    + backward beside it. None where no Triton kernel can run (CPU without --python-only)."""
+    if not _STUB[0] and device.type != "cuda":
+        return None
+    import triton
+    import triton.language as tl
+
+    from trainops.launch import launcher
+
+    @triton.jit
+    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+    x = rand(64, 4096, grad=True)
+    dy = rand(64, 4096)
+    n, block = x.numel(), 4096
+    launch = (lambda *a: None) if _STUB[0] else launcher(_copy, (triton.cdiv(n, block),), BLOCK=block, num_warps=4)
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            y = torch.empty_like(t)
+            launch(t, y, n)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            dx = torch.empty_like(g)
+            launch(g, dx, n)
+            return dx
+
+    def ours():
+        y = Floor.apply(x)
+        y.backward(dy)
+        return y
+
+    def theirs():
+        y = torch.softmax(x, -1)
+        y.backward(dy)
+        return y
+    def check():   # the copy's output against its input (stubbed launches write nothing)
+        return 0.0 if _STUB[0] else _relative(Floor.apply(x).detach().float(), x.detach().float())
+    return ours, theirs, check
 
 
 def _cases(device: torch.device, dtype: torch.dtype, check: bool = True):
@@ -185,7 +241,9 @@ def _cases(device: torch.device, dtype: torch.dtype, check: bool = True):
             ("AdamW, 8 small tensors", "optimizer", adamw),
             ("rms_norm 64x4096, forward + backward", "forward + backward", rms_norm_fwd_bwd),
             ("cross_entropy, forward + backward", "forward + backward", ce_fwd_bwd),
-            ("softmax 64x4096, forward + backward", "forward + backward", softmax_fwd_bwd)]
+            ("softmax 64x4096, forward + backward", "forward + backward", softmax_fwd_bwd),
+            ("floor: Function + 1 copy launch each way (vs torch softmax 64x4096 fwd+bwd)", "floor",
+             lambda: _floor_case(device, dtype, rand))]
 
 
 def _time_us(fn, calls: int, device: torch.device) -> float:
@@ -231,31 +289,61 @@ def main() -> None:
             continue
         if args.python_only and kind == "optimizer":
             continue
-        ours, theirs, check = make()
-        if args.python_only:
-            error = float("nan")   # the stubbed launches write nothing: not compared
-        elif check is not None:
-            error = check()
-        else:
-            a, b = ours(), theirs()
-            error = _relative(a.detach().float(), b.detach().float())
-        tolerance = 2e-2 if dtype != torch.float32 else 1e-4
-        if not args.python_only and not error <= tolerance:
-            raise SystemExit(f"{name}: trainops and torch disagree (relative error {error:.3g}); not timed")
-        for fn in (ours, theirs):
-            for _ in range(args.warmup):
-                fn()
-        _sync(device)
-        rounds = {"trainops": [], "torch": []}
-        for _ in range(args.rounds):
-            rounds["trainops"].append(_time_us(ours, args.calls, device))
-            rounds["torch"].append(_time_us(theirs, args.calls, device))
-        us = {k: statistics.median(v) for k, v in rounds.items()}
-        rows.append({"call": name, "kind": kind, "trainops_us": us["trainops"], "torch_us": us["torch"],
-                     "ratio": us["trainops"] / us["torch"], "target_ratio": TARGETS[kind], "rounds_us": rounds,
-                     "relative_error": None if error != error else error})
-        print(f"{name}: trainops {us['trainops']:.1f} us, torch {us['torch']:.1f} us", flush=True)
+        try:
+            row = _measure(name, kind, make, args, device, dtype)
+        except Exception as e:   # one broken call must not lose the others' figures
+            row = {"call": name, "kind": kind, "error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: FAILED {row['error']}", flush=True)
+        if row is not None:
+            rows.append(row)
+        _write(args, device, rows)
 
+    if pinned is not None:
+        pinned.__exit__(None, None, None)
+    mode = ", Python layers only (launches stubbed), thread time" if args.python_only else ""
+    print(f"\nhost time per call, us (median of {args.rounds} rounds of {args.calls} calls; {device}, {args.dtype}{mode})")
+    print(f"{'call':40s} {'trainops':>9s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['call'][:40]:40s} failed: {r['error'][:80]}")
+            continue
+        print(f"{r['call'][:40]:40s} {r['trainops_us']:9.1f} {r['torch_us']:8.1f} {r['ratio']:5.2f}x "
+              f"{'<=' + format(r['target_ratio'], '.1f') + 'x':>7s}")
+
+
+def _measure(name, kind, make, args, device, dtype) -> dict | None:
+    """One call's row: compared, warmed up, then timed (None when it cannot run here)."""
+    made = make()
+    if made is None:
+        return None
+    ours, theirs, check = made
+    if args.python_only:
+        error = float("nan")   # the stubbed launches write nothing: not compared
+    elif check is not None:
+        error = check()
+    else:
+        a, b = ours(), theirs()
+        error = _relative(a.detach().float(), b.detach().float())
+    tolerance = 2e-2 if dtype != torch.float32 else 1e-4
+    if not args.python_only and not error <= tolerance:
+        raise RuntimeError(f"trainops and torch disagree (relative error {error:.3g}); not timed")
+    for fn in (ours, theirs):
+        for _ in range(args.warmup):
+            fn()
+    _sync(device)
+    rounds = {"trainops": [], "torch": []}
+    for _ in range(args.rounds):
+        rounds["trainops"].append(_time_us(ours, args.calls, device))
+        rounds["torch"].append(_time_us(theirs, args.calls, device))
+    us = {k: statistics.median(v) for k, v in rounds.items()}
+    print(f"{name}: trainops {us['trainops']:.1f} us, torch {us['torch']:.1f} us", flush=True)
+    return {"call": name, "kind": kind, "trainops_us": us["trainops"], "torch_us": us["torch"],
+            "ratio": us["trainops"] / us["torch"], "target_ratio": TARGETS[kind], "rounds_us": rounds,
+            "relative_error": None if error != error else error}
+
+
+def _write(args, device, rows) -> None:
+    """The JSON, rewritten after every row (a run cut short keeps what it measured)."""
     result = {"probe": "host_time", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
               "python_only": args.python_only, "checks": not args.no_check,
@@ -264,15 +352,6 @@ def main() -> None:
               "triton": _version("triton"), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-
-    if pinned is not None:
-        pinned.__exit__(None, None, None)
-    mode = ", Python layers only (launches stubbed), thread time" if args.python_only else ""
-    print(f"\nhost time per call, us (median of {args.rounds} rounds of {args.calls} calls; {device}, {args.dtype}{mode})")
-    print(f"{'call':40s} {'trainops':>9s} {'torch':>8s} {'ratio':>6s} {'target':>7s}")
-    for r in rows:
-        print(f"{r['call']:40s} {r['trainops_us']:9.1f} {r['torch_us']:8.1f} {r['ratio']:5.2f}x "
-              f"{'<=' + format(r['target_ratio'], '.1f') + 'x':>7s}")
 
 
 def _version(package: str) -> str | None:
