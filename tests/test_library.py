@@ -50,6 +50,57 @@ def test_dispatcher_call_of_a_mutating_op_writes_in_place_and_bumps_the_version(
     assert torch.allclose(logits, want_grad, rtol=1e-10, atol=1e-14)   # the gradient, written over the logits
 
 
+def _softmax_both_ways(x, **grad_kwargs):
+    """(y, dx) of softmax through the eager shortcut and through the dispatcher (torch.ops.trainops)."""
+    results = []
+    for call in (lambda t: trainops.softmax(t, -1), lambda t: torch.ops.trainops.softmax(t, -1, None)):
+        t = x.detach().clone().requires_grad_(x.requires_grad)
+        y = call(t)
+        dx = torch.autograd.grad(y, t, torch.ones_like(y)) if y.requires_grad else None
+        results.append((y, dx, t))
+    return results
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_eager_shortcut_matches_the_dispatcher(mode, requires_grad):
+    """The eager shortcut (autograd.Function without the dispatcher, or the impl alone) keeps the
+    op's semantics in grad mode, no_grad and inference mode, with and without requires_grad."""
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=requires_grad)
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context():
+        (y, dx, _), (y_op, dx_op, _) = _softmax_both_ways(x)
+    assert torch.equal(y, y_op)
+    assert y.requires_grad == y_op.requires_grad == (requires_grad and mode == "grad")
+    assert y.is_inference() == y_op.is_inference() == (mode == "inference_mode")
+    if dx is not None:
+        assert torch.allclose(dx[0], dx_op[0], rtol=1e-12, atol=1e-15)
+        assert y.grad_fn is not None and y_op.grad_fn is not None
+
+
+def test_eager_shortcut_takes_a_dead_functorch_wrapper():
+    """A tensor that escaped a finished functorch transform (a dead wrapper) takes the autograd path
+    of the eager shortcut (which unwraps it, as autograd.Function.apply does) and gives torch's
+    values and gradients."""
+    from torch.func import grad
+
+    escaped = []
+
+    def f(t):
+        escaped.append(t)
+        return t.sum()
+
+    grad(f)(torch.randn(3, 5, dtype=torch.float64))
+    dead = escaped[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = trainops.rms_norm(dead, w, 1e-6)   # w requires grad: the autograd path
+    (dw,) = torch.autograd.grad(y, w, torch.ones_like(y))
+    ref = torch.nn.functional.rms_norm(dead.detach(), (5,), w, 1e-6)
+    assert torch.allclose(y, ref, rtol=1e-12, atol=0)
+    assert torch.allclose(dw, torch.autograd.grad(ref, w, torch.ones_like(ref))[0], rtol=1e-10, atol=1e-12)
+
+
 def _recorded_calls():
     """Each custom op's first call (op, args, kwargs), from forward + backward passes of the public
     functions on small CPU inputs."""

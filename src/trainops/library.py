@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.overrides import has_torch_function
 
@@ -63,6 +64,7 @@ class CustomOp:
         self._decomposition = decomposition
         self._defaults = tuple(p.default for p in params)
         self._required = sum(p.default is inspect.Parameter.empty for p in params)
+        self._arity = len(params)
         self._mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
         self.op = torch.library.custom_op(f"trainops::{name}", impl, mutates_args=mutates_args, tags=tags)
         self.op.register_fake(fake)
@@ -79,6 +81,9 @@ class CustomOp:
             self.op.register_autograd(self._gradients, setup_context=self._setup_context)
             self._function = type(f"{name}_function", (torch.autograd.Function,), {
                 "forward": staticmethod(self._eager_forward), "backward": staticmethod(self._gradients)})
+            # torch._C._FunctionBase.apply bound to the Function: autograd.Function.apply's Python layer
+            # (setup_context binding, functorch routing, dead-wrapper unwrapping) is done in __call__
+            self._apply = super(torch.autograd.Function, self._function).apply
 
     def _decompose(self, mode, op, types, args, kwargs):
         """Under torch.compile's functionalization (AOTAutograd): on CUDA tensors of static sizes
@@ -149,24 +154,38 @@ class CustomOp:
         return self._decomposition.function(*arguments)
 
     def __call__(self, *args, **kwargs):
-        if self._decomposition is not None and torch.compiler.is_compiling():
-            outputs = self._traced_decomposition(args, kwargs)
-            if outputs is not None:
-                return outputs
-        if (kwargs or len(args) < self._required or torch.compiler.is_compiling()
-                or torch._C._are_functorch_transforms_active() or has_torch_function(args)
-                or any(type(a) not in PLAIN_TENSORS for a in args if isinstance(a, Tensor))):
-            self._refuse_dtensors(args, kwargs)
-            return self.op(*args, **kwargs)
-        args += self._defaults[len(args):]
-        if (self._function is not None and torch.is_grad_enabled()
-                and any(a.requires_grad for a in args if isinstance(a, Tensor))):
-            return self._function.apply(*args)
+        if torch.compiler.is_compiling():
+            if self._decomposition is not None:
+                outputs = self._traced_decomposition(args, kwargs)
+                if outputs is not None:
+                    return outputs
+            return self._dispatch(args, kwargs)
+        if (kwargs or len(args) < self._required or torch._C._are_functorch_transforms_active()
+                or has_torch_function(args)):
+            return self._dispatch(args, kwargs)
+        # one pass over the arguments: tensor subclasses (fake, functional, DTensor...) go through the op
+        requires_grad = False
+        for a in args:
+            if isinstance(a, Tensor):
+                if type(a) not in PLAIN_TENSORS:
+                    return self._dispatch(args, kwargs)
+                requires_grad = requires_grad or a.requires_grad
+        if len(args) < self._arity:
+            args += self._defaults[len(args):]
+        if requires_grad and self._function is not None and torch.is_grad_enabled():
+            # autograd.Function.apply without its Python wrapper (no setup_context to bind, no functorch
+            # transform active: checked above), unwrapping dead functorch wrappers as it does
+            return self._apply(*[_unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args])
         output = self._impl(*args)
         for i in self._mutated:  # an in-place write bumps the version, as torch's in-place ops
             if args[i] is not None:
                 torch.autograd.graph.increment_version(args[i])
         return output
+
+    def _dispatch(self, args, kwargs):
+        """Through the dispatcher (torch.ops.trainops.<name>): traced, transformed or subclass calls."""
+        self._refuse_dtensors(args, kwargs)
+        return self.op(*args, **kwargs)
 
 
 def _symbolic(t: Tensor) -> bool:

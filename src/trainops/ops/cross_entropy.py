@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -181,8 +182,8 @@ class CrossEntropyProblem:
     def batch_shape(self) -> tuple[int, ...]:
         return () if len(self.shape) == 1 else (self.shape[0],) + self.shape[2:]
 
-    @property
-    def rows(self) -> int:
+    @cached_property
+    def rows(self) -> int:   # read several times a launch: computed once per plan
         return math.prod(self.batch_shape)
 
     @property
@@ -211,15 +212,30 @@ class CrossEntropyProblem:
         for name, t, (shape, dtype, strides) in zip(names, tensors, specs):
             check_tensor(self.op, name, t, shape, dtype, self.device, strides)
 
-    def new_output(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def new_output(self, flags: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """(loss, lse, grad, flags): flags[0] becomes 1 if a class index is out of range (and not
-        ignored), flags[1] is the gradient's exponent k."""
+        ignored), flags[1] is the gradient's exponent k. ``flags``: two zeroed int32 to use (else
+        allocated)."""
         loss_shape = self.batch_shape if self.reduction == "none" else ()
         loss = torch.empty(loss_shape, dtype=self.loss_dtype, device=self.device)
         lse = torch.empty(self.batch_shape, dtype=self.lse_dtype, device=self.device)
         grad_shape = self.shape if self.compute_grad and not self.grad_into_input else (0,)
         grad = torch.empty(grad_shape, dtype=self.dtype, device=self.device)
-        return loss, lse, grad, torch.zeros(2, dtype=torch.int32, device=self.device)
+        if flags is None:
+            flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        return loss, lse, grad, flags
+
+    def new_output_and_scratch(self, acc: torch.dtype) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """(new_output's tensors, the Triton kernels' zeroed per-row losses): rows + 1 entries in
+        ``acc``, the last one holding _sum_row_losses' int32 ticket; for reduction "none" the loss
+        itself. The scratch and the flags are cut from one zeroed buffer (the flags its last 8
+        bytes): one allocation and one fill instead of two (a fill is a kernel launch on the GPU)."""
+        if self.reduction == "none":
+            out = self.new_output()
+            return out, out[0]
+        rows = self.rows
+        zeroed = torch.zeros(rows + 1 + 8 // acc.itemsize, dtype=acc, device=self.device)
+        return self.new_output(zeroed[rows + 1:].view(torch.int32)), zeroed[:rows + 1]
 
 
 def _describe(shape, dtype, target_dtype, device="cuda", *, strides=None, target_shape=None, target_strides=None,
@@ -859,28 +875,29 @@ def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
     return block, -(-c // block), h.stream_warps, h.stream_programs_per_sm
 
 
-def _kernel_operands(problem: CrossEntropyProblem, tensors, out, acc: torch.dtype):
-    """What both Triton launchers pass their kernel: (logits, target, weight or a placeholder,
-    gradient destination, per-row losses, ticket, loss, lse, flags), after the target check; or
-    None when there are no rows (the loss is then finished here).
+def _kernel_operands(problem: CrossEntropyProblem, tensors, acc: torch.dtype):
+    """(outputs, operands): the call's outputs (loss, lse, grad, flags; Plan.run_unchecked hands
+    them back: the launches allocate), and what both Triton launchers pass their kernel: (logits,
+    target, weight or a placeholder, gradient destination, per-row losses, ticket, loss, lse,
+    flags), after the target check; operands None when there are no rows (the loss is then
+    finished here).
 
     Per-row losses: the "none" output itself (no ticket), or a zeroed scratch of rows + 1 entries
-    in ``acc`` whose last one holds _sum_row_losses' int32 ticket.
+    in ``acc`` whose last one holds _sum_row_losses' int32 ticket (cut from one buffer with the
+    flags: CrossEntropyProblem.new_output_and_scratch).
     """
     logits, target, weight = (*tensors, None)[:3]
     if problem.check_target:
         check_targets(problem, target)
-    loss, lse, grad, flags = out
     if not problem.rows:
-        finish_loss(problem, torch.empty(0, dtype=acc, device=loss.device), None, loss)
-        return None
-    if problem.reduction == "none":
-        row_loss = ticket = loss
-    else:
-        row_loss = torch.zeros(problem.rows + 1, dtype=acc, device=loss.device)
-        ticket = row_loss[problem.rows:].view(torch.int32)
+        out = problem.new_output()
+        finish_loss(problem, torch.empty(0, dtype=acc, device=out[0].device), None, out[0])
+        return out, None
+    out, row_loss = problem.new_output_and_scratch(acc)
+    loss, lse, grad, flags = out
+    ticket = row_loss if problem.reduction == "none" else row_loss[problem.rows:].view(torch.int32)
     g = logits if problem.grad_into_input or not problem.compute_grad else grad
-    return logits, target, logits if weight is None else weight, g, row_loss, ticket, loss, lse, flags
+    return out, (logits, target, logits if weight is None else weight, g, row_loss, ticket, loss, lse, flags)
 
 
 def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
@@ -912,15 +929,16 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     rows_launch = launcher(_ce_rows, (max(1, min(problem.rows, programs)),),
                            trailing=(*consts, problem.rows, c, s, *strides, problem.ignore_index), **meta)
 
-    def run(tensors, out):
-        operands = _kernel_operands(problem, tensors, out, acc)
+    def run(tensors, _):
+        out, operands = _kernel_operands(problem, tensors, acc)
         if operands is not None:
             rows_launch(*operands)
+        return out
 
     params = (("BLOCK_C", block), ("chunks", chunks), ("num_warps", warps), ("programs", programs),
               ("plan", "fused" if chunks == 1 else "two-pass"))
     return Launch(run, KernelChoice("ce_rows", "triton", params), acc,
-                  workspace_bytes=(problem.rows + 1) * acc.itemsize * (problem.reduction != "none"))
+                  workspace_bytes=(problem.rows + 1) * acc.itemsize * (problem.reduction != "none"), allocates=True)
 
 
 def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], strides: tuple[int, ...],
@@ -936,18 +954,20 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], str
                 REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=h.exchange_warps)
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, h.exchange_per_sm, h.sm_count(problem.device))
 
-    def run(tensors, out):
-        operands = _kernel_operands(problem, tensors, out, torch.float32)
+    def run(tensors, _):
+        out, operands = _kernel_operands(problem, tensors, torch.float32)
         if operands is not None:
             flags = operands[-1]
             words = torch.zeros(rows * splits, dtype=torch.int64, device=flags.device) if splits > 1 else flags
             args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
+        return out
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", h.exchange_per_sm),
               ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
-                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1))
+                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1),
+                  allocates=True)
 
 
 _SCALE_BLOCK = 4096
@@ -1006,7 +1026,8 @@ def _descriptor_of(logits, target, weight, ignore_index, reduction, label_smooth
                    compute_grad, check_target, grad_into_input):
     """(descriptor, tensors) of a call: the tensors as the kernels take them, and their plan's key."""
     _check_weight(logits, target, weight)
-    if row_strides(logits.shape, logits.stride()) is None:  # rare layouts whose d1..dk do not merge
+    # rare layouts whose d1..dk do not merge (a contiguous tensor's always do: the check is skipped)
+    if not logits.is_contiguous() and row_strides(logits.shape, logits.stride()) is None:
         if grad_into_input:
             raise UnsupportedError("trainops.cross_entropy: inplace_backward needs logits whose d1..dk merge")
         logits = logits.contiguous()  # one copy

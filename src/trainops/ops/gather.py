@@ -739,7 +739,8 @@ def _run_gather(x: Tensor, index: Tensor, dim: int, negative_indices: bool, chec
                 deferred_check: bool = False, start: bool = True) -> Tensor:
     """``start=False``: the caller (embedding) has checked the index and raised pending errors already."""
     _same_device("gather", "x", x, index)
-    if x.dim() and three_axis_strides(x.shape, x.stride(), dim % x.dim(), dim % x.dim() + 1) is None:
+    if x.dim() and not x.is_contiguous() and three_axis_strides(x.shape, x.stride(), dim % x.dim(),
+                                                                dim % x.dim() + 1) is None:
         x = x.contiguous()  # rare layouts whose dims around ``dim`` do not merge: one copy of x
     deferred = _start(deferred_check and check_index, index) if start else False
     descriptor = GatherDescriptor(x.shape, dim, index.shape, x.dtype, index.dtype, x.device, x_strides=x.stride(),
@@ -784,7 +785,7 @@ def _gather_backward_impl(dy: Tensor, index: Tensor, dim: int, input_shape: Sequ
                           check_index: bool = True, deferred_check: bool = False) -> Tensor:
     _same_device("gather_backward", "dy", dy, index)
     input_shape, rank = tuple(input_shape), len(input_shape)
-    if rank and -rank <= dim < rank and three_axis_strides(
+    if rank and -rank <= dim < rank and not dy.is_contiguous() and three_axis_strides(
             dy.shape, dy.stride(), dim % rank, dim % rank + index.dim()) is None:
         dy = dy.contiguous()  # rare layouts whose batch / index / inner dims do not merge: one copy of dy
     deferred = _start(deferred_check and check_index, index)
