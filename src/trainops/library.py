@@ -31,7 +31,6 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.overrides import has_torch_function
 
@@ -81,9 +80,6 @@ class CustomOp:
             self.op.register_autograd(self._gradients, setup_context=self._setup_context)
             self._function = type(f"{name}_function", (torch.autograd.Function,), {
                 "forward": staticmethod(self._eager_forward), "backward": staticmethod(self._gradients)})
-            # torch._C._FunctionBase.apply bound to the Function: autograd.Function.apply's Python layer
-            # (setup_context binding, functorch routing, dead-wrapper unwrapping) is done in __call__
-            self._apply = super(torch.autograd.Function, self._function).apply
 
     def _decompose(self, mode, op, types, args, kwargs):
         """Under torch.compile's functionalization (AOTAutograd): on CUDA tensors of static sizes
@@ -173,9 +169,7 @@ class CustomOp:
         if len(args) < self._arity:
             args += self._defaults[len(args):]
         if requires_grad and self._function is not None and torch.is_grad_enabled():
-            # autograd.Function.apply without its Python wrapper (no setup_context to bind, no functorch
-            # transform active: checked above), unwrapping dead functorch wrappers as it does
-            return self._apply(*[_unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args])
+            return self._function.apply(*args)
         output = self._impl(*args)
         for i in self._mutated:  # an in-place write bumps the version, as torch's in-place ops
             if args[i] is not None:
