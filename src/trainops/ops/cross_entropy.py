@@ -49,7 +49,7 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_f
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
 from ._common import assert_on_device, capturing, float_bits, note_flag, raise_flagged
-from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
+from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -119,6 +119,12 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
+    fill_per_sm, fill_min_bytes: fewer rows than SMs (class-index targets without label
+        smoothing, float32 / half logits) are cut into chunks of a power of two of at least
+        fill_min_bytes (exchange.fill_tile) so that about fill_per_sm programs an SM share them,
+        where one row (or one exchange_block) a program would leave SMs idle: the exchange plan at
+        those chunks, one warp per 512 classes (4 to exchange_warps). 0 turns it off. Unmeasured
+        (issue 42: 1-64 rows of 16K-1M classes; benchmarks/probe_split_rows.py).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -133,6 +139,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
     exchange_warps: int = 16
     exchange_per_sm: int = 1
+    fill_per_sm: int = 4
+    fill_min_bytes: int = 4096
 
 
 # ----------------------------------------------------------------------------------------------
@@ -817,15 +825,24 @@ if triton_available():
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def _exchange_splits(problem: CrossEntropyProblem) -> int:
-    """Chunks per row of the exchange plan, or 0 where it does not apply (see CrossEntropyHeuristics)."""
+def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] | None:
+    """(BLOCK_C, chunks per row, num_warps, programs per SM) of the exchange plan, or None where it
+    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block, or fewer
+    rows than SMs cut into smaller chunks (exchange.fill_tile)."""
     h = problem.heuristics
-    block = h.exchange_block.get(problem.dtype.itemsize)
-    if (block is None or problem.probabilities or problem.label_smoothing > 0 or not h.exchange_on()
-            or next_pow2(problem.classes) < block):
-        return 0
-    splits = -(-problem.classes // block)
-    return splits if splits <= h.sm_count(problem.device) else 0
+    size, c = problem.dtype.itemsize, problem.classes
+    block = h.exchange_block.get(size)
+    if block is None or problem.probabilities or problem.label_smoothing > 0 or not h.exchange_on():
+        return None
+    sms = h.sm_count(problem.device)
+    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, block)
+    warps, per_sm = h.exchange_warps, h.exchange_per_sm
+    if fill and fill < block:
+        block, warps, per_sm = fill, min(warps, max(4, fill // 512)), max(per_sm, h.fill_per_sm)
+    elif not fill and next_pow2(c) < block:
+        return None
+    splits = -(-c // block)
+    return (block, splits, warps, per_sm) if splits <= sms else None
 
 
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
@@ -875,10 +892,10 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
     z_bound = z_gradient_bound(problem.z_loss, problem.classes)
     strides = (*x_strides, *t_strides, *g_strides)
-    splits = _exchange_splits(problem)
-    if splits:
+    exchange = _exchange_config(problem)
+    if exchange:
         consts = tuple(float_bits(v, torch.float32) for v in (problem.z_loss, fixed_norm, z_bound))
-        return _prepare_exchange(problem, consts, strides, mean_by_targets, splits, s)
+        return _prepare_exchange(problem, consts, strides, mean_by_targets, exchange, s)
     consts = tuple(float_bits(v, acc) for v in (problem.label_smoothing, problem.z_loss, fixed_norm, z_bound))
     block, chunks, warps, per_sm = _choose_block(problem)
     programs = problem.heuristics.sm_count(problem.device) * per_sm
@@ -904,17 +921,18 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
 
 
 def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], strides: tuple[int, ...],
-                      mean_by_targets: bool, splits: int, s: int) -> Launch:
-    """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
-    [rows, splits] zeroed per call, one launch (two under the interpreter); with one chunk a row
-    ("pipelined") no partials and one launch everywhere."""
+                      mean_by_targets: bool, config: tuple[int, int, int, int], s: int) -> Launch:
+    """The exchange plan (``config`` from _exchange_config: BLOCK_C, ``splits`` chunks a row, warps,
+    programs per SM; ``s`` = d1 * ... * dk): flagged partials [rows, splits] zeroed per call, one
+    launch (two under the interpreter); with one chunk a row ("pipelined") no partials and one
+    launch everywhere."""
     h = problem.heuristics
-    block = h.exchange_block[problem.dtype.itemsize]
+    block, splits, warps, per_sm = config
     c, rows = problem.classes, problem.rows
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=h.grad_store, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=h.exchange_warps)
-    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, h.exchange_per_sm, h.sm_count(problem.device))
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=warps)
+    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, per_sm, h.sm_count(problem.device))
 
     def run(tensors, out):
         operands = _kernel_operands(problem, tensors, out, torch.float32)
@@ -924,7 +942,7 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], str
             args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
 
-    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", h.exchange_per_sm),
+    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", warps), ("per_sm", per_sm),
               ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
                   workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1))
