@@ -531,8 +531,8 @@ def test_gpu_few_long_rows(rows, classes, dtype):
     t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
     t[::3] = -100
     kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=t.dtype).kernel
-    assert kernel["plan"] == "exchange" and kernel["splits"] * rows >= torch.cuda.get_device_properties(0).\
-        multi_processor_count, kernel
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernel["plan"] == "exchange" and kernel["splits"] * rows >= sms * 3 // 4, kernel   # 3/4 of the SMs busy
     xg = x.clone().requires_grad_()
     loss = trainops.cross_entropy(xg, t, loss_dtype=torch.float32)
     loss.backward()

@@ -23,8 +23,10 @@ Each row is read once and its gradient written once: short rows in registers (pl
 rows of class-index targets without label smoothing of more than half an exchange block (16384
 half or 8192 float32 classes) by a persistent grid that loads the next row while it writes this one
 ("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
-exchange.py). Other rows longer than a register row (probability targets, label smoothing,
-float64) are read twice, the second time newest chunk first so that the re-read hits L2.
+exchange.py). Where those plans would give fewer programs than SMs (a few long rows), the rows are
+cut into smaller chunks of the exchange plan, so that every SM gets programs (exchange.fill_tile).
+Other rows longer than a register row (probability targets, label smoothing, float64) are read
+twice, the second time newest chunk first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
 int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
@@ -119,12 +121,12 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
-    fill_per_sm, fill_min_bytes: fewer rows than SMs (class-index targets without label
-        smoothing, float32 / half logits) are cut into chunks of a power of two of at least
-        fill_min_bytes (exchange.fill_tile) so that about fill_per_sm programs an SM share them,
-        where one row (or one exchange_block) a program would leave SMs idle: the exchange plan at
-        those chunks, one warp per 512 classes (4 to exchange_warps). 0 turns it off. Unmeasured
-        (issue 42: 1-64 rows of 16K-1M classes; benchmarks/probe_split_rows.py).
+    fill_per_sm, fill_min_bytes: few long rows (class-index targets without label smoothing,
+        float32 / half logits) whose usual plan (one row, or one exchange_block, a program) gives
+        fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
+        (exchange.fill_tile) so that about fill_per_sm programs an SM share them: the exchange plan
+        at those chunks, one warp per 512 classes (4 to exchange_warps). 0 turns it off.
+        Unmeasured (issue 42: 1-64 rows of 16K-1M classes; benchmarks/probe_split_rows.py).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -827,8 +829,8 @@ if triton_available():
 
 def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] | None:
     """(BLOCK_C, chunks per row, num_warps, programs per SM) of the exchange plan, or None where it
-    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block, or fewer
-    rows than SMs cut into smaller chunks (exchange.fill_tile)."""
+    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block, or rows
+    whose usual plan gives fewer programs than SMs cut into smaller chunks (exchange.fill_tile)."""
     h = problem.heuristics
     size, c = problem.dtype.itemsize, problem.classes
     block = h.exchange_block.get(size)

@@ -21,7 +21,8 @@ position in the batch or another address, as between any two plans.
 Triton plans (chosen in ``_choose_config``):
     fused    the whole row (or a tile of rows / columns) in registers: one read, one write.
     exchange a long row cut into chunks held in registers by programs that run together and
-             trade partial sums (exchange.py): one read, one write.
+             trade partial sums (exchange.py): one read, one write. Also few rows that one
+             program a row would leave SMs idle with, in smaller chunks (exchange.fill_tile).
     looped   one program streams a long row twice: online max/sum, then a second pass
              newest-chunk-first so its reads hit L2.
     split    few long rows: two launches, per-chunk partial stats into a workspace, then each
@@ -72,13 +73,13 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         along one axis skip the row decomposition: 3 programs per SM) beat 8 warps (74-78
         registers) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per SM, 9%
         slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
-        fill_per_sm, fill_min_bytes: few long rows (fewer than SMs x fill_per_sm, row-major) are
-        cut into chunks of a power of two of at least fill_min_bytes (exchange.fill_tile) so that
-        about fill_per_sm programs an SM share them, where one row (or one exchange_tile chunk) a
-        program would leave SMs idle: the exchange plan at those chunks (warps: one per 512 chunk
+        fill_per_sm, fill_min_bytes: few long rows (row-major) whose usual plan (one row, or one
+        exchange_tile chunk, a program) gives fewer programs than SMs are cut into chunks of a
+        power of two of at least fill_min_bytes (exchange.fill_tile) so that about fill_per_sm
+        programs an SM share them: the exchange plan at those chunks (warps: one per 512 chunk
         elements, 4 to the op's exchange_warps), or the split plan with the exchange off. 0 turns
-        it off (one row a program, as before). Unmeasured (issue 42: 1-64 rows of 16K-1M elements
-        were up to 6x slower than quack one row a program; benchmarks/probe_split_rows.py).
+        it off (the plans as before). Unmeasured (issue 42: 1-64 rows of 16K-1M elements were up
+        to 6x slower than quack one row a program; benchmarks/probe_split_rows.py).
         sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -813,9 +814,10 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     the exchange off) rows stream h.stream_tile elements a step, one row to a program ("looped");
     with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
     ("split"), aiming at h.split_programs_per_sm programs per SM.
-    Fewer rows than SMs (row-major): rows longer than a chunk of exchange.fill_tile (about
-    h.fill_per_sm programs an SM, h.fill_min_bytes at least) take the exchange plan at that chunk,
-    short of a register tile or not; with the exchange off, the split plan at chunks of at most it.
+    Few long rows (row-major) whose plan above gives fewer programs than SMs: rows longer than a
+    chunk of exchange.fill_tile (about h.fill_per_sm programs an SM, h.fill_min_bytes at least)
+    take the exchange plan at that chunk, short of a register tile or not; with the exchange off,
+    the split plan at chunks of at most it.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
     of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
