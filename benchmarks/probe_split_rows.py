@@ -17,7 +17,8 @@ stride, never transposed): softmax_backward(dy, y, 0) alone, the default plan ag
 torch.compile (``--no-dim0`` leaves them out).
 Cases: softmax forward; softmax forward + backward (the two ops called directly: trainops.softmax then
 trainops.softmax_backward, torch.softmax then torch._softmax_backward_data; compiled as one function);
-cross-entropy forward + backward (autograd.grad of the mean loss; class targets at random).
+cross-entropy forward + backward (autograd.grad of the mean loss; class targets at random), without
+and with label smoothing 0.1.
 
 Bytes counted: softmax forward x read + y written; + backward dy, y read + dx written (5 tensors);
 cross-entropy the logits read + their gradient written (2 tensors). ms: triton.testing.do_bench
@@ -159,11 +160,11 @@ def _print_table(table, before, after):
     if not table:
         return
     names = _impl_names(table)
-    print(f"\n{'shape':18s} {'case':22s} " + " ".join(f"{n[:9]:>9s}" for n in names) + f"   gpu ms; {before}/{after}")
+    print(f"\n{'shape':18s} {'case':28s} " + " ".join(f"{n[:9]:>9s}" for n in names) + f"   gpu ms; {before}/{after}")
     for (label, case), rows in _grouped(table).items():
         by = {r["impl"]: r for r in rows}
         ratio = by[before]["gpu_ms"] / by[after]["gpu_ms"] if before in by and after in by else float("nan")
-        print(f"{label:18s} {case:22s} " + " ".join(
+        print(f"{label:18s} {case:28s} " + " ".join(
             f"{by[n]['gpu_ms']:9.4f}" if n in by else f"{'-':>9s}" for n in names) + f"   {ratio:5.2f}x")
 
 
@@ -175,9 +176,6 @@ def _run_shapes(args, device, shapes, ceiling, result, table):
         t = torch.randint(0, shape[1], (shape[0],), device=device, generator=gen)
         numel, size = math.prod(shape), dtype.itemsize
         label = f"{'x'.join(map(str, shape))} {str(dtype).replace('torch.', '')}"
-        xd = x.double().requires_grad_()
-        ce_loss = F.cross_entropy(xd, t)
-        ce_want = (ce_loss.detach(), torch.autograd.grad(ce_loss, xd)[0])
         sm_want = reference_softmax(x, dy)
         cases = {}
         for case, (ours, theirs) in softmax_cases(x, dy).items():
@@ -192,11 +190,11 @@ def _run_shapes(args, device, shapes, ceiling, result, table):
                 impls["torch.compile"] = lambda compiled=compiled: compiled(x, dy)
             cases[case] = (impls, want, numel * size * (2 if case == "softmax fwd" else 5))
 
-        def ce_ours(h):
+        def ce_ours(h, smoothing):
             def run():
                 with trainops.heuristics(*h):
                     xg = x.detach().requires_grad_()
-                    loss = trainops.cross_entropy(xg, t, check_target=False)
+                    loss = trainops.cross_entropy(xg, t, label_smoothing=smoothing, check_target=False)
                     return loss.detach(), torch.autograd.grad(loss, xg)[0]
             return run
 
@@ -206,13 +204,19 @@ def _run_shapes(args, device, shapes, ceiling, result, table):
                 loss = fn(xg, t)
                 return loss.detach(), torch.autograd.grad(loss, xg)[0]
             return run
-        impls = {name: _planned(ce_ours(h), h, ("cross_entropy", dict(shape=shape, dtype=dtype, target_dtype=t.dtype,
-                                                                      device=device)))
-                 for name, h in variants(args.cpu_smoke).items() if name != "split2"}
-        impls["torch"] = ce_torch(F.cross_entropy)
-        if not args.no_compile and device == "cuda":
-            impls["torch.compile"] = ce_torch(torch.compile(lambda x, t: F.cross_entropy(x, t), dynamic=False))
-        cases["cross_entropy fwd+bwd"] = (impls, ce_want, numel * size * 2)
+        for smoothing in (0.0, 0.1):
+            xd = x.double().requires_grad_()
+            ce_loss = F.cross_entropy(xd, t, label_smoothing=smoothing)
+            ce_want = (ce_loss.detach(), torch.autograd.grad(ce_loss, xd)[0])
+            described = dict(shape=shape, dtype=dtype, target_dtype=t.dtype, device=device, label_smoothing=smoothing)
+            impls = {name: _planned(ce_ours(h, smoothing), h, ("cross_entropy", described))
+                     for name, h in variants(args.cpu_smoke).items() if name != "split2"}
+            impls["torch"] = ce_torch(lambda x, t, smoothing=smoothing: F.cross_entropy(x, t, label_smoothing=smoothing))
+            if not args.no_compile and device == "cuda":
+                impls["torch.compile"] = ce_torch(torch.compile(
+                    lambda x, t, smoothing=smoothing: F.cross_entropy(x, t, label_smoothing=smoothing), dynamic=False))
+            cases["cross_entropy fwd+bwd" + (f" ls={smoothing}" if smoothing else "")] = (impls, ce_want,
+                                                                                         numel * size * 2)
         _measure(args, device, label, cases, ceiling, result, table)
 
 
@@ -256,7 +260,7 @@ def _measure(args, device, label, cases, ceiling, result, table):
     """Check, then time, every implementation of every case; rows to ``result`` and ``table``."""
     for case, (impls, want, nbytes) in cases.items():
         if time.monotonic() - _START > args.budget:
-            print(f"  {label:22s} {case:22s} skipped: past --budget {args.budget:.0f} s", flush=True)
+            print(f"  {label:22s} {case:28s} skipped: past --budget {args.budget:.0f} s", flush=True)
             result.setdefault("skipped", []).append(f"{label} {case}")
             continue
         with open(args.out, "w") as f:  # before every case: a run cut short keeps what it measured
@@ -267,7 +271,7 @@ def _measure(args, device, label, cases, ceiling, result, table):
                 err = max(relative_error(g, w) for g, w in zip(got, want))
                 ms, gpu_ms = timings(fn, device)
             except Exception as e:  # noqa: BLE001 - a failing implementation is reported, the rest still run
-                print(f"  {label:22s} {case:22s} {name:14s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"  {label:22s} {case:28s} {name:14s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 result["rows"].append({"shape": label, "case": case, "impl": name,
                                        "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
@@ -278,7 +282,7 @@ def _measure(args, device, label, cases, ceiling, result, table):
                    "rel_err": err, "wrong": wrong, "plan": getattr(fn, "plan", None)}
             result["rows"].append(row)
             table.append(row)
-            print(f"  {label:22s} {case:22s} {name:14s} {ms:8.4f} ms {gbs:6.0f} GB/s {row['pct_of_copy']:5.1f}% | gpu "
+            print(f"  {label:22s} {case:28s} {name:14s} {ms:8.4f} ms {gbs:6.0f} GB/s {row['pct_of_copy']:5.1f}% | gpu "
                   f"{gpu_ms:8.4f} ms {row['gpu_pct_of_copy']:5.1f}%  err {err:.1e}{'  WRONG' if wrong else ''}",
                   flush=True)
 

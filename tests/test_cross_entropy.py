@@ -195,22 +195,34 @@ def test_few_long_rows_split_across_programs(dtype, layout, options):
                              **described).kernel["plan"] == "fused"       # as many rows as SMs
 
 
-def test_few_long_rows_with_label_smoothing_stay_one_row_a_program():
-    """The exchange kernel has no label smoothing (nor probability targets): such rows are not split."""
-    gen = torch.Generator().manual_seed(21)
-    x = make_logits([3, 1500], torch.float32, "cpu", gen)
+@pytest.mark.parametrize("dtype,options", [
+    (torch.float32, dict(label_smoothing=0.1, weight=True)),
+    (torch.bfloat16, dict(label_smoothing=0.3, z_loss=1e-3, reduction="none")),
+], ids=str)
+def test_few_long_rows_with_label_smoothing(dtype, options):
+    """Label smoothing in the exchange plan (few rows only): the chunks also trade sum_c w_c x_c."""
+    gen = torch.Generator().manual_seed(seed_of("few rows, smoothing", dtype))
+    x = make_logits([3, 1500], dtype, "cpu", gen)
     target = torch.tensor([3, -100, 1499])
+    if options.pop("weight", False):
+        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    described = {k: v for k, v in options.items() if k != "weight"}
     with trainops.backend("triton"), trainops.heuristics(FEW_ROWS):
-        assert trainops.plan("cross_entropy", shape=x.shape, dtype=x.dtype, target_dtype=torch.int64,
-                             label_smoothing=0.1).kernel["plan"] == "fused"
-        check(x, target, torch.float32, "few rows, label smoothing", label_smoothing=0.1)
+        kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                               has_weight="weight" in options, **described).kernel
+        assert kernel["plan"] == "exchange" and kernel["splits"] == 6, kernel
+        check(x, target, dtype, f"few rows, label smoothing {options.keys()}", **options)
+        # many long rows with label smoothing keep the streaming plans (the exchange was measured without it)
+        assert trainops.plan("cross_entropy", shape=(8, 1500), dtype=dtype, target_dtype=torch.int64,
+                             **described).kernel["plan"] == "fused"
 
 
 def test_fill_choices_at_real_sizes():
     """What the H200 (132 SMs) plans for few long rows: (BLOCK_C, chunks a row, warps, programs per SM)."""
-    def config(shape, dtype=torch.bfloat16, **options):
-        return ce_ops._exchange_config(ce_ops._describe(shape, dtype, torch.int64, "cpu", heuristics=ce_ops.
-                                                        CrossEntropyHeuristics(sms=132, **options)))
+    def config(shape, dtype=torch.bfloat16, label_smoothing=0.0, **options):
+        problem = ce_ops._describe(shape, dtype, torch.int64, "cpu", label_smoothing=label_smoothing,
+                                   heuristics=ce_ops.CrossEntropyHeuristics(sms=132, **options))
+        return ce_ops._exchange_config(problem)
     assert config((1, 262144)) == (2048, 128, 4, 4)      # 128 programs, not 8
     assert config((16, 65536)) == (2048, 32, 4, 4)       # 512, not 32
     assert config((64, 32768)) == (4096, 8, 8, 4)        # 512, not 64 pipelined ones
@@ -220,6 +232,10 @@ def test_fill_choices_at_real_sizes():
     assert config((64, 32768), fill_per_sm=0) == (32768, 1, 16, 1)
     assert config((200, 32768)) == (32768, 1, 16, 1)     # more rows than SMs
     assert config((8, 16000), fill_per_sm=0) is None
+    assert config((8, 16000), label_smoothing=0.1) == (2048, 8, 4, 4)   # few rows: label smoothing too
+    assert config((8, 131072), label_smoothing=0.1) == (2048, 64, 4, 4)
+    assert config((512, 131072), label_smoothing=0.1) is None             # many: the two-pass plan
+    assert config((512, 131072)) == (32768, 4, 16, 1)
 
 
 # ---- probability targets ---------------------------------------------------------------------------
@@ -549,6 +565,15 @@ def test_gpu_few_long_rows(rows, classes, dtype):
     (rows_loss.sum() / (t != -100).sum()).backward()
     assert_close(rows_loss, F.cross_entropy(x.double(), t, reduction="none"), torch.float32, "in place, per row")
     assert_close(inplace.grad, xd.grad, dtype, "grad in place")
+    weight = torch.rand(classes, device="cuda", generator=gen) + 0.5
+    smooth = x.clone().requires_grad_()
+    loss = trainops.cross_entropy(smooth, t, weight.to(dtype), label_smoothing=0.1, loss_dtype=torch.float32)
+    loss.backward()
+    xd = x.double().requires_grad_()
+    ref = F.cross_entropy(xd, t, weight.to(dtype).double(), label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "label smoothing, loss")
+    assert_close(smooth.grad, xd.grad, dtype, "label smoothing, grad")
 
 
 @pytest.mark.gpu

@@ -24,9 +24,10 @@ rows of class-index targets without label smoothing of more than half an exchang
 half or 8192 float32 classes) by a persistent grid that loads the next row while it writes this one
 ("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
 exchange.py). Where those plans would give fewer programs than SMs (a few long rows), the rows are
-cut into smaller chunks of the exchange plan, so that every SM gets programs (exchange.fill_tile).
-Other rows longer than a register row (probability targets, label smoothing, float64) are read
-twice, the second time newest chunk first so that the re-read hits L2.
+cut into smaller chunks of the exchange plan, so that every SM gets programs (exchange.fill_tile),
+label smoothing included (its chunks also trade sum_c w_c x_c). Other rows longer than a register
+row (probability targets, label smoothing, float64) are read twice, the second time newest chunk
+first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
 int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
@@ -121,7 +122,7 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
-    fill_per_sm, fill_min_bytes: few long rows (class-index targets without label smoothing,
+    fill_per_sm, fill_min_bytes: few long rows (class-index targets, label smoothing or not,
         float32 / half logits) whose usual plan (one row, or one exchange_block, a program) gives
         fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
         (exchange.fill_tile) so that about fill_per_sm programs an SM share them: the exchange plan
@@ -730,19 +731,23 @@ if triton_available():
         row_mask = mask & tl.where(r < R, True, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=row_mask, other=float("-inf"))
 
-    @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits"])
+    @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits", "smoothing_bits"])
     def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr,
                           z_bits, norm_bits, z_bound_bits, words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+                          smoothing_bits, w_total_ptr,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
                           MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr,
-                          PHASE: tl.constexpr):
-        """Class-index targets without label smoothing, float32 math: rows cut into SPLITS chunks of
-        BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
-        [R, SPLITS] (exchange.py); with SPLITS == 1 a program holds whole rows and trades nothing.
-        Program 0 of a group writes the row's loss and lse; every program writes its chunk's
-        gradient from registers: one read of the logits, one write. Losses and constants as _ce_rows
-        (float32 bits)."""
+                          PHASE: tl.constexpr, SMOOTH: tl.constexpr = False):
+        """Class-index targets, float32 math: rows cut into SPLITS chunks of BLOCK_C classes, one per
+        program of a group, which trade (max, sum exp) as flagged words [R, SPLITS] (exchange.py);
+        with SPLITS == 1 a program holds whole rows and trades nothing. Program 0 of a group writes
+        the row's loss and lse; every program writes its chunk's gradient from registers: one read of
+        the logits, one write. Losses and constants as _ce_rows (float32 bits).
+
+        SMOOTH (label smoothing eps > 0): the chunks also trade sum_c w_c x_c as a second flagged
+        word [R, SPLITS] after the first R * SPLITS; w_total_ptr holds sum_c w_c (float32, summed by
+        the launcher; C without a weight, when it is not read)."""
         z_coef = from_bits(z_bits, tl.float32)
         split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -763,6 +768,10 @@ if triton_available():
                 x_raw = x_next
             else:
                 x_raw = _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask)
+            if SMOOTH:   # the chunk's class weights (the same every row)
+                w_c = 1.0
+                if HAS_WEIGHT:
+                    w_c = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if PHASE != 1:
                 # The target's logit is read before this program publishes: when the gradient is
                 # written over the logits, the program holding the target's chunk writes it as
@@ -780,7 +789,11 @@ if triton_available():
                 m = tl.max(x, axis=0)
                 m_ref = tl.where(m == float("-inf"), 0.0, m)
                 total = tl.sum(tl.exp(x - m_ref), axis=0)
+                if SMOOTH:
+                    wx = tl.sum(tl.where(mask, w_c * x, 0.0), axis=0)
                 if SPLITS > 1:
+                    if SMOOTH:
+                        tl.store(words_ptr + (R + r) * SPLITS + split, pack_flagged(wx, tl.zeros([], tl.float32)))
                     tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, total))
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
@@ -789,19 +802,38 @@ if triton_available():
                 if HAS_WEIGHT:
                     w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(tl.float32)
                 if SPLITS > 1:
+                    if SMOOTH:   # polled first: published before the (max, sum) word
+                        k = tl.arange(0, SPLITS_P2)
+                        wx_k, _ = poll_flagged(words_ptr + (R + r) * SPLITS, SPLITS, SPLITS_P2)
+                        wx = tl.sum(tl.where(k < SPLITS, wx_k, 0.0), axis=0)   # chunk order
                     m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
                     m_ref, total = merge_max_sum(m_k, s_k)
                 lse = m_ref + tl.log(total)
+                w_hit = w_t     # the target's weight in the loss and the gradient
+                scale = w_t     # what p is multiplied by (before the divisor)
+                if SMOOTH:
+                    smoothing = from_bits(smoothing_bits, tl.float32)
+                    eps_c = smoothing / C
+                    w_total = C * 1.0
+                    if HAS_WEIGHT:
+                        w_total = tl.load(w_total_ptr)
+                    w_hit = (1.0 - smoothing) * w_t
+                    scale = w_hit + eps_c * w_total
                 if split == 0:
                     tl.store(flags_ptr, 1, mask=(target != ignore_index) & ~valid)
-                    row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
+                    ce = w_hit * (lse - x_t)
+                    if SMOOTH:
+                        ce += eps_c * (lse * w_total - wx)
+                    row_loss = tl.where(valid, ce / ce_norm + z_coef * lse * lse / z_norm, 0.0)
                     row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
                     _store_nearest(rows_ptr + r, row_loss, None, "")
                     tl.store(lse_ptr + r, lse)
                 if GRAD:
-                    a = (w_t / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
+                    a = (scale / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
                     hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
-                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm * unit, 0.0)
+                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_hit / ce_norm * unit, 0.0)
+                    if SMOOTH:
+                        g -= eps_c * w_c * unit / ce_norm
                     g = tl.where(valid, g, 0.0)
                     _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
         if REDUCE and PHASE != 1:
@@ -829,15 +861,18 @@ if triton_available():
 
 def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] | None:
     """(BLOCK_C, chunks per row, num_warps, programs per SM) of the exchange plan, or None where it
-    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block, or rows
-    whose usual plan gives fewer programs than SMs cut into smaller chunks (exchange.fill_tile)."""
+    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block without
+    label smoothing, or rows whose usual plan gives fewer programs than SMs cut into smaller chunks
+    (exchange.fill_tile), label smoothing or not."""
     h = problem.heuristics
     size, c = problem.dtype.itemsize, problem.classes
     block = h.exchange_block.get(size)
-    if block is None or problem.probabilities or problem.label_smoothing > 0 or not h.exchange_on():
+    if block is None or problem.probabilities or not h.exchange_on():
         return None
     sms = h.sm_count(problem.device)
     fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, block)
+    if problem.label_smoothing > 0 and not fill:   # measured without label smoothing: the long rows stream
+        return None
     warps, per_sm = h.exchange_warps, h.exchange_per_sm
     if fill and fill < block:
         block, warps, per_sm = fill, min(warps, max(4, fill // 512)), max(per_sm, h.fill_per_sm)
@@ -931,23 +966,30 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], str
     h = problem.heuristics
     block, splits, warps, per_sm = config
     c, rows = problem.classes, problem.rows
+    smooth = problem.label_smoothing > 0
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=h.grad_store, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=warps)
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=warps,
+                SMOOTH=smooth)
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, per_sm, h.sm_count(problem.device))
+    words_per_row = splits * (2 if smooth else 1)   # (max, sum exp), then sum w x with label smoothing
+    smoothing_bits = float_bits(problem.label_smoothing, torch.float32)
 
     def run(tensors, out):
         operands = _kernel_operands(problem, tensors, out, torch.float32)
         if operands is not None:
             flags = operands[-1]
-            words = torch.zeros(rows * splits, dtype=torch.int64, device=flags.device) if splits > 1 else flags
-            args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index)
+            words = torch.zeros(rows * words_per_row, dtype=torch.int64, device=flags.device) if splits > 1 else flags
+            # sum of the class weights (label smoothing's eps / C * sum w), one float32 sum in torch's fixed order
+            w_total = operands[2].sum(dtype=torch.float32) if smooth and problem.has_weight else flags
+            args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index, smoothing_bits, w_total)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", warps), ("per_sm", per_sm),
               ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
-                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1))
+                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none")
+                  + rows * words_per_row * 8 * (splits > 1))
 
 
 _SCALE_BLOCK = 4096
