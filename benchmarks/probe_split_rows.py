@@ -69,7 +69,7 @@ COPY_CEILING_GBS = 4200.0  # the H200's device-to-device copy (issue 42: 4,247 G
 
 def variants(smoke: bool) -> dict:
     """name -> the heuristics objects a trainops variant runs under."""
-    small = dict(sms=4, fill_min_bytes=256) if smoke else {}   # the CPU smoke test: interpreter-sized chunks
+    small = dict(sms=4, fill_min_bytes=256, fill_min_row_bytes=0) if smoke else {}   # interpreter-sized chunks
     return {
         "old": (SoftmaxHeuristics(fill_per_sm=0, **small), CrossEntropyHeuristics(fill_per_sm=0, **small)),
         "new": (SoftmaxHeuristics(**small), CrossEntropyHeuristics(**small)),

@@ -165,7 +165,7 @@ def test_every_row_ignored_and_empty_batch(backend, device):
 
 # ---- few long rows split across programs (exchange.fill_tile) --------------------------------------
 
-FEW_ROWS = ce_ops.CrossEntropyHeuristics(sms=8, fill_min_bytes=256)  # 3 rows of 1500: 6 chunks of 256 classes
+FEW_ROWS = ce_ops.CrossEntropyHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0)  # 3 x 1500: 6 x 256
 
 
 @pytest.mark.parametrize("dtype,layout,options", [
@@ -188,7 +188,8 @@ def test_few_long_rows_split_across_programs(dtype, layout, options):
         assert kernel["plan"] == "exchange" and kernel["splits"] == 6 and kernel["BLOCK_C"] == 256, kernel
         assert kernel["num_warps"] == 4 and kernel["per_sm"] == 4, kernel
         check(x, target, dtype, f"few rows {options.keys()}", **options)
-        with trainops.heuristics(ce_ops.CrossEntropyHeuristics(sms=8, fill_min_bytes=256, fill_per_sm=0)):
+        with trainops.heuristics(ce_ops.CrossEntropyHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0,
+                                                               fill_per_sm=0)):
             assert trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
                                  **described).kernel["plan"] == "fused"   # one row a program, as before
         assert trainops.plan("cross_entropy", shape=(8, 1500), dtype=dtype, target_dtype=torch.int64,
@@ -232,6 +233,7 @@ def test_fill_choices_at_real_sizes():
     assert config((64, 32768), fill_per_sm=0) == (32768, 1, 16, 1)
     assert config((200, 32768)) == (32768, 1, 16, 1)     # more rows than SMs
     assert config((8, 16000), fill_per_sm=0) is None
+    assert config((8, 8191)) is None                     # rows under 16 KiB: latency-bound, one a program
     assert config((8, 16000), label_smoothing=0.1) == (2048, 8, 4, 4)   # few rows: label smoothing too
     assert config((8, 131072), label_smoothing=0.1) == (2048, 64, 4, 4)
     assert config((512, 131072), label_smoothing=0.1) is None             # many: the two-pass plan

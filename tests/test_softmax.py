@@ -603,7 +603,7 @@ def test_error_plan_run_wrong_tensors():
 def few_rows_tiles():
     """8 SMs and chunks of at least 256 bytes: rows of 1500 elements, fewer than 8 of them, are cut
     into 6 chunks of 256 (exchange.fill_tile: 1500 / 8 SMs rounds up to 256)."""
-    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_min_bytes=256)):
+    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0)):
         yield
 
 
@@ -637,7 +637,8 @@ def test_few_long_rows_split_across_programs(few_rows_tiles, op, dtype, layout):
         check_backward(op, make_tensor(shape, -1, layout, dtype, device, gen, scale=1.0), y, -1)
         # enough rows (8 SMs): one row a program again, as with fill_per_sm=0
         assert trainops.plan(op, shape=(8, 1500), dim=-1, dtype=dtype, device=device).kernel["plan"] == "fused"
-        with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_min_bytes=256, fill_per_sm=0)):
+        with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0,
+                                                               fill_per_sm=0)):
             assert trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device=device).kernel["plan"] == "fused"
 
 
@@ -646,7 +647,7 @@ def test_few_long_rows_split_plan_without_the_exchange():
     device = BACKEND_DEVICES["triton"]
     gen = torch.Generator().manual_seed(12)
     with trainops.backend("triton"), trainops.heuristics(softmax_ops.SoftmaxHeuristics(
-            sms=8, fill_min_bytes=256, row_exchange=False)):
+            sms=8, fill_min_bytes=256, fill_min_row_bytes=0, row_exchange=False)):
         x = make_tensor((3, 1024), -1, "sliced", torch.float32, device, gen)
         plan = trainops.plan("softmax_backward", shape=x.shape, dim=-1, dtype=x.dtype, device=device)
         assert plan.kernel["plan"] == "split" and plan.kernel["chunk"] == 128, plan.kernel
@@ -714,6 +715,8 @@ def test_fill_tile_choices_at_real_sizes():
     assert config((1, 262144), row_exchange=False) == ("split", 2048, 128, 8)
     assert config((200, 32768), row_exchange=False)[0] == "fused"
     assert config((8, 16777216))[0] == "split"                    # more chunks than SMs: the two-launch split
+    assert config((8, 8191))[0] == "fused"                         # rows under 16 KiB: latency-bound, one a program
+    assert config((8, 8192)) == ("exchange", 2048, 4, 4)
 
 
 # ---- real sizes on the GPU machine ------------------------------------------------------------

@@ -122,8 +122,9 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
-    fill_per_sm, fill_min_bytes: few long rows (class-index targets, label smoothing or not,
-        float32 / half logits) whose usual plan (one row, or one exchange_block, a program) gives
+    fill_per_sm, fill_min_bytes, fill_min_row_bytes: few long rows (class-index targets, label
+        smoothing or not, float32 / half logits, rows of at least fill_min_row_bytes) whose usual
+        plan (one row, or one exchange_block, a program) gives
         fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
         (exchange.fill_tile) so that about fill_per_sm programs an SM share them: the exchange plan
         at those chunks, one warp per 512 classes (4 to exchange_warps). 0 turns it off.
@@ -144,6 +145,7 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     exchange_per_sm: int = 1
     fill_per_sm: int = 4
     fill_min_bytes: int = 4096
+    fill_min_row_bytes: int = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -870,7 +872,7 @@ def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] 
     if block is None or problem.probabilities or not h.exchange_on():
         return None
     sms = h.sm_count(problem.device)
-    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, block)
+    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, block, h.fill_min_row_bytes)
     if problem.label_smoothing > 0 and not fill:   # measured without label smoothing: the long rows stream
         return None
     warps, per_sm = h.exchange_warps, h.exchange_per_sm

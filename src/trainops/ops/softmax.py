@@ -73,9 +73,10 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         along one axis skip the row decomposition: 3 programs per SM) beat 8 warps (74-78
         registers) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per SM, 9%
         slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
-        fill_per_sm, fill_min_bytes: few long rows (row-major) whose usual plan (one row, or one
-        exchange_tile chunk, a program) gives fewer programs than SMs are cut into chunks of a
-        power of two of at least fill_min_bytes (exchange.fill_tile) so that about fill_per_sm
+        fill_per_sm, fill_min_bytes, fill_min_row_bytes: few long rows (row-major, at least
+        fill_min_row_bytes) whose usual plan (one row, or one exchange_tile chunk, a program) gives
+        fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
+        (exchange.fill_tile) so that about fill_per_sm
         programs an SM share them: the exchange plan at those chunks (warps: one per 512 chunk
         elements, 4 to the op's exchange_warps), or the split plan with the exchange off. 0 turns
         it off (the plans as before). Unmeasured (issue 42: 1-64 rows of 16K-1M elements were up
@@ -95,6 +96,7 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     exchange_per_sm: Mapping[bool, int] = field(default_factory=lambda: {False: 3, True: 2})
     fill_per_sm: int = 4
     fill_min_bytes: int = 4096
+    fill_min_row_bytes: int = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -841,7 +843,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     # fewer rows than SMs: chunks that give every SM programs (0: one row, or exchange_tile, a program)
     largest = h.exchange_tile[itemsize] if h.exchange_on() else stream_tile // 2
     fill = 0 if column else fill_tile(layout.rows, n, itemsize, sms, h.fill_per_sm, h.fill_min_bytes, largest,
-                                      n if block_n_full <= reg_tile else largest)
+                                      n if block_n_full <= reg_tile else largest, h.fill_min_row_bytes)
     if column:
         positions = max(h.column_block, h.column_bytes_backward // itemsize) if backward else h.column_block
         block_i = min(next_pow2(inner), positions)
