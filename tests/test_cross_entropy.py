@@ -237,6 +237,9 @@ def test_fill_choices_at_real_sizes():
     assert config((8, 16000), label_smoothing=0.1) == (2048, 8, 4, 4)   # few rows: label smoothing too
     assert config((8, 131072), label_smoothing=0.1) == (2048, 64, 4, 4)
     assert config((512, 131072), label_smoothing=0.1) is None             # many: the two-pass plan
+    # 32 rows: 160 exchange programs without label smoothing (unchanged), 32 two-pass ones with it (split)
+    assert config((32, 151936)) == (32768, 5, 16, 1)
+    assert config((32, 151936), label_smoothing=0.1) == (16384, 10, 16, 4)
     assert config((512, 131072)) == (32768, 4, 16, 1)
 
 

@@ -872,8 +872,10 @@ def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] 
     if block is None or problem.probabilities or not h.exchange_on():
         return None
     sms = h.sm_count(problem.device)
-    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, block, h.fill_min_row_bytes)
-    if problem.label_smoothing > 0 and not fill:   # measured without label smoothing: the long rows stream
+    smooth = problem.label_smoothing > 0   # the usual plan then streams one row a program (_ce_rows)
+    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, c if smooth else block,
+                     h.fill_min_row_bytes)
+    if smooth and not fill:   # measured without label smoothing: many long rows stream
         return None
     warps, per_sm = h.exchange_warps, h.exchange_per_sm
     if fill and fill < block:
