@@ -163,6 +163,86 @@ def test_every_row_ignored_and_empty_batch(backend, device):
     assert trainops.cross_entropy(empty, target, reduction="none").shape == (0,)
 
 
+# ---- few long rows split across programs (exchange.fill_tile) --------------------------------------
+
+FEW_ROWS = ce_ops.CrossEntropyHeuristics(sms=8, fill_per_sm=4, fill_min_bytes=256, fill_min_row_bytes=0)  # 3 x 1500: 6 x 256
+
+
+@pytest.mark.parametrize("dtype,layout,options", [
+    (torch.float32, "contiguous", dict(reduction="mean", weight=True)),
+    (torch.bfloat16, "sliced", dict(reduction="sum", z_loss=1e-3)),
+    (torch.float16, "contiguous", dict(reduction="none")),
+], ids=str)
+def test_few_long_rows_split_across_programs(dtype, layout, options):
+    gen = torch.Generator().manual_seed(seed_of("few rows", dtype, layout))
+    x = make_logits([3, 1500], dtype, "cpu", gen, layout=layout)
+    x[0, 256:768] = float("-inf")   # two whole chunks of -inf: partial max -inf, sum 0, no NaN once merged
+    x[2, :1280] = float("-inf")     # only the last chunk has values, the target among them
+    target = torch.tensor([1499, -100, 1300])
+    if options.pop("weight", False):
+        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    described = {k: v for k, v in options.items() if k != "weight"}
+    with trainops.backend("triton"), trainops.heuristics(FEW_ROWS):
+        kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                               strides=x.stride(), has_weight="weight" in options, **described).kernel
+        assert kernel["plan"] == "exchange" and kernel["splits"] == 6 and kernel["BLOCK_C"] == 256, kernel
+        assert kernel["num_warps"] == 4 and kernel["per_sm"] == 4, kernel
+        check(x, target, dtype, f"few rows {options.keys()}", **options)
+        with trainops.heuristics(ce_ops.CrossEntropyHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0,
+                                                               fill_per_sm=0)):
+            assert trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                                 **described).kernel["plan"] == "fused"   # one row a program, as before
+        assert trainops.plan("cross_entropy", shape=(8, 1500), dtype=dtype, target_dtype=torch.int64,
+                             **described).kernel["plan"] == "fused"       # as many rows as SMs
+
+
+@pytest.mark.parametrize("dtype,options", [
+    (torch.float32, dict(label_smoothing=0.1, weight=True)),
+    (torch.bfloat16, dict(label_smoothing=0.3, z_loss=1e-3, reduction="none")),
+], ids=str)
+def test_few_long_rows_with_label_smoothing(dtype, options):
+    """Label smoothing in the exchange plan (few rows only): the chunks also trade sum_c w_c x_c."""
+    gen = torch.Generator().manual_seed(seed_of("few rows, smoothing", dtype))
+    x = make_logits([3, 1500], dtype, "cpu", gen)
+    target = torch.tensor([3, -100, 1499])
+    if options.pop("weight", False):
+        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    described = {k: v for k, v in options.items() if k != "weight"}
+    with trainops.backend("triton"), trainops.heuristics(FEW_ROWS):
+        kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                               has_weight="weight" in options, **described).kernel
+        assert kernel["plan"] == "exchange" and kernel["splits"] == 6, kernel
+        check(x, target, dtype, f"few rows, label smoothing {options.keys()}", **options)
+        # many long rows with label smoothing keep the streaming plans (the exchange was measured without it)
+        assert trainops.plan("cross_entropy", shape=(8, 1500), dtype=dtype, target_dtype=torch.int64,
+                             **described).kernel["plan"] == "fused"
+
+
+def test_fill_choices_at_real_sizes():
+    """What the H200 (132 SMs) plans for few long rows: (BLOCK_C, chunks a row, warps, programs per SM)."""
+    def config(shape, dtype=torch.bfloat16, label_smoothing=0.0, **options):
+        problem = ce_ops._describe(shape, dtype, torch.int64, "cpu", label_smoothing=label_smoothing,
+                                   heuristics=ce_ops.CrossEntropyHeuristics(sms=132, **{"fill_per_sm": 4, **options}))
+        return ce_ops._exchange_config(problem)
+    assert config((1, 262144)) == (2048, 128, 4, 4)      # 128 programs, not 8
+    assert config((16, 65536)) == (2048, 32, 4, 4)       # 512, not 32
+    assert config((64, 32768)) == (4096, 8, 8, 4)        # 512, not 64 pipelined ones
+    assert config((8, 16000)) == (2048, 8, 4, 4)         # short of half a block: was fused, 8 programs
+    assert config((8, 1048576), torch.float32) == (16384, 64, 16, 1)   # 512 chunks already: unchanged
+    assert config((8, 1048576)) == (32768, 32, 16, 1)
+    assert config((64, 32768), fill_per_sm=0) == (32768, 1, 16, 1)
+    assert config((200, 32768)) == (32768, 1, 16, 1)     # more rows than SMs
+    assert config((8, 16000), fill_per_sm=0) is None
+    assert config((8, 8191)) is None                     # rows under 16 KiB: latency-bound, one a program
+    assert config((8, 16000), label_smoothing=0.1) == (2048, 8, 4, 4)   # few rows: label smoothing too
+    assert config((8, 131072), label_smoothing=0.1) == (2048, 64, 4, 4)
+    assert config((512, 131072), label_smoothing=0.1) is None             # many: the two-pass plan
+    # 32 rows: 160 exchange programs without label smoothing (unchanged), 32 two-pass ones with it (split)
+    assert config((32, 151936)) == (32768, 5, 16, 1)
+    assert config((32, 151936), label_smoothing=0.1) == (16384, 10, 16, 4)
+    assert config((512, 131072)) == (32768, 4, 16, 1)
+
+
 # ---- probability targets ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -317,7 +397,7 @@ def test_plan_reports_the_row_plan():
     device = "cuda" if HAS_CUDA else "cpu"
 
     def plan(classes, dtype=torch.bfloat16, target_dtype=torch.int64, **options):
-        return trainops.plan("cross_entropy", shape=(8, classes), dtype=dtype, target_dtype=target_dtype,
+        return trainops.plan("cross_entropy", shape=(512, classes), dtype=dtype, target_dtype=target_dtype,
                              device=device, **options).kernel["plan"]
     with trainops.backend("triton"):
         assert plan(16384) == plan(8192, dtype=torch.float32) == "fused"
@@ -325,7 +405,7 @@ def test_plan_reports_the_row_plan():
         assert plan(32000, label_smoothing=0.1) == plan(16384, dtype=torch.float64) == "fused"
         assert plan(131072) == "exchange"  # 4 chunks of 32768 classes
         assert plan(131072, label_smoothing=0.1) == plan(131072, dtype=torch.float64) == "two-pass"
-        assert plan(131072, target_dtype=torch.bfloat16, target_shape=(8, 131072)) == "two-pass"  # probabilities
+        assert plan(131072, target_dtype=torch.bfloat16, target_shape=(512, 131072)) == "two-pass"  # probabilities
         short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
                               device=device)
     assert short.precision.deterministic and short.precision.accumulator == torch.float32
@@ -458,6 +538,54 @@ def test_gpu_reductions_in_the_kernel(rows, classes, dtype, reduction):
         none = trainops.cross_entropy(x, ignored)
         none.backward()
         assert torch.isnan(none) and not x.grad.any()
+
+
+@pytest.fixture
+def fill_on():
+    """The few-rows split (CrossEntropyHeuristics.fill_per_sm), off by default until a GPU has timed it."""
+    with trainops.heuristics(ce_ops.CrossEntropyHeuristics(fill_per_sm=4)):
+        yield
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,classes,dtype", [(1, 262144, torch.bfloat16), (4, 131072, torch.bfloat16),
+                                                (16, 65536, torch.float16), (64, 32768, torch.float32),
+                                                (8, 1048576, torch.bfloat16)])
+def test_gpu_few_long_rows(fill_on, rows, classes, dtype):
+    """Fewer rows than SMs, cut into chunks for every SM (exchange.fill_tile): against float64, bit-identical
+    run to run, and in place (the gradient over the logits) the same."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = (torch.randn(rows, classes, device="cuda", generator=gen) * 2).to(dtype)
+    t = torch.randint(0, classes, (rows,), device="cuda", generator=gen)
+    t[::3] = -100
+    kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=t.dtype).kernel
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernel["plan"] == "exchange" and kernel["splits"] * rows >= sms * 3 // 4, kernel   # 3/4 of the SMs busy
+    xg = x.clone().requires_grad_()
+    loss = trainops.cross_entropy(xg, t, loss_dtype=torch.float32)
+    loss.backward()
+    xd = x.double().requires_grad_()
+    ref = F.cross_entropy(xd, t)
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "loss")
+    assert_close(xg.grad, xd.grad, dtype, "grad")
+    again = x.clone().requires_grad_()
+    assert torch.equal(trainops.cross_entropy(again, t, loss_dtype=torch.float32), loss)
+    inplace = x.clone().requires_grad_()
+    y = inplace * 1   # a non-leaf whose buffer the gradient may take over
+    rows_loss = trainops.cross_entropy(y, t, reduction="none", inplace_backward=True, loss_dtype=torch.float32)
+    (rows_loss.sum() / (t != -100).sum()).backward()
+    assert_close(rows_loss, F.cross_entropy(x.double(), t, reduction="none"), torch.float32, "in place, per row")
+    assert_close(inplace.grad, xd.grad, dtype, "grad in place")
+    weight = torch.rand(classes, device="cuda", generator=gen) + 0.5
+    smooth = x.clone().requires_grad_()
+    loss = trainops.cross_entropy(smooth, t, weight.to(dtype), label_smoothing=0.1, loss_dtype=torch.float32)
+    loss.backward()
+    xd = x.double().requires_grad_()
+    ref = F.cross_entropy(xd, t, weight.to(dtype).double(), label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, torch.float32, "label smoothing, loss")
+    assert_close(smooth.grad, xd.grad, dtype, "label smoothing, grad")
 
 
 @pytest.mark.gpu

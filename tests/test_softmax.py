@@ -597,11 +597,164 @@ def test_error_plan_run_wrong_tensors():
         cuda_plan.run(torch.randn(3, 4))
 
 
+# ---- few long rows split across programs (exchange.fill_tile) ----------------------------------
+
+@pytest.fixture
+def few_rows_tiles():
+    """8 SMs and chunks of at least 256 bytes: rows of 1500 elements, fewer than 8 of them, are cut
+    into 6 chunks of 256 (exchange.fill_tile: 1500 / 8 SMs rounds up to 256)."""
+    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_per_sm=4, fill_min_bytes=256, fill_min_row_bytes=0)):
+        yield
+
+
+def assert_within_one_ulp(out, ref, what):
+    """Every element of a half-precision ``out`` within one ulp of the float64 ``ref`` rounded to its
+    dtype (the interpreter truncates where the GPU rounds to nearest: one ulp apart at most)."""
+    rounded = ref.to(out.dtype).double()
+    mantissa = {torch.float16: 10, torch.bfloat16: 7}[out.dtype]
+    magnitude = torch.maximum(out.double().abs(), rounded.abs()).clamp_min(torch.finfo(out.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa)
+    diff = (out.double() - rounded).abs()
+    assert (diff <= ulp).all(), f"{what}: {(diff > ulp).sum()} elements more than one ulp away"
+
+
+@pytest.mark.parametrize("op,dtype,layout", [("softmax", torch.float32, "contiguous"),
+                                             ("log_softmax", torch.bfloat16, "sliced"),
+                                             ("softmax", torch.float16, "offset")], ids=str)
+def test_few_long_rows_split_across_programs(few_rows_tiles, op, dtype, layout):
+    device = BACKEND_DEVICES["triton"]
+    gen = torch.Generator().manual_seed(11)
+    shape = (2, 1500)
+    with trainops.backend("triton"):
+        x = make_tensor(shape, -1, layout, dtype, device, gen)
+        for name in (op, f"{op}_backward"):
+            plan = trainops.plan(name, shape=shape, dim=-1, dtype=dtype, device=device, strides=x.stride())
+            assert plan.kernel["plan"] == "exchange" and plan.kernel["splits"] == 6, plan.kernel
+            assert plan.kernel["BLOCK_N"] == 256 and plan.kernel["num_warps"] == 4, plan.kernel
+        y = check_forward(op, x, -1)
+        if dtype != torch.float32:
+            assert_within_one_ulp(y, reference_forward(op, x, -1, dtype), op)
+        check_backward(op, make_tensor(shape, -1, layout, dtype, device, gen, scale=1.0), y, -1)
+        # enough rows (8 SMs): one row a program again, as with fill_per_sm=0
+        assert trainops.plan(op, shape=(8, 1500), dim=-1, dtype=dtype, device=device).kernel["plan"] == "fused"
+        with trainops.heuristics(softmax_ops.SoftmaxHeuristics(sms=8, fill_min_bytes=256, fill_min_row_bytes=0,
+                                                               fill_per_sm=0)):
+            assert trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device=device).kernel["plan"] == "fused"
+
+
+def test_few_long_rows_split_plan_without_the_exchange():
+    """TRAINOPS_ROW_EXCHANGE=0 (row_exchange=False): the two-launch split plan at the same chunks."""
+    device = BACKEND_DEVICES["triton"]
+    gen = torch.Generator().manual_seed(12)
+    with trainops.backend("triton"), trainops.heuristics(softmax_ops.SoftmaxHeuristics(
+            sms=8, fill_per_sm=4, fill_min_bytes=256, fill_min_row_bytes=0, row_exchange=False)):
+        x = make_tensor((3, 1024), -1, "sliced", torch.float32, device, gen)
+        plan = trainops.plan("softmax_backward", shape=x.shape, dim=-1, dtype=x.dtype, device=device)
+        assert plan.kernel["plan"] == "split" and plan.kernel["chunk"] == 128, plan.kernel
+        y = check_forward("softmax", x, -1)
+        check_backward("softmax", make_tensor((3, 1024), -1, "offset", torch.float32, device, gen), y, -1)
+
+
+def test_few_long_rows_special_values(few_rows_tiles):
+    # Chunks of 256: a chunk of -inf only has partial max -inf and sum 0, which the merge must weigh
+    # as 0 (not exp(-inf - -inf) = NaN); a row of -inf only is NaN, as torch.
+    device = BACKEND_DEVICES["triton"]
+    x = torch.randn(5, 1536) * 3
+    x[0] = float("-inf")
+    x[1, :600] = float("-inf")           # two whole chunks and part of a third
+    x[2, 256:512] = float("-inf")        # a chunk in the middle
+    x[2, 1535] = 80.0                    # the row's max in the last chunk
+    x[3, 7] = float("nan")
+    x[4, :1400] = float("-inf")          # only the last chunk has values
+    with trainops.backend("triton"):
+        assert trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=device).kernel["splits"] == 6
+        for op in OPS:
+            y = getattr(trainops, op)(x.to(device), -1)
+            assert_close(y, getattr(torch, op)(x, -1), torch.float32, op)
+        y = torch.softmax(x[1:3], -1)
+        dy = torch.randn(2, 1536)
+        assert_close(trainops.softmax_backward(dy.to(device), y.to(device), -1),
+                     reference_backward("softmax", dy, y, -1), torch.float32, "backward, -inf chunks")
+
+
+def test_few_long_rows_under_torch_compile(few_rows_tiles):
+    device = BACKEND_DEVICES["triton"]
+    x = torch.randn(2, 1024, device=device, requires_grad=True)
+    w = torch.randn(2, 1024, device=device)
+
+    def f(x):
+        return (trainops.softmax(x, -1) * w).sum()
+    with trainops.backend("triton"):
+        assert trainops.plan("softmax", shape=x.shape, dim=-1, dtype=x.dtype, device=device).kernel["plan"] == "exchange"
+        loss = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+        loss.backward()
+    expected = x.detach().clone().requires_grad_()
+    (torch.softmax(expected, -1) * w).sum().backward()
+    assert_close(loss, (torch.softmax(x.detach(), -1) * w).sum(), torch.float32, "loss")
+    assert_close(x.grad, expected.grad, torch.float32, "grad")
+
+
+def test_fill_tile_choices_at_real_sizes():
+    """What the H200 (132 SMs) plans for few long rows: no kernel runs."""
+    from trainops.layout import reduction_layout
+
+    def config(shape, dtype=torch.bfloat16, op="softmax", **options):
+        problem = softmax_ops._describe(op, shape, -1, dtype, "cpu",
+                                        heuristics=softmax_ops.SoftmaxHeuristics(sms=132, **{"fill_per_sm": 4,
+                                                                                               **options}))
+        layout = reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
+        c = softmax_ops._choose_config(problem, layout)
+        return c.kind, c.block_n, c.splits, c.num_warps
+    assert config((1, 262144)) == ("exchange", 2048, 128, 4)      # 128 programs, not 32
+    assert config((4, 131072)) == ("exchange", 2048, 64, 4)       # 256 programs, not 64
+    assert config((16, 65536)) == ("exchange", 2048, 32, 4)
+    assert config((64, 32768)) == ("exchange", 4096, 8, 8)        # 512 programs, not 64 fused ones
+    assert config((64, 32768), op="softmax_backward") == ("exchange", 4096, 8, 8)
+    assert config((8, 1048576)) == ("exchange", 8192, 128, 16)    # long enough already: unchanged
+    assert config((64, 32768), fill_per_sm=0)[0] == "fused"
+    assert config((132, 32768))[0] == "fused"                     # as many rows as SMs
+    assert config((1, 262144), row_exchange=False) == ("split", 2048, 128, 8)
+    assert config((200, 32768), row_exchange=False)[0] == "fused"
+    assert config((8, 16777216))[0] == "split"                    # more chunks than SMs: the two-launch split
+    assert config((8, 8191))[0] == "fused"                         # rows under 16 KiB: latency-bound, one a program
+    assert config((8, 8192)) == ("exchange", 2048, 4, 4)
+
+
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 
 GPU_CASES = [((4096, 32768), -1), ((1024, 131072), -1), ((128, 262144), -1), ((32, 512, 4096), 1),
              ((32768, 1024), -1), ((8, 1048576), -1), ((3, 1048577), -1), ((4096, 4096), 0), ((1000, 77, 3), 1),
              ((1000, 40000), -1), ((3, 7, 50001), -1), ((8, 16777216), -1)]
+
+
+@pytest.fixture
+def fill_on():
+    """The few-rows split (SoftmaxHeuristics.fill_per_sm), off by default until a GPU has timed it."""
+    with trainops.heuristics(softmax_ops.SoftmaxHeuristics(fill_per_sm=4)):
+        yield
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [((1, 262144), torch.bfloat16), ((4, 131072), torch.bfloat16),
+                                         ((16, 65536), torch.float16), ((64, 32768), torch.float32),
+                                         ((3, 100003), torch.bfloat16)], ids=str)
+def test_gpu_few_long_rows(fill_on, shape, dtype):
+    """Fewer rows than SMs, cut into chunks for every SM (exchange.fill_tile; odd row lengths through the
+    aligned windows): against float64, bit-identical run to run."""
+    gen = torch.Generator().manual_seed(7)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with trainops.backend("triton"):
+        for op in OPS:
+            for name in (op, f"{op}_backward"):
+                kernel = trainops.plan(name, shape=shape, dim=-1, dtype=dtype, device="cuda").kernel
+                # at least three quarters of the SMs get a program (1 x 262144: 128 chunks of 2048 on 132 SMs)
+                assert kernel["plan"] == "exchange" and kernel["splits"] * shape[0] >= sms * 3 // 4, (name, kernel)
+            x = (torch.randn(shape, generator=gen) * 3).to(dtype).cuda()
+            y = check_forward(op, x, -1)
+            assert torch.equal(getattr(trainops, op)(x, -1), y)
+            dy = torch.randn(shape, generator=gen).to(dtype).cuda()
+            dx = check_backward(op, dy, y, -1)
+            assert torch.equal(getattr(trainops, f"{op}_backward")(dy, y, -1), dx)
 
 
 @pytest.mark.gpu

@@ -23,8 +23,11 @@ Each row is read once and its gradient written once: short rows in registers (pl
 rows of class-index targets without label smoothing of more than half an exchange block (16384
 half or 8192 float32 classes) by a persistent grid that loads the next row while it writes this one
 ("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
-exchange.py). Other rows longer than a register row (probability targets, label smoothing,
-float64) are read twice, the second time newest chunk first so that the re-read hits L2.
+exchange.py). Where those plans would give fewer programs than SMs (a few long rows), the rows are
+cut into smaller chunks of the exchange plan, so that every SM gets programs (exchange.fill_tile),
+label smoothing included (its chunks also trade sum_c w_c x_c). Other rows longer than a register
+row (probability targets, label smoothing, float64) are read twice, the second time newest chunk
+first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
 int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
@@ -50,7 +53,7 @@ from ..plan import KernelChoice, Launch, cached_plan, check_tensor, heuristics_f
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, sm_count, triton_available)
 from ._common import assert_on_device, capturing, float_bits, note_flag, raise_flagged
-from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
+from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -120,6 +123,13 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         Sweep, kernel alone: bf16 8192x32000 0.480 ms (fused plan 0.520), 4096x262144 2.105 (32
         warps: 2.29, spilling), 8192x128256 1.881 (32 warps 1.856); fp32 8192x16000 0.385 (fused
         0.420). An element size without a block takes the other plans.
+    fill_per_sm, fill_min_bytes, fill_min_row_bytes: few long rows (class-index targets, label
+        smoothing or not, float32 / half logits, rows of at least fill_min_row_bytes) whose usual
+        plan (one row, or one exchange_block, a program) gives
+        fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
+        (exchange.fill_tile) so that about fill_per_sm programs an SM share them: the exchange plan
+        at those chunks, one warp per 512 classes (4 to exchange_warps). 0 (the default until a GPU
+        has timed it, e.g. 4) turns it off. Unmeasured (issue 42: 1-64 rows of 16K-1M classes; benchmarks/probe_split_rows.py).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -134,6 +144,9 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
     exchange_warps: int = 16
     exchange_per_sm: int = 1
+    fill_per_sm: int = 0
+    fill_min_bytes: int = 4096
+    fill_min_row_bytes: int = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -756,19 +769,23 @@ if triton_available():
         row_mask = mask & tl.where(r < R, True, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=row_mask, other=float("-inf"))
 
-    @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits"])
+    @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits", "smoothing_bits"])
     def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr,
                           z_bits, norm_bits, z_bound_bits, words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
+                          smoothing_bits, w_total_ptr,
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
                           MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr,
-                          PHASE: tl.constexpr):
-        """Class-index targets without label smoothing, float32 math: rows cut into SPLITS chunks of
-        BLOCK_C classes, one per program of a group, which trade (max, sum exp) as flagged words
-        [R, SPLITS] (exchange.py); with SPLITS == 1 a program holds whole rows and trades nothing.
-        Program 0 of a group writes the row's loss and lse; every program writes its chunk's
-        gradient from registers: one read of the logits, one write. Losses and constants as _ce_rows
-        (float32 bits)."""
+                          PHASE: tl.constexpr, SMOOTH: tl.constexpr = False):
+        """Class-index targets, float32 math: rows cut into SPLITS chunks of BLOCK_C classes, one per
+        program of a group, which trade (max, sum exp) as flagged words [R, SPLITS] (exchange.py);
+        with SPLITS == 1 a program holds whole rows and trades nothing. Program 0 of a group writes
+        the row's loss and lse; every program writes its chunk's gradient from registers: one read of
+        the logits, one write. Losses and constants as _ce_rows (float32 bits).
+
+        SMOOTH (label smoothing eps > 0): the chunks also trade sum_c w_c x_c as a second flagged
+        word [R, SPLITS] after the first R * SPLITS; w_total_ptr holds sum_c w_c (float32, summed by
+        the launcher; C without a weight, when it is not read)."""
         z_coef = from_bits(z_bits, tl.float32)
         split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -789,6 +806,10 @@ if triton_available():
                 x_raw = x_next
             else:
                 x_raw = _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask)
+            if SMOOTH:   # the chunk's class weights (the same every row)
+                w_c = 1.0
+                if HAS_WEIGHT:
+                    w_c = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if PHASE != 1:
                 # The target's logit is read before this program publishes: when the gradient is
                 # written over the logits, the program holding the target's chunk writes it as
@@ -806,7 +827,11 @@ if triton_available():
                 m = tl.max(x, axis=0)
                 m_ref = tl.where(m == float("-inf"), 0.0, m)
                 total = tl.sum(tl.exp(x - m_ref), axis=0)
+                if SMOOTH:
+                    wx = tl.sum(tl.where(mask, w_c * x, 0.0), axis=0)
                 if SPLITS > 1:
+                    if SMOOTH:
+                        tl.store(words_ptr + (R + r) * SPLITS + split, pack_flagged(wx, tl.zeros([], tl.float32)))
                     tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, total))
             if PHASE == 0:  # the next row's chunk loads while this one waits
                 x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
@@ -815,19 +840,38 @@ if triton_available():
                 if HAS_WEIGHT:
                     w_t = tl.load(w_ptr + safe_t, mask=valid, other=0.0).to(tl.float32)
                 if SPLITS > 1:
+                    if SMOOTH:   # polled first: published before the (max, sum) word
+                        k = tl.arange(0, SPLITS_P2)
+                        wx_k, _ = poll_flagged(words_ptr + (R + r) * SPLITS, SPLITS, SPLITS_P2)
+                        wx = tl.sum(tl.where(k < SPLITS, wx_k, 0.0), axis=0)   # chunk order
                     m_k, s_k = poll_flagged(words_ptr + r * SPLITS, SPLITS, SPLITS_P2)
                     m_ref, total = merge_max_sum(m_k, s_k)
                 lse = m_ref + tl.log(total)
+                w_hit = w_t     # the target's weight in the loss and the gradient
+                scale = w_t     # what p is multiplied by (before the divisor)
+                if SMOOTH:
+                    smoothing = from_bits(smoothing_bits, tl.float32)
+                    eps_c = smoothing / C
+                    w_total = C * 1.0
+                    if HAS_WEIGHT:
+                        w_total = tl.load(w_total_ptr)
+                    w_hit = (1.0 - smoothing) * w_t
+                    scale = w_hit + eps_c * w_total
                 if split == 0:
                     tl.store(flags_ptr, 1, mask=(target != ignore_index) & ~valid)
-                    row_loss = tl.where(valid, w_t * (lse - x_t) / ce_norm + z_coef * lse * lse / z_norm, 0.0)
+                    ce = w_hit * (lse - x_t)
+                    if SMOOTH:
+                        ce += eps_c * (lse * w_total - wx)
+                    row_loss = tl.where(valid, ce / ce_norm + z_coef * lse * lse / z_norm, 0.0)
                     row_loss = tl.where((r == 0) & (ce_norm == 0), float("nan"), row_loss)  # "mean" of no weight
                     _store_nearest(rows_ptr + r, row_loss, None, "")
                     tl.store(lse_ptr + r, lse)
                 if GRAD:
-                    a = (w_t / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
+                    a = (scale / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
                     hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
-                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_t / ce_norm * unit, 0.0)
+                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_hit / ce_norm * unit, 0.0)
+                    if SMOOTH:
+                        g -= eps_c * w_c * unit / ce_norm
                     g = tl.where(valid, g, 0.0)
                     _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
         if REDUCE and PHASE != 1:
@@ -853,15 +897,29 @@ if triton_available():
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def _exchange_splits(problem: CrossEntropyProblem) -> int:
-    """Chunks per row of the exchange plan, or 0 where it does not apply (see CrossEntropyHeuristics)."""
+def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] | None:
+    """(BLOCK_C, chunks per row, num_warps, programs per SM) of the exchange plan, or None where it
+    does not apply (see CrossEntropyHeuristics): rows of more than half an exchange block without
+    label smoothing, or rows whose usual plan gives fewer programs than SMs cut into smaller chunks
+    (exchange.fill_tile), label smoothing or not."""
     h = problem.heuristics
-    block = h.exchange_block.get(problem.dtype.itemsize)
-    if (block is None or problem.probabilities or problem.label_smoothing > 0 or not h.exchange_on()
-            or next_pow2(problem.classes) < block):
-        return 0
-    splits = -(-problem.classes // block)
-    return splits if splits <= h.sm_count(problem.device) else 0
+    size, c = problem.dtype.itemsize, problem.classes
+    block = h.exchange_block.get(size)
+    if block is None or problem.probabilities or not h.exchange_on():
+        return None
+    sms = h.sm_count(problem.device)
+    smooth = problem.label_smoothing > 0   # the usual plan then streams one row a program (_ce_rows)
+    fill = fill_tile(problem.rows, c, size, sms, h.fill_per_sm, h.fill_min_bytes, block, c if smooth else block,
+                     h.fill_min_row_bytes)
+    if smooth and not fill:   # measured without label smoothing: many long rows stream
+        return None
+    warps, per_sm = h.exchange_warps, h.exchange_per_sm
+    if fill and fill < block:
+        block, warps, per_sm = fill, min(warps, max(4, fill // 512)), max(per_sm, h.fill_per_sm)
+    elif not fill and next_pow2(c) < block:
+        return None
+    splits = -(-c // block)
+    return (block, splits, warps, per_sm) if splits <= sms else None
 
 
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
@@ -912,10 +970,10 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
     fixed_norm = float(problem.rows) if problem.reduction == "mean" else 1.0  # probability targets: the row count
     z_bound = z_gradient_bound(problem.z_loss, problem.classes)
     strides = (*x_strides, *t_strides, *g_strides)
-    splits = _exchange_splits(problem)
-    if splits:
+    exchange = _exchange_config(problem)
+    if exchange:
         consts = tuple(float_bits(v, torch.float32) for v in (problem.z_loss, fixed_norm, z_bound))
-        return _prepare_exchange(problem, consts, strides, mean_by_targets, splits, s)
+        return _prepare_exchange(problem, consts, strides, mean_by_targets, exchange, s)
     consts = tuple(float_bits(v, acc) for v in (problem.label_smoothing, problem.z_loss, fixed_norm, z_bound))
     block, chunks, warps, per_sm = _choose_block(problem)
     programs = problem.heuristics.sm_count(problem.device) * per_sm
@@ -942,31 +1000,39 @@ def _prepare_triton(problem: CrossEntropyProblem) -> Launch:
 
 
 def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], strides: tuple[int, ...],
-                      mean_by_targets: bool, splits: int, s: int) -> Launch:
-    """The exchange plan (``splits`` chunks a row, ``s`` = d1 * ... * dk): flagged partials
-    [rows, splits] zeroed per call, one launch (two under the interpreter); with one chunk a row
-    ("pipelined") no partials and one launch everywhere."""
+                      mean_by_targets: bool, config: tuple[int, int, int, int], s: int) -> Launch:
+    """The exchange plan (``config`` from _exchange_config: BLOCK_C, ``splits`` chunks a row, warps,
+    programs per SM; ``s`` = d1 * ... * dk): flagged partials [rows, splits] zeroed per call, one
+    launch (two under the interpreter); with one chunk a row ("pipelined") no partials and one
+    launch everywhere."""
     h = problem.heuristics
-    block = h.exchange_block[problem.dtype.itemsize]
+    block, splits, warps, per_sm = config
     c, rows = problem.classes, problem.rows
+    smooth = problem.label_smoothing > 0
     meta = dict(HAS_WEIGHT=problem.has_weight, GRAD=problem.compute_grad, BLOCK_C=block, SPLITS=splits,
                 SPLITS_P2=next_pow2(splits), GRAD_STORE=h.grad_store, MEAN_BY_TARGETS=mean_by_targets,
-                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=h.exchange_warps)
-    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, h.exchange_per_sm, h.sm_count(problem.device))
+                REDUCE=problem.reduction != "none", SCALE_GRAD=problem.scales_gradient, num_warps=warps,
+                SMOOTH=smooth)
+    grid = ExchangeGrid(_ce_rows_exchange, rows, splits, per_sm, h.sm_count(problem.device))
+    words_per_row = splits * (2 if smooth else 1)   # (max, sum exp), then sum w x with label smoothing
+    smoothing_bits = float_bits(problem.label_smoothing, torch.float32)
 
     def run(tensors, _):
         out, operands = _kernel_operands(problem, tensors, torch.float32)
         if operands is not None:
             flags = operands[-1]
-            words = torch.zeros(rows * splits, dtype=torch.int64, device=flags.device) if splits > 1 else flags
-            args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index)
+            words = torch.zeros(rows * words_per_row, dtype=torch.int64, device=flags.device) if splits > 1 else flags
+            # sum of the class weights (label smoothing's eps / C * sum w), one float32 sum in torch's fixed order
+            w_total = operands[2].sum(dtype=torch.float32) if smooth and problem.has_weight else flags
+            args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index, smoothing_bits, w_total)
             launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
         return out
 
-    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", meta["num_warps"]), ("per_sm", h.exchange_per_sm),
+    params = (("BLOCK_C", block), ("splits", splits), ("num_warps", warps), ("per_sm", per_sm),
               ("plan", "exchange" if splits > 1 else "pipelined"))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
-                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none") + rows * splits * 8 * (splits > 1),
+                  workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none")
+                  + rows * words_per_row * 8 * (splits > 1),
                   allocates=True)
 
 

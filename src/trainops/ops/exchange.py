@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from ..launch import on_device
+from ..layout import next_pow2
 from ..registry import sm_count, triton_available, triton_interpreting
 
 
@@ -86,6 +87,27 @@ def balanced_groups(rows: int, splits: int, programs: int) -> int:
     groups = max(1, min(rows, programs // splits))
     rounds = -(-rows // groups)
     return -(-rows // rounds)
+
+
+def fill_tile(rows: int, n: int, itemsize: int, sms: int, per_sm: int, min_bytes: int, largest: int,
+              usual: int, min_row_bytes: int = 0) -> int:
+    """The chunk length that spreads ``rows`` rows of ``n`` elements over about ``sms * per_sm``
+    programs where the plan's usual chunks (``usual`` elements: n for one row a program) give
+    fewer programs than the device has SMs, for rows of at least ``min_row_bytes``; else 0.
+
+    The chunk is a power of two between ``min_bytes`` of elements (a program has too little to load
+    below that) and ``largest`` (the exchange plan's own chunk), and at least n / sms elements, so that a
+    row never needs more programs than the device has SMs (an exchange group must be resident at
+    once). 0 when ``per_sm`` is 0 (splitting off), when the usual chunks already give every SM a
+    program, for shorter rows (their few programs are latency-bound: splitting them adds a wait and
+    a zeroed buffer for nothing), or when the chunk would hold the whole row. Used by the softmax
+    family and cross-entropy."""
+    if per_sm <= 0 or n <= 1 or n * itemsize < min_row_bytes or rows * -(-n // max(1, usual)) >= sms:
+        return 0
+    target = sms * per_sm
+    tile = max(next_pow2(-(-rows * n // target)), next_pow2(max(1, min_bytes // itemsize)), next_pow2(-(-n // sms)))
+    tile = min(tile, largest)
+    return tile if tile < n else 0
 
 
 class ExchangeGrid:

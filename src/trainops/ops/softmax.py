@@ -21,7 +21,8 @@ position in the batch or another address, as between any two plans.
 Triton plans (chosen in ``_choose_config``):
     fused    the whole row (or a tile of rows / columns) in registers: one read, one write.
     exchange a long row cut into chunks held in registers by programs that run together and
-             trade partial sums (exchange.py): one read, one write.
+             trade partial sums (exchange.py): one read, one write. Also few rows that one
+             program a row would leave SMs idle with, in smaller chunks (exchange.fill_tile).
     looped   one program streams a long row twice: online max/sum, then a second pass
              newest-chunk-first so its reads hit L2.
     split    few long rows: two launches, per-chunk partial stats into a workspace, then each
@@ -44,7 +45,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
                         triton_available)
-from .exchange import ExchangeGrid, ExchangeHeuristics, launch_exchange
+from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
@@ -72,6 +73,14 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         along one axis skip the row decomposition: 3 programs per SM) beat 8 warps (74-78
         registers) by 9% / 4%; log-softmax forward needs 53 registers at 16 warps (2 per SM, 9%
         slower) and stays at 8; the backward is best at 8 warps, 2 per SM (118 registers).
+        fill_per_sm, fill_min_bytes, fill_min_row_bytes: few long rows (row-major, at least
+        fill_min_row_bytes) whose usual plan (one row, or one exchange_tile chunk, a program) gives
+        fewer programs than SMs are cut into chunks of a power of two of at least fill_min_bytes
+        (exchange.fill_tile) so that about fill_per_sm
+        programs an SM share them: the exchange plan at those chunks (warps: one per 512 chunk
+        elements, 4 to the op's exchange_warps), or the split plan with the exchange off. 0 (the
+        default until a GPU has timed it, e.g. 4) turns it off: the plans as before. Unmeasured (issue 42: 1-64 rows of 16K-1M elements were up
+        to 6x slower than quack one row a program; benchmarks/probe_split_rows.py).
         sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -85,6 +94,9 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
         "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
     exchange_per_sm: Mapping[bool, int] = field(default_factory=lambda: {False: 3, True: 2})
+    fill_per_sm: int = 0
+    fill_min_bytes: int = 4096
+    fill_min_row_bytes: int = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -804,6 +816,10 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     the exchange off) rows stream h.stream_tile elements a step, one row to a program ("looped");
     with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
     ("split"), aiming at h.split_programs_per_sm programs per SM.
+    Few long rows (row-major) whose plan above gives fewer programs than SMs: rows longer than a
+    chunk of exchange.fill_tile (about h.fill_per_sm programs an SM, h.fill_min_bytes at least)
+    take the exchange plan at that chunk, short of a register tile or not; with the exchange off,
+    the split plan at chunks of at most it.
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
     of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
@@ -822,31 +838,39 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
         warps = min(8, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
         return TritonConfig("fused", block_i, block_n_full, warps)
 
+    sms = h.sm_count(problem.device)
     column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
+    # fewer rows than SMs: chunks that give every SM programs (0: one row, or exchange_tile, a program)
+    largest = h.exchange_tile[itemsize] if h.exchange_on() else stream_tile // 2
+    fill = 0 if column else fill_tile(layout.rows, n, itemsize, sms, h.fill_per_sm, h.fill_min_bytes, largest,
+                                      n if block_n_full <= reg_tile else largest, h.fill_min_row_bytes)
     if column:
         positions = max(h.column_block, h.column_bytes_backward // itemsize) if backward else h.column_block
         block_i = min(next_pow2(inner), positions)
         fitting = reg_tile // block_n_full
         if fitting >= min(block_i, h.column_block // 2):
             return fused(min(block_i, fitting))
-    elif block_n_full <= reg_tile:
+    elif block_n_full <= reg_tile and not fill:
         return fused(min(next_pow2(inner), max(1, reg_tile // 8 // block_n_full)))
     else:
         block_i = 1
-        tile = h.exchange_tile[itemsize]
+        tile = fill or h.exchange_tile[itemsize]
         splits = -(-n // tile)
         windowed = -(-(n + max(0, _window_vec(problem, layout) - 1)) // tile)   # a window starts up to VEC - 1 early
-        if windowed <= h.sm_count(problem.device):
+        if windowed <= sms:
             splits = windowed   # else the windows are left out (_prepare_exchange), not the exchange
-        if h.exchange_on() and splits <= h.sm_count(problem.device):
-            return TritonConfig("exchange", 1, tile, h.exchange_warps[problem.op], splits, tile,
-                                h.exchange_per_sm[backward])
+        if h.exchange_on() and splits <= sms:
+            warps, per_sm = h.exchange_warps[problem.op], h.exchange_per_sm[backward]
+            if tile < h.exchange_tile[itemsize]:
+                warps, per_sm = min(warps, max(4, tile // 512)), max(per_sm, h.fill_per_sm)
+            return TritonConfig("exchange", 1, tile, warps, splits, tile, per_sm)
     programs = -(-layout.rows // block_i)
-    sms = h.sm_count(problem.device)
-    if programs >= 2 * sms:
+    if programs >= 2 * sms and not fill:
         block_n = max(1, stream_tile // block_i)
         return TritonConfig("looped", block_i, block_n, 32 if backward else 16, 1, block_n_full)
     block_n = max(1, stream_tile // 2 // block_i)
+    if fill:
+        block_n = min(block_n, fill)
     splits = min(next_pow2(-(-h.split_programs_per_sm * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
     return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
