@@ -101,6 +101,15 @@ def test_model_defaults_and_overrides():
     assert (gemma3.hidden_size, gemma3.head_dim, gemma3.vocab_size, gemma3.sliding_window) == (1152, 256, 262144, 512)
     gpt2 = step.build_config("gpt2", seq=2048)
     assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_positions, gpt2.resid_pdrop) == (768, 12, 2048, 0.0)
+    smollm3 = step.build_config("smollm3")   # every 4th layer without rotary
+    assert (smollm3.hidden_size, smollm3.num_hidden_layers, smollm3.num_key_value_heads, smollm3.vocab_size) == \
+        (2048, 36, 4, 128256) and smollm3.no_rope_layers == [1, 1, 1, 0] * 9
+    glm4 = step.build_config("glm4")
+    assert (glm4.hidden_size, glm4.num_hidden_layers, glm4.head_dim, glm4.num_key_value_heads, glm4.vocab_size) == \
+        (4096, 16, 128, 2, 151552) and glm4.rope_parameters["partial_rotary_factor"] == 0.5 and glm4.attention_bias
+    granite = step.build_config("granite", tiny=True)   # the multipliers survive --tiny
+    assert (granite.embedding_multiplier, granite.attention_multiplier, granite.residual_multiplier,
+            granite.logits_scaling, granite.num_hidden_layers) == (12.0, 0.015625, 0.22, 8.0, 40)
 
 
 def test_loss_distance():

@@ -72,6 +72,8 @@ LLAMA_KEYS = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_a
 MOE_KEYS = {"mixtral": dict(experts="num_local_experts", top_k="num_experts_per_tok"),
             "qwen3moe": dict(experts="num_experts", top_k="num_experts_per_tok",
                              expert_intermediate="moe_intermediate_size")}
+# Configurations that derive head_dim from hidden_size / num_attention_heads (no head_dim argument)
+NO_HEAD_DIM_KEYS = {name: key for name, key in LLAMA_KEYS.items() if name != "head_dim"}
 GPT2_KEYS = dict(layers="n_layer", hidden="n_embd", heads="n_head", intermediate="n_inner", vocab="vocab_size",
                  positions="n_positions")
 
@@ -142,6 +144,31 @@ MODELS = {
                                max_position_embeddings=40960, tie_word_embeddings=False),
         batch=2, seq=2048, liger="apply_liger_kernel_to_qwen3_moe", keys=dict(LLAMA_KEYS, **MOE_KEYS["qwen3moe"]),
         source="Qwen3-30B-A3B's layer widths, 4 of its 48 layers (the whole model does not train on one GPU)"),
+    "smollm3": StepModel(
+        "SmolLM3Config", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                              intermediate_size=11008, vocab_size=128256, tie_word_embeddings=True,
+                              rope_theta=5000000.0, rms_norm_eps=1e-6, max_position_embeddings=65536,
+                              no_rope_layer_interval=4, use_sliding_window=False),
+        batch=4, seq=2048, liger="apply_liger_kernel_to_smollm3", keys=dict(NO_HEAD_DIM_KEYS),
+        source="SmolLM3-3B's shape (its config.json as quoted in third-party copies; every 4th layer without "
+               "rotary, no_rope_layers derived from the interval)"),
+    "glm4": StepModel(
+        "Glm4Config", dict(hidden_size=4096, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=2,
+                           head_dim=128, intermediate_size=13696, vocab_size=151552, attention_bias=True,
+                           partial_rotary_factor=0.5, rope_theta=10000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=32768, tie_word_embeddings=False),
+        batch=2, seq=2048, liger="apply_liger_kernel_to_glm4",
+        source="GLM-4-9B-0414's layer widths, 16 of its 40 layers (the whole model, 9.4B parameters at 16 bytes, "
+               "does not train on one GPU; config.json as quoted in third-party copies)"),
+    "granite": StepModel(
+        "GraniteConfig", dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                              intermediate_size=8192, vocab_size=49159, tie_word_embeddings=True,
+                              rope_theta=10000000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                              embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                              logits_scaling=8.0, attention_dropout=0.0),
+        batch=4, seq=2048, liger="apply_liger_kernel_to_granite", keys=dict(NO_HEAD_DIM_KEYS),
+        source="Granite-3.3-2B's shape with its four multipliers (its config.json as quoted in third-party copies; "
+               "dropout off)"),
 }
 # Every model: no KV cache in training.
 COMMON_VALUES = dict(use_cache=False)
