@@ -33,9 +33,10 @@ to Liger's time and extra memory (the targets: time <= Liger's and <= 1.1x the m
 memory <= Liger's).
 
 Old against new in one run (the distill branch's changes that are switchable): "trainops before
-distill" runs distillation's layout before it (the teacher's logits in chunks as large as the
-student's, every row-kernel pass forwards), and one row for each alone ("teacher chunk 2048",
-"passes forwards"); distillation also runs other row-kernel tiles ("row block B / W warps"). The
+distill" runs distillation's teacher logits in chunks as large as the student's (the layout before
+the teacher's sub-chunks), "trainops alternating passes" the row kernel's read-only passes in
+alternate directions (ChunkedLinearHeuristics.alternate_passes, off by default until this row has
+been timed); distillation also runs other row-kernel tiles ("row block B / W warps"). The
 backward's scaling (now cross_entropy's scale_unless_one_ for both losses, torch's mul_ before) is
 not switchable: compare the "scale_unless_one" profile group against the earlier runs'
 elementwise_kernel group. Each task's header prints the byte floor:
@@ -377,9 +378,8 @@ def main():
         liger = liger_jsd()
         if liger is not None:
             runs["liger"] = liger
-        runs["trainops before distill"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4, alternate_passes=False)
-        runs["trainops teacher chunk 2048"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4)
-        runs["trainops passes forwards"] = chunked(distill, alternate_passes=False)
+        runs["trainops before distill"] = chunked(distill, teacher_chunk_bytes=2048 * V * 4)
+        runs["trainops alternating passes"] = chunked(distill, alternate_passes=True)
         for block, warps in ((4096, 16), (8192, 16), (2048, 4)):
             runs[f"trainops row block {block} / {warps} warps"] = chunked(distill, row_block=block, row_warps=warps)
         runs["trainops dW in float32"] = chunked(distill, accumulator="float32")

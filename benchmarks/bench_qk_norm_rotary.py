@@ -1,5 +1,5 @@
-"""q/k RMSNorm + rotary embedding on one GPU: trainops.qk_norm_rotary's backward kernels (the tiles
-kernel, the default, and the first "tokens" kernel) side by side with Hugging Face's unfused
+"""q/k RMSNorm + rotary embedding on one GPU: trainops.qk_norm_rotary's backward kernels (the "tiles"
+kernel, opt-in until this bench has timed it, and the "tokens" kernel, the default) side by side with Hugging Face's unfused
 sequence in torch eager and under torch.compile, in one process, timed in interleaved rounds.
 
     PYTHONPATH=src python benchmarks/bench_qk_norm_rotary.py --out FILE [--shapes a,b] [--rounds 5]
@@ -62,9 +62,11 @@ SHAPES = {   # name: (batch, seq, q heads, k heads, head dim, family)
 CPU_SHAPES = {"qwen3-tiny": (2, 8, 4, 2, 16, "qwen3"), "olmo2-tiny": (1, 8, 2, 2, 8, "olmo2"),
               "gemma3-tiny": (1, 4, 2, 1, 16, "gemma3")}
 EPS = 1e-6
-SWEEP = ([dict(backward_tile=t, tile_programs_per_sm=p, tile_stages=st, backward_warps=((1 << 62, w),))
+SWEEP = ([dict(backward_kernel="tiles", backward_tile=t, tile_programs_per_sm=p, tile_stages=st,
+               backward_warps=((1 << 62, w),))
           for t, w in ((2048, 8), (4096, 8), (8192, 16)) for p in (2, 4, 8) for st in (1, 2, 3)]
-         + [dict(backward_tile=t, backward_warps=((1 << 62, w),)) for t, w in ((2048, 4), (4096, 4), (8192, 8))])
+         + [dict(backward_kernel="tiles", backward_tile=t, backward_warps=((1 << 62, w),))
+            for t, w in ((2048, 4), (4096, 4), (8192, 8))])
 
 
 def rotate_half(x):
@@ -167,7 +169,8 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
     if compile_peers:
         impls["torch.compile (HF)"] = torch.compile(hf, dynamic=False)
     for impl, f in impls.items():
-        variants = [("tiles", None), ("tokens", QKNormRotaryHeuristics(backward_kernel="tokens"))] \
+        variants = [("tiles", QKNormRotaryHeuristics(backward_kernel="tiles")),
+                    ("tokens", QKNormRotaryHeuristics(backward_kernel="tokens"))] \
             if impl == "trainops" else [("", None)]
         errors = {}
         for label, h in variants:   # forward and backward through autograd against float64

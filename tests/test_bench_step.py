@@ -171,7 +171,9 @@ def test_a_failing_run_is_recorded_and_the_table_shows_it(monkeypatch):
     (["--step", "gpt2", "--sweep"], "leave out --sweep"),
     (["--step", "gpt2", "--run-one", "eager"], "--run-one: needs --out"),
     (["--step", "gpt2", "--compile-scope", "graph"], "invalid choice: 'graph'"),
-    (["--step", "gpt2", "--run-timeout", "0"], "--run-timeout: must be more than 0 seconds, got 0"),
+    (["--step", "gpt2", "--run-timeout", "0"], "--run-timeout: must be more than 0 and at most 1e6 seconds, got 0"),
+    (["--step", "gpt2", "--run-timeout", "inf"], "--run-timeout: must be more than 0 and at most 1e6 seconds, got inf"),
+    (["--run-timeout", "5"], "--run-timeout/--tiny: only with --step"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -15,7 +15,8 @@ from numerics import interpreter_rounding
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scale_unless_one(backend, device, dtype):
     gen = torch.Generator().manual_seed(3)
-    t = torch.randn(3 * 8192 + 5, generator=gen).to(dtype)   # 4 blocks of 8192: more than the interpreter's 3 programs
+    # 34 blocks of 4096: more than the 32 programs (8 an "SM", 4 under the interpreter) of the grid-stride loop
+    t = torch.randn(33 * 4096 + 5, generator=gen).to(dtype)
     t[7], t[8] = float("nan"), float("-inf")
     t = t.to(device)
     before = t.clone()

@@ -359,6 +359,9 @@ def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
     assert default.rows(10**6, 2**40, 2) == 64      # a vocabulary too wide for the budget: min_rows
     assert default.rows(4096, 32064, 2) == 2048     # a small vocabulary: two chunks, not the one 8192 rows fit
     assert default.rows(4095, 32064, 2) == 2048
+    assert default.rows(4097, 32064, 2) == 2112     # 2049 up to a multiple of 64: two chunks of about half
+    assert default.rows(5000, 32064, 2) == 2560
+    assert LinearCrossEntropyHeuristics(min_chunks=3).rows(3075, 32064, 2) == 1088   # three chunks
     assert default.rows(16384, 50304, 2) == 4096    # GPT-2's 16 x 1024: the budget's 4096 rows
     assert LinearCrossEntropyHeuristics(min_chunks=1).rows(4096, 32064, 2) == 4096
     assert LinearCrossEntropyHeuristics(min_rows=4096).rows(4096, 32064, 2) == 4096   # min_rows wins

@@ -189,6 +189,9 @@ def check_the_metrics(model, reference, ids, labels):
     assert_close(divided.loss, want_divided.loss, torch.float32, "loss over num_items_in_batch")
     assert torch.equal(divided.token_accuracy, out.token_accuracy)
     assert "token_accuracy" not in only and torch.equal(only.entropy, out.entropy)
+    model.train()   # a training call the fused loss does not take: a metric asked for is refused by name
+    with pytest.raises(trainops.UnsupportedError, match="return_token_accuracy=True"):
+        model(input_ids=ids, labels=labels, logits_to_keep=1, return_token_accuracy=True)
     model.eval()   # the original forward: logits, no metrics (the keywords taken out of the call)
     with torch.no_grad():
         evaluated = model(input_ids=ids, labels=labels, return_token_accuracy=True, return_entropy=True)

@@ -244,7 +244,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          logit_scale: float = 1.0, temperature: float = 1.0,
                          num_items_in_batch: int | Tensor | None = None, loss_dtype: torch.dtype | None = None,
                          check_target: bool | str = True, token_accuracy: bool = False,
-                         entropy: bool = False) -> Tensor:
+                         entropy: bool = False) -> Tensor | linear_cross_entropy_ops.LinearCrossEntropyOutput:
     """``cross_entropy(linear(hidden, weight, bias), target)`` of an LM head, without its N x V
     logits held whole: chunks of tokens go matmul, trainops's fused loss-and-gradient kernel in
     place, then the gradient matmuls (ops/linear_cross_entropy.py), so the extra memory is one

@@ -245,7 +245,7 @@ def resolve(args, error) -> dict:
     for a bad or missing one."""
     if args.step is None:
         error("arguments --batch/--seq/--layers/--steps/--warmup/--profile-steps/--runs/--device/--compile-scope/"
-              "--tiny: only with --step MODEL")
+              "--run-timeout/--tiny: only with --step MODEL")
     if args.step not in MODELS:
         error(f"argument --step: {args.step!r} is not one of {', '.join(MODELS)}")
     if args.sweep or args.quick or args.no_peers or args.ops != "all":
@@ -259,8 +259,8 @@ def resolve(args, error) -> dict:
                     profile_steps=DEFAULT_PROFILE_STEPS if args.profile_steps is None else args.profile_steps,
                     compile_scope=args.compile_scope or "model", tiny=args.tiny, out=args.out,
                     run_timeout=CHILD_TIMEOUT_S if args.run_timeout is None else args.run_timeout)
-    if not settings["run_timeout"] > 0:
-        error(f"argument --run-timeout: must be more than 0 seconds, got {settings['run_timeout']:g}")
+    if not 0 < settings["run_timeout"] <= 10**6:   # subprocess overflows past ~1e9 s; inf and nan refused too
+        error(f"argument --run-timeout: must be more than 0 and at most 1e6 seconds, got {settings['run_timeout']:g}")
     for name in ("batch", "seq", "layers", "steps"):
         if settings[name] < 1:
             error(f"argument --{name}: must be at least 1, got {settings[name]}")

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..dtensor import fsdp_wrapped_class
+from ..errors import UnsupportedError
 from .lora import head_operands, head_reasons, out_features, projection_reasons
 
 
@@ -446,8 +447,10 @@ class CausalLM(Kind):
     logits (trainops.linear_cross_entropy's token_accuracy / entropy: means over the rows whose
     shifted label is not ignore_index, float32 scalars without gradient), set on the output as
     ``output.token_accuracy`` / ``output.entropy`` (as Liger's output), for loops that would read
-    them from ``output.logits``. Where the original forward runs (eval mode, no labels, ...) the
-    output has its logits and no metrics.
+    them from ``output.logits``. In eval mode or without labels the original forward runs: the
+    output has its logits and no metrics. A training call with labels that the fused loss does not
+    take (logits_to_keep, return_dict=False, a custom loss) and asks for a metric raises
+    UnsupportedError naming the keyword.
 
     The original forward runs without labels, in eval mode, with ``logits_to_keep``,
     ``return_dict=False``, a custom ``model.loss_function`` or another ``loss_type``. An LM head
@@ -495,6 +498,12 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
         if (labels is None or not self.training or len(args) > len(positional) or not isinstance(keep, int)
                 or keep != 0 or named.get("return_dict") is False or hasattr(self, "_loss_function")
                 or getattr(self, "loss_type", None) not in kind.loss_types):
+            if labels is not None and self.training and any(metrics.values()):
+                asked = " and ".join(name for name, key in _METRIC_KWARGS.items() if metrics.get(key))
+                raise UnsupportedError(
+                    f"trainops: {type(self).__name__}.forward({asked}=True): the metrics come from the fused "
+                    "loss, which this call does not run (logits_to_keep, return_dict=False, extra positional "
+                    "arguments, a custom loss function or loss_type): compute them from outputs.logits")
             return original(self, *args, **kwargs)
         loss_kwargs = {name: named.pop(name) for name in _LOSS_KWARGS if name in named}
         for name in ("labels", "logits_to_keep", "return_dict"):

@@ -111,8 +111,9 @@ class LinearCrossEntropyHeuristics:
     kept trainops's peak at Liger's (29.6 GiB against 30.1 with 4096-row chunks; benchmarks/NOTES.md,
     "Fused linear cross-entropy" and "Hugging Face models").
 
-    min_chunks: the tokens go in at least this many chunks (the rows a power of two; min_rows wins
-    over it): one chunk holds the whole logits, which the fused loss exists to avoid. At a small
+    min_chunks: a chunk's rows at most the tokens / min_chunks, rounded up to a multiple of 64
+    (min_rows and the tokens themselves win over it), so the tokens go in about min_chunks chunks or
+    more: one chunk holds the whole logits, which the fused loss exists to avoid. At a small
     vocabulary the whole batch fit one chunk: Phi-3-mini's step (32064 words, 4096 tokens, one 250
     MiB chunk) peaked at 65.53 GiB against Liger's 65.45; in two chunks of 2048 rows, 65.38 (H200,
     benchmarks/NOTES.md, "Issue 40's families on the H200"). A cap of 2048 rows, tried first, also
@@ -146,9 +147,8 @@ class LinearCrossEntropyHeuristics:
 
     def rows(self, n: int, classes: int, itemsize: int) -> int:
         fit = self.chunk_bytes // max(1, classes * itemsize)
-        share = -(-n // self.min_chunks)   # the rows of min_chunks chunks, rounded up to a power of two
-        rows = max(self.min_rows, min(1 << (share - 1).bit_length() if share > 1 else 1,
-                                      1 << (fit.bit_length() - 1) if fit else 0))
+        share = -(-(-(-n // self.min_chunks)) // 64) * 64   # n / min_chunks rows, up to a multiple of 64
+        rows = max(self.min_rows, min(share, 1 << (fit.bit_length() - 1) if fit else 0))
         return max(1, min(n, rows))
 
 

@@ -45,16 +45,18 @@ column sum; no atomics). The number of programs depends on the device's SM count
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
 then its q heads and k heads, BLOCK_H heads a step (across heads: all of them at once). Bytes:
-q, k, cos, sin read once, q_out and k_out written once. Backward ("tiles"): 2 x P programs
+q, k, cos, sin read once, q_out and k_out written once. Backward, two kernels: "tokens" (the
+default: one token a step, its weight sums reduced across the heads each step; on the H200 about 4x
+its bytes' time in a Qwen3-0.6B step, latency-bound) and "tiles" (opt-in,
+``QKNormRotaryHeuristics(backward_kernel="tiles")``, until benchmarks/bench_qk_norm_rotary.py has
+timed it on a GPU; compiled for sm_90 under Triton 3.6 and 3.9). "tiles": 2 x P programs
 (P <= SMs x ``tile_programs_per_sm``), the even ones walking q's tiles (BLOCK_T tokens x BLOCK_H
 heads x the head), the odd ones k's over the same tokens, every load of a tile issued before its
 stores, no reduction across warps inside the loop (the weight-gradient terms summed element by
 element in registers, reduced once at the program's end into its partial row), then one column
 sum per weight over the P partial rows. Bytes: dq_out, dk_out, q, k read once, dq, dk written
 once, cos and sin read once from memory (the k program's read hits the L2 cache), the partial
-rows written and read once (P x (weight sizes) floats). The first backward ("tokens", one token a
-step, its weight sums reduced across the heads each step) is kept behind
-``QKNormRotaryHeuristics(backward_kernel="tokens")`` for the benchmark.
+rows written and read once (P x (weight sizes) floats).
 """
 
 from __future__ import annotations
@@ -887,7 +889,7 @@ def _prepare_tiles(problem: QKNormRotaryProblem, config: TilesConfig | None = No
               ("BLOCK_T", config.block_t), ("BLOCK_H", config.block_h), ("BLOCK_R", config.block_r),
               ("num_warps", config.num_warps))
     workspace = (pq * wq_size + pk * wk_size) * acc.itemsize if dw else 0
-    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd_tiles", "triton", params), acc, workspace_bytes=workspace)
 
 
 def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | None = None) -> Launch:
@@ -946,7 +948,7 @@ def _prepare_triton(problem: QKNormRotaryProblem, config: QKNormRotaryConfig | N
               ("step_head_sums", problem.heuristics.step_head_sums), ("BLOCK_HQ", config.block_hq),
               ("BLOCK_HK", config.block_hk), ("BLOCK_R", config.block_r), ("num_warps", config.num_warps))
     workspace = programs * (wq_size + wk_size) * acc.itemsize if dw else 0
-    return Launch(run, KernelChoice("qk_norm_rotary_bwd_tokens", "triton", params), acc, workspace_bytes=workspace)
+    return Launch(run, KernelChoice("qk_norm_rotary_bwd", "triton", params), acc, workspace_bytes=workspace)
 
 
 if triton_available():
