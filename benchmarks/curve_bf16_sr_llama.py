@@ -14,7 +14,6 @@ the demo's warm-up + cosine learning rate, no gradient clip: ``--max-grad-norm 0
     bf16-nearest       bfloat16 parameters rounded to nearest (--param-dtype bfloat16)
     bf16-master        bfloat16 parameters with float32 masters (--master-weights): bf16 compute,
                        exact parameter storage
-    bf16-sr-kahan      bfloat16 parameters with a bfloat16 compensation buffer (compensation=True)
     f32c-bf16-sr       float32 compute, parameters held at bfloat16 values: float32 parameters,
                        each rounded stochastically to a bfloat16 value after every step (the same
                        bits as stochastic_rounding=True: seed, key = place, step)
@@ -45,7 +44,6 @@ RUNS = {
     "bf16-sr": ("bfloat16", {"stochastic_rounding": True}, None),
     "bf16-nearest": ("bfloat16", {}, None),
     "bf16-master": ("bfloat16", {"master_weights": True}, None),
-    "bf16-sr-kahan": ("bfloat16", {"compensation": True}, None),
     "f32c-bf16-sr": ("float32", {}, "sr"),
     "f32c-bf16-nearest": ("float32", {}, "nearest"),
 }
@@ -60,16 +58,14 @@ def _round_parameters(params, how: str, seed: int, step: int) -> None:
             p.copy_(p.detach().to(torch.bfloat16).float())
 
 
-def run(name, cfg_base, tokens, device, seed, progress, partial=lambda row: None):
+def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lambda row: None):
     param_dtype, options, simulate = RUNS[name]
     cfg = llama.LlamaRunConfig(**{**cfg_base, "seed": seed, "param_dtype": param_dtype, "max_grad_norm": 0.0,
-                                  "amp": "none"})
+                                  "amp": amp})
+    amp_dtype = common.autocast_dtype(cfg)
     for key in ("stochastic_rounding", "master_weights"):
         setattr(cfg, key, options.get(key, False))
     model, forward, opt, scaler, _ = llama.build_run(cfg, device, "trainops")
-    if options.get("compensation"):
-        for group in opt.param_groups:
-            group["compensation"] = True
     params = [p for g in opt.param_groups for p in g["params"]]
     if simulate:
         _round_parameters(params, "nearest", seed, 0)   # as model.to(bfloat16) rounds the initial weights
@@ -80,7 +76,7 @@ def run(name, cfg_base, tokens, device, seed, progress, partial=lambda row: None
         for group in opt.param_groups:
             group["lr"] = common.learning_rate(cfg, step)
         ((ids, _),) = batches.train_batch(step)
-        losses.append(float(llama.train_step(model, forward, opt, scaler, ids, None, device, None)))
+        losses.append(float(llama.train_step(model, forward, opt, scaler, ids, amp_dtype, device, None)))
         if simulate:
             _round_parameters(params, simulate, seed, step + 1)
         if (step + 1) % 25 == 0:
@@ -88,7 +84,7 @@ def run(name, cfg_base, tokens, device, seed, progress, partial=lambda row: None
         if progress and (step + 1) % 25 == 0:
             print(f"  {name} seed {seed} step {step + 1}: loss {losses[-1]:.4f} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
-    val = llama.evaluate(model, batches.val_batches(), None, device)
+    val = llama.evaluate(model, batches.val_batches(), amp_dtype, device)
     tail = losses[-5:]
     return dict(name=name, seed=seed, steps=cfg.steps, final_loss=sum(tail) / len(tail), validation_loss=val,
                 losses=[round(v, 5) for v in losses], seconds=round(time.perf_counter() - started, 1))
@@ -103,21 +99,22 @@ def plot(rows, path, title):
         return "matplotlib is not installed: no plot"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     base = {r["seed"]: r for r in rows if r["name"] == "fp32"}
+    window = min(10, min(len(r["losses"]) for r in rows))
     for r in rows:
         label = f"{r['name']} (seed {r['seed']}): {r['final_loss']:.3f} / {r['validation_loss']:.3f}"
-        smooth = torch.tensor(r["losses"]).unfold(0, 10, 1).mean(1).tolist()
-        axes[0].plot(range(10, len(r["losses"]) + 1), smooth, label=label, lw=1.2)
+        smooth = torch.tensor(r["losses"]).unfold(0, window, 1).mean(1).tolist()
+        axes[0].plot(range(window, len(r["losses"]) + 1), smooth, label=label, lw=1.2)
         if r["seed"] in base and r is not base[r["seed"]]:
-            ref = torch.tensor(base[r["seed"]]["losses"]).unfold(0, 10, 1).mean(1)
-            axes[1].plot(range(10, len(r["losses"]) + 1), (torch.tensor(smooth) / ref - 1).mul(100).tolist(),
+            ref = torch.tensor(base[r["seed"]]["losses"]).unfold(0, window, 1).mean(1)
+            axes[1].plot(range(window, len(r["losses"]) + 1), (torch.tensor(smooth) / ref - 1).mul(100).tolist(),
                          label=f"{r['name']} (seed {r['seed']})", lw=1.2)
     axes[0].set_xlabel("step")
-    axes[0].set_ylabel("training loss (10-step mean)")
+    axes[0].set_ylabel(f"training loss ({window}-step mean)")
     axes[0].legend(fontsize=7)
     axes[1].axhline(1.0, color="gray", ls=":")
     axes[1].axhline(-1.0, color="gray", ls=":")
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel("% above fp32 of the same seed (10-step means)")
+    axes[1].set_ylabel(f"% above fp32 of the same seed ({window}-step means)")
     axes[1].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -136,12 +133,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON (rows appended to an existing file); PNG beside it")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--amp", default=None, choices=["none", "bf16"],
+                        help="autocast, as the demo's --amp: none on the CPU, bf16 on CUDA by default")
     args = parser.parse_args(argv)
     names = args.runs.split(",")
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         parser.error(f"argument --runs: {unknown} not in {list(RUNS)}")
     device = torch.device(args.device)
+    amp = args.amp or ("bf16" if device.type == "cuda" else "none")
     if args.threads:
         torch.set_num_threads(args.threads)
     base = {**llama.LLAMA_CONFIGS[args.config], "steps": args.steps}
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
 
     for seed in map(int, args.seeds.split(",")):
         for name in names:
-            row = run(name, base, tokens, device, seed, not args.quiet, partial=lambda r: save(rows + [r]))
+            row = run(name, base, tokens, device, seed, not args.quiet, amp, partial=lambda r: save(rows + [r]))
             rows = [r for r in rows if (r["name"], r["seed"], r["steps"]) != (name, seed, args.steps)] + [row]
             save(rows)
             print(f"{name:18s} seed {seed}: final {row['final_loss']:.4f} validation {row['validation_loss']:.4f} "
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
               f"{versus}")
     steps = max(r["steps"] for r in rows)
     print(plot([r for r in rows if r["steps"] == steps], os.path.splitext(args.out)[0] + ".png",
-               f"{args.config} Llama on {args.device}, {steps} steps, AdamW lr {base['lr']}, no clip, amp none"))
+               f"{args.config} Llama on {args.device}, {steps} steps, AdamW lr {base['lr']}, no clip, amp {amp}"))
     return 0
 
 
