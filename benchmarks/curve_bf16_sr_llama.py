@@ -100,14 +100,17 @@ def plot(rows, path, title):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     base = {r["seed"]: r for r in rows if r["name"] == "fp32"}
     window = min(10, min(len(r["losses"]) for r in rows))
+    colors = {name: f"C{i}" for i, name in enumerate(RUNS)}
+    styles = ["-", "--", ":", "-."]
     for r in rows:
         label = f"{r['name']} (seed {r['seed']}): {r['final_loss']:.3f} / {r['validation_loss']:.3f}"
         smooth = torch.tensor(r["losses"]).unfold(0, window, 1).mean(1).tolist()
-        axes[0].plot(range(window, len(r["losses"]) + 1), smooth, label=label, lw=1.2)
+        look = dict(color=colors[r["name"]], ls=styles[r["seed"] % len(styles)], lw=1.2)
+        axes[0].plot(range(window, len(r["losses"]) + 1), smooth, label=label, **look)
         if r["seed"] in base and r is not base[r["seed"]]:
             ref = torch.tensor(base[r["seed"]]["losses"]).unfold(0, window, 1).mean(1)
             axes[1].plot(range(window, len(r["losses"]) + 1), (torch.tensor(smooth) / ref - 1).mul(100).tolist(),
-                         label=f"{r['name']} (seed {r['seed']})", lw=1.2)
+                         label=f"{r['name']} (seed {r['seed']})", **look)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel(f"training loss ({window}-step mean)")
     axes[0].legend(fontsize=7)
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON (rows appended to an existing file); PNG beside it")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--replot", action="store_true", help="no runs: the table and plot of --out's rows")
     parser.add_argument("--amp", default=None, choices=["none", "bf16"],
                         help="autocast, as the demo's --amp: none on the CPU, bf16 on CUDA by default")
     args = parser.parse_args(argv)
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = {**llama.LLAMA_CONFIGS[args.config], "steps": args.steps}
-    tokens = llama.stdlib_tokens(llama.LlamaRunConfig(**base))
+    tokens = None if args.replot else llama.stdlib_tokens(llama.LlamaRunConfig(**base))
     rows = []
     if os.path.exists(args.out):
         with open(args.out) as f:
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
             json.dump({"command": " ".join(sys.argv), "config": args.config, "device": str(device),
                        "torch": torch.__version__, "rows": rows}, f)
 
-    for seed in map(int, args.seeds.split(",")):
+    for seed in [] if args.replot else map(int, args.seeds.split(",")):
         for name in names:
             row = run(name, base, tokens, device, seed, not args.quiet, amp, partial=lambda r: save(rows + [r]))
             rows = [r for r in rows if (r["name"], r["seed"], r["steps"]) != (name, seed, args.steps)] + [row]
