@@ -27,6 +27,7 @@ demo's held-out loss. ``--seed`` changes the initial weights and the batches (th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -85,6 +86,10 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
             print(f"  {name} seed {seed} step {step + 1}: loss {losses[-1]:.4f} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
     val = llama.evaluate(model, batches.val_batches(), amp_dtype, device)
+    del model, forward, opt, scaler, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     tail = losses[-5:]
     return dict(name=name, seed=seed, steps=cfg.steps, final_loss=sum(tail) / len(tail), validation_loss=val,
                 losses=[round(v, 5) for v in losses], seconds=round(time.perf_counter() - started, 1))
