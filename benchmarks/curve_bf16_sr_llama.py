@@ -18,6 +18,10 @@ the demo's warm-up + cosine learning rate, no gradient clip: ``--max-grad-norm 0
                        each rounded stochastically to a bfloat16 value after every step (the same
                        bits as stochastic_rounding=True: seed, key = place, step)
     f32c-bf16-nearest  the same rounded to nearest
+    bf16-kahan-sim     bfloat16 parameters with a simulated bfloat16 compensation buffer (Kahan):
+                       float32 masters cut, after every step, to p + bf16(master - p), the value a
+                       parameter p plus a bfloat16 buffer of its lost low bits holds (no library
+                       option: a measurement of the idea before building it)
 
 The f32c runs isolate the parameter storage from the bf16 arithmetic of the forward / backward.
 Final loss: mean training loss of the last 5 steps (as benchmarks/NOTES.md); validation: the
@@ -47,6 +51,7 @@ RUNS = {
     "bf16-master": ("bfloat16", {"master_weights": True}, None),
     "f32c-bf16-sr": ("float32", {}, "sr"),
     "f32c-bf16-nearest": ("float32", {}, "nearest"),
+    "bf16-kahan-sim": ("bfloat16", {"master_weights": True}, "kahan"),
 }
 
 
@@ -59,6 +64,14 @@ def _round_parameters(params, how: str, seed: int, step: int) -> None:
             p.copy_(p.detach().to(torch.bfloat16).float())
 
 
+@torch.no_grad()
+def _compensate(opt, params) -> None:
+    """Each float32 master cut to what a bfloat16 parameter and a bfloat16 compensation hold."""
+    for p in params:
+        master = opt.state[p]["master_param"]
+        master.copy_(p.float() + (master - p.float()).to(torch.bfloat16).float())
+
+
 def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lambda row: None):
     param_dtype, options, simulate = RUNS[name]
     cfg = llama.LlamaRunConfig(**{**cfg_base, "seed": seed, "param_dtype": param_dtype, "max_grad_norm": 0.0,
@@ -68,7 +81,7 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
         setattr(cfg, key, options.get(key, False))
     model, forward, opt, scaler, _ = llama.build_run(cfg, device, "trainops")
     params = [p for g in opt.param_groups for p in g["params"]]
-    if simulate:
+    if simulate in ("sr", "nearest"):
         _round_parameters(params, "nearest", seed, 0)   # as model.to(bfloat16) rounds the initial weights
     batches = common.Batches(tokens.ids, cfg, device, split=tokens.split)
     model.train()
@@ -78,7 +91,9 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
             group["lr"] = common.learning_rate(cfg, step)
         ((ids, _),) = batches.train_batch(step)
         losses.append(float(llama.train_step(model, forward, opt, scaler, ids, amp_dtype, device, None)))
-        if simulate:
+        if simulate == "kahan":
+            _compensate(opt, params)
+        elif simulate:
             _round_parameters(params, simulate, seed, step + 1)
         if (step + 1) % 25 == 0:
             partial(dict(name=name, seed=seed, steps=cfg.steps, partial=True, losses=[round(v, 5) for v in losses]))
