@@ -151,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="small", choices=list(llama.LLAMA_CONFIGS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the configuration's)")
     parser.add_argument("--runs", default="fp32,bf16-sr")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; every run at every seed")
     parser.add_argument("--out", required=True, help="JSON (rows appended to an existing file); PNG beside it")
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = {**llama.LLAMA_CONFIGS[args.config], "steps": args.steps}
+    if args.lr is not None:
+        base["lr"] = args.lr
     tokens = None if args.replot else llama.stdlib_tokens(llama.LlamaRunConfig(**base))
     rows = []
     if os.path.exists(args.out):
