@@ -350,7 +350,7 @@ def test_heuristics_fields_are_checked(field, value):
         LinearCrossEntropyHeuristics(**{field: value})
 
 
-def test_default_chunk_is_a_power_of_two_of_rows_within_the_budget():
+def test_default_chunk_rows_within_the_budget_and_min_chunks():
     default = LinearCrossEntropyHeuristics()
     assert default.rows(10**6, 128256, 2) == 2048   # 512 MiB of bf16 logits: 2093 rows fit
     assert default.rows(10**6, 128256, 4) == 1024

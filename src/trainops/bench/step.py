@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fraction of the compile time; embedding, final norm and loss eager)")
     parser.add_argument("--run-timeout", type=float, default=None,
                         help=f"with --step: seconds after which a run's process is killed and its row marked failed "
-                             f"(default {CHILD_TIMEOUT_S})")
+                             f"(more than 0, at most 1e6; default {CHILD_TIMEOUT_S})")
     parser.add_argument("--tiny", action="store_true",
                         help="with --step: tiny widths (hidden 64, vocabulary 512): a self-check, not a benchmark")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)   # a child process: one run

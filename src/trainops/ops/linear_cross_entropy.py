@@ -112,8 +112,8 @@ class LinearCrossEntropyHeuristics:
     "Fused linear cross-entropy" and "Hugging Face models").
 
     min_chunks: a chunk's rows at most the tokens / min_chunks, rounded up to a multiple of 64
-    (min_rows and the tokens themselves win over it), so the tokens go in about min_chunks chunks or
-    more: one chunk holds the whole logits, which the fused loss exists to avoid. At a small
+    (min_rows and the tokens themselves win over it), so the tokens go in about min_chunks chunks
+    (fewer where the rounding or min_rows wins: 128 tokens with min_chunks 3 make 2): one chunk holds the whole logits, which the fused loss exists to avoid. At a small
     vocabulary the whole batch fit one chunk: Phi-3-mini's step (32064 words, 4096 tokens, one 250
     MiB chunk) peaked at 65.53 GiB against Liger's 65.45; in two chunks of 2048 rows, 65.38 (H200,
     benchmarks/NOTES.md, "Issue 40's families on the H200"). A cap of 2048 rows, tried first, also

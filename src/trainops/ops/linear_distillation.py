@@ -219,7 +219,8 @@ if triton_available():
         MODE 1, hard only) or three (MODE 2, whose <p, g> needs both logsumexps first and then a whole
         row). Bytes an entry of each (rows, V) pair of logits from memory at most: MODE 0 / 1 8 + 8 read
         + 2 written (du in bf16), MODE 2 24 + 2; without GRAD 16, 8 (MODE 1) and 16; hard only 4 + 4 + 2.
-        Passes that only read alternate direction with the pass before (the first pass runs backwards
+        With ALTERNATE (ChunkedLinearHeuristics.alternate_passes, off by default until timed), passes
+        that only read alternate direction with the pass before (the first pass runs backwards
         when a writing pass follows it, MODE 2's second pass runs backwards): the blocks a pass starts
         with are the ones the previous pass read last, still in L2. The gradient pass runs forwards:
         its store of block k lands on us[kB / 2, (k + 1)B / 2), entries the pass has read already. The
