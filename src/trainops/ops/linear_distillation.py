@@ -197,6 +197,23 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _log_mixture(a, c):
+        """log(e^a + e^c) without overflow: with a = log p + log(1 - beta), c = log q + log beta, the
+        log of the beta-mixture (1 - beta) p + beta q."""
+        hi = tl.maximum(a, c)
+        return hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))
+
+    @triton.jit
+    def _store_gradient(d_row, du, u, cols, mask, scale, cap_inv):
+        """du times the transform's factor scale (1 - (u cap_inv)^2), stored at d_row[cols] in its
+        dtype after a barrier (d_row may alias the logits every thread has read: see
+        _distillation_rows)."""
+        cap = u * cap_inv
+        du = du * (scale * (1 - cap * cap))
+        tl.debug_barrier()
+        tl.store(d_row + cols, du.to(d_row.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _distillation_rows(
         us_ptr,              # (rows, V) student logits before the temperature
         ut_ptr,              # (rows, V) teacher logits before the temperature (SOFT)
@@ -303,15 +320,9 @@ if triton_available():
                             du = soft_w * (p - q)
                             if HARD:
                                 du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
-                            cap = u * cap_inv
-                            du = du * (scale * (1 - cap * cap))
-                            tl.debug_barrier()
-                            tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
+                            _store_gradient(d_row, du, u, start + offs, mask, scale, cap_inv)
                     else:
-                        a = ls + log_1mb
-                        c = lt + log_b
-                        hi = tl.maximum(a, c)
-                        lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))   # log((1 - beta) p + beta q)
+                        lm = _log_mixture(ls + log_1mb, lt + log_b)
                         teacher_term += tl.sum(tl.where(mask, q * (lt - lm), 0.0), 0)
                         student_term += tl.sum(tl.where(mask, p * (ls - lm), 0.0), 0)
             if MODE == 0:
@@ -332,17 +343,11 @@ if triton_available():
                     if MODE == 1:
                         du = soft_w * p * ((ls - lt) - student_term)
                     else:
-                        a = ls + log_1mb
-                        c = lt + log_b
-                        hi = tl.maximum(a, c)
-                        lm = hi + tl.log(1 + tl.exp(tl.minimum(a, c) - hi))
+                        lm = _log_mixture(ls + log_1mb, lt + log_b)
                         du = (soft_w * (1 - beta)) * p * ((ls - lm) - student_term)
                 if HARD:
                     du += hard_w * (tl.exp(u - lse_1) - tl.where(start + offs == label, 1.0, 0.0))
-                cap = u * cap_inv
-                du = du * (scale * (1 - cap * cap))
-                tl.debug_barrier()
-                tl.store(d_row + start + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
+                _store_gradient(d_row, du, u, start + offs, mask, scale, cap_inv)
 
     def _prepare_rows_triton(problem) -> MultiTensorLaunch:
         opts = dict(problem.options)
