@@ -1,5 +1,5 @@
 """q/k RMSNorm + rotary embedding on one GPU: trainops.qk_norm_rotary's backward kernels (the "tiles"
-kernel, opt-in until this bench has timed it, and the "tokens" kernel, the default) side by side with Hugging Face's unfused
+kernel, the default since this bench timed it, and the first, "tokens" kernel) side by side with Hugging Face's unfused
 sequence in torch eager and under torch.compile, in one process, timed in interleaved rounds.
 
     PYTHONPATH=src python benchmarks/bench_qk_norm_rotary.py --out FILE [--shapes a,b] [--rounds 5]
@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 import trainops  # noqa: E402
 from trainops.ops.qk_norm_rotary import QKNormRotaryHeuristics  # noqa: E402
+from trainops.plan import heuristics_for  # noqa: E402
 
 SHAPES = {   # name: (batch, seq, q heads, k heads, head dim, family)
     "qwen3-0.6b": (8, 2048, 16, 8, 128, "qwen3"),
@@ -198,8 +199,9 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
             dq_out, dk_out = (u.transpose(1, 2) for u in ups)   # (b, s, h, d) views, as the op sees them
             want = ref_grads_for(ref_leaves, ref_out, ups)
 
-            def bwd_op():
-                return op(dq_out, dk_out, q, k, wq, wk, cos, sin, EPS, offset, family == "olmo2", True)
+            def bwd_op():   # the kernel the heuristics in force choose, as the forward would pass it
+                kernel = heuristics_for(QKNormRotaryHeuristics).backward_kernel
+                return op(dq_out, dk_out, q, k, wq, wk, cos, sin, EPS, offset, family == "olmo2", True, kernel)
             backward_variants = [(f"trainops {label}", h) for label, h in variants]
             if sweep:
                 for fields in SWEEP:

@@ -354,9 +354,48 @@ def test_gemma3_for_conditional_generation():
     assert {"rms_norm", "geglu", "qk_norm_rotary", "cross_entropy"} <= {op for op, *_ in used}
     assert got[0].logits is None and type(got[0]).__name__ == "Gemma3CausalLMOutputWithPast"
     assert_same_step(got, want, "gemma3 multimodal")
+    compiled = torch.compile(model, backend="aot_eager")   # the vision tower's image merge breaks the graph
+    assert_same_step(loss_and_grads(compiled, labels=labels, ids=None, **inputs), want, "gemma3 multimodal compiled")
+    torch._dynamo.reset()
+    for m in (model, reference):
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+    assert_same_step(loss_and_grads(model, labels=labels, ids=None, **inputs), want, "gemma3 multimodal checkpointed")
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "olmo2", "smollm3", "glm4", "granite", "mixtral", "qwen3_moe"])
+def test_gemma3_for_conditional_generation_bfloat16():
+    """bf16 weights, text and images: the patched loss and text-tower gradients at most 2x the
+    unpatched model's distance from a float32 run of the same weights (test_bfloat16_model's Gemma 3
+    bound), their median at most 1.1x."""
+    import statistics
+
+    from numerics import relative_error
+
+    model = tiny_gemma3_with_vision().to(torch.bfloat16)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model).float()
+    trainops.patch(model)
+    ids, _ = batch()
+    ids = ids.clamp(3, 93)
+    ids[:, 2:6] = 96
+    labels = ids.masked_fill(ids == 96, -100)
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    results = []
+    for m in (model, reference, exact):
+        m.train()
+        inputs = dict(input_ids=ids, pixel_values=pixels.to(next(m.parameters()).dtype),
+                      token_type_ids=(ids == 96).long())
+        results.append(loss_and_grads(m, labels=labels, ids=None, **inputs))
+    (out, grads), (theirs, their_grads), (want, want_grads) = results
+    assert abs(out.loss.item() - want.loss.item()) <= 1.25 * abs(theirs.loss.item() - want.loss.item()) + 1e-3
+    ratios = []
+    for name in grads:
+        ours, torchs = relative_error(grads[name], want_grads[name]), relative_error(their_grads[name], want_grads[name])
+        assert ours <= 2.0 * torchs + 1e-3, (name, ours, torchs)
+        ratios.append(ours / max(torchs, 1e-12))
+    assert statistics.median(ratios) <= 1.1, sorted(ratios)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "smollm3",
+                                  "glm4", "granite", "mixtral", "qwen3_moe"])
 def test_gradient_checkpointing(arch):
     model = tiny_model(arch)
     reference = copy.deepcopy(model)
@@ -515,7 +554,8 @@ def test_moe_eager_experts_and_no_router_loss(arch):
 def test_moe_compiles_whole_without_router_logits(arch):
     """Mixtral and Qwen3-MoE with transformers's default grouped_mm experts compile whole when the
     router logits are not recorded (transformers's output recorder does not compile whole, patched
-    or not, so output_router_logits=True is compiled with graph breaks; see the other compile test)."""
+    or not, so output_router_logits=True is compiled with graph breaks:
+    test_moe_router_loss_with_padding_eager_and_compiled)."""
     model = tiny_model(arch, output_router_logits=False)
     reference = copy.deepcopy(model)
     trainops.patch(model)
@@ -525,6 +565,33 @@ def test_moe_compiles_whole_without_router_logits(arch):
     want = loss_and_grads(reference, ids, labels)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     assert_same_step(loss_and_grads(compiled, ids, labels), want, "moe compiled whole")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+def test_moe_router_loss_with_padding_eager_and_compiled(arch):
+    """The router's auxiliary loss over a padded batch (attention_mask zeros: transformers leaves the
+    padded tokens out of the expert counts) as transformers adds it, eager and under torch.compile
+    (output_router_logits=True: compiled with graph breaks, as the unpatched model)."""
+    model = tiny_model(arch)
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    model.train()
+    reference.train()
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0   # the first row padded on the right
+    labels = labels.masked_fill(mask == 0, -100)
+    want = loss_and_grads(reference, ids, labels, attention_mask=mask)
+    got = loss_and_grads(model, ids, labels, attention_mask=mask)
+    unmasked = loss_and_grads(reference, ids, labels)
+    assert not torch.allclose(want[0].aux_loss, unmasked[0].aux_loss)   # the mask reached the aux loss
+    assert_close(got[0].aux_loss, want[0].aux_loss, torch.float32, "aux_loss")
+    assert_same_step(got, want, "padded")
+    compiled = torch.compile(model, backend="aot_eager")
+    out = loss_and_grads(compiled, ids, labels, attention_mask=mask)
+    assert_close(out[0].aux_loss, want[0].aux_loss, torch.float32, "compiled aux_loss")
+    assert_same_step(out, want, "padded, compiled")
     torch._dynamo.reset()
 
 

@@ -238,6 +238,30 @@ def test_all_ignored_rows(kind, path):
     assert torch.count_nonzero(got[0][1]) == 0 and torch.count_nonzero(got[0][4]) == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_all_ignored_rows_float32_each_backend(backend, kind, path):
+    """The rows with no kept token through each backend's float32 kernels (Triton under the
+    interpreter): within float32 tolerance of the float64 formula, finite, and no gradient on
+    those rows."""
+    x, w, b, labels, rx, rw = inputs(3, 5, 8, 9, torch.float32)
+    labels[1] = -100
+    labels[4] = -100
+    with path_chunks(path, 5):
+        out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw))
+        got = torch.autograd.grad(out.loss, (x, w, b))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = reference(kind, x64, w64, labels, b64, ref=(rx.double(), rw.double(), None) if kind in ("dpo", "ipo") else None)
+    expected = torch.autograd.grad(want[0], (x64, w64, b64))
+    assert out.chosen_logps[1] == 0 and out.rejected_logps[1] == 0
+    for name, a, e in zip(out._fields, out, want):
+        assert_close(a, e, torch.float32, name)
+    for name, a, e in zip(("dx", "dw", "db"), got, expected):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, e, torch.float32, name)
+    assert torch.count_nonzero(got[0][1]) == 0 and torch.count_nonzero(got[0][4]) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_token_logprobs_against_log_softmax_and_ignored_tokens(backend, dtype):
     x, w, b, labels, _, _ = inputs(2, 5, 8, 9, dtype)

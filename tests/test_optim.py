@@ -580,3 +580,22 @@ def test_is_dense_follows_the_strides_not_the_sizes():
     t = torch.empty(5, 7, 300)
     assert is_dense(t.permute(2, 0, 1)) and is_dense(t.transpose(0, 1)) and is_dense(t[:1])
     assert not is_dense(t[:, :, ::2]) and not is_dense(t[:, 1:]) and not is_dense(t[:, :1]) and not is_dense(t.expand(2, 5, 7, 300))
+
+
+def test_runs_of_small_and_empty_tensors_among_large_ones(block_size):
+    """One program a block over a bucket that mixes runs of one-block and empty tensors (longer than
+    64 blocks) with tensors of many blocks: every element of every tensor is accumulated once."""
+    from trainops.ops.multi_tensor import TensorTable
+
+    block = 64 if block_size == "block-64" else MultiTensorHeuristics().block
+    gen = torch.Generator().manual_seed(41)
+    sizes = ([block // 2, 0, block] * 64 + [block * 131 + 5] + [1, 0, 0, block + 1] * 32 + [block * 64 - 1, 3])
+    device = BACKEND_DEVICES["triton"]
+    dst = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    src = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    want = [d + 0.5 * s for d, s in zip(dst, src)]
+    assert TensorTable(block).tables([dst]).n_blocks == sum(-(-n // block) for n in sizes)
+    with trainops.backend("triton"):
+        trainops.grad.accumulate_(dst, src, scale=0.5)
+    for i, (got, expected) in enumerate(zip(dst, want)):
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6), (i, sizes[i])

@@ -281,7 +281,7 @@ def test_forced_plans(backend, device):
     every head, weight sums per head slot: all give the reference's result."""
     gen = torch.Generator().manual_seed(22)
     inputs = make_inputs(2, 2, 5, 3, 8, torch.float32, device, gen)
-    tokens = dict(backward_kernel="tokens")   # the default backward (tiles: opt-in until timed on a GPU)
+    tokens = dict(backward_kernel="tokens")   # the straight-line and head-step options are the tokens kernel's
     with trainops.heuristics(QKNormRotaryHeuristics(straight_line=False, step_head_sums=False, **tokens)):
         check(*inputs, torch.float32, "loop of one step, per-slot weight sums")
         check(*make_inputs(1, 2, 3, 2, 8, torch.float32, device, gen, across_heads=True), torch.float32,
@@ -529,7 +529,10 @@ def test_gpu_compiled_graph_launches_the_kernels(backward_kernel):
         qo, ko = trainops.qk_norm_rotary(q, k, wq, wk, cos, sin, 1e-6)
         return qo.float().square().sum() + ko.float().sum()
 
-    with trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=backward_kernel)):
+    # compile's caches key on the graph, not on trainops's heuristics: off, so that the second
+    # parameter compiles its own kernels instead of the first one's (benchmarks/NOTES.md)
+    with trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=backward_kernel)), \
+            torch._inductor.config.patch(force_disable_caches=True):
         eager_grads = torch.autograd.grad(f(*leaves), leaves)
         compiled = torch.compile(f, fullgraph=True)
 
@@ -544,6 +547,44 @@ def test_gpu_compiled_graph_launches_the_kernels(backward_kernel):
     assert "torch.ops.trainops" not in source
     for got, want in zip(grads, eager_grads):
         assert_close(got, want, torch.bfloat16, "compiled grad")
+
+
+@pytest.mark.parametrize("chosen", ["tokens", "tiles"])
+def test_backward_kernel_reaches_the_backward_on_another_thread(monkeypatch, chosen):
+    """The forward's backward_kernel is an argument of the backward op, so it holds where the
+    backward is planned without the forward's heuristics in force (a thread of its own, as autograd's
+    device threads, on which a compiled graph's backward is lowered on the GPU), compiled or not."""
+    import threading
+
+    prepared = []
+    real = qk_ops._prepare_tiles
+    monkeypatch.setattr(qk_ops, "_prepare_tiles", lambda *a, **kw: prepared.append("tiles") or real(*a, **kw))
+    gen = torch.Generator().manual_seed(31)
+    q, k, wq, wk, cos, sin = make_inputs(1, 5, 3, 1, 8, torch.float32, "cpu", gen)
+    leaves = [t.requires_grad_() for t in (q, k, wq, wk)]
+
+    def f(q, k, wq, wk):
+        qo, ko = trainops.qk_norm_rotary(q, k, wq, wk, cos, sin, 1e-6)
+        return qo.square().sum() + ko.sum()
+
+    other = "tiles" if chosen == "tokens" else "tokens"
+    for run in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        clear_plan_cache()
+        prepared.clear()
+        with trainops.backend("triton"), trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=chosen)):
+            loss = run(*leaves)
+        grads = []
+
+        def backward():
+            # the other kernel in force here: the forward's choice must win
+            with trainops.backend("triton"), trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=other)):
+                grads.append(torch.autograd.grad(loss, leaves))
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+        assert len(grads) == 1
+        assert prepared == (["tiles"] if chosen == "tiles" else []), (run, prepared)
+    torch._dynamo.reset()
 
 
 def test_bench_front_end_on_the_cpu(tmp_path, capsys, monkeypatch):

@@ -199,6 +199,13 @@ def heuristics(*configs) -> Iterator[None]:
 
         with trainops.heuristics(SoftmaxHeuristics(register_tile=(64, 64, 32, 16))):
             y = trainops.softmax(x, -1)
+
+    Under torch.compile the plans are made when a graph is traced (inside the block, where the
+    compiled function is first called in it). torch.compile's caches (AOTAutograd's and
+    Inductor's, in memory and on disk) key on the graph, not on these objects: a graph compiled
+    under other heuristics is reused as it was. To compare heuristics under compile, turn the
+    caches off (``torch._inductor.config.force_disable_caches = True``) or use fresh processes
+    with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``.
     """
     merged = dict(_overrides.get())
     for config in configs:

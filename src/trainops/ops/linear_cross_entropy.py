@@ -321,11 +321,15 @@ def _chunk_metrics(z: Tensor, target: Tensor, ignore_index: int, metrics: int, s
     if metrics & METRIC_ACCURACY:
         stats[0] += ((z.argmax(-1) == target) & kept).sum()
     if metrics & METRIC_ENTROPY:
-        block = max(1, rows * z.element_size() // (2 * stats.element_size()))
+        block = max(1, min(rows, rows * z.element_size() // (2 * stats.element_size())))
+        # the two temporaries allocated once, for every block (a block's own would outlive it into the next)
+        d_buffer = z.new_empty((block, classes), dtype=stats.dtype)
+        e_buffer = torch.empty_like(d_buffer)
         for start in range(0, rows, block):
             zb = z[start:start + block]
-            d = torch.sub(zb, zb.amax(-1, keepdim=True).to(stats.dtype))   # promoted: a new buffer, z untouched
-            e = d.exp()
+            d, e = d_buffer[:zb.shape[0]], e_buffer[:zb.shape[0]]
+            torch.sub(zb, zb.amax(-1, keepdim=True).to(stats.dtype), out=d)   # promoted, z untouched
+            torch.exp(d, out=e)
             s = e.sum(-1)
             entropy = s.log() - e.mul_(d).sum(-1) / s
             stats[1] += torch.where(kept[start:start + block], entropy, 0).sum()

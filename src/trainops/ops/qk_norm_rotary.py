@@ -45,11 +45,12 @@ column sum; no atomics). The number of programs depends on the device's SM count
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
 then its q heads and k heads, BLOCK_H heads a step (across heads: all of them at once). Bytes:
-q, k, cos, sin read once, q_out and k_out written once. Backward, two kernels: "tokens" (the
-default: one token a step, its weight sums reduced across the heads each step; on the H200 about 4x
-its bytes' time in a Qwen3-0.6B step, latency-bound) and "tiles" (opt-in,
-``QKNormRotaryHeuristics(backward_kernel="tiles")``, until benchmarks/bench_qk_norm_rotary.py has
-timed it on a GPU; compiled for sm_90 under Triton 3.6 and 3.9). "tiles": 2 x P programs
+q, k, cos, sin read once, q_out and k_out written once. Backward, two kernels: "tiles" (the default) and "tokens" (one
+token a step, its weight sums reduced across the heads each step, latency-bound;
+``QKNormRotaryHeuristics(backward_kernel="tokens")``). On the H200 (bf16, kernel time,
+benchmarks/bench_qk_norm_rotary.py) "tiles" takes 0.117 / 0.198 / 0.167 / 0.111 ms at Qwen3-0.6B /
+Qwen3-8B / OLMo 2 1B / Gemma 3 1B's shapes against "tokens"' 0.385 / 0.533 / 0.254 / 0.176 ms,
+1.5-3.5x its floor of bytes at copy bandwidth. "tiles": 2 x P programs
 (P <= SMs x ``tile_programs_per_sm``), the even ones walking q's tiles (BLOCK_T tokens x BLOCK_H
 heads x the head), the odd ones k's over the same tokens, every load of a tile issued before its
 stores, no reduction across warps inside the loop (the weight-gradient terms summed element by
@@ -62,7 +63,7 @@ rows written and read once (P x (weight sizes) floats).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -97,10 +98,10 @@ class QKNormRotaryHeuristics:
         elements, else UnsupportedError).
     warps / backward_warps: (tile elements at most, warps) steps, the first that fits (the
         backward's keyed by its kernel's tile: ``backward_tile`` for "tiles", ``tile`` for "tokens").
-    backward_kernel: "tokens" (the default: the first backward, measured on the H200 at about 4x its
-        bytes' time in a Qwen3-0.6B step) or "tiles" (written to reach about 1.3x its floor; compiled
-        for sm_90 under Triton 3.6 and 3.9 and tested under the interpreter, not yet timed on a GPU:
-        the default once benchmarks/bench_qk_norm_rotary.py has measured it).
+    backward_kernel: "tiles" (the default; 1.5-3.3x faster than "tokens" on the H200 at the four
+        shapes of benchmarks/bench_qk_norm_rotary.py) or "tokens" (the first backward, about 5x its
+        bytes' time at Qwen3-0.6B's shape). Under torch.compile the forward's choice reaches the
+        backward as an argument of the backward op.
     "tiles" backward: each program walks tiles of one tensor of BLOCK_T tokens x BLOCK_H heads x
         the head, ``backward_tile`` elements at most (per head the heads first, then tokens; across
         heads every head, BLOCK_T >= 1), with no reduction across warps inside its loop (the
@@ -112,12 +113,11 @@ class QKNormRotaryHeuristics:
         the tile loop's ``num_stages`` (1: plain loads, each warp's next tile loaded after its
         stores; 2-3: Triton's software pipelining, the next tiles' loads issued as cp.async into
         shared memory while this one computes: 36 KB a program at 3 and Qwen3-0.6B's tile, two
-        barriers a step; compiled for sm_90 by Triton 3.9, untimed).
-        Untimed defaults, from the sm_90 binaries (bf16, cuobjdump, no GPU run): 4096 elements at
-        8 warps, 114-122 registers (two programs a SM), no spills, 16-byte loads, no barrier in the
-        loop; 4 programs a SM a tensor: 4 waves of programs walking ~16 tiles each at Qwen3-0.6B, its
-        end-of-program reduction (across warps) amortised over them (benchmarks/notes/qkback.md:
-        why the first backward was latency-bound).
+        barriers a step).
+        Defaults: 4096 elements at 8 warps, 114-122 registers (two programs a SM), no spills, 4
+        programs a SM a tensor, 1 stage. The H200 sweep (40 variants a shape, 2026-11-29,
+        benchmarks/NOTES.md) found no variant better at all four shapes: 3 stages gain 6-27% at
+        Qwen3 and Gemma 3 and lose 33% at OLMo 2.
     "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
         into one workspace row); reduce_block: columns one program of its partials' sum owns.
         straight_line: where one step holds a token's heads, no loop over head steps (the compiler
@@ -139,7 +139,7 @@ class QKNormRotaryHeuristics:
     step_head_sums: bool = True
     reduce_block: int = 64
     across_max: int = 16384
-    backward_kernel: str = "tokens"
+    backward_kernel: str = "tiles"
     backward_tile: int = 4096
     tile_programs_per_sm: int = 4
     tile_reduce_block: int = 16
@@ -1012,7 +1012,11 @@ def _qk_norm_rotary_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset,
 
 def _backward_impl(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
                    cos: Tensor, sin: Tensor, eps: float, weight_offset: float, across_heads: bool,
-                   weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   weight_grad: bool, backward_kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """backward_kernel: the forward's choice (its heuristics' backward_kernel), an argument so that
+    it holds where the backward is planned without the forward's heuristics in force: a compiled
+    graph whose backward calls this op at run time, on autograd's thread. The other heuristics are
+    those in force there."""
     op = "qk_norm_rotary_backward"
     _same(op, q, k, q_weight, k_weight, cos, sin, (("dq_out", dq_out), ("dk_out", dk_out)))
     if dk_out.dtype != dq_out.dtype:
@@ -1023,13 +1027,18 @@ def _backward_impl(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weigh
         cos_dtype=cos.dtype, strides=(dq_out.stride(), dk_out.stride(), q.stride(), k.stride(), cos.stride(),
                                       sin.stride()),
         eps=eps, weight_offset=weight_offset, across_heads=across_heads, weight_grad=weight_grad,
-        heuristics=heuristics_for(QKNormRotaryHeuristics))
+        heuristics=_with_backward_kernel(heuristics_for(QKNormRotaryHeuristics), backward_kernel))
     plan = cached_plan(descriptor)
     q_weight, k_weight = _weights(op, q, k, q_weight, k_weight, across_heads)
     return plan.run_unchecked((dq_out, dk_out, q, k, q_weight, k_weight, cos, sin))
 
 
-def _backward_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, weight_grad):
+def _with_backward_kernel(h: QKNormRotaryHeuristics, backward_kernel: str) -> QKNormRotaryHeuristics:
+    return h if h.backward_kernel == backward_kernel else replace(h, backward_kernel=backward_kernel)
+
+
+def _backward_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, weight_grad,
+                   backward_kernel):
     if weight_grad:
         dwq, dwk = q_weight.new_empty(q_weight.shape), k_weight.new_empty(k_weight.shape)
     else:
@@ -1063,7 +1072,7 @@ def _grad(ctx, dq_out, dk_out) -> dict:
     weight_grad = ctx.needs_grad.q_weight or ctx.needs_grad.k_weight
     with heuristics(ctx.heuristics):
         dq, dk, dwq, dwk = backward_op(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.weight_offset,
-                                       ctx.across_heads, weight_grad)
+                                       ctx.across_heads, weight_grad, ctx.heuristics.backward_kernel)
     grads = {"q": dq if ctx.needs_grad.q else None, "k": dk if ctx.needs_grad.k else None}
     if weight_grad:
         grads["q_weight"] = dwq if ctx.needs_grad.q_weight else None

@@ -79,8 +79,10 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         (exchange.fill_tile) so that about fill_per_sm
         programs an SM share them: the exchange plan at those chunks (warps: one per 512 chunk
         elements, 4 to the op's exchange_warps), or the split plan with the exchange off. 0 (the
-        default until a GPU has timed it, e.g. 4) turns it off: the plans as before. Unmeasured (issue 42: 1-64 rows of 16K-1M elements were up
-        to 6x slower than quack one row a program; benchmarks/probe_split_rows.py).
+        default) turns it off. On the H200 (bf16 kernel time, benchmarks/probe_split_rows.py,
+        2026-11-29) 4 gave no net gain: forward / forward + backward 1.10x / 1.11x at 1x262144,
+        0.98x at 4x131072, 0.92x / 0.91x at 16x65536, 0.90x / 0.84x at 64x32768, 1.00x at
+        8x1048576 and 32x151936 (benchmarks/NOTES.md).
         sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
