@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -199,8 +200,7 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
             dq_out, dk_out = (u.transpose(1, 2) for u in ups)   # (b, s, h, d) views, as the op sees them
             want = ref_grads_for(ref_leaves, ref_out, ups)
 
-            def bwd_op():   # the kernel the heuristics in force choose, as the forward would pass it
-                kernel = heuristics_for(QKNormRotaryHeuristics).backward_kernel
+            def bwd_op(kernel):   # the variant's kernel, as its forward would pass it
                 return op(dq_out, dk_out, q, k, wq, wk, cos, sin, EPS, offset, family == "olmo2", True, kernel)
             backward_variants = [(f"trainops {label}", h) for label, h in variants]
             if sweep:
@@ -209,10 +209,11 @@ def build(name, shape, device, compile_peers: bool, grad_layout: str, sweep: boo
                     backward_variants.append((f"trainops tiles tile={h.backward_tile} pps={h.tile_programs_per_sm} "
                                               f"stages={h.tile_stages} warps={h.backward_warps[0][1]}", h))
             for label, h in backward_variants:   # each checked against float64 (its first call compiles)
+                run = functools.partial(bwd_op, (h or heuristics_for(QKNormRotaryHeuristics)).backward_kernel)
                 with trainops.heuristics(h) if h is not None else _null():
-                    got = bwd_op()
+                    got = run()
                 berr = max(_rel(g, r) for g, r in zip(got, want))
-                configs.append(Config(name, "bwd", label, bwd_op, bwd_bytes, h, max_error=berr))
+                configs.append(Config(name, "bwd", label, run, bwd_bytes, h, max_error=berr))
         else:
             o = f(*leaves, cos, sin)
 

@@ -7,7 +7,7 @@ torch.compile.
 
 Variants (trainops, forced through the families' heuristics objects):
     old      fill_per_sm=0: one program a row (or a row in exchange_tile / exchange_block chunks), as before
-    new      fill_per_sm=4 (off by default until this probe has run): rows cut into chunks for about 4
+    new      fill_per_sm=4 (cross-entropy's default since this probe ran; softmax's stays 0): rows cut into chunks for about 4
              programs an SM, exchange plan
     fill2    the same at 2 programs an SM
     split2   softmax only, row_exchange=False: the two-launch split plan (partials, then apply) at the same chunks

@@ -225,6 +225,7 @@ def test_fill_choices_at_real_sizes():
                                    heuristics=ce_ops.CrossEntropyHeuristics(sms=132, **{"fill_per_sm": 4, **options}))
         return ce_ops._exchange_config(problem)
     assert config((1, 262144)) == (2048, 128, 4, 4)      # 128 programs, not 8
+    assert ce_ops.CrossEntropyHeuristics().fill_per_sm == 4   # the default (H200-measured)
     assert config((16, 65536)) == (2048, 32, 4, 4)       # 512, not 32
     assert config((64, 32768)) == (4096, 8, 8, 4)        # 512, not 64 pipelined ones
     assert config((8, 16000)) == (2048, 8, 4, 4)         # short of half a block: was fused, 8 programs

@@ -74,6 +74,11 @@ def loss_and_grads(model, ids, labels, **kwargs):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def norm_calls(used):
+    """RMSNorm forward launches in a trainops.track_kernels() count."""
+    return sum(n for (op, *_), n in used.items() if op == "rms_norm")
+
+
 def assert_same_step(got, want, what):
     """float32: the loss and every parameter's gradient of ``got`` (loss_and_grads's) match ``want``'s."""
     (out, grads), (expected, expected_grads) = got, want
@@ -359,7 +364,10 @@ def test_gemma3_for_conditional_generation():
     torch._dynamo.reset()
     for m in (model, reference):
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
-    assert_same_step(loss_and_grads(model, labels=labels, ids=None, **inputs), want, "gemma3 multimodal checkpointed")
+    with trainops.track_kernels() as checkpointed:
+        again = loss_and_grads(model, labels=labels, ids=None, **inputs)
+    assert_same_step(again, want, "gemma3 multimodal checkpointed")
+    assert norm_calls(checkpointed) > norm_calls(used), "checkpointing recomputed no norm"
 
 
 def test_gemma3_for_conditional_generation_bfloat16():
@@ -397,14 +405,22 @@ def test_gemma3_for_conditional_generation_bfloat16():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "smollm3",
                                   "glm4", "granite", "mixtral", "qwen3_moe"])
 def test_gradient_checkpointing(arch):
+    """Checkpointed, the patched model gives the unpatched (checkpointed) loss and gradients, and its
+    layers' forward kernels run again in the backward (the norms: more calls than without)."""
     model = tiny_model(arch)
     reference = copy.deepcopy(model)
     trainops.patch(model)
+    ids, labels = batch()
+    model.train()
+    with trainops.track_kernels() as plain:
+        loss_and_grads(model, ids, labels)
     for m in (model, reference):
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
         m.train()
-    ids, labels = batch()
-    assert_same_step(loss_and_grads(model, ids, labels), loss_and_grads(reference, ids, labels), "checkpointed")
+    with trainops.track_kernels() as checkpointed:
+        got = loss_and_grads(model, ids, labels)
+    assert_same_step(got, loss_and_grads(reference, ids, labels), "checkpointed")
+    assert norm_calls(checkpointed) > norm_calls(plain) > 0, (norm_calls(plain), norm_calls(checkpointed))
 
 
 @pytest.mark.parametrize("arch", sorted(QK_NORM_ARCHS))

@@ -553,8 +553,11 @@ def test_gpu_compiled_graph_launches_the_kernels(backward_kernel):
 def test_backward_kernel_reaches_the_backward_on_another_thread(monkeypatch, chosen):
     """The forward's backward_kernel is an argument of the backward op, so it holds where the
     backward is planned without the forward's heuristics in force (a thread of its own, as autograd's
-    device threads, on which a compiled graph's backward is lowered on the GPU), compiled or not."""
+    device threads, where a compiled graph's backward calls the op at run time), compiled or not;
+    and a second step plans nothing new (the derived heuristics are the same object)."""
     import threading
+
+    from trainops.plan import plan_cache_info
 
     prepared = []
     real = qk_ops._prepare_tiles
@@ -568,23 +571,32 @@ def test_backward_kernel_reaches_the_backward_on_another_thread(monkeypatch, cho
         return qo.square().sum() + ko.sum()
 
     other = "tiles" if chosen == "tokens" else "tokens"
-    for run in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
-        clear_plan_cache()
-        prepared.clear()
-        with trainops.backend("triton"), trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=chosen)):
+    chosen_heuristics, other_heuristics = (QKNormRotaryHeuristics(backward_kernel=kernel) for kernel in (chosen, other))
+
+    def step(run):
+        with trainops.backend("triton"), trainops.heuristics(chosen_heuristics):
             loss = run(*leaves)
         grads = []
 
-        def backward():
-            # the other kernel in force here: the forward's choice must win
-            with trainops.backend("triton"), trainops.heuristics(QKNormRotaryHeuristics(backward_kernel=other)):
+        def backward():   # the other kernel in force here: the forward's choice must win
+            with trainops.backend("triton"), trainops.heuristics(other_heuristics):
                 grads.append(torch.autograd.grad(loss, leaves))
         thread = threading.Thread(target=backward)
         thread.start()
         thread.join()
         assert len(grads) == 1
-        assert prepared == (["tiles"] if chosen == "tiles" else []), (run, prepared)
-    torch._dynamo.reset()
+
+    try:
+        for label, run in (("eager", f), ("compiled", torch.compile(f, fullgraph=True, backend="aot_eager"))):
+            clear_plan_cache()
+            prepared.clear()
+            step(run)
+            assert prepared == (["tiles"] if chosen == "tiles" else []), (label, prepared)
+            misses = plan_cache_info()["misses"]
+            step(run)
+            assert plan_cache_info()["misses"] == misses, f"{label}: the second step planned again"
+    finally:
+        torch._dynamo.reset()
 
 
 def test_bench_front_end_on_the_cpu(tmp_path, capsys, monkeypatch):

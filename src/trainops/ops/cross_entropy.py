@@ -131,8 +131,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         at those chunks, one warp per 512 classes (4 to exchange_warps); 0 turns it off. Measured
         on the H200 (bf16 unless said, forward + backward kernel time, benchmarks/probe_split_rows.py,
         2026-11-29) against the plans without it: 1x262144 1.37x faster (label smoothing 0.1: 7.2x),
-        4x131072 1.34x (4.2x), 16x65536 1.29x (1.9x), 64x32768 1.11x (0.96x), 32x151936 1.00x
-        (2.4x), 8x1048576 bf16 and float32 1.00x (8.0x and 7.8x).
+        4x131072 1.34x (4.2x), 16x65536 1.29x (1.9x), 64x32768 1.11x (0.96x: the one case it
+        costs, 4%), 32x151936 1.00x (2.4x), 8x1048576 bf16 and float32 1.00x (8.0x and 7.8x).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """

@@ -50,7 +50,7 @@ token a step, its weight sums reduced across the heads each step, latency-bound;
 ``QKNormRotaryHeuristics(backward_kernel="tokens")``). On the H200 (bf16, kernel time,
 benchmarks/bench_qk_norm_rotary.py) "tiles" takes 0.117 / 0.198 / 0.167 / 0.111 ms at Qwen3-0.6B /
 Qwen3-8B / OLMo 2 1B / Gemma 3 1B's shapes against "tokens"' 0.385 / 0.533 / 0.254 / 0.176 ms,
-1.5-3.5x its floor of bytes at copy bandwidth. "tiles": 2 x P programs
+1.6-3.0x its floor of bytes at copy bandwidth. "tiles": 2 x P programs
 (P <= SMs x ``tile_programs_per_sm``), the even ones walking q's tiles (BLOCK_T tokens x BLOCK_H
 heads x the head), the odd ones k's over the same tokens, every load of a tile issued before its
 stores, no reduction across warps inside the loop (the weight-gradient terms summed element by
@@ -63,6 +63,7 @@ rows written and read once (P x (weight sizes) floats).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -116,7 +117,7 @@ class QKNormRotaryHeuristics:
         barriers a step).
         Defaults: 4096 elements at 8 warps, 114-122 registers (two programs a SM), no spills, 4
         programs a SM a tensor, 1 stage. The H200 sweep (40 variants a shape, 2026-11-29,
-        benchmarks/NOTES.md) found no variant better at all four shapes: 3 stages gain 6-27% at
+        benchmarks/NOTES.md) found no variant better at all four shapes: 3 stages gain 4-27% at
         Qwen3 and Gemma 3 and lose 33% at OLMo 2.
     "tokens" backward: ``programs_per_sm`` programs per SM (each sums its tokens' weight gradients
         into one workspace row); reduce_block: columns one program of its partials' sum owns.
@@ -1018,6 +1019,9 @@ def _backward_impl(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weigh
     graph whose backward calls this op at run time, on autograd's thread. The other heuristics are
     those in force there."""
     op = "qk_norm_rotary_backward"
+    if backward_kernel not in BACKWARD_KERNELS:
+        raise argument_error(InvalidProblemError, op, "backward_kernel", f"must be one of {BACKWARD_KERNELS}, "
+                             f"got {backward_kernel!r}")
     _same(op, q, k, q_weight, k_weight, cos, sin, (("dq_out", dq_out), ("dk_out", dk_out)))
     if dk_out.dtype != dq_out.dtype:
         raise argument_error(InvalidProblemError, op, "dk_out", f"has dtype {dk_out.dtype} but dq_out has "
@@ -1033,8 +1037,20 @@ def _backward_impl(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weigh
     return plan.run_unchecked((dq_out, dk_out, q, k, q_weight, k_weight, cos, sin))
 
 
+_OTHER_KERNEL: "weakref.WeakKeyDictionary[QKNormRotaryHeuristics, dict]" = weakref.WeakKeyDictionary()
+
+
 def _with_backward_kernel(h: QKNormRotaryHeuristics, backward_kernel: str) -> QKNormRotaryHeuristics:
-    return h if h.backward_kernel == backward_kernel else replace(h, backward_kernel=backward_kernel)
+    """``h`` with ``backward_kernel``: ``h`` itself when it has it, else one derived object per
+    (``h``, kernel), kept as long as ``h`` lives, since a plan's cache key holds its heuristics by
+    identity and a new object each call would miss the cache every time."""
+    if h.backward_kernel == backward_kernel:
+        return h
+    derived = _OTHER_KERNEL.setdefault(h, {})
+    found = derived.get(backward_kernel)
+    if found is None:
+        found = derived[backward_kernel] = replace(h, backward_kernel=backward_kernel)
+    return found
 
 
 def _backward_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, weight_offset, across_heads, weight_grad,
