@@ -325,6 +325,31 @@ def test_gpt2_whole():
     assert_same_step(loss_and_grads(model, ids, labels), want, "gpt2 checkpointed")
 
 
+def test_gpt2_with_dropout():
+    """GPT-2 at its default dropout (0.1) with block_ops: in training mode our dropout runs (its
+    kernel counted), a step is a function of torch's seed (the same seed, the same loss and
+    gradients), and it drops something (the loss is not eval mode's); in eval mode the loss and
+    gradients are the unpatched model's."""
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    trainops.patch(model, block_ops=True)
+    ids, labels = batch()
+    model.train()
+    torch.manual_seed(7)
+    with trainops.track_kernels() as used:
+        first = loss_and_grads(model, ids, labels)
+    assert sum(n for (op, *_), n in used.items() if op == "dropout") >= 3   # embedding, attention out, MLP out
+    torch.manual_seed(7)
+    again = loss_and_grads(model, ids, labels)
+    assert torch.equal(first[0].loss, again[0].loss)
+    assert all(torch.equal(first[1][name], again[1][name]) for name in first[1])
+    model.eval()
+    reference.eval()
+    evaluated = loss_and_grads(model, ids, labels)
+    assert abs(first[0].loss.item() - evaluated[0].loss.item()) > 1e-4
+    assert_same_step(evaluated, loss_and_grads(reference, ids, labels), "gpt2 eval")
+
+
 def tiny_gemma3_with_vision():
     text = transformers.Gemma3TextConfig(**{**TINY, **ARCHS["gemma3"][2], "final_logit_softcapping": None}, **TOKENS)
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
