@@ -45,9 +45,9 @@ column sum; no atomics). The number of programs depends on the device's SM count
 
 Triton plans: forward, one program per token (batch * seq programs): its cos and sin loaded once,
 then its q heads and k heads, BLOCK_H heads a step (across heads: all of them at once). Bytes:
-q, k, cos, sin read once, q_out and k_out written once. Backward, two kernels: "tiles" (the default) and "tokens" (one
-token a step, its weight sums reduced across the heads each step, latency-bound;
-``QKNormRotaryHeuristics(backward_kernel="tokens")``). On the H200 (bf16, kernel time,
+q, k, cos, sin read once, q_out and k_out written once. Backward, two kernels: "tiles" (the
+default) and "tokens" (one token a step, its weight sums reduced across the heads each step,
+latency-bound; ``QKNormRotaryHeuristics(backward_kernel="tokens")``). On the H200 (bf16, kernel time,
 benchmarks/bench_qk_norm_rotary.py) "tiles" takes 0.117 / 0.198 / 0.167 / 0.111 ms at Qwen3-0.6B /
 Qwen3-8B / OLMo 2 1B / Gemma 3 1B's shapes against "tokens"' 0.385 / 0.533 / 0.254 / 0.176 ms,
 1.6-3.0x its floor of bytes at copy bandwidth. "tiles": 2 x P programs
