@@ -168,6 +168,15 @@ def test_every_row_ignored_and_empty_batch(backend, device):
 FEW_ROWS = ce_ops.CrossEntropyHeuristics(sms=8, fill_per_sm=4, fill_min_bytes=256, fill_min_row_bytes=0)  # 3 x 1500: 6 x 256
 
 
+def few_rows_options(options, gen, dtype):
+    """(the call's options, weight=True made a class-weight tensor of 1500 classes; the plan's: all
+    but the weight)."""
+    options = dict(options)
+    if options.pop("weight", False):
+        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    return options, {k: v for k, v in options.items() if k != "weight"}
+
+
 @pytest.mark.parametrize("dtype,layout,options", [
     (torch.float32, "contiguous", dict(reduction="mean", weight=True)),
     (torch.bfloat16, "sliced", dict(reduction="sum", z_loss=1e-3)),
@@ -179,9 +188,7 @@ def test_few_long_rows_split_across_programs(dtype, layout, options):
     x[0, 256:768] = float("-inf")   # two whole chunks of -inf: partial max -inf, sum 0, no NaN once merged
     x[2, :1280] = float("-inf")     # only the last chunk has values, the target among them
     target = torch.tensor([1499, -100, 1300])
-    if options.pop("weight", False):
-        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
-    described = {k: v for k, v in options.items() if k != "weight"}
+    options, described = few_rows_options(options, gen, dtype)
     with trainops.backend("triton"), trainops.heuristics(FEW_ROWS):
         kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
                                strides=x.stride(), has_weight="weight" in options, **described).kernel
@@ -205,9 +212,7 @@ def test_few_long_rows_with_label_smoothing(dtype, options):
     gen = torch.Generator().manual_seed(seed_of("few rows, smoothing", dtype))
     x = make_logits([3, 1500], dtype, "cpu", gen)
     target = torch.tensor([3, -100, 1499])
-    if options.pop("weight", False):
-        options["weight"] = (torch.rand(1500, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
-    described = {k: v for k, v in options.items() if k != "weight"}
+    options, described = few_rows_options(options, gen, dtype)
     with trainops.backend("triton"), trainops.heuristics(FEW_ROWS):
         kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
                                has_weight="weight" in options, **described).kernel

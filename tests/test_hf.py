@@ -59,6 +59,16 @@ def tiny_model(arch, dtype=torch.float32, seed=0, **options):
     return model
 
 
+def patched_and_unpatched(arch, **options):
+    """(patched, unpatched) copies of ``tiny_model(arch, **options)``, both in training mode."""
+    model = tiny_model(arch, **options)
+    reference = copy.deepcopy(model)
+    trainops.patch(model)
+    model.train()
+    reference.train()
+    return model, reference
+
+
 def batch(seed=1):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 97, (2, 16), generator=gen)
@@ -163,11 +173,7 @@ def test_without_labels_or_in_eval_logits_come_back(arch):
 
 
 def test_num_items_in_batch_and_shift_labels_go_to_the_loss():
-    model = tiny_model("llama")
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched("llama")
     ids, labels = batch()
     items = torch.tensor(40)
     assert_same_step(loss_and_grads(model, ids, labels, num_items_in_batch=items),
@@ -246,11 +252,7 @@ COMPILED_ARCHS = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "glm4",
 def test_patched_model_compiles_whole(arch):
     """fullgraph=True: nothing trainops swaps breaks the graph (a graph break per attention layer
     made torch.compile recompile it per layer and give up after 8 layers)."""
-    model = tiny_model(arch)
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched(arch)
     ids, labels = batch()
     want = loss_and_grads(reference, ids, labels)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -597,11 +599,7 @@ def test_moe_compiles_whole_without_router_logits(arch):
     router logits are not recorded (transformers's output recorder does not compile whole, patched
     or not, so output_router_logits=True is compiled with graph breaks:
     test_moe_router_loss_with_padding_eager_and_compiled)."""
-    model = tiny_model(arch, output_router_logits=False)
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched(arch, output_router_logits=False)
     ids, labels = batch()
     want = loss_and_grads(reference, ids, labels)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -614,11 +612,7 @@ def test_moe_router_loss_with_padding_eager_and_compiled(arch):
     """The router's auxiliary loss over a padded batch (attention_mask zeros: transformers leaves the
     padded tokens out of the expert counts) as transformers adds it, eager and under torch.compile
     (output_router_logits=True: compiled with graph breaks, as the unpatched model)."""
-    model = tiny_model(arch)
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched(arch)
     ids, labels = batch()
     mask = torch.ones_like(ids)
     mask[0, -5:] = 0   # the first row padded on the right
@@ -706,11 +700,7 @@ def test_a_users_subclass_of_the_experts_is_reported_not_swapped():
 
 
 def test_positional_arguments_reach_the_fused_loss():
-    model = tiny_model("llama")
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched("llama")
     ids, labels = batch()
     # input_ids, attention_mask, position_ids, cache, inputs_embeds, labels
     got = model(ids, None, None, None, None, labels)

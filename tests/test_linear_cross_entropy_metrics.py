@@ -150,15 +150,9 @@ def test_torch_compile_fullgraph():
 
 def test_patched_hugging_face_model_returns_the_metrics():
     pytest.importorskip("transformers")
-    import copy
+    from test_hf import batch, patched_and_unpatched
 
-    from test_hf import batch, tiny_model
-
-    model = tiny_model("llama")
-    reference = copy.deepcopy(model)
-    trainops.patch(model)
-    model.train()
-    reference.train()
+    model, reference = patched_and_unpatched("llama")
     ids, labels = batch()
     with torch.no_grad():   # every other label the model's own prediction: right and wrong tokens both
         predicted = reference(input_ids=ids).logits.argmax(-1)

@@ -216,35 +216,14 @@ def test_float32_and_bf16_against_float64(backend, dtype, kind, path):
         assert_close(a, e, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_ignored_rows(kind, path):
-    """A rejected row (and a chosen one) with no kept token: finite, as the textbook formula on
-    logps 0 (averaged: 0 / max(1, 0))."""
-    x, w, b, labels, rx, rw = inputs(3, 5, 8, 9, torch.float64)
-    labels[1] = -100
-    labels[4] = -100
-    with path_chunks(path, 5):
-        out = trainops.linear_preference_loss(x, w, labels, bias=b, kind=kind, **reference_kwargs(kind, rx, rw))
-        got = torch.autograd.grad(out.loss, (x, w, b))
-    want = reference(kind, x, w, labels, b, ref=(rx, rw, None) if kind in ("dpo", "ipo") else None)
-    expected = torch.autograd.grad(want[0], (x, w, b))
-    assert out.chosen_logps[1] == 0 and out.rejected_logps[1] == 0
-    for name, a, e in zip(out._fields, out, want):
-        assert_close(a, e, torch.float64, name)
-    for name, a, e in zip(("dx", "dw", "db"), got, expected):
-        assert_close(a, e, torch.float64, name)
-        assert torch.isfinite(a).all()
-    assert torch.count_nonzero(got[0][1]) == 0 and torch.count_nonzero(got[0][4]) == 0
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_all_ignored_rows_float32_each_backend(backend, kind, path):
-    """The rows with no kept token through each backend's float32 kernels (Triton under the
-    interpreter): within float32 tolerance of the float64 formula, finite, and no gradient on
-    those rows."""
-    x, w, b, labels, rx, rw = inputs(3, 5, 8, 9, torch.float32)
+def test_all_ignored_rows(backend, kind, path, dtype):
+    """A rejected row (and a chosen one) with no kept token, through each backend (float32: its
+    kernels, Triton under the interpreter): finite, as the textbook formula in float64 on logps 0
+    (averaged: 0 / max(1, 0)) within the dtype's tolerance, and no gradient on those rows."""
+    x, w, b, labels, rx, rw = inputs(3, 5, 8, 9, dtype)
     labels[1] = -100
     labels[4] = -100
     with path_chunks(path, 5):
@@ -255,10 +234,10 @@ def test_all_ignored_rows_float32_each_backend(backend, kind, path):
     expected = torch.autograd.grad(want[0], (x64, w64, b64))
     assert out.chosen_logps[1] == 0 and out.rejected_logps[1] == 0
     for name, a, e in zip(out._fields, out, want):
-        assert_close(a, e, torch.float32, name)
+        assert_close(a, e, dtype, name)
     for name, a, e in zip(("dx", "dw", "db"), got, expected):
         assert torch.isfinite(a).all(), name
-        assert_close(a, e, torch.float32, name)
+        assert_close(a, e, dtype, name)
     assert torch.count_nonzero(got[0][1]) == 0 and torch.count_nonzero(got[0][4]) == 0
 
 
