@@ -22,6 +22,10 @@ the demo's warm-up + cosine learning rate, no gradient clip: ``--max-grad-norm 0
                        float32 masters cut, after every step, to p + bf16(master - p), the value a
                        parameter p plus a bfloat16 buffer of its lost low bits holds (no library
                        option: a measurement of the idea before building it)
+    8bit               float32 parameters, optim_bits=8 (the demo's --optim-bits 8)
+    in-backward        float32 parameters, trainops.optim.step_in_backward (--step-in-backward)
+    torchao-8bit       float32 parameters, torchao.optim.AdamW8bit (the same groups, betas and
+                       learning rates) in place of trainops's optimizer (needs torchao)
 
 The f32c runs isolate the parameter storage from the bf16 arithmetic of the forward / backward.
 Final loss: mean training loss of the last 5 steps (as benchmarks/NOTES.md); validation: the
@@ -52,6 +56,9 @@ RUNS = {
     "f32c-bf16-sr": ("float32", {}, "sr"),
     "f32c-bf16-nearest": ("float32", {}, "nearest"),
     "bf16-kahan-sim": ("bfloat16", {"master_weights": True}, "kahan"),
+    "8bit": ("float32", {"optim_bits": 8}, None),
+    "in-backward": ("float32", {"step_in_backward": True}, None),
+    "torchao-8bit": ("float32", {}, "torchao"),
 }
 
 
@@ -77,9 +84,16 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
     cfg = llama.LlamaRunConfig(**{**cfg_base, "seed": seed, "param_dtype": param_dtype, "max_grad_norm": 0.0,
                                   "amp": amp})
     amp_dtype = common.autocast_dtype(cfg)
-    for key in ("stochastic_rounding", "master_weights"):
+    for key in ("stochastic_rounding", "master_weights", "step_in_backward"):
         setattr(cfg, key, options.get(key, False))
+    cfg.optim_bits = options.get("optim_bits", 32)
     model, forward, opt, scaler, _ = llama.build_run(cfg, device, "trainops")
+    if simulate == "torchao":
+        from torchao.optim import AdamW8bit
+
+        opt = AdamW8bit(llama.parameter_groups(model), lr=cfg.lr, betas=(0.9, 0.95))
+        simulate = None
+    handle = common.attach_step_in_backward(model, opt, cfg)
     params = [p for g in opt.param_groups for p in g["params"]]
     if simulate in ("sr", "nearest"):
         _round_parameters(params, "nearest", seed, 0)   # as model.to(bfloat16) rounds the initial weights
@@ -88,7 +102,10 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
     losses, started = [], time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
-            group["lr"] = common.learning_rate(cfg, step)
+            if isinstance(group["lr"], torch.Tensor):   # torchao's optimizers hold lr as a tensor
+                group["lr"].fill_(common.learning_rate(cfg, step))
+            else:
+                group["lr"] = common.learning_rate(cfg, step)
         ((ids, _),) = batches.train_batch(step)
         losses.append(float(llama.train_step(model, forward, opt, scaler, ids, amp_dtype, device, None)))
         if simulate == "kahan":
@@ -100,6 +117,8 @@ def run(name, cfg_base, tokens, device, seed, progress, amp="none", partial=lamb
         if progress and (step + 1) % 25 == 0:
             print(f"  {name} seed {seed} step {step + 1}: loss {losses[-1]:.4f} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
+    if handle is not None:
+        handle.remove()
     val = llama.evaluate(model, batches.val_batches(), amp_dtype, device)
     del model, forward, opt, scaler, params
     gc.collect()
@@ -176,11 +195,15 @@ def main(argv=None) -> int:
     rows = []
     if os.path.exists(args.out):
         with open(args.out) as f:
-            rows = [r for r in json.load(f)["rows"] if not r.get("partial")]
+            stored = json.load(f)
+        rows = [r for r in stored["rows"] if not r.get("partial")]
+        if args.replot:   # the title says where the rows were trained, not this command's defaults
+            device = torch.device(stored.get("device", args.device))
+            amp = stored.get("amp") or ("bf16" if device.type == "cuda" else "none")
 
     def save(rows):
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "config": args.config, "device": str(device),
+            json.dump({"command": " ".join(sys.argv), "config": args.config, "device": str(device), "amp": amp,
                        "torch": torch.__version__, "rows": rows}, f)
 
     for seed in [] if args.replot else map(int, args.seeds.split(",")):
@@ -200,7 +223,7 @@ def main(argv=None) -> int:
               f"{versus}")
     steps = max(r["steps"] for r in rows)
     print(plot([r for r in rows if r["steps"] == steps], os.path.splitext(args.out)[0] + ".png",
-               f"{args.config} Llama on {args.device}, {steps} steps, AdamW lr {base['lr']}, no clip, amp {amp}"))
+               f"{args.config} Llama on {device}, {steps} steps, AdamW lr {base['lr']}, no clip, amp {amp}"))
     return 0
 
 

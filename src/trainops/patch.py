@@ -67,7 +67,11 @@ Softmax computed inside other modules' forward (torch.nn.MultiheadAttention call
 ``unpatch(model)`` undoes it: every module patch swapped gets its class back (the attributes patch
 added removed, everything else kept), and every module of a swapped Hugging Face class returns to
 its transformers class (trainops.hf). Nothing global is replaced, by either: no torch or
-transformers function, no class attribute.
+transformers function, no class attribute, with one exception, scoped to the patched models: while a
+patched Hugging Face model with SDPA attention is alive, transformers's registered SDPA mask function
+is wrapped so that those models' causal masks are skipped where transformers's own eager rule
+skips them, also under torch.compile and CUDA-graph capture (``trainops.hf``: ``_causal_mask.py``);
+every other model's masks pass through unchanged, and unpatching the last one restores the function.
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ class PatchReport:
     used in ``swapped`` / ``skipped``, in ``named_modules()`` order) -> its other names.
     ``descriptions``: for a swapped Hugging Face module, its name -> what its swap computes
     (trainops.hf's words: "norm", "attention: fused q/k norm + rotary", ...).
+    ``causal_masks``: how many transformers configs (SDPA attention) of the swapped modules have
+    their causal masks skipped where transformers's eager rule skips them, also while torch.compile
+    traces and a CUDA graph captures (``trainops.hf``'s causal mask); by ``unpatch``: how many
+    stopped.
     The root module's name is ``""`` (printed ``<root>``).
     """
 
@@ -101,6 +109,7 @@ class PatchReport:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     other_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     descriptions: dict[str, str] = field(default_factory=dict)
+    causal_masks: int = 0
 
     def __str__(self) -> str:
         lines = [f"trainops.patch: {len(self.swapped)} module(s) swapped, {len(self.skipped)} left as they are"]
@@ -108,6 +117,9 @@ class PatchReport:
                   + (f" [{self.descriptions[name]}]" if name in self.descriptions else "")
                   for name, old, new in self.swapped]
         lines += [f"  {self._label(name)}: {cls} kept ({why})" for name, cls, why in self.skipped]
+        if self.causal_masks:
+            lines.append(f"  causal mask: SDPA's is_causal where transformers's eager rule skips the mask, also under "
+                         f"torch.compile and CUDA-graph capture ({self.causal_masks} config(s); trainops.hf)")
         return "\n".join(lines)
 
     def _label(self, name: str) -> str:
@@ -281,7 +293,18 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
                 report.descriptions[first_name] = trainops_hf.description(cls)
     if not dry_run:
         _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
+        report.causal_masks = sum(map(trainops_hf.track_causal_mask, _configs(module for module, _, _ in to_swap)))
     return report
+
+
+def _configs(modules) -> list:
+    """The distinct transformers configs (``module.config``) of Hugging Face modules."""
+    found = {}
+    for module in modules:
+        config = getattr(module, "config", None)
+        if config is not None and trainops_hf.is_transformers_class(type(config)):
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 def _modules_and_names(model: torch.nn.Module) -> tuple[list[torch.nn.Module], dict[int, list[str]]]:
@@ -357,6 +380,8 @@ def unpatch(model: torch.nn.Module) -> PatchReport:
         changes.append((module, old_class, added))
         report.swapped.append((first_name, _public_name(current), _public_name(old)))
     _change_classes(changes)
+    for config in _configs(module for module, _, _ in changes):
+        report.causal_masks += trainops_hf.untrack_causal_mask(config)
     return report
 
 

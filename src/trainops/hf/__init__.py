@@ -35,6 +35,16 @@ What each kind computes (``_common.py``):
                hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
                config sets, and the MoE router's auxiliary loss as transformers adds it
 
+The causal mask (``_causal_mask.py``): a patched model with SDPA attention gets SDPA's
+``is_causal`` (no mask tensor) wherever transformers's eager rule skips the mask (no padding mask
+passed, as many queries as keys, no packed sequences or extra masks, no sliding window shorter
+than the keys), also while torch.compile traces and a CUDA graph captures, where transformers
+(5.17; 5.24 on torch before 2.14) materialises a (batch, 1, q, kv) mask every step and SDPA runs its
+masked kernels. transformers keeps one mask-function registry for all models, so the function
+registered for "sdpa" is wrapped while a patched model is alive; other models' calls pass through.
+A padding mask of all ones still makes a mask under torch.compile (its values cannot be read there):
+leave ``attention_mask`` out when nothing is padded.
+
 PEFT models (``lora.py``): the swapped attention and MLPs call their projections as modules, so
 LoRA layers there (any variant) run peft's forward and train; the fused loss computes a LoRA
 ``lm_head`` (h W^T + b + s * dropout(h) A^T B^T, exactly, through concatenated operands) or an
@@ -88,7 +98,17 @@ from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, m
 from ._common import (_SUBCLASSES, _SWAPPED, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
                       SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
                       original_class, trainops_class)
+from ._causal_mask import is_tracked as causal_mask_tracked
+from ._causal_mask import track as track_causal_mask
+from ._causal_mask import untrack as _untrack_causal_mask
 from ._qk_attention import QKNormAttention
+
+
+def untrack_causal_mask(config) -> bool:
+    """Stop skipping ``config``'s causal masks (``trainops.unpatch``); True if it was tracked."""
+    tracked = causal_mask_tracked(config)
+    _untrack_causal_mask(config)
+    return tracked
 
 # family -> (the transformers module whose classes are swapped, the trainops.hf module saying which and how)
 ARCHITECTURES = {
@@ -189,4 +209,5 @@ def __getattr__(name: str):
 
 __all__ = ["ARCHITECTURES", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
            "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped", "is_transformers_class", "kind_of", "original_class",
-           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description"]
+           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description", "track_causal_mask", "untrack_causal_mask",
+           "causal_mask_tracked"]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..dtensor import fsdp_wrapped_class
 from ..errors import UnsupportedError
+from ._causal_mask import default_positions_begin, default_positions_end
 from .lora import head_operands, head_reasons, out_features, projection_reasons
 
 
@@ -512,7 +513,15 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             named["output_router_logits"] = self.config.output_router_logits
         if kind.labels_to_decoder:
             named.update(labels=labels, return_dict=True)
-        outputs = getattr(self, self.base_model_prefix)(**named)
+        decoder = getattr(self, self.base_model_prefix)
+        if named.get("position_ids") is None:   # the decoder's own positions: nothing packed (hf/_causal_mask.py)
+            default_positions_begin()
+            try:
+                outputs = decoder(**named)
+            finally:
+                default_positions_end()
+        else:
+            outputs = decoder(**named)
         hidden = outputs.last_hidden_state
         ignore_index = loss_kwargs.get("ignore_index", -100)
         shift_labels = loss_kwargs.get("shift_labels")
