@@ -67,11 +67,12 @@ Softmax computed inside other modules' forward (torch.nn.MultiheadAttention call
 ``unpatch(model)`` undoes it: every module patch swapped gets its class back (the attributes patch
 added removed, everything else kept), and every module of a swapped Hugging Face class returns to
 its transformers class (trainops.hf). Nothing global is replaced, by either: no torch or
-transformers function, no class attribute, with one exception, scoped to the patched models: while a
-patched Hugging Face model with SDPA attention is alive, transformers's registered SDPA mask function
-is wrapped so that those models' causal masks are skipped where transformers's own eager rule
-skips them, also under torch.compile and CUDA-graph capture (``trainops.hf``: ``_causal_mask.py``);
-every other model's masks pass through unchanged, and unpatching the last one restores the function.
+transformers function, no class attribute, with one exception: while a patched Hugging Face model
+with SDPA attention is alive, transformers's registered SDPA mask function and its
+``masking_utils.find_packed_sequence_indices`` are wrapped, so that inside a patched training
+forward (on its thread) the causal mask is skipped where transformers's own eager rule skips it,
+also under torch.compile and CUDA-graph capture (``trainops.hf``: ``_causal_mask.py``); every other
+call passes through unchanged, and unpatching the last such model puts both functions back.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ class PatchReport:
     used in ``swapped`` / ``skipped``, in ``named_modules()`` order) -> its other names.
     ``descriptions``: for a swapped Hugging Face module, its name -> what its swap computes
     (trainops.hf's words: "norm", "attention: fused q/k norm + rotary", ...).
-    ``causal_masks``: how many transformers configs (SDPA attention) of the swapped modules have
-    their causal masks skipped where transformers's eager rule skips them, also while torch.compile
-    traces and a CUDA graph captures (``trainops.hf``'s causal mask); by ``unpatch``: how many
-    stopped.
+    ``causal_masks``: how many transformers configs (SDPA attention) of the model's swapped modules
+    ``patch`` started tracking for the causal mask (``trainops.hf``: SDPA's is_causal where
+    transformers's eager rule skips the mask, also while torch.compile traces and a CUDA graph
+    captures); by ``unpatch``: how many it stopped tracking.
     The root module's name is ``""`` (printed ``<root>``).
     """
 
@@ -293,7 +294,9 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
                 report.descriptions[first_name] = trainops_hf.description(cls)
     if not dry_run:
         _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
-        report.causal_masks = sum(map(trainops_hf.track_causal_mask, _configs(module for module, _, _ in to_swap)))
+        swapped = (m for m in modules if trainops_hf.is_swapped(m, fsdp_wrapped_class(type(m)) or type(m)))
+        report.causal_masks = sum(not trainops_hf.causal_mask_tracked(config) and trainops_hf.track_causal_mask(config)
+                                  for config in _configs(swapped))
     return report
 
 

@@ -35,15 +35,17 @@ What each kind computes (``_common.py``):
                hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
                config sets, and the MoE router's auxiliary loss as transformers adds it
 
-The causal mask (``_causal_mask.py``): a patched model with SDPA attention gets SDPA's
-``is_causal`` (no mask tensor) wherever transformers's eager rule skips the mask (no padding mask
-passed, as many queries as keys, no packed sequences or extra masks, no sliding window shorter
-than the keys), also while torch.compile traces and a CUDA graph captures, where transformers
-(5.17; 5.24 on torch before 2.14) materialises a (batch, 1, q, kv) mask every step and SDPA runs its
-masked kernels. transformers keeps one mask-function registry for all models, so the function
-registered for "sdpa" is wrapped while a patched model is alive; other models' calls pass through.
-A padding mask of all ones still makes a mask under torch.compile (its values cannot be read there):
-leave ``attention_mask`` out when nothing is padded.
+The causal mask (``_causal_mask.py``): a patched causal LM's training forward (SDPA attention)
+gets SDPA's ``is_causal`` (no mask tensor) wherever transformers's eager rule skips the mask (no
+padding mask passed, as many queries as keys, no packed sequences or extra masks, no sliding window
+shorter than the keys), also while torch.compile traces and a CUDA graph captures, where
+transformers materialises a (batch, 1, q, kv) mask every step and SDPA runs its masked kernels:
+while tracing, its packed-sequence check cannot read the position ids, so when the forward gets
+none (the decoder makes 0, 1, 2, ...) trainops answers it. transformers keeps one mask-function
+registry and one such check for all models, so both are wrapped while a patched model is alive;
+calls outside a patched forward, and other threads', pass through. A padding mask of all ones
+still makes a mask under torch.compile (its values cannot be read there): leave ``attention_mask``
+out when nothing is padded. TRL's SFTTrainer, which calls the decoder itself, does not get this.
 
 PEFT models (``lora.py``): the swapped attention and MLPs call their projections as modules, so
 LoRA layers there (any variant) run peft's forward and train; the fused loss computes a LoRA

@@ -5,34 +5,43 @@ transformers builds each step's attention mask through ``create_causal_mask``, w
 mask function registered for the config's attention implementation (``sdpa_mask`` for SDPA). In
 eager mode, without padding, that returns None and the attention runs SDPA with
 ``is_causal=True`` (its flash and cuDNN kernels, GQA without repeating k / v). While dynamo
-traces (torch.compile) or a stream captures a CUDA graph it never returns None: transformers 5.17
-refuses the skip whenever it is tracing, and 5.24 on torch before 2.14 (where dynamo turns
-``torch.compiler.is_exporting()`` into True). The (batch, 1, q, kv) boolean causal mask is then
-made every step and SDPA runs its masked kernel: on the H200, Llama-3.2-1B's compiled step spent
-22.2 ms in SDPA's backward against 8.9 ms eagerly (benchmarks/NOTES.md).
+traces (torch.compile) or a stream captures a CUDA graph it does not, for two reasons:
 
-A second cause is the packed-sequence check: without a padding mask and a cache, transformers
-looks for packed sequences in the position ids (``find_packed_sequence_indices``). Eagerly it
-reads them and finds none; while tracing it cannot, so it always composes a packed-sequence mask
-and forbids the skip. When a patched causal LM's training forward gets no ``position_ids``, the
-decoder makes them itself (0, 1, 2, ... in every row: nothing is packed), so for the duration of
-that decoder call (``default_positions``) the check answers "nothing packed" without reading them.
+- without a padding mask and a cache (training with ``use_cache=False``), transformers looks for
+  packed sequences in the position ids (``find_packed_sequence_indices``): eagerly it reads them
+  and finds none; while tracing it cannot, so it composes a packed-sequence mask and forbids the
+  skip;
+- ``_ignore_causal_mask_sdpa`` itself refuses to skip while tracing (transformers 5.17; 5.24 on
+  torch before 2.14, where dynamo turns ``torch.compiler.is_exporting()`` into True).
 
-For the configs of models ``trainops.patch`` patched, the wrapper installed here returns None
-(no mask) where transformers's own eager rule would, and only there: no 2-D padding mask at all
-(None: a tensor's values cannot be read while tracing, so an all-ones mask still makes a mask),
-the skip allowed (no packed sequences, no extra or / and masks), as many queries as keys with no
-offsets (training; not decoding), and the plain causal mask function, or a local window (sliding
-or chunked) at least as long as the keys. Under torch.export it never skips, as transformers.
+The (batch, 1, q, kv) boolean causal mask is then made every step and SDPA runs its masked kernel:
+on the H200, Llama-3.2-1B's compiled step spent 22.2 ms in SDPA's backward against 8.9 ms eagerly
+(benchmarks/NOTES.md, fifth session).
 
-Scope: transformers keeps one mask-function registry for every model, so the wrapper is
-registered there (under "sdpa"), and ``masking_utils.find_packed_sequence_indices`` is wrapped,
-while at least one patched config is alive and tracked; the originals are put back when the last
-one is untracked (``trainops.unpatch``, or the model collected). Other models' masks are the
-original functions': the mask wrapper passes every call whose config is not a patched one through
-unchanged, and the packed-sequence wrapper answers "nothing packed" only inside a patched forward
-that let the decoder make its positions (a model run at the same moment on another thread would
-see that answer too: the flag is one per process).
+Inside a patched causal LM's training forward (the call of its decoder: ``patched_forward``), on
+the thread running it:
+
+- when the forward got no ``position_ids``, the decoder makes them (0, 1, 2, ... in every row:
+  nothing is packed), so the packed-sequence check answers None without reading them;
+- the SDPA mask function returns None (no mask) where transformers's eager rule would, decided
+  without reading a tensor: no 2-D padding mask at all (None: an all-ones mask still makes a mask,
+  its values cannot be read while tracing), the skip allowed (no packed sequences, no extra or /
+  and masks), as many queries as keys with no offsets (training, not decoding), and the plain
+  causal mask function or a local window (sliding or chunked) longer than the keys. Under
+  torch.export it never skips, as transformers.
+
+These conditions alone make the mask the plain causal one, so the scope (patched forwards, this
+thread) decides only which calls get the faster kernel, never what they compute. The flags are
+thread-local: another thread's models, and every call outside a patched forward, reach
+transformers's functions unchanged.
+
+Installation: transformers keeps one mask-function registry and one module function for every
+model, so while at least one patched model's config is alive and tracked (``track``: by
+``trainops.patch``, and by a patched forward run eagerly, which covers copies of a patched model),
+the registry's "sdpa" entry and ``masking_utils.find_packed_sequence_indices`` are the wrappers
+here; when the last config is untracked (``trainops.unpatch``, or collected) the functions they
+replaced are put back. The wrappers keep those functions for good, so a reference to a wrapper held
+elsewhere keeps working after that.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ import weakref
 import torch
 
 _TRACKED: dict[int, weakref.finalize] = {}   # id(config) -> its finalizer (removes the entry when collected)
-_ORIGINAL: list = []   # [transformers's sdpa mask function, its find_packed_sequence_indices] while wrapped
-_DEFAULT_POSITIONS = [0]   # > 0 while a patched training forward's decoder makes its own position ids
+_REPLACED: dict[str, object] = {}   # "sdpa" / "packed" -> the function the wrapper stands in for (kept for good)
+_INSTALLED = [False]
 _LOCK = threading.RLock()   # re-entrant: a finalizer may run (garbage collection) while track holds it
+_FLAGS = threading.local()   # patched (forwards running on this thread), default_positions (of those)
 
 
 def _interface():
@@ -55,9 +65,10 @@ def _interface():
 
 
 @torch.compiler.assume_constant_result
-def _skip_for_config(config_id: int) -> bool:
-    """Whether the config is a patched model's and no torch.export traces (read once, when traced)."""
-    return config_id in _TRACKED and not torch.compiler.is_exporting()
+def _exporting() -> bool:
+    """torch.export is tracing (read outside dynamo: inside it, torch 2.11's dynamo answers True
+    for torch.compile too)."""
+    return torch.compiler.is_exporting()
 
 
 def _skippable(kwargs: dict) -> bool:
@@ -65,9 +76,9 @@ def _skippable(kwargs: dict) -> bool:
     comparisons stay in the traced code: dynamo guards on them)."""
     from transformers.masking_utils import causal_mask_function
 
-    config = kwargs.get("config")
-    if (config is None or kwargs.get("attention_mask") is not None or not kwargs.get("allow_is_causal_skip", True)
-            or "q_length" not in kwargs or "kv_length" not in kwargs or "cache_position" in kwargs):
+    if (getattr(_FLAGS, "patched", 0) <= 0 or kwargs.get("attention_mask") is not None
+            or not kwargs.get("allow_is_causal_skip", True) or "q_length" not in kwargs or "kv_length" not in kwargs
+            or "cache_position" in kwargs):
         return False
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     if type(q_offset) is not int or type(kv_offset) is not int or q_offset or kv_offset:
@@ -78,70 +89,85 @@ def _skippable(kwargs: dict) -> bool:
             return False
     elif not kv_length < local:
         return False
-    return q_length == kv_length and _skip_for_config(id(config))
+    return q_length == kv_length and not _exporting()
 
 
 def _sdpa_mask(*args, **kwargs):
-    """transformers's sdpa mask function, but None (SDPA's is_causal) for a patched model's config
+    """transformers's sdpa mask function, but None (SDPA's is_causal) inside a patched forward
     where transformers's eager rule gives None (see the module docstring)."""
     if not args and _skippable(kwargs):
         return None
-    return _ORIGINAL[0](*args, **kwargs)
+    return _REPLACED["sdpa"](*args, **kwargs)
 
 
 def _find_packed_sequence_indices(position_ids):
-    """transformers's packed-sequence check, but None (nothing packed) inside ``default_positions``."""
-    if _DEFAULT_POSITIONS[0]:
+    """transformers's packed-sequence check, but None (nothing packed) inside a patched forward
+    whose decoder makes its own position ids."""
+    if getattr(_FLAGS, "default_positions", 0) > 0:
         return None
-    return _ORIGINAL[1](position_ids)
+    return _REPLACED["packed"](position_ids)
 
 
-def default_positions_begin() -> None:
-    """A patched causal LM's training forward calls its decoder without position ids: until
-    ``default_positions_end``, the decoder's own 0, 1, 2, ... are what the mask sees (module docstring)."""
-    _DEFAULT_POSITIONS[0] += 1
+def patched_forward_begin(default_positions: bool) -> None:
+    """A patched causal LM's training forward calls its decoder (``default_positions``: without
+    position ids, so that the decoder makes 0, 1, 2, ...); until ``patched_forward_end``."""
+    _FLAGS.patched = getattr(_FLAGS, "patched", 0) + 1
+    _FLAGS.default_positions = getattr(_FLAGS, "default_positions", 0) + default_positions
 
 
-def default_positions_end() -> None:
-    _DEFAULT_POSITIONS[0] -= 1
+def patched_forward_end(default_positions: bool) -> None:
+    _FLAGS.patched -= 1
+    _FLAGS.default_positions -= default_positions
+
+
+def _install() -> None:
+    from transformers import masking_utils
+
+    registry, interface = _interface()
+    if registry["sdpa"] is not _sdpa_mask:
+        _REPLACED["sdpa"] = registry["sdpa"]
+        interface.register("sdpa", _sdpa_mask)
+    packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if packed is not None and packed is not _find_packed_sequence_indices:
+        _REPLACED["packed"] = packed
+        masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
+    _INSTALLED[0] = True
+
+
+def _uninstall() -> None:
+    from transformers import masking_utils
+
+    registry, interface = _interface()
+    if registry["sdpa"] is _sdpa_mask:
+        interface.register("sdpa", _REPLACED["sdpa"])
+    if getattr(masking_utils, "find_packed_sequence_indices", None) is _find_packed_sequence_indices:
+        masking_utils.find_packed_sequence_indices = _REPLACED["packed"]
+    _INSTALLED[0] = False
 
 
 def _untrack(config_id: int) -> None:
     with _LOCK:
         _TRACKED.pop(config_id, None)
-        if not _TRACKED and _ORIGINAL:
-            from transformers import masking_utils
-
-            registry, interface = _interface()
-            if registry["sdpa"] is _sdpa_mask:
-                interface.register("sdpa", _ORIGINAL[0])
-            if getattr(masking_utils, "find_packed_sequence_indices", None) is _find_packed_sequence_indices:
-                masking_utils.find_packed_sequence_indices = _ORIGINAL[1]
-            _ORIGINAL.clear()
+        if not _TRACKED and _INSTALLED[0]:
+            _uninstall()
 
 
 def track(config) -> bool:
-    """Skip ``config``'s causal masks where SDPA's is_causal is the same (module docstring); True
-    when tracked (its attention implementation is SDPA), False otherwise (nothing done)."""
+    """Keep ``config``'s model's causal masks as SDPA's is_causal where they can be (module
+    docstring); True when its attention implementation is SDPA (tracked), False otherwise."""
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     with _LOCK:
-        if not _ORIGINAL:
-            from transformers import masking_utils
-
-            registry, interface = _interface()
-            _ORIGINAL[:] = [registry["sdpa"], getattr(masking_utils, "find_packed_sequence_indices", None)]
-            interface.register("sdpa", _sdpa_mask)
-            if _ORIGINAL[1] is not None:
-                masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
+        if not _INSTALLED[0]:
+            _install()
         if id(config) not in _TRACKED:
             _TRACKED[id(config)] = weakref.finalize(config, _untrack, id(config))
     return True
 
 
 def untrack(config) -> None:
-    """Stop skipping ``config``'s masks (``trainops.unpatch``); the original mask function is
-    registered back when no tracked config is left."""
+    """Stop tracking ``config`` (``trainops.unpatch``); transformers's functions are put back when no
+    tracked config is left."""
     finalizer = _TRACKED.get(id(config))
     if finalizer is not None:
         finalizer()   # runs _untrack once, and never again at collection

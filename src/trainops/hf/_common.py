@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..dtensor import fsdp_wrapped_class
 from ..errors import UnsupportedError
-from ._causal_mask import default_positions_begin, default_positions_end
+from . import _causal_mask as causal_mask
 from .lora import head_operands, head_reasons, out_features, projection_reasons
 
 
@@ -513,15 +513,14 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             named["output_router_logits"] = self.config.output_router_logits
         if kind.labels_to_decoder:
             named.update(labels=labels, return_dict=True)
-        decoder = getattr(self, self.base_model_prefix)
-        if named.get("position_ids") is None:   # the decoder's own positions: nothing packed (hf/_causal_mask.py)
-            default_positions_begin()
-            try:
-                outputs = decoder(**named)
-            finally:
-                default_positions_end()
-        else:
-            outputs = decoder(**named)
+        if not torch.compiler.is_compiling() and not causal_mask.is_tracked(self.config):
+            causal_mask.track(self.config)   # a copy of a patched model (hf/_causal_mask.py)
+        default_positions = named.get("position_ids") is None   # the decoder makes them: nothing packed
+        causal_mask.patched_forward_begin(default_positions)
+        try:
+            outputs = getattr(self, self.base_model_prefix)(**named)
+        finally:
+            causal_mask.patched_forward_end(default_positions)
         hidden = outputs.last_hidden_state
         ignore_index = loss_kwargs.get("ignore_index", -100)
         shift_labels = loss_kwargs.get("shift_labels")
