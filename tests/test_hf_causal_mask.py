@@ -58,6 +58,7 @@ def original_calls(monkeypatch):
     for finalizer in list(_causal_mask._TRACKED.values()):
         finalizer()
     masking_utils.AttentionMaskInterface.register("sdpa", original)
+    _causal_mask._IN_CHAIN["sdpa"] = False   # the spy's chain, with ours in it if a test wrapped it, is gone
     assert flags() == (0, 0)
 
 
@@ -248,3 +249,52 @@ def test_a_copy_of_a_patched_model_is_tracked_by_its_first_eager_step(original_c
     assert not original_calls
     torch._dynamo.reset()
     assert trainops.unpatch(twin).causal_masks == 1
+
+
+def test_compiled_steps_on_two_threads_compile_once(original_calls):
+    """The flags exist on every thread before any use: the compiled graph does not guard on their
+    absence (which made the second step compile the model again)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny("llama")
+    trainops.patch(model)
+    ids = tokens()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    step(compiled, ids)
+    step(compiled, ids)
+    worker = threading.Thread(target=step, args=(compiled, ids))
+    worker.start()
+    worker.join(60)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not original_calls
+    torch._dynamo.reset()
+
+
+def test_a_wrapper_registered_over_ours_survives_unpatch_and_patch(original_calls):
+    """Another library wraps the registered mask function after patch: unpatch leaves its chain
+    alone (ours passes calls through), and patching again does not wrap ours a second time."""
+    model = tiny("llama")
+    trainops.patch(model)
+    ours = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    theirs_calls = []
+
+    def theirs(*args, **kwargs):
+        theirs_calls.append(1)
+        return ours(*args, **kwargs)
+
+    masking_utils.AttentionMaskInterface.register("sdpa", theirs)
+    trainops.unpatch(model)
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is theirs
+    trainops.patch(model)
+    ids = tokens()
+    original_calls.clear()
+    model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))   # needs a mask: through the chain
+    assert theirs_calls and original_calls
+    theirs_calls.clear()
+    original_calls.clear()
+    step(torch.compile(model, backend="aot_eager", fullgraph=True), ids)
+    assert theirs_calls and not original_calls   # ours, inside their chain, still skips
+    torch._dynamo.reset()
+    trainops.unpatch(model)

@@ -41,7 +41,10 @@ model, so while at least one patched model's config is alive and tracked (``trac
 the registry's "sdpa" entry and ``masking_utils.find_packed_sequence_indices`` are the wrappers
 here; when the last config is untracked (``trainops.unpatch``, or collected) the functions they
 replaced are put back. The wrappers keep those functions for good, so a reference to a wrapper held
-elsewhere keeps working after that.
+elsewhere keeps working after that. A library that registers its own function over ours keeps it:
+ours stays inside its chain (passing calls through outside patched forwards) and is not wrapped
+again; if that library later drops the chain, patched models lose the faster kernel (never a mask
+they need) until the process restarts.
 """
 
 from __future__ import annotations
@@ -53,9 +56,23 @@ import torch
 
 _TRACKED: dict[int, weakref.finalize] = {}   # id(config) -> its finalizer (removes the entry when collected)
 _REPLACED: dict[str, object] = {}   # "sdpa" / "packed" -> the function the wrapper stands in for (kept for good)
-_INSTALLED = [False]
+# "sdpa" / "packed" -> our wrapper is in transformers's call chain: registered itself, or wrapped by
+# someone who registered after it (then it stays there, passing calls through, until it is on top again)
+_IN_CHAIN = {"sdpa": False, "packed": False}
 _LOCK = threading.RLock()   # re-entrant: a finalizer may run (garbage collection) while track holds it
-_FLAGS = threading.local()   # patched (forwards running on this thread), default_positions (of those)
+
+
+class _Flags(threading.local):
+    """Per thread: patched forwards running (``patched``), those whose decoder makes its own
+    position ids (``default_positions``). Set in every thread's first use, so that a compiled graph
+    does not guard on the attributes' absence (a second compilation at the next step)."""
+
+    def __init__(self):
+        self.patched = 0
+        self.default_positions = 0
+
+
+_FLAGS = _Flags()
 
 
 def _interface():
@@ -76,7 +93,7 @@ def _skippable(kwargs: dict) -> bool:
     comparisons stay in the traced code: dynamo guards on them)."""
     from transformers.masking_utils import causal_mask_function
 
-    if (getattr(_FLAGS, "patched", 0) <= 0 or kwargs.get("attention_mask") is not None
+    if (_FLAGS.patched <= 0 or kwargs.get("attention_mask") is not None
             or not kwargs.get("allow_is_causal_skip", True) or "q_length" not in kwargs or "kv_length" not in kwargs
             or "cache_position" in kwargs):
         return False
@@ -103,7 +120,7 @@ def _sdpa_mask(*args, **kwargs):
 def _find_packed_sequence_indices(position_ids):
     """transformers's packed-sequence check, but None (nothing packed) inside a patched forward
     whose decoder makes its own position ids."""
-    if getattr(_FLAGS, "default_positions", 0) > 0:
+    if _FLAGS.default_positions > 0:
         return None
     return _REPLACED["packed"](position_ids)
 
@@ -111,8 +128,8 @@ def _find_packed_sequence_indices(position_ids):
 def patched_forward_begin(default_positions: bool) -> None:
     """A patched causal LM's training forward calls its decoder (``default_positions``: without
     position ids, so that the decoder makes 0, 1, 2, ...); until ``patched_forward_end``."""
-    _FLAGS.patched = getattr(_FLAGS, "patched", 0) + 1
-    _FLAGS.default_positions = getattr(_FLAGS, "default_positions", 0) + default_positions
+    _FLAGS.patched += 1
+    _FLAGS.default_positions += default_positions
 
 
 def patched_forward_end(default_positions: bool) -> None:
@@ -121,34 +138,39 @@ def patched_forward_end(default_positions: bool) -> None:
 
 
 def _install() -> None:
+    """Our wrappers into transformers's call chain, unless they are still in it."""
     from transformers import masking_utils
 
     registry, interface = _interface()
-    if registry["sdpa"] is not _sdpa_mask:
+    if not _IN_CHAIN["sdpa"]:
         _REPLACED["sdpa"] = registry["sdpa"]
         interface.register("sdpa", _sdpa_mask)
+        _IN_CHAIN["sdpa"] = True
     packed = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if packed is not None and packed is not _find_packed_sequence_indices:
+    if not _IN_CHAIN["packed"] and packed is not None:
         _REPLACED["packed"] = packed
         masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
-    _INSTALLED[0] = True
+        _IN_CHAIN["packed"] = True
 
 
 def _uninstall() -> None:
+    """The replaced functions back where our wrappers are on top; a wrapper someone else wrapped
+    since stays in their chain (it passes calls through when no patched forward runs)."""
     from transformers import masking_utils
 
     registry, interface = _interface()
     if registry["sdpa"] is _sdpa_mask:
         interface.register("sdpa", _REPLACED["sdpa"])
+        _IN_CHAIN["sdpa"] = False
     if getattr(masking_utils, "find_packed_sequence_indices", None) is _find_packed_sequence_indices:
         masking_utils.find_packed_sequence_indices = _REPLACED["packed"]
-    _INSTALLED[0] = False
+        _IN_CHAIN["packed"] = False
 
 
 def _untrack(config_id: int) -> None:
     with _LOCK:
         _TRACKED.pop(config_id, None)
-        if not _TRACKED and _INSTALLED[0]:
+        if not _TRACKED:
             _uninstall()
 
 
@@ -158,10 +180,9 @@ def track(config) -> bool:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     with _LOCK:
-        if not _INSTALLED[0]:
-            _install()
         if id(config) not in _TRACKED:
             _TRACKED[id(config)] = weakref.finalize(config, _untrack, id(config))
+        _install()   # after the entry: a collection inside finalize() could otherwise uninstall
     return True
 
 
