@@ -107,7 +107,7 @@ from ._qk_attention import QKNormAttention
 
 
 def untrack_causal_mask(config) -> bool:
-    """Stop skipping ``config``'s causal masks (``trainops.unpatch``); True if it was tracked."""
+    """Stop tracking ``config`` for the causal mask (``trainops.unpatch``); True if it was tracked."""
     tracked = causal_mask_tracked(config)
     _untrack_causal_mask(config)
     return tracked
