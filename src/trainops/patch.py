@@ -295,8 +295,7 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     if not dry_run:
         _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
         swapped = (m for m in modules if trainops_hf.is_swapped(m, fsdp_wrapped_class(type(m)) or type(m)))
-        report.causal_masks = sum(not trainops_hf.causal_mask_tracked(config) and trainops_hf.track_causal_mask(config)
-                                  for config in _configs(swapped))
+        report.causal_masks = sum(map(trainops_hf.track_causal_mask, _configs(swapped)))
     return report
 
 

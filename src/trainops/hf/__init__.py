@@ -100,17 +100,9 @@ from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, m
 from ._common import (_SUBCLASSES, _SWAPPED, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
                       SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
                       original_class, trainops_class)
-from ._causal_mask import is_tracked as causal_mask_tracked
 from ._causal_mask import track as track_causal_mask
-from ._causal_mask import untrack as _untrack_causal_mask
+from ._causal_mask import untrack as untrack_causal_mask
 from ._qk_attention import QKNormAttention
-
-
-def untrack_causal_mask(config) -> bool:
-    """Stop tracking ``config`` for the causal mask (``trainops.unpatch``); True if it was tracked."""
-    tracked = causal_mask_tracked(config)
-    _untrack_causal_mask(config)
-    return tracked
 
 # family -> (the transformers module whose classes are swapped, the trainops.hf module saying which and how)
 ARCHITECTURES = {
@@ -211,5 +203,4 @@ def __getattr__(name: str):
 
 __all__ = ["ARCHITECTURES", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
            "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped", "is_transformers_class", "kind_of", "original_class",
-           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description", "track_causal_mask", "untrack_causal_mask",
-           "causal_mask_tracked"]
+           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description", "track_causal_mask", "untrack_causal_mask"]

@@ -176,22 +176,26 @@ def _untrack(config_id: int) -> None:
 
 def track(config) -> bool:
     """Keep ``config``'s model's causal masks as SDPA's is_causal where they can be (module
-    docstring); True when its attention implementation is SDPA (tracked), False otherwise."""
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    docstring); True when this call started tracking it (its attention implementation is SDPA and
+    it was not tracked yet), False otherwise. One dictionary look-up when tracked already."""
+    if id(config) in _TRACKED or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     with _LOCK:
-        if id(config) not in _TRACKED:
-            _TRACKED[id(config)] = weakref.finalize(config, _untrack, id(config))
+        if id(config) in _TRACKED:
+            return False
+        _TRACKED[id(config)] = weakref.finalize(config, _untrack, id(config))
         _install()   # after the entry: a collection inside finalize() could otherwise uninstall
     return True
 
 
-def untrack(config) -> None:
-    """Stop tracking ``config`` (``trainops.unpatch``); transformers's functions are put back when no
-    tracked config is left."""
+def untrack(config) -> bool:
+    """Stop tracking ``config`` (``trainops.unpatch``); True if it was tracked. transformers's
+    functions are put back when no tracked config is left."""
     finalizer = _TRACKED.get(id(config))
-    if finalizer is not None:
-        finalizer()   # runs _untrack once, and never again at collection
+    if finalizer is None:
+        return False
+    finalizer()   # runs _untrack once, and never again at collection
+    return True
 
 
 def is_tracked(config) -> bool:

@@ -513,7 +513,7 @@ def _causal_lm_forward(kind: CausalLM, cls: type, output_class: type, balance):
             named["output_router_logits"] = self.config.output_router_logits
         if kind.labels_to_decoder:
             named.update(labels=labels, return_dict=True)
-        if not torch.compiler.is_compiling() and not causal_mask.is_tracked(self.config):
+        if not torch.compiler.is_compiling():
             causal_mask.track(self.config)   # a copy of a patched model (hf/_causal_mask.py)
         default_positions = named.get("position_ids") is None   # the decoder makes them: nothing packed
         causal_mask.patched_forward_begin(default_positions)
