@@ -589,14 +589,14 @@ if triton_available():
         return magnitude.to(tl.float32, bitcast=True) * float(2.0 ** (127 - (1 << EXP_BITS)))
 
     @triton.jit
-    def _quantize_tl(x, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
+    def _quantize_tl(x, top, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
                      SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
         """(uint8 codes [R, W], float32 scales [R]) of x [R, W] (padding elements are 0), rounded to
         nearest (not STOCHASTIC; ``noise`` unused) or stochastically with ``noise`` (uint32 [R, W]: 16
-        random bits, u = noise / 2^16 uniform in [0, 1)). One reduction a row, an integer max of |x|'s
-        bits (the order of non-negative floats; inf and NaN above every finite value): a block holding
-        inf or NaN gets a NaN scale, as quantize's max + sum(x * 0) in torch (its codes are then
-        immaterial: the block decodes to NaN).
+        random bits, u = noise / 2^16 uniform in [0, 1)). ``top`` [R]: each row's integer max of |x|'s
+        bits (the order of non-negative floats; inf and NaN above every finite value; the caller
+        reduces both moments in one tl.max): a block holding inf or NaN gets a NaN scale, as
+        quantize's max + sum(x * 0) in torch (its codes are then immaterial: the block decodes to NaN).
 
         The code of a = |x| / scale from a's bits. In the exponent groups (a >= 2^emin) the float's
         exponent and mantissa fields are the code's group and mantissa: k = (bits(a) - (126 + emin) *
@@ -606,7 +606,6 @@ if triton_available():
         sum rounds up across an integer: never to nearest, under 1e-6 of the stochastic codes). In the
         linear group (a < 2^emin) encode's own float formula, floor(a * 2^(M - emin) + noise)."""
         magnitude = tl.abs(x)
-        top = tl.max(magnitude.to(tl.int32, bitcast=True), axis=1)
         absmax = tl.where(top < 0x7F800000, top.to(tl.float32, bitcast=True), float("nan"))
         scale = absmax * INV_TOP
         inverse = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
@@ -727,10 +726,12 @@ if triton_available():
         """Store m, v (requantised: m to nearest, sqrt(v) = ``root`` stochastically with the high 16 of
         ``bits``); returns the stored values (decoded again when STORED, else m and v as given)."""
         if QUANTIZED:
-            m_codes, m_scale = _quantize_tl(m, bits, 16.0 / 15.0, 4, 3, True, False)
+            tops = tl.max(tl.join(tl.abs(m), root).to(tl.int32, bitcast=True), axis=1)   # one reduction, both
+            m_top, root_top = tl.split(tops)
+            m_codes, m_scale = _quantize_tl(m, m_top, bits, 16.0 / 15.0, 4, 3, True, False)
             _store(m_ptr, offsets, m_codes, mask, MASKED)
             _store(m_scale_ptr, q, m_scale, row_mask, MASKED)
-            v_codes, v_scale = _quantize_tl(root, bits, 32.0 / 31.0, 4, 4, False, True)
+            v_codes, v_scale = _quantize_tl(root, root_top, bits, 32.0 / 31.0, 4, 4, False, True)
             _store(v_ptr, offsets, v_codes, mask, MASKED)
             _store(v_scale_ptr, q, v_scale, row_mask, MASKED)
             if STORED:
