@@ -57,7 +57,7 @@ CONFIGS = {
 }
 
 
-def compile_kernel(config: dict, rows_aligned: bool, maxnreg, warps: int, qb: int, r: int, approximate: bool):
+def compile_kernel(config: dict, rows_aligned: bool, maxnreg, warps: int, qb: int, r: int):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -76,7 +76,7 @@ def compile_kernel(config: dict, rows_aligned: bool, maxnreg, warps: int, qb: in
                       BIAS_CORRECTION=False, MASTER_ROW=-1, STEP_ROW=6, QUANTIZED=True, SR=config["SR"],
                       HAS_SCALE=config["HAS_SCALE"], HAS_FOUND_INF=config["HAS_FOUND_INF"],
                       HAS_CLIP=config["HAS_CLIP"], MAXIMIZE=False, ALIGNED=True, ROWS_ALIGNED=rows_aligned, QB=qb,
-                      R=r, W=lowbit.BLOCK_WIDTH, APPROX=approximate)
+                      R=r, W=lowbit.BLOCK_WIDTH)
     signature, consts, attrs = {}, {}, {}
     for param in fn.params:
         name = param.name
@@ -170,9 +170,9 @@ def _slow_paths(instructions, first: int, last: int) -> set[int]:
 
 
 def count(name: str, config: dict, rows_aligned: bool, maxnreg, warps: int, qb: int, per_thread: int,
-          dump: str | None, approximate: bool = False) -> dict:
+          dump: str | None) -> dict:
     r = max(1, warps * 32 * per_thread // 256)
-    kernel = compile_kernel(config, rows_aligned, maxnreg, warps, qb, r, approximate)
+    kernel = compile_kernel(config, rows_aligned, maxnreg, warps, qb, r)
     instructions = sass_instructions(kernel.asm["cubin"])
     usage = ptxas_usage(kernel.asm["ptx"])
     real = [t for _, t in instructions if not t.startswith("NOP")]
@@ -191,7 +191,7 @@ def count(name: str, config: dict, rows_aligned: bool, maxnreg, warps: int, qb: 
     fast = [t for i, (_, t) in enumerate(instructions[first:last + 1], first)
             if not t.startswith("NOP") and i not in slow and not re.match(r"BSSY|BSYNC", t)]
     elements = r * 256 // (warps * 32)
-    row = {"config": name, "rows_aligned": rows_aligned, "approximate": approximate, "maxnreg": maxnreg, "warps": warps, "QB": qb, "R": r,
+    row = {"config": name, "rows_aligned": rows_aligned, "maxnreg": maxnreg, "warps": warps, "QB": qb, "R": r,
            "total": len(real), "loop": len(body), "loop_fast_path": len(fast), "loops_found": len(found),
            "elements_per_iteration_per_thread": elements, **usage,
            "per_element": round(len(fast) / elements, 2),
@@ -201,8 +201,7 @@ def count(name: str, config: dict, rows_aligned: bool, maxnreg, warps: int, qb: 
            "mufu_in_loop": sum(1 for t in fast if "MUFU" in t)}
     if dump:
         os.makedirs(dump, exist_ok=True)
-        stem = f"{name}-{'aligned' if rows_aligned else 'masked'}-r{maxnreg}{'-approx' if approximate else ''}"
-        stem = stem.replace("+", "_")
+        stem = f"{name}-{'aligned' if rows_aligned else 'masked'}-r{maxnreg}".replace("+", "_")
         with open(os.path.join(dump, stem + ".sass"), "w") as f:
             f.write("\n".join(f"/*{a:04x}*/ {'S ' if i in slow else ('L ' if first <= i <= last else '  ')}{t};"
                               for i, (a, t) in enumerate(instructions)))
@@ -222,8 +221,6 @@ def main(argv=None) -> int:
     parser.add_argument("--per-thread", type=int, default=lowbit.TILE_ELEMENTS_PER_THREAD)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--masked", action="store_true", help="also the masked path (ROWS_ALIGNED False)")
-    parser.add_argument("--approximate", action="store_true", default=lowbit.APPROXIMATE_UPDATE,
-                        help="lowbit_optimizers.APPROXIMATE_UPDATE (approximate sqrt and division)")
     parser.add_argument("--dump", help="write each kernel's SASS and PTX here")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -235,7 +232,7 @@ def main(argv=None) -> int:
     for name in args.configs.split(","):
         for aligned in (True, False) if args.masked else (True,):
             row = count(name, CONFIGS[name], aligned, args.maxnreg or None, args.warps, args.block // 256,
-                        args.per_thread, args.dump, args.approximate)
+                        args.per_thread, args.dump)
             rows.append(row)
             print(f"{name:20} {'aligned' if aligned else 'masked':8} {row['registers']:>4} "
                   f"{row['spill_store_bytes']:>6}/{row['spill_load_bytes']:<6} {row['total']:>6} {row['loop']:>5} "

@@ -17,8 +17,7 @@ the next):
 and, unless --no-variants, the 8-bit float32 step under other settings of the kernel, to choose
 its defaults from: "one tile a program" (16 elements a thread at 4 warps: the layout of the step
 before the tiles), "maxnreg 80" (lowbit_optimizers.MAX_REGISTERS), "block 4096" (16 chunks a
-program), "approximate update" (lowbit_optimizers.APPROXIMATE_UPDATE, float32 and bf16 + SR; also
-with --no-variants --approximate). Per row: ms (CUDA events around each of --steps steps after 3 warm-up steps, median),
+program). Per row: ms (CUDA events around each of --steps steps after 3 warm-up steps, median),
 x torch fused AdamW's ms, the bytes the step must move (every parameter and state tensor read and
 written once, every gradient read once: bench_optim_lowbit.py's count), GB/s at that count, the
 floor (those bytes at the device-to-device copy rate measured in the run) and time / floor. The
@@ -61,7 +60,7 @@ def setting(module, name, value):
         setattr(module, name, before)
 
 
-def configurations(variants: bool, approximate: bool = False):
+def configurations(variants: bool):
     """(name, parameter dtype, optimizer factory, context) in run order."""
     eight = lambda ps: trainops.optim.AdamW8bit(ps, lr=1e-4)  # noqa: E731
     none = contextlib.nullcontext
@@ -90,14 +89,6 @@ def configurations(variants: bool, approximate: bool = False):
              lambda: setting(lowbit, "MAX_REGISTERS", 48)),
             ("trainops AdamW8bit fp32 [block 4096]", torch.float32, eight,
              lambda: trainops.heuristics(MultiTensorHeuristics(block=4096))),
-        ]
-    if approximate or variants:
-        rows += [
-            ("trainops AdamW8bit fp32 [approximate update]", torch.float32, eight,
-             lambda: setting(lowbit, "APPROXIMATE_UPDATE", True)),
-            ("trainops AdamW8bit bf16+SR [approximate update]", torch.bfloat16,
-             lambda ps: trainops.optim.AdamW8bit(ps, lr=1e-4, stochastic_rounding=True),
-             lambda: setting(lowbit, "APPROXIMATE_UPDATE", True)),
         ]
     return rows
 
@@ -140,9 +131,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON path")
     parser.add_argument("--steps", type=int, default=10, help="timed steps a configuration (median; default 10)")
     parser.add_argument("--no-variants", action="store_true", help="only the four main configurations")
-    parser.add_argument("--approximate", action="store_true",
-                        help="with --no-variants: also the two [approximate update] rows "
-                             "(lowbit_optimizers.APPROXIMATE_UPDATE)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("argument --steps: must be at least 1")
@@ -154,7 +142,7 @@ def main(argv=None) -> int:
     n = sum(torch.Size(s).numel() for s in shapes)
     log(f"{n / 1e9:.3f} B parameters in {len(shapes)} tensors")
     rows, reference_ms = [], None
-    for name, dtype, factory, context in configurations(not args.no_variants, args.approximate):
+    for name, dtype, factory, context in configurations(not args.no_variants):
         try:
             row = run_one(name, dtype, factory, context, shapes, args.steps, ceiling, reference_ms, log)
         except Exception as error:   # reported as a row; the others still run

@@ -92,27 +92,24 @@ at 4 warps (16 elements a thread) needed 244 registers a thread (2 programs, 8 w
 mixed the float32 and uint8 accesses' layouts (shared-memory conversions); a loop over [2, 256]
 tiles (4 a thread) needs 102 (float32 parameters; 115 bf16 with stochastic rounding: 4 programs, 16
 warps an SM), all accesses in one layout (16-byte float32, 4-byte uint8 vectors), 537 instructions
-a tile (134 an element, from about 170). benchmarks/probe_optim_lowbit_speed.py times it."""
+a tile (134 an element, from about 170). Since then (maxnreg 64, benchmarks/count_lowbit_sass.py,
+float32 8-bit): 118 an element before the lowbit-diet changes, 93.5 after them
+(benchmarks/notes/lowbit-diet.md). benchmarks/probe_optim_lowbit_speed.py times it."""
 
 MAX_REGISTERS: int | None = 64
 """A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Uncapped,
-the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
-thread, 4 programs of 4 warps an SM. Measured on the H200 (benchmarks/probe_optim_lowbit_speed.py,
-1.467 B parameters; results/probe-optim-lowbit-speed-*-h200-20261129.json, four runs): 8-bit AdamW
-over float32 parameters 11.8-11.9 ms uncapped, 10.7 / 9.5 / 9.4 at 80, 9.2 / 8.7 at 64, 9.2 at 48;
-bf16 with stochastic rounding 12.8 / 11.7 / 11.4 uncapped, 9.8 / 9.5 at 80, 9.6 at 64; with the cap
-of 64 as the default, 9.16 (float32) and 9.11 (bf16 + stochastic rounding). The cap changes no value."""
-
-
-APPROXIMATE_UPDATE = False
-"""The Triton Adam step's sqrt(v) and m / (sqrt(v) / sqrt(1 - beta2^t) + eps) in the GPU's
-approximate forms (``sqrt.approx.ftz``: 1 SASS instruction; ``div.approx``: 2, within 2 ulp over the
-denominator's range, which eps and float32's v keep it in) instead of the correctly rounded
-``sqrt_rn`` / ``div_rn`` (about 10 each with their special-case branches): 95.5 -> 85 SASS
-instructions an element (benchmarks/count_lowbit_sass.py, float32 8-bit). Off by default: the values
-move by an ulp or two against the CPU path (within test_gpu_lowbit_step_matches_cpu_path's bounds,
-which only a GPU run checks: the interpreter computes both forms exactly), and a denormal v flushes
-to 0. benchmarks/probe_optim_lowbit_speed.py times it as a variant."""
+the tiles compiled to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
+thread before the lowbit-diet changes, 116 and 110 after them (ptxas for sm_90, Triton 3.9,
+benchmarks/count_lowbit_sass.py --maxnreg 0): 4 programs of 4 warps an SM either way. Measured on
+the H200 before the lowbit-diet changes (benchmarks/probe_optim_lowbit_speed.py, 1.467 B parameters;
+results/probe-optim-lowbit-speed-*-h200-20261129.json, four runs): 8-bit AdamW over float32
+parameters 11.8-11.9 ms uncapped, 10.7 / 9.5 / 9.4 at 80, 9.2 / 8.7 at 64, 9.2 at 48; bf16 with
+stochastic rounding 12.8 / 11.7 / 11.4 uncapped, 9.8 / 9.5 at 80, 9.6 at 64; with the cap of 64 as
+the default, 9.16 (float32) and 9.11 (bf16 + stochastic rounding). After them, at 64 (Triton 3.6;
+results/probe-optim-lowbit-speed-{main,lowbit-diet,main-2}-h200-20261129-s6.json, one call): 9.04 ms
+(float32) and 8.54 (bf16 + stochastic rounding), main 9.58-9.74 and 9.86-9.93 before and after it;
+the other caps were not timed on that kernel (offline, uncapped saves about 1 instruction an element
+of 93.5). The cap changes no value."""
 
 
 def _register_cap(device: torch.device) -> dict:
@@ -752,7 +749,7 @@ if triton_available():
                      grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, inv_bc2_root,
                      bc1, bc2, stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
                      MASTER_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, APPROX: tl.constexpr):
+                     HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
         """One tile [R, W] of row chunks: elements at the pointers (already at the tile's first element
         when not MASKED) + ``offsets``, scales at the scale pointers + ``q``. MODE 0: the Adam step.
         MODE 1: LAMB's first pass (moments stored); returns the tile's sums of p^2 and u^2. MODE 2:
@@ -774,12 +771,8 @@ if triton_available():
             m = m + (1.0 - beta1) * (g - m)
             v = v * beta2 + (1.0 - beta2) * g * g
         if MODE == 0:
-            if APPROX:   # APPROXIMATE_UPDATE: sqrt.approx, div.approx (1 and 2 instructions, not about 10 each)
-                root = tl.sqrt(v)
-                p = p - step_size * tl.fdiv(m, root * inv_bc2_root + eps, approx=True)
-            else:
-                root = tl.sqrt_rn(v)
-                p = p - step_size * tl.div_rn(m, root * inv_bc2_root + eps)   # 1 / sqrt(1 - beta2^t): a program's
+            root = tl.sqrt_rn(v)
+            p = p - step_size * tl.div_rn(m, root * inv_bc2_root + eps)   # 1 / sqrt(1 - beta2^t) once a program
             _store_moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, m, v, root, bits,
                               QUANTIZED, False, MASKED)
             _store_param_tl(p_ptr, master_ptr, offsets, mask, p, bits, P_DTYPE, MASTER_ROW, SR, MASKED)
@@ -807,7 +800,7 @@ if triton_available():
                        STEP_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
                        HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS_ALIGNED: tl.constexpr, QB: tl.constexpr, R: tl.constexpr,
-                       W: tl.constexpr, APPROX: tl.constexpr = False):
+                       W: tl.constexpr):
         """One program: QB row chunks (quantisation blocks) of W elements of one tensor, in QB / R
         tiles of R chunks one after the other (_lowbit_tile's MODE): the per-program work (tables,
         hyper-parameters, bias corrections, the tensor's random stream) once, a tile's registers
@@ -868,7 +861,7 @@ if triton_available():
                                     v_scale_ptr + first, master_ptr + base, rows, offsets, full[:, None], full,
                                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size,
                                     inv_bc2_root, bc1, bc2, stream, global_offset + base, P_DTYPE, MODE, DECOUPLED,
-                                    MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, False, APPROX)
+                                    MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, False)
                 if MODE == 1:
                     p_squares += a
                     u_squares += b
@@ -885,8 +878,7 @@ if triton_available():
                 a, b = _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets,
                                     mask, row_mask, grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps,
                                     weight_decay, step_size, inv_bc2_root, bc1, bc2, stream, global_offset, P_DTYPE,
-                                    MODE, DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, True,
-                                    APPROX)
+                                    MODE, DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, True)
                 if MODE == 1:
                     p_squares += a
                     u_squares += b
@@ -939,8 +931,7 @@ if triton_available():
                     SR=problem.option("stochastic_rounding"), HAS_SCALE=grad_scale is not None,
                     HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip is not None,
                     MAXIMIZE=problem.option("maximize"), ALIGNED=tables.aligned, ROWS_ALIGNED=rows_aligned,
-                    QB=tables.block, R=tile_rows, W=BLOCK_WIDTH, APPROX=APPROXIMATE_UPDATE and mode == 0,
-                    num_warps=warps, **register_cap)
+                    QB=tables.block, R=tile_rows, W=BLOCK_WIDTH, num_warps=warps, **register_cap)
 
             passes(launch, tables, **extra)
 
