@@ -92,16 +92,24 @@ at 4 warps (16 elements a thread) needed 244 registers a thread (2 programs, 8 w
 mixed the float32 and uint8 accesses' layouts (shared-memory conversions); a loop over [2, 256]
 tiles (4 a thread) needs 102 (float32 parameters; 115 bf16 with stochastic rounding: 4 programs, 16
 warps an SM), all accesses in one layout (16-byte float32, 4-byte uint8 vectors), 537 instructions
-a tile (134 an element, from about 170). benchmarks/probe_optim_lowbit_speed.py times it."""
+a tile (134 an element, from about 170). Since then (maxnreg 64, benchmarks/count_lowbit_sass.py,
+float32 8-bit): 118 an element before the lowbit-diet changes, 93.5 after them
+(benchmarks/notes/lowbit-diet.md). benchmarks/probe_optim_lowbit_speed.py times it."""
 
 MAX_REGISTERS: int | None = 64
 """A cap on the Triton step's registers a thread (Triton's ``maxnreg``), None for none. Uncapped,
-the tiles compile to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
-thread, 4 programs of 4 warps an SM. Measured on the H200 (benchmarks/probe_optim_lowbit_speed.py,
-1.467 B parameters; results/probe-optim-lowbit-speed-*-h200-20261129.json, four runs): 8-bit AdamW
-over float32 parameters 11.8-11.9 ms uncapped, 10.7 / 9.5 / 9.4 at 80, 9.2 / 8.7 at 64, 9.2 at 48;
-bf16 with stochastic rounding 12.8 / 11.7 / 11.4 uncapped, 9.8 / 9.5 at 80, 9.6 at 64; with the cap
-of 64 as the default, 9.16 (float32) and 9.11 (bf16 + stochastic rounding). The cap changes no value."""
+the tiles compiled to 102 registers (float32, 8-bit) and 115 (bf16 + stochastic rounding) a
+thread before the lowbit-diet changes, 116 and 110 after them (ptxas for sm_90, Triton 3.9,
+benchmarks/count_lowbit_sass.py --maxnreg 0): 4 programs of 4 warps an SM either way. Measured on
+the H200 before the lowbit-diet changes (benchmarks/probe_optim_lowbit_speed.py, 1.467 B parameters;
+results/probe-optim-lowbit-speed-*-h200-20261129.json, four runs): 8-bit AdamW over float32
+parameters 11.8-11.9 ms uncapped, 10.7 / 9.5 / 9.4 at 80, 9.2 / 8.7 at 64, 9.2 at 48; bf16 with
+stochastic rounding 12.8 / 11.7 / 11.4 uncapped, 9.8 / 9.5 at 80, 9.6 at 64; with the cap of 64 as
+the default, 9.16 (float32) and 9.11 (bf16 + stochastic rounding). After them, at 64 (Triton 3.6;
+results/probe-optim-lowbit-speed-{main,lowbit-diet,main-2}-h200-20261129-s6.json, one call): 9.04 ms
+(float32) and 8.54 (bf16 + stochastic rounding), main 9.58-9.74 and 9.86-9.93 before and after it;
+the other caps were not timed on that kernel (offline, uncapped saves about 1 instruction an element
+of 93.5). The cap changes no value."""
 
 
 def _register_cap(device: torch.device) -> dict:
@@ -560,46 +568,58 @@ if triton_available():
     from .optimizers import _advance_steps, _bias_correction, _lamb_trust_ratios, _step_of
 
     @triton.jit
-    def _pow2_tl(e):
-        return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _decode_tl(k, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, SIGNED: tl.constexpr):
         """float32 values of int32 codes (magnitude codes, and a sign bit above them when SIGNED), built
-        from bits: a code of group g >= 1 is the float with exponent field g + 127 - 2^E and the
-        mantissa bits as its top bits, (k_mag << (23 - M)) + ((127 - 2^E) << 23) (the group lands in
-        the exponent); group 0 (linear) is twice that value of group 0 minus 2^(1 - 2^E), exact in one
-        fma. Equal, bit for bit, to significand * 2^(max(g, 1) - 2^E - M) (decode in torch)."""
-        magnitude = k & ((1 << (EXP_BITS + MAN_BITS)) - 1)
-        normal = ((magnitude << (23 - MAN_BITS)) + ((127 - (1 << EXP_BITS)) << 23)).to(tl.float32, bitcast=True)
-        least = tl.full([], (128 - (1 << EXP_BITS)) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2^(1 - 2^E)
-        value = tl.where(magnitude >= (1 << MAN_BITS), normal, normal * 2.0 - least)
-        if SIGNED:
-            value = (value.to(tl.int32, bitcast=True) | ((k >> (EXP_BITS + MAN_BITS)) << 31)).to(tl.float32,
-                                                                                             bitcast=True)
-        return value
+        from bits: the code's bits shifted to the top of a float's exponent and mantissa fields,
+        (k_mag << (23 - M)), are a float whose exponent field is the group g (a denormal for g = 0:
+        the codes' linear group is float32's own denormal range) and whose value is the code's times
+        2^(2^E - 127), exactly; one exact multiply by 2^(127 - 2^E) gives the code's value. Equal, bit
+        for bit, to significand * 2^(max(g, 1) - 2^E - M) (decode in torch), without a select between
+        a normal and a linear formula (benchmarks/notes/lowbit-diet.md)."""
+        if SIGNED:   # the byte at the top (sign at bit 31), moved down arithmetically, the copies cleared
+            top = k << (31 - EXP_BITS - MAN_BITS)
+            field = ((1 << (EXP_BITS + MAN_BITS)) - 1) << (23 - MAN_BITS)
+            magnitude = (top >> (8 - EXP_BITS)) & (field - 0x7FFFFFFF - 1)   # field | the sign bit, as int32
+        else:
+            magnitude = (k & ((1 << (EXP_BITS + MAN_BITS)) - 1)) << (23 - MAN_BITS)
+        # 2^(127 - 2^E) as a float32 constant (exact: a power of 2 in the normal range)
+        return magnitude.to(tl.float32, bitcast=True) * float(2.0 ** (127 - (1 << EXP_BITS)))
 
     @triton.jit
-    def _quantize_tl(x, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
-                     SIGNED: tl.constexpr):
-        """(uint8 codes [R, W], float32 scales [R]) of x [R, W] (padding elements are 0), rounded
-        with ``noise`` (0.5: to nearest; uniform [0, 1) values: stochastically). One reduction a row,
-        an integer max of |x|'s bits (the order of non-negative floats; inf and NaN above every finite
-        value): a block holding inf or NaN gets a NaN scale, as quantize's max + sum(x * 0) in torch."""
+    def _quantize_tl(x, top, noise, INV_TOP: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
+                     SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+        """(uint8 codes [R, W], float32 scales [R]) of x [R, W] (padding elements are 0), rounded to
+        nearest (not STOCHASTIC; ``noise`` unused) or stochastically with ``noise`` (uint32 [R, W]: 16
+        random bits, u = noise / 2^16 uniform in [0, 1)). ``top`` [R]: each row's integer max of |x|'s
+        bits (the order of non-negative floats; inf and NaN above every finite value; the caller
+        reduces both moments in one tl.max): a block holding inf or NaN gets a NaN scale, as
+        quantize's max + sum(x * 0) in torch (its codes are then immaterial: the block decodes to NaN).
+
+        The code of a = |x| / scale from a's bits. In the exponent groups (a >= 2^emin) the float's
+        exponent and mantissa fields are the code's group and mantissa: k = (bits(a) - (126 + emin) *
+        2^23 + r) >> (23 - M), where r is half a code step (2^(22 - M), to nearest, ties up) or
+        u's 16 bits at the code step's scale (u * 2^(23 - M), stochastic): exact integer rounding,
+        encode's floor(frac * 2^M + noise) without its float32 sum (the two differ only where that
+        sum rounds up across an integer: never to nearest, under 1e-6 of the stochastic codes). In the
+        linear group (a < 2^emin) encode's own float formula, floor(a * 2^(M - emin) + noise)."""
         magnitude = tl.abs(x)
-        top = tl.max(magnitude.to(tl.int32, bitcast=True), axis=1)
         absmax = tl.where(top < 0x7F800000, top.to(tl.float32, bitcast=True), float("nan"))
         scale = absmax * INV_TOP
         inverse = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-        a = magnitude * inverse[:, None]
-        a = tl.where(a < 2.0, a, 0.0)  # inf / NaN (the block's scale carries them)
-        emin = 1 - (1 << EXP_BITS)
-        e = tl.minimum(tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, emin), -1)
-        frac = a * _pow2_tl(-e)
-        k = (e - emin) * (1 << MAN_BITS) + tl.floor(frac * (1 << MAN_BITS) + noise).to(tl.int32)
-        k = tl.minimum(tl.maximum(k, 0), (1 << (EXP_BITS + MAN_BITS)) - 1)
+        a = magnitude * inverse[:, None]   # in [0, TOP] but for inf / NaN elements (a NaN scale's block)
+        emin: tl.constexpr = 1 - (1 << EXP_BITS)
+        if STOCHASTIC:
+            r = (noise >> 16) << (7 - MAN_BITS)   # u * 2^(23 - M) (M <= 7)
+            u = (noise >> 16).to(tl.float32) * (1.0 / 65536)
+        else:
+            r = 1 << (22 - MAN_BITS)
+            u = 0.5
+        grouped = ((a.to(tl.uint32, bitcast=True) - ((126 + emin) << 23)) + r) >> (23 - MAN_BITS)
+        linear = tl.floor(a * float(2.0 ** (MAN_BITS - emin)) + u).to(tl.uint32)
+        k = tl.where(a < float(2.0 ** emin), linear, grouped)
+        k = tl.minimum(k, (1 << (EXP_BITS + MAN_BITS)) - 1)   # a's rounding above TOP; NaN's bits
         if SIGNED:
-            k = k | ((x < 0).to(tl.int32) << (EXP_BITS + MAN_BITS))
+            k = k | tl.where(x < 0, 1 << (EXP_BITS + MAN_BITS), 0).to(tl.uint32)
         return k.to(tl.uint8), scale
 
     @triton.jit
@@ -623,11 +643,11 @@ if triton_available():
         low word wraps, its carry goes to the high word (the same bits as _random_bits_tl)."""
         if MASKED:
             bits = _random_bits_tl(stream, index_base + offsets)
-        else:
+        else:   # the high word's term once a tile; an element whose low word wrapped takes it + 1's
             base_low = (index_base & 0xFFFFFFFF).to(tl.uint32)
             low = base_low + offsets.to(tl.uint32)
-            high = (index_base >> 32).to(tl.uint32) + (low < base_low).to(tl.uint32)
-            bits = _hash32_tl(low ^ (stream + high * 0x9E3779B1))
+            mix = stream + (index_base >> 32).to(tl.uint32) * 0x9E3779B1
+            bits = _hash32_tl(low ^ tl.where(low < base_low, mix + 0x9E3779B1, mix))
         return bits
 
     @triton.jit
@@ -703,11 +723,12 @@ if triton_available():
         """Store m, v (requantised: m to nearest, sqrt(v) = ``root`` stochastically with the high 16 of
         ``bits``); returns the stored values (decoded again when STORED, else m and v as given)."""
         if QUANTIZED:
-            m_codes, m_scale = _quantize_tl(m, 0.5, 16.0 / 15.0, 4, 3, True)
+            tops = tl.max(tl.join(tl.abs(m), root).to(tl.int32, bitcast=True), axis=1)   # one reduction, both
+            m_top, root_top = tl.split(tops)
+            m_codes, m_scale = _quantize_tl(m, m_top, bits, 16.0 / 15.0, 4, 3, True, False)
             _store(m_ptr, offsets, m_codes, mask, MASKED)
             _store(m_scale_ptr, q, m_scale, row_mask, MASKED)
-            noise = (bits >> 16).to(tl.float32) * (1.0 / 65536)
-            v_codes, v_scale = _quantize_tl(root, noise, 32.0 / 31.0, 4, 4, False)
+            v_codes, v_scale = _quantize_tl(root, root_top, bits, 32.0 / 31.0, 4, 4, False, True)
             _store(v_ptr, offsets, v_codes, mask, MASKED)
             _store(v_scale_ptr, q, v_scale, row_mask, MASKED)
             if STORED:
@@ -725,8 +746,8 @@ if triton_available():
 
     @triton.jit
     def _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets, mask, row_mask,
-                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, bc2_root, bc1,
-                     bc2, stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
+                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size, inv_bc2_root,
+                     bc1, bc2, stream, index_base, P_DTYPE: tl.constexpr, MODE: tl.constexpr, DECOUPLED: tl.constexpr,
                      MASTER_ROW: tl.constexpr, QUANTIZED: tl.constexpr, SR: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
         """One tile [R, W] of row chunks: elements at the pointers (already at the tile's first element
@@ -751,7 +772,7 @@ if triton_available():
             v = v * beta2 + (1.0 - beta2) * g * g
         if MODE == 0:
             root = tl.sqrt_rn(v)
-            p = p - step_size * tl.div_rn(m, root / bc2_root + eps)
+            p = p - step_size * tl.div_rn(m, root * inv_bc2_root + eps)   # 1 / sqrt(1 - beta2^t) once a program
             _store_moments_tl(m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, q, offsets, mask, row_mask, m, v, root, bits,
                               QUANTIZED, False, MASKED)
             _store_param_tl(p_ptr, master_ptr, offsets, mask, p, bits, P_DTYPE, MASTER_ROW, SR, MASKED)
@@ -796,7 +817,7 @@ if triton_available():
         weight_decay = runtime_scalar(weight_decay, WD_POINTER)
         step = _step_of(addresses, n_tensors, t, STEP_ROW)
         step_size = lr / _bias_correction(beta1, step)
-        bc2_root = tl.sqrt_rn(_bias_correction(beta2, step))
+        inv_bc2_root = tl.div_rn(1.0, tl.sqrt_rn(_bias_correction(beta2, step)))
         bc1 = 1.0
         bc2 = 1.0
         if BIAS_CORRECTION:
@@ -839,7 +860,7 @@ if triton_available():
                 a, b = _lowbit_tile(p_ptr + base, g_ptr + base, m_ptr + base, v_ptr + base, m_scale_ptr + first,
                                     v_scale_ptr + first, master_ptr + base, rows, offsets, full[:, None], full,
                                     grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps, weight_decay, step_size,
-                                    bc2_root, bc1, bc2, stream, global_offset + base, P_DTYPE, MODE, DECOUPLED,
+                                    inv_bc2_root, bc1, bc2, stream, global_offset + base, P_DTYPE, MODE, DECOUPLED,
                                     MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, False)
                 if MODE == 1:
                     p_squares += a
@@ -856,8 +877,8 @@ if triton_available():
                 mask = row_mask[:, None] & (columns[None, :] < length[:, None])
                 a, b = _lowbit_tile(p_ptr, g_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr, master_ptr, q, offsets,
                                     mask, row_mask, grad_scale_ptr, clip_ptr, ratio, lr, beta1, beta2, eps,
-                                    weight_decay, step_size, bc2_root, bc1, bc2, stream, global_offset, P_DTYPE, MODE,
-                                    DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, True)
+                                    weight_decay, step_size, inv_bc2_root, bc1, bc2, stream, global_offset, P_DTYPE,
+                                    MODE, DECOUPLED, MASTER_ROW, QUANTIZED, SR, HAS_SCALE, HAS_CLIP, MAXIMIZE, True)
                 if MODE == 1:
                     p_squares += a
                     u_squares += b
