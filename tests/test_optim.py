@@ -482,6 +482,69 @@ def test_reassigned_gradient_view_is_checked_again(backend, device, block_size):
     assert not torch.equal(p, after_first)
 
 
+def test_new_gradients_skip_validation_only_when_nothing_else_changed(block_size):
+    """zero_grad(set_to_none=True) makes new gradients at every step: when only the gradient column's
+    addresses changed, the table is rebuilt (the new addresses) without validating again; any
+    other change (a parameter's address, a gradient's strides or dtype, the sizes) validates."""
+    from trainops.ops.multi_tensor import TensorTable
+
+    block = 64 if block_size == "block-64" else MultiTensorHeuristics().block
+    shapes = [(64, 32), (7,), (3, 5)]
+    params = [torch.randn(s) for s in shapes]
+    states = [torch.zeros(s) for s in shapes]
+    calls = []
+
+    def tables(grads, params=params):
+        return table.tables(
+            [params, grads, states], validate=lambda: calls.append(1), user_columns=2, gradient_column=1)
+
+    def grad_addresses(t):
+        return t.addresses[1].tolist()
+
+    table = TensorTable(block)
+    grads = [torch.randn(s) for s in shapes]
+    tables(grads)
+    assert len(calls) == 1
+    tables(grads)
+    assert len(calls) == 1
+    fresh = [torch.randn(s) for s in shapes]
+    t = tables(fresh)
+    assert len(calls) == 1 and grad_addresses(t) == [g.data_ptr() for g in fresh]
+    assert t.addresses[0].tolist() == [p.data_ptr() for p in params]
+    changed = {
+        "strides": [torch.randn(32, 64).t(), *[torch.randn(s) for s in shapes[1:]]],
+        "dtype": [torch.randn(s, dtype=torch.float64) for s in shapes],
+        "expanded": [torch.randn(1, 32).expand(64, 32), *[torch.randn(s) for s in shapes[1:]]],
+    }
+    for name, other in changed.items():
+        before = len(calls)
+        tables(other)
+        assert len(calls) == before + 1, name
+        tables([torch.randn(s) for s in shapes])   # back to the validated layout: validated again
+        assert len(calls) == before + 2, name
+    before = len(calls)
+    tables([torch.randn(s) for s in shapes], params=[torch.randn(s) for s in shapes])   # new parameters
+    assert len(calls) == before + 1
+
+
+def test_optimizer_refuses_a_bad_gradient_after_fresh_ones(backend, device, block_size):
+    """Steps over gradients made anew each time (validation skipped), then a gradient that is
+    not dense: refused by name, nothing written; then fresh dense gradients step again."""
+    p = torch.randn(64, 32, device=device, requires_grad=True)
+    opt = trainops.optim.AdamW([p], lr=0.01)
+    for _ in range(3):
+        p.grad = torch.randn(64, 32, device=device)
+        opt.step()
+    after = p.detach().clone()
+    p.grad = torch.randn(1, 32, device=device).expand(64, 32)
+    with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
+        opt.step()
+    assert torch.equal(p, after)
+    p.grad = torch.randn(64, 32, device=device)
+    opt.step()
+    assert not torch.equal(p, after)
+
+
 BAD_VALUES = [float("nan"), float("inf"), -1.0]
 
 

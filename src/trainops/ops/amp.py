@@ -379,7 +379,8 @@ if triton_available():
             all_tables = []
             for dtype, column in columns.items():
                 t = tables.get(("grad_stats", dtype)).tables(
-                    [column], validate=lambda column=column: check_columns("grad_stats", ["grads"], [column]))
+                    [column], validate=lambda column=column: check_columns("grad_stats", ["grads"], [column]),
+                    gradient_column=0)
                 all_tables.append((dtype, column, t))
             n_blocks = sum(t.n_blocks for _, _, t in all_tables)
             partials = torch.empty(2, max(1, n_blocks), dtype=torch.float32, device=problem.device)

@@ -320,7 +320,7 @@ class LowbitTable:
         table = self._tables.get(block)
         if table is None:
             table = self._tables[block] = TensorTable(block, units=_units)
-        tables = table.tables(columns, scalars, validate=validate, user_columns=2)
+        tables = table.tables(columns, scalars, validate=validate, user_columns=2, gradient_column=1)
         device = columns[0][0].device
         key = (device, tuple(meta_rows))
         meta = self._meta.get(key)

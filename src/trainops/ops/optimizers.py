@@ -106,7 +106,8 @@ def _prepared(op: str, launch, columns, per_tensor, steps, table, validate, **hy
     """Resolve the tables (validating the tensors when they changed) and return the step that writes.
     ``per_tensor``: the run's second argument (SGD's fresh flags, the others' step counters)."""
     scalars = [steps] if steps is not None else []
-    tables = (table or new_table()).tables(columns, scalars, validate=validate, user_columns=2)  # params, grads
+    tables = (table or new_table()).tables(columns, scalars, validate=validate, user_columns=2,  # params, grads
+                                           gradient_column=1)
     device = columns[0][0].device
 
     def write(grad_scale=None, found_inf=None, clip=None) -> None:
