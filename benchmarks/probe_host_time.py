@@ -60,7 +60,7 @@ import trainops
 
 _CLOCK = [time.perf_counter_ns]
 
-TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0, "floor": 1.5}
+TARGETS = {"forward": 2.0, "forward + backward": 1.5, "optimizer": 2.0, "floor": 1.5, "floor forward": 2.0}
 _STUB = [False]   # --python-only: launches are no-ops (the floor's too)
 
 
@@ -138,6 +138,45 @@ def _floor_case(device: torch.device, dtype: torch.dtype, rand):
     def check():   # the copy's output against its input (stubbed launches write nothing)
         return 0.0 if _STUB[0] else _relative(Floor.apply(x).detach().float(), x.detach().float())
     return ours, theirs, check
+
+
+def _floor_forward_case(device: torch.device, dtype: torch.dtype, rand, custom_op: bool):
+    """The forward-only floor: one output allocated and one Triton copy launched through
+    trainops.launch.launcher, called directly or (custom_op) as a minimal torch.library custom op
+    (the dispatcher's cost, which every trainops op pays); torch's softmax 64x64 beside it. None where
+    no Triton kernel can run (CPU without --python-only)."""
+    if not _STUB[0] and device.type != "cuda":
+        return None
+    import triton
+    import triton.language as tl
+
+    from trainops.launch import launcher
+
+    @triton.jit
+    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+    x = rand(64, 64)
+    n = x.numel()
+    launch = (lambda *a: None) if _STUB[0] else launcher(_copy, (1,), BLOCK=4096, num_warps=4)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(t)
+        launch(t, y, n)
+        return y
+
+    if custom_op:
+        name = f"probe_host_time::floor_copy_{device.type}"
+        op = torch.library.custom_op(name, mutates_args=())(copy)
+        op.register_fake(lambda t: torch.empty_like(t))
+        ours = lambda: op(x)  # noqa: E731
+    else:
+        ours = lambda: copy(x)  # noqa: E731
+
+    def check():
+        return 0.0 if _STUB[0] else _relative(ours().float(), x.float())
+    return ours, (lambda: torch.softmax(x, -1)), check
 
 
 def _cases(device: torch.device, dtype: torch.dtype, check: bool = True):
@@ -243,7 +282,11 @@ def _cases(device: torch.device, dtype: torch.dtype, check: bool = True):
             ("cross_entropy, forward + backward", "forward + backward", ce_fwd_bwd),
             ("softmax 64x4096, forward + backward", "forward + backward", softmax_fwd_bwd),
             ("floor: Function + 1 copy launch each way (vs torch softmax 64x4096 fwd+bwd)", "floor",
-             lambda: _floor_case(device, dtype, rand))]
+             lambda: _floor_case(device, dtype, rand)),
+            ("floor, forward only: 1 output + 1 copy launch (vs torch softmax 64x64)", "floor forward",
+             lambda: _floor_forward_case(device, dtype, rand, custom_op=False)),
+            ("floor, forward only: the same as a minimal custom op (vs torch softmax 64x64)", "floor forward",
+             lambda: _floor_forward_case(device, dtype, rand, custom_op=True))]
 
 
 def _time_us(fn, calls: int, device: torch.device) -> float:

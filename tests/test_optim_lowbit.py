@@ -393,7 +393,8 @@ def regression(seed=0, n=512):
 
 
 def fit(model, opt, steps, seed=0):
-    x, y = regression(seed)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in regression(seed))
     losses = []
     for step in range(steps):
         batch = slice((step * 64) % 512, (step * 64) % 512 + 64)
