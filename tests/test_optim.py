@@ -536,13 +536,54 @@ def test_optimizer_refuses_a_bad_gradient_after_fresh_ones(backend, device, bloc
         p.grad = torch.randn(64, 32, device=device)
         opt.step()
     after = p.detach().clone()
-    p.grad = torch.randn(1, 32, device=device).expand(64, 32)
-    with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
-        opt.step()
-    assert torch.equal(p, after)
+    for _ in range(2):   # refused again when the same bad layout comes back in a fresh tensor
+        p.grad = torch.randn(1, 32, device=device).expand(64, 32)
+        with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
+            opt.step()
+        assert torch.equal(p, after)
     p.grad = torch.randn(64, 32, device=device)
     opt.step()
     assert not torch.equal(p, after)
+
+
+def test_functional_step_with_a_kept_table_checks_fresh_gradients(backend, device, block_size):
+    """The functional launchers take any gradient list: with a kept table, a fresh gradient of
+    another shape (same element count, or fewer elements) is refused by name, as without one."""
+    from trainops.ops import optimizers as optimizer_ops
+    from trainops.ops.multi_tensor import TensorTable
+
+    block = 64 if block_size == "block-64" else MultiTensorHeuristics().block
+    table = TensorTable(block)
+    params = [torch.randn(6, 4, device=device)]
+    states = [torch.zeros(6, 4, device=device), torch.zeros(6, 4, device=device)]
+    steps = [torch.zeros((), device=device)]
+    hyper = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False,
+                 maximize=False, table=table)
+
+    def step(grad):
+        optimizer_ops.adam_step(params, [grad], states[:1], states[1:], None, steps, **hyper)
+
+    step(torch.randn(6, 4, device=device))
+    before = params[0].clone()
+    big = torch.randn(48, device=device)
+    for bad in (big[:24].view(4, 6), big[:12].view(3, 4)):
+        with pytest.raises(InvalidProblemError, match=r"grads\[0\]"):
+            step(bad)
+        assert torch.equal(params[0], before)
+
+
+def test_grad_stats_checks_a_reshaped_view_at_a_kept_table():
+    """The Triton grad_stats keeps its tables between calls: a later tensor with the same element
+    count and strides but another shape that is not dense (an overlapping unfold) is refused, not
+    read (the CPU path computes on any layout)."""
+    from trainops.ops import amp as amp_ops
+
+    device = BACKEND_DEVICES["triton"]
+    with trainops.backend("triton"):
+        amp_ops.grad_stats([torch.randn(8, 1, device=device)])
+        overlapping = torch.arange(1.0, 6.0, device=device).unfold(0, 2, 1)   # [4, 2], strides (1, 1)
+        with pytest.raises(InvalidProblemError, match="dense"):
+            amp_ops.grad_stats([overlapping])
 
 
 BAD_VALUES = [float("nan"), float("inf"), -1.0]

@@ -218,6 +218,29 @@ def test_found_inf_writes_nothing(backend, device):
     assert step.item() == 2.0
 
 
+def test_a_kept_table_still_refuses_stochastic_rounding_on_float32(backend, device):
+    """The options are checked at every call, not only when the tensors change: a float32 step
+    with a kept table, then the same tensors (fresh gradients) with stochastic rounding: refused."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(4, 300, generator=gen).to(device)
+    state = {k: t.to(device) for k, t in lowbit.quantize_moments(*random_moments((4, 300), gen)).items()}
+    step = torch.tensor(1.0, device=device)
+    table = lowbit.LowbitTable()
+
+    def run(**options):
+        lowbit.prepare_adam_lowbit_step(
+            [p], [torch.randn(4, 300, generator=gen).to(device)], [state["exp_avg_codes"]],
+            [state["exp_avg_sq_codes"]], [state["exp_avg_scales"]], [state["exp_avg_sq_scales"]], [step], lr=0.1,
+            beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False, table=table,
+            **options)()
+
+    run()
+    before = p.clone()
+    with pytest.raises(InvalidProblemError, match="stochastic_rounding"):
+        run(stochastic_rounding=True)
+    assert torch.equal(p, before)
+
+
 # ----------------------------------------------------------------------------------------------
 # Blocks on the parameter's global offsets; stochastic rounding
 # ----------------------------------------------------------------------------------------------

@@ -332,7 +332,19 @@ class LowbitTable:
         return tables, meta
 
 
-def _check(op, names, columns, steps, masters, quantized, sr_seed) -> None:
+def _check_options(op, dtype, masters, sr_seed) -> None:
+    """The options against the parameters' dtype: checked at every call (they are the call's, not
+    the tensors', so the table's cache key does not hold them)."""
+    if masters is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise argument_error(InvalidProblemError, op, "masters", f"are for half parameters; the parameters are {dtype}")
+    if sr_seed is not None and (dtype != torch.bfloat16 or masters is not None):
+        raise argument_error(InvalidProblemError, op, "stochastic_rounding",
+                             f"(stochastic rounding) is for bfloat16 parameters without master weights; the "
+                             f"parameters are {dtype}{' with masters' if masters is not None else ''}")
+
+
+def _check(op, names, columns, steps, quantized) -> None:
+    """Per-tensor checks, run when the bucket's tensors change (the options: _check_options, at every call)."""
     check_columns(op, names[:2], columns[:2])
     params = columns[0]
     dtype = params[0].dtype
@@ -354,12 +366,6 @@ def _check(op, names, columns, steps, masters, quantized, sr_seed) -> None:
                 raise argument_error(InvalidProblemError, op, f"{name}[{i}]",
                                      f"has shape {tuple(t.shape)} on {t.device}; expected a contiguous "
                                      f"{tuple(expected)} on {p.device}")
-    if masters is not None and dtype not in (torch.float16, torch.bfloat16):
-        raise argument_error(InvalidProblemError, op, "masters", f"are for half parameters; the parameters are {dtype}")
-    if sr_seed is not None and (dtype != torch.bfloat16 or masters is not None):
-        raise argument_error(InvalidProblemError, op, "stochastic_rounding",
-                             f"(stochastic rounding) is for bfloat16 parameters without master weights; the "
-                             f"parameters are {dtype}{' with masters' if masters is not None else ''}")
     if len(steps) != len(params):
         raise argument_error(InvalidProblemError, op, "steps", f"has {len(steps)} tensors for {len(params)} parameters")
 
@@ -419,7 +425,8 @@ def _prepare(op, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_s
             raise argument_error(InvalidProblemError, op, name, f"has {len(values)} entries for {n} parameters")
     launch = multi_tensor_launch(op, params[0].device, params[0].dtype, **options, master=masters is not None,
                                  quantized=quantized, stochastic_rounding=sr_seed is not None)
-    validate = lambda: _check(op, names, columns, steps, masters, quantized, sr_seed)  # noqa: E731
+    _check_options(op, params[0].dtype, masters, sr_seed)
+    validate = lambda: _check(op, names, columns, steps, quantized)  # noqa: E731
     meta_rows = (tuple(rows_of(p.shape)[1] for p in params), tuple(offsets), tuple(sr_keys))
     tables = (table or LowbitTable()).tables(columns, [steps], validate, meta_rows)
     device = params[0].device if n else None

@@ -119,23 +119,24 @@ def _to_device(host: torch.Tensor, device: torch.device, in_capture: bool) -> to
 
 
 class TensorTable:
-    """The cached tables of one bucket. ``tables(columns, scalars, validate, user_columns)`` returns them.
+    """The cached tables of one bucket. ``tables(columns, scalars, validate, user_columns, gradient_column)``
+    returns them.
 
-    The cache key is every tensor's address, the strides of the tensors of the first
+    The cache key is every tensor's address, the shapes and strides of the tensors of the first
     ``user_columns`` columns (those a user may swap for another view of the same memory, such as
     ``p.grad = buf.view(32, 64).t()``: torch checks a new gradient's shape, dtype and device, not
     its strides) and the lead column's sizes. ``validate`` (the launcher's shape/stride/dtype
     checks) runs only when that key changes, so a steady step pays one pass of ``data_ptr()`` calls
-    plus one of ``stride()`` calls over the user's columns, and nothing else. The other columns
-    (optimizer state) are ours and keep their layout at a given address.
+    plus one of ``stride()`` and one of ``size()`` calls over the user's columns, and nothing else.
+    The other columns (optimizer state) are ours and keep their layout at a given address.
 
-    ``gradient_column``: the index of a column of gradients, which ``zero_grad(set_to_none=True)``
-    makes anew at every step, usually at other addresses. When only that column's addresses
-    changed (its strides and dtypes and every other address, stride and size as validated last),
-    the address table is rebuilt without calling ``validate`` again: autograd and torch's ``.grad``
-    setter give a gradient its parameter's shape, device and dtype (``grad_dtype``), and the strides
-    and dtypes are compared here. This saved the validation's host time at every step
-    (0.42 ms of 0.64 for GPT-2's 148 tensors on the CPU machine, benchmarks/NOTES.md).
+    ``gradient_column``: the index of a column of gradients (one of the user columns), which
+    ``zero_grad(set_to_none=True)`` makes anew at every step, usually at other addresses. When only
+    that column's addresses changed since the last validation (its tensors' shapes, strides,
+    dtypes and devices, and every other address, shape, stride and size, are as validated), the
+    address table is rebuilt without calling ``validate`` again: the per-tensor checks depend on
+    nothing else. GPT-2's 148 tensors with fresh gradients: 0.70 ms -> 0.30 ms a table call on the
+    CPU machine (benchmarks/NOTES.md, sixth session).
     """
 
     def __init__(self, block: int, units=None):
@@ -159,8 +160,9 @@ class TensorTable:
         # map over the unbound methods: the cheapest way to call them per tensor (a steady step's only cost)
         addresses = tuple(map(torch.Tensor.data_ptr, itertools.chain(*columns, *scalars)))
         strides = tuple(map(torch.Tensor.stride, itertools.chain(*columns[:user_columns])))
+        shapes = tuple(map(torch.Tensor.size, itertools.chain(*columns[:user_columns])))
         sizes = tuple(map(self._units, lead))
-        key = (addresses, strides, sizes)
+        key = (addresses, strides, shapes, sizes)
         device = lead[0].device
         in_capture = capturing(device)
         if key == self._key:
@@ -172,7 +174,7 @@ class TensorTable:
             n = len(lead)
             grads = columns[gradient_column]
             validated = (addresses[:gradient_column * n] + addresses[(gradient_column + 1) * n:],
-                         tuple(t.dtype for t in grads), strides, sizes)
+                         tuple((t.dtype, t.device) for t in grads), strides, shapes, sizes)
         if validate is not None and validated != self._validated:
             validate()
         if in_capture:
