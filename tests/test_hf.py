@@ -529,6 +529,220 @@ def test_qk_norm_attention_under_autocast_writes_the_autocast_dtype(monkeypatch)
         assert relative_error(grads[name], g) < 2e-2, name
 
 
+# ---- pre-norms under autocast (trainops.hf, "Pre-norms under autocast") -------------------------------
+
+# the decoder-layer norms patch marks (their output only projections read), by family
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+MARKED_NORMS = {arch: {f"model.layers.{i}.{n}" for i in (0, 1) for n in PRE_NORMS} for arch in ARCHS}
+MARKED_NORMS.update(
+    {arch: {f"model.layers.{i}.{n}" for i in (0, 1) for n in ("input_layernorm", "pre_feedforward_layernorm")}
+     for arch in ("gemma2", "gemma3")},   # their post_attention / post_feedforward norms feed the residual add
+    olmo2=set(),   # post-norms only
+    mixtral={"model.layers.0.input_layernorm", "model.layers.1.input_layernorm"},   # the MoE block: not projections
+    qwen3_moe={"model.layers.0.input_layernorm", "model.layers.1.input_layernorm",
+               "model.layers.1.post_attention_layernorm"})   # mlp_only_layers=[1]: a dense MLP there
+
+
+def marked_norms(model) -> dict:
+    return {name: m for name, m in model.named_modules() if getattr(m, trainops.hf.AUTOCAST_OUTPUT, False)}
+
+
+class Uses(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops (and their dtype argument) that read any of ``tensors`` (compared by identity)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.tensors, self.uses = tensors, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = torch.utils._pytree.tree_flatten((args, kwargs))[0]
+        self.uses += [(func, kwargs.get("dtype")) for a in flat if any(a is t for t in self.tensors)]
+        return func(*args, **kwargs)
+
+
+class ActivationCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten._to_copy float32 -> bf16 of tensors other than the given parameters."""
+
+    def __init__(self, parameters):
+        super().__init__()
+        self.parameters, self.count = {id(p) for p in parameters}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and id(args[0]) not in self.parameters
+                and args[0].dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_marked_norms_outputs_are_only_cast_by_autocast(arch):
+    """The claim the marking rests on, checked on each family's transformers forwards: with the
+    marked norms returning float32 (as before the change), every op that reads one's output under
+    bf16 autocast is autocast's cast to bf16, one per projection; so writing bf16 in the norm gives
+    its readers the same values. The families' post-norms, final norm, q / k norms and MoE pre-norms
+    are not marked."""
+    model = tiny_model(arch)
+    report = trainops.patch(model)
+    marked = marked_norms(model)
+    assert set(marked) == MARKED_NORMS[arch]
+    for name in marked:
+        assert report.descriptions[name].startswith("norm: autocast's dtype out, for ")
+    outputs = []
+    for m in marked.values():
+        setattr(m, trainops.hf.AUTOCAST_OUTPUT, False)   # the float32 output, read as before
+        m.register_forward_hook(lambda module, args, out: outputs.append(out))
+    ids, labels = batch()
+    model.train()
+    uses = Uses(outputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16), uses:
+        model(input_ids=ids, labels=labels)
+    assert len(outputs) == len(marked) and all(out.dtype == torch.float32 for out in outputs)
+    readers = sum(len(report.descriptions[name].split(", for ")[1].split(", ")) for name in marked)
+    assert uses.uses == [(torch.ops.aten._to_copy.default, torch.bfloat16)] * readers
+
+
+def autocast_step(model, ids, labels, dtype=torch.bfloat16, enabled=True, count=True):
+    """(loss, grads, activation casts of the forward (``count``: not under torch.compile, which
+    refuses a dispatch mode), ToCopyBackward0 nodes, the marked norms' output dtypes)."""
+    import contextlib
+
+    outputs = []
+    hooks = [m.register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+             for m in marked_norms(model).values()]
+    casts = ActivationCasts(model.parameters())
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype, enabled=enabled), casts if count else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=labels).loss
+    nodes, seen, stack = 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes += type(node).__name__ == "ToCopyBackward0"
+            stack += [n for n, _ in node.next_functions]
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, casts.count, nodes, set(outputs)
+
+
+def test_pre_norms_write_the_autocast_dtype():
+    """Llama, float32 parameters under bf16 autocast: the marked pre-norms write bf16, so the
+    forward casts 3 activations, not 13 (left: the final norm's output in the fused loss, and eager
+    attention's float32 softmax in each layer), and the backward has 10 fewer ToCopyBackward0; the
+    loss has the bits of patch(autocast_norms=False) (the float32 norm outputs cast by the
+    projections, main's step); the gradients, whose projection terms autograd now sums in bf16,
+    stay within 1e-2 of float64 and within 1.25x that step's error (largest ratio measured 1.15)."""
+    model = tiny_model("llama")
+    exact = copy.deepcopy(model).double()
+    cast = copy.deepcopy(model)
+    trainops.patch(model)
+    trainops.patch(cast, autocast_norms=False)
+    assert marked_norms(cast) == {} and len(marked_norms(model)) == 4
+    for m in (model, cast, exact):
+        m.train()
+    ids, labels = batch()
+    _, want = loss_and_grads(exact, ids, labels)
+    loss, grads, casts, nodes, dtypes = autocast_step(model, ids, labels)
+    their_loss, their_grads, their_casts, their_nodes, _ = autocast_step(cast, ids, labels)
+    assert dtypes == {torch.bfloat16}
+    assert (casts, their_casts) == (3, 13) and their_nodes - nodes == 10
+    assert torch.equal(loss, their_loss)
+    for name, g in grads.items():
+        ours, theirs = relative_error(g, want[name]), relative_error(their_grads[name], want[name])
+        assert ours < 1e-2 and ours <= 1.25 * theirs + 5e-4, (name, ours, theirs)
+    # fp16 autocast: fp16 out; no autocast, and bf16 parameters (a bf16 residual stream) under
+    # autocast: nothing changes
+    assert autocast_step(model, ids, labels, torch.float16)[4] == {torch.float16}
+    for dtype, enabled in ((torch.float32, False), (torch.bfloat16, True)):
+        (loss, grads, _, _, dtypes), (their_loss, their_grads, *_) = (
+            autocast_step(m.to(dtype), ids, labels, enabled=enabled) for m in (model, cast))
+        assert dtypes == {dtype} and torch.equal(loss, their_loss)
+        assert all(torch.equal(g, their_grads[name]) for name, g in grads.items())
+
+
+def test_pre_norms_under_autocast_on_the_triton_kernels():
+    """The same under Triton's interpreter, which rounds float32 to bf16 by truncation where the
+    projections' casts round to nearest: the marked norms' bf16 outputs may differ by one unit in
+    the last place, the loss within a few in float32."""
+    model = tiny_model("llama")
+    cast = copy.deepcopy(model)
+    trainops.patch(model)
+    trainops.patch(cast, autocast_norms=False)
+    ids, labels = batch()
+    with trainops.backend("triton"):
+        (loss, grads, casts, _, dtypes), (their_loss, their_grads, their_casts, _, _) = (
+            autocast_step(m.train(), ids, labels) for m in (model, cast))
+    assert dtypes == {torch.bfloat16} and (casts, their_casts) == (3, 13)
+    assert relative_error(loss, their_loss) < 1e-3
+    for name, g in grads.items():
+        assert relative_error(g, their_grads[name]) < 2e-2, name
+
+
+def test_pre_norms_under_autocast_compile_whole():
+    """torch.compile(fullgraph=True) of the patched Llama under bf16 autocast (AOTAutograd, eager
+    kernels: aot_eager, whose forward graph is counted): one graph, the eager step's loss and
+    gradients, and 10 casts to bf16 fewer in it than with autocast_norms=False."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    casts_to_bf16 = []
+
+    def forward_compiler(gm, example_inputs):
+        casts_to_bf16.append(sum(node.target is torch.ops.aten._to_copy.default
+                                 and node.kwargs.get("dtype") == torch.bfloat16 for node in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    ids, labels = batch()
+    for autocast_norms in (True, False):
+        model = tiny_model("llama")
+        trainops.patch(model, autocast_norms=autocast_norms)
+        model.train()
+        want = autocast_step(model, ids, labels)
+        got = autocast_step(torch.compile(model, backend=backend, fullgraph=True), ids, labels, count=False)
+        torch._dynamo.reset()
+        assert_close(got[0], want[0], torch.float32, "compiled loss")
+        for name, g in got[1].items():
+            assert_close(g, want[1][name.removeprefix("_orig_mod.")], torch.float32, name)
+    assert len(casts_to_bf16) == 2 and casts_to_bf16[1] - casts_to_bf16[0] == 10, casts_to_bf16
+
+
+def test_which_norms_are_marked():
+    """Not marked: a norm whose readers are not all exact torch.nn.Linear (a PEFT or quantized
+    layer may read its input otherwise), a norm shared by two layers, any with
+    autocast_norms=False (the report says plain "norm"). dry_run reports the marking; unpatch
+    removes the attribute, also from an unpickled copy (no patch record)."""
+    import pickle
+
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    model = tiny_model("llama")
+    layers = model.model.layers
+    q = layers[0].self_attn.q_proj
+    q.__class__ = MyLinear
+    layers[1].post_attention_layernorm = layers[1].input_layernorm   # shared: read by the attention and the MLP
+    planned = trainops.patch(model, dry_run=True)
+    report = trainops.patch(model)
+    assert planned.descriptions == report.descriptions
+    assert set(marked_norms(model)) == {"model.layers.0.post_attention_layernorm"}
+    assert report.descriptions["model.layers.0.input_layernorm"] == "norm"
+    assert report.descriptions["model.layers.0.post_attention_layernorm"] == (
+        "norm: autocast's dtype out, for mlp.gate_proj, mlp.up_proj")
+    q.__class__ = torch.nn.Linear   # (a local class does not pickle)
+    copied = pickle.loads(pickle.dumps(model))
+    for m in (model, copied):
+        trainops.unpatch(m)
+        assert not any(trainops.hf.AUTOCAST_OUTPUT in vars(module) for module in m.modules())
+    report = trainops.patch(model, autocast_norms=False)
+    assert marked_norms(model) == {} and report.descriptions["model.layers.0.post_attention_layernorm"] == "norm"
+    with pytest.raises(trainops.InvalidProblemError, match="argument 'autocast_norms'"):
+        trainops.patch(model, autocast_norms="yes")
+
+
 def test_qk_norm_attention_refusals():
     """What the fused q/k norm + rotary attention cannot compute is left as transformers's and
     reported (the rest patched, the unpatched loss): an instance whose q_norm and k_norm eps differ,
@@ -849,6 +1063,9 @@ def test_every_listed_class_exists_and_every_family_is_tested():
             cls = getattr(namespace, name, None)
             assert isinstance(cls, type) and cls.__name__ == name and cls.__module__ == module_name, (family, name)
             assert hf.kind_of(cls) is module.SWAPS[name]
+        for name in getattr(module, "DECODER_LAYERS", {}):   # (their norms: test_marked_norms_outputs_...)
+            cls = getattr(namespace, name, None)
+            assert isinstance(cls, type) and cls.__module__ == module_name, (family, name)
     assert set(hf.ARCHITECTURES) - {"activations", "gpt2"} == set(ARCHS)   # GPT-2: test_gpt2_whole
 
 

@@ -297,6 +297,87 @@ def test_gradcheck_float64(backend, device, op):
             assert torch.autograd.gradcheck(f, (x, r, w, b), fast_mode=backend == "triton")
 
 
+# out_dtype: y in another dtype than x, the float32 (float64) result rounded once; dy in y's dtype
+OUT_DTYPE_CASES = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float32),
+                   (torch.float64, torch.float32)]
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_out_dtype_is_the_default_result_rounded_once(backend, device, op):
+    """y in out_dtype holds the bits of the default call's y rounded to it (from a float32 x: the
+    cast autocast makes before a matmul; under Triton's interpreter rounded as it rounds), h stays
+    in x's dtype, and the backward of a dy in y's dtype is the backward of that dy in x's dtype:
+    dx in x's dtype, dweight in weight's, the same bits (a bf16 dy widens exactly). Forced plans:
+    looped rows and the exchange backward."""
+    gen = torch.Generator().manual_seed(stable_seed(op, "out_dtype"))
+    for plan in ("default", "looped", "exchange"):
+        with trainops.heuristics(PLANS[plan]):
+            for x_dtype, out_dtype in OUT_DTYPE_CASES if plan == "default" else OUT_DTYPE_CASES[:1]:
+                for with_residual in (False, True):
+                    x = _randn((3, 5, 24), x_dtype, device, gen, 2.0, 0.5).requires_grad_()
+                    w = _randn((24,), torch.float32, device, gen, 0.5, 1.0).requires_grad_()
+                    r = _randn((3, 5, 24), x_dtype, device, gen) if with_residual else None
+                    if op == "rms_norm":
+                        def f(**kw):
+                            return trainops.rms_norm(x, w, 1e-6, residual=r, weight_offset=0.25, **kw)
+                    else:
+                        def f(**kw):
+                            return trainops.layer_norm(x, 24, w, w, residual=r, **kw)
+                    what = f"{plan} {x_dtype} -> {out_dtype} r={with_residual}"
+                    got, want = f(out_dtype=out_dtype), f()
+                    (y, h), (y_want, h_want) = (got, want) if with_residual else ((got, None), (want, None))
+                    assert y.dtype == out_dtype and y.is_contiguous(), what
+                    if out_dtype.itemsize < x_dtype.itemsize:   # narrower: the default's y, rounded once
+                        rounded = (interpreter_rounding(y_want, out_dtype) if backend == "triton"
+                                   else y_want.to(out_dtype))
+                        assert torch.equal(y, rounded), what
+                    else:   # wider: closer to the exact y than the default's
+                        ref, _ = reference(op, x.detach() if r is None else h_want.detach(), w.detach(),
+                                           w.detach() if op == "layer_norm" else None, None, 1e-6,
+                                           0.25 if op == "rms_norm" else 0.0, 1)
+                        assert_close(y, ref, out_dtype if x_dtype == torch.float64 else torch.float32, what)
+                    if with_residual:
+                        assert h.dtype == x_dtype and torch.equal(h, h_want), what
+                    dy = _randn((3, 5, 24), out_dtype, device, gen)
+                    grads = torch.autograd.grad(y, (x, w), dy)
+                    want_grads = torch.autograd.grad(y_want, (x, w), dy.to(x_dtype))
+                    assert grads[0].dtype == x_dtype and grads[1].dtype == torch.float32, what
+                    if out_dtype.itemsize < x_dtype.itemsize:
+                        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads)), what
+                    else:   # the default's dy was rounded to x's dtype first
+                        for a, b in zip(grads, want_grads):
+                            assert_close(a, b, x_dtype, what)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_out_dtype_ops_pass_opcheck_and_gradcheck(op):
+    """The custom ops' schema and fakes with out_dtype (y in it; the backward's dx in h's dtype
+    whatever dy's), and gradcheck of the out_dtype path in float64 (out_dtype float64: the same op)."""
+    gen = torch.Generator().manual_seed(stable_seed(op, "opcheck"))
+    x = _randn((4, 16), torch.float32, "cpu", gen).requires_grad_()
+    w = _randn((16,), torch.float32, "cpu", gen).requires_grad_()
+    forward = norm_ops.rms_norm_op if op == "rms_norm" else norm_ops.layer_norm_op
+    args = ((x, w, None, 1, 1e-6, 0.0, torch.bfloat16) if op == "rms_norm" else
+            (x, w, None, None, 1, 1e-6, torch.bfloat16))
+    torch.library.opcheck(forward.op, args, test_utils=("test_schema", "test_faketensor"))
+    y, _, stats = forward(*args)
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn(4, 16, generator=gen).to(torch.bfloat16)
+    backward_args = ((dy, x.detach(), w.detach(), stats, None, 1, 0.0, True) if op == "rms_norm" else
+                     (dy, x.detach(), w.detach(), stats, None, 1, False, None, True))
+    backward = norm_ops.rms_norm_backward_op if op == "rms_norm" else norm_ops.layer_norm_backward_op
+    torch.library.opcheck(backward.op, backward_args, test_utils=("test_schema", "test_faketensor"))
+    assert backward(*backward_args)[0].dtype == torch.float32
+    xd, rd, wd = (_randn(shape, torch.float64, "cpu", gen).requires_grad_() for shape in ((3, 7), (3, 7), (7,)))
+    if op == "rms_norm":
+        def f(x, r, w):
+            return trainops.rms_norm(x, w, 1e-6, residual=r, weight_offset=0.5, out_dtype=torch.float64)
+    else:
+        def f(x, r, w):
+            return trainops.layer_norm(x, 7, w, w, residual=r, out_dtype=torch.float64)
+    assert torch.autograd.gradcheck(f, (xd, rd, wd))
+
+
 def test_torch_compile_fullgraph(backend, device):
     gen = torch.Generator().manual_seed(16)
     x = _randn((4, 16), torch.float32, device, gen).requires_grad_()
@@ -305,7 +386,8 @@ def test_torch_compile_fullgraph(backend, device):
 
     def block(x, r, w):
         y, h = trainops.rms_norm(x, w, residual=r)
-        return (trainops.layer_norm(y, 16) * h).sum()
+        half = trainops.rms_norm(h, w, out_dtype=torch.bfloat16)   # y of another dtype: the fake's
+        return (trainops.layer_norm(y, 16) * h).sum() + (half.float() * h).sum()
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     loss = compiled(x, r, w)
@@ -376,6 +458,12 @@ def test_errors_name_the_argument():
         (lambda: trainops.layer_norm(x, 8, w, torch.randn(3)), InvalidProblemError, "'bias' has shape"),
         (lambda: trainops.layer_norm(x, 8, w.to("meta")), InvalidProblemError, "'weight' is on meta"),
         (lambda: trainops.layer_norm(x, "8"), InvalidProblemError, "'normalized_shape'"),
+        (lambda: trainops.rms_norm(x, w, out_dtype="bf16"), InvalidProblemError, "'out_dtype' must be a torch.dtype"),
+        (lambda: trainops.rms_norm(x, w, out_dtype=torch.int32), UnsupportedError, "'out_dtype' has dtype"),
+        (lambda: trainops.layer_norm(x, 8, out_dtype=torch.int8), UnsupportedError, "'out_dtype' has dtype"),
+        # the backward: dy in y's dtype, grad_h in h's (x's)
+        (lambda: norm_ops.rms_norm_backward_op(x.bfloat16(), x, w, torch.ones(1, 4), x.bfloat16(), 1, 0.0),
+         InvalidProblemError, "'grad_h' has dtype torch.bfloat16; the plan is for torch.float32"),
     ]
     for fn, cls, text in cases:
         with pytest.raises(cls) as info:
@@ -413,6 +501,32 @@ def test_gpu_real_sizes(op, shape, dtype):
     assert torch.equal(grads[0], grads[1]), "dx and d residual are the same gradient"
     again = torch.autograd.grad(call(op, x, w, b, r, 1e-6, 0.0, 1), leaves, (dy, dh))
     assert all(torch.equal(a, c) for a, c in zip(grads, again)), "bit-identical run to run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("shape", [(4, 2048, 2048), (8192, 4096), (1000, 20000)])
+def test_gpu_out_dtype_is_the_cast_of_the_float32_result(op, shape):
+    """On the GPU (round to nearest even, as torch's cast): a bf16 y of a float32 x holds the bits
+    of the float32 call's y cast to bf16 (Llama-3.2-1B's pre-norm at 4 x 2048 tokens, a wide row,
+    rows of 20000: the looped forward and the exchange backward); the backward of a bf16 dy holds
+    the bits of the backward of that dy widened to float32."""
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    n = shape[-1]
+    x = (torch.randn(shape, device="cuda", generator=gen) * 3).requires_grad_()
+    w = (torch.rand(n, device="cuda", generator=gen) + 0.5).requires_grad_()
+    b = torch.randn(n, device="cuda", generator=gen).requires_grad_() if op == "layer_norm" else None
+    y = call(op, x, w, b, None, 1e-5, 0.0, 1)
+    if op == "rms_norm":
+        half = trainops.rms_norm(x, w, 1e-5, out_dtype=torch.bfloat16)
+    else:
+        half = trainops.layer_norm(x, n, w, b, 1e-5, out_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, y.to(torch.bfloat16))
+    dy = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(half, leaves, dy)
+    want = torch.autograd.grad(y, leaves, dy.float())
+    assert all(a.dtype == t.dtype and torch.equal(a, c) for a, c, t in zip(got, want, leaves))
 
 
 def test_backward_plans_with_the_forward_heuristics_on_any_thread(backend, device):

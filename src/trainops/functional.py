@@ -483,7 +483,7 @@ def _eps(op: str, eps):
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, residual: Tensor | None = None,
-             weight_offset: float = 0.0):
+             weight_offset: float = 0.0, out_dtype: torch.dtype | None = None):
     """RMSNorm over the trailing axes of ``weight``'s shape (the last axis when weight is None):
     y = h / sqrt(mean(h^2) + eps) * (weight + weight_offset), with h = x, or x + residual.
 
@@ -491,14 +491,17 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, resi
     torch.finfo(x.dtype).eps. ``residual`` (x's shape and dtype): the pre-norm block's fused add,
     returning ``(y, h)`` with h = x + residual (rounded to x's dtype, then normalized).
     ``weight_offset=1.0`` multiplies by (1 + weight), as Gemma. x: any shape and strides,
-    float32/float16/bfloat16/float64; weight any float dtype; y (and h) in x's dtype, contiguous.
-    Statistics and sums in float32 (float64 for float64 x). Backward: dx (= d residual), dweight,
-    deterministic (fixed-order reduction, no atomics), bit-identical run to run. Under
-    torch.autocast nothing is cast: the statistics are float32 anyway and y keeps x's dtype (as
-    torch's rms_norm; torch's autocast runs layer_norm in float32 and returns float32).
-    Double backward raises UnsupportedError.
+    float32/float16/bfloat16/float64; weight any float dtype; h in x's dtype; y in ``out_dtype``
+    (default x's dtype; any of the four): y is computed in float32 (float64 for float64 x) and
+    rounded once to it, so ``out_dtype=torch.bfloat16`` of a float32 x gives exactly
+    ``rms_norm(x, ...).to(torch.bfloat16)`` without the float32 y and the cast. Outputs contiguous.
+    Statistics and sums in float32 (float64 for float64 x). Backward: dy in y's dtype; dx
+    (= d residual) in x's, dweight in weight's; deterministic (fixed-order reduction, no atomics),
+    bit-identical run to run. Under torch.autocast nothing is cast: the statistics are float32
+    anyway and y keeps x's dtype, or out_dtype (as torch's rms_norm; torch's autocast runs
+    layer_norm in float32 and returns float32). Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes, devices, eps < 0, residual dtype, weight_offset without
-    weight), UnsupportedError (integer or other dtypes, rank above 8).
+    weight, out_dtype not a torch.dtype), UnsupportedError (integer or other dtypes, rank above 8).
     """
     op = "rms_norm"
     if isinstance(weight, (int, list, tuple, torch.Size)):
@@ -514,19 +517,21 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float | None = None, *, resi
     _check_norm_tensors(op, x, {"weight": (weight, shape), "residual": (residual, getattr(x, "shape", ()))})
     if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
         raise argument_error(InvalidProblemError, op, "weight_offset", f"must be a number, got {weight_offset!r}")
-    y, h, _ = norm_ops.rms_norm_op(x, weight, residual, normalized_ndim, _eps(op, eps), float(weight_offset))
+    _check_out_dtype(op, out_dtype)
+    y, h, _ = norm_ops.rms_norm_op(x, weight, residual, normalized_ndim, _eps(op, eps), float(weight_offset),
+                                   out_dtype)
     return y if residual is None else (y, h)
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
-               eps: float = 1e-5, *, residual: Tensor | None = None):
+               eps: float = 1e-5, *, residual: Tensor | None = None, out_dtype: torch.dtype | None = None):
     """LayerNorm over the trailing ``normalized_shape`` axes, as ``torch.nn.functional.layer_norm``:
     y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias (biased variance), with h = x, or
     x + residual.
 
     ``residual`` (x's shape and dtype): the pre-norm block's fused add, returning ``(y, h)``.
-    Shapes, dtypes, accumulation, determinism and errors as ``rms_norm``; backward gives dx
-    (= d residual), dweight and dbias, each reduced in a fixed order.
+    Shapes, dtypes (``out_dtype``: y's, rounded once), accumulation, determinism and errors as
+    ``rms_norm``; backward gives dx (= d residual), dweight and dbias, each reduced in a fixed order.
     """
     op = "layer_norm"
     if isinstance(normalized_shape, int):
@@ -544,8 +549,15 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
                              f"is {list(normalized_shape)}; x has shape {tuple(x.shape)}")
     _check_norm_tensors(op, x, {"weight": (weight, normalized_shape), "bias": (bias, normalized_shape),
                                 "residual": (residual, getattr(x, "shape", ()))})
-    y, h, _ = norm_ops.layer_norm_op(x, weight, bias, residual, len(normalized_shape), _eps(op, eps))
+    _check_out_dtype(op, out_dtype)
+    y, h, _ = norm_ops.layer_norm_op(x, weight, bias, residual, len(normalized_shape), _eps(op, eps), out_dtype)
     return y if residual is None else (y, h)
+
+
+def _check_out_dtype(op: str, out_dtype) -> None:
+    """None or a torch.dtype (which ones the op supports, its descriptor says: UnsupportedError)."""
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise argument_error(InvalidProblemError, op, "out_dtype", f"must be a torch.dtype or None, got {out_dtype!r}")
 
 
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,

@@ -63,6 +63,11 @@ wrapper around the trainops class, keeping its FSDP state and hooks (trainops.dt
 Softmax computed inside other modules' forward (torch.nn.MultiheadAttention calls
 ``scaled_dot_product_attention``) is not a module and is not touched.
 
+A swapped Hugging Face decoder layer's pre-norm whose output only the layer's projections read gets
+the instance attribute ``autocast_output = True`` (``autocast_norms=False``: none does): under bf16 /
+fp16 autocast it writes that dtype where it would return float32, instead of each projection
+casting it (trainops.hf, "Pre-norms under autocast"; the report's description of it says so).
+
 ``patch(model, dry_run=True)`` returns the report of what it would do and changes nothing.
 ``unpatch(model)`` undoes it: every module patch swapped gets its class back (the attributes patch
 added removed, everything else kept), and every module of a swapped Hugging Face class returns to
@@ -227,7 +232,7 @@ _PATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, batch_norm: bool = False,
-          convolution: bool = False, dry_run: bool = False) -> PatchReport:
+          convolution: bool = False, autocast_norms: bool = True, dry_run: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
     RMSNorm / LayerNorm / GELU / SiLU / Dropout, with ``batch_norm=True`` every exact BatchNorm1d /
@@ -237,21 +242,25 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     attention rotary embedding, tanh GELUs, Gemma's scaled embedding, MoE routers and experts and
     the causal-LM loss path of Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma 2, Gemma 3,
     Phi-3, OLMo 2, GLM-4, Granite, Mixtral, Qwen3-MoE and GPT-2: ``trainops.hf.ARCHITECTURES``);
-    return the report. ``dry_run=True``: the same report, nothing changed. ``trainops.unpatch``
-    changes the swapped modules back.
+    return the report. ``autocast_norms`` (with ``hf``): the swapped decoder-layer pre-norms whose
+    output only the layer's projections read write the autocast dtype under autocast (bf16 / fp16)
+    where they would return float32, instead of each projection casting it: the same forward values,
+    no casts; the projections' input gradients are then summed in that dtype (trainops.hf,
+    "Pre-norms under autocast"); the report's description of each says so. ``dry_run=True``: the
+    same report, nothing changed. ``trainops.unpatch`` changes the swapped modules back.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules
     that cannot be swapped without changing what they do, and subclasses of those torch classes,
     are left as they are and listed in ``report.skipped`` with the reason; modules that already
     are trainops.nn modules are not listed, so patching twice swaps nothing the second time.
     Raises InvalidProblemError when ``model`` is not a torch.nn.Module or ``block_ops``, ``hf``,
-    ``batch_norm``, ``convolution`` or ``dry_run`` not a bool.
+    ``batch_norm``, ``convolution``, ``autocast_norms`` or ``dry_run`` not a bool.
     """
     if not isinstance(model, torch.nn.Module):
         raise argument_error(InvalidProblemError, "patch", "model",
                              f"must be a torch.nn.Module, got {type(model).__name__}")
     for name, value in (("block_ops", block_ops), ("hf", hf), ("batch_norm", batch_norm), ("convolution", convolution),
-                        ("dry_run", dry_run)):
+                        ("autocast_norms", autocast_norms), ("dry_run", dry_run)):
         if not isinstance(value, bool):
             raise argument_error(InvalidProblemError, "patch", name, f"must be a bool, got {value!r}")
     swaps = {**_SWAPS, **(_BLOCK_SWAPS if block_ops else {}), **(_BATCH_NORM_SWAPS if batch_norm else {}),
@@ -260,6 +269,8 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     torch_classes = tuple(swaps)
 
     modules, names_by_module = _modules_and_names(model)
+    # norms whose output only projections read: autocast's dtype out under autocast (trainops.hf)
+    into_projections = trainops_hf.norms_into_projections(modules) if hf and autocast_norms else {}
     report = PatchReport()
     to_swap: list[tuple[torch.nn.Module, _Swap, type]] = []
     for module in modules:
@@ -272,7 +283,8 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
         if found is not None and found[0] is None:   # a transformers module trainops cannot take (reasons given)
             reasons = found[1]
         elif found is not None:
-            swap = _Swap(type(module), found[0])
+            projections = into_projections.get(id(module))
+            swap = _Swap(type(module), found[0], {trainops_hf.AUTOCAST_OUTPUT: True} if projections else {})
             reasons = found[1] + _reasons_not_to_swap(module, swap)
         elif swap is not None:
             reasons = _reasons_not_to_swap(module, swap)
@@ -291,7 +303,8 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
             to_swap.append((module, swap, swap.trainops_class if wrapped is None else fsdp_class(swap.trainops_class)))
             report.swapped.append((first_name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
             if found is not None:
-                report.descriptions[first_name] = trainops_hf.description(cls)
+                report.descriptions[first_name] = trainops_hf.description(cls) + (
+                    f": autocast's dtype out, for {', '.join(projections)}" if projections else "")
     if not dry_run:
         _change_classes([(module, new_class, dict(swap.added_attributes)) for module, swap, new_class in to_swap])
         swapped = (m for m in modules if trainops_hf.is_swapped(m, fsdp_wrapped_class(type(m)) or type(m)))
@@ -371,8 +384,9 @@ def unpatch(model: torch.nn.Module) -> PatchReport:
         current = wrapped or type(module)
         if record is not None:
             old, added = fsdp_wrapped_class(record[0]) or record[0], record[1]
-        elif trainops_hf.is_swapped(module, current):
-            old, added = trainops_hf.original_class(current), ()
+        elif trainops_hf.is_swapped(module, current):   # unpickled or copied: no record, its attributes named
+            old, added = trainops_hf.original_class(current), tuple(a for a in trainops_hf.INSTANCE_ATTRIBUTES
+                                                                    if a in vars(module))
         else:
             continue
         old_class = old if wrapped is None else fsdp_class(old)   # fully_shard's wrapper kept, before or after patch

@@ -16,7 +16,9 @@ other than fused [gate; up], ...), with the reason.
 
 What each kind computes (``_common.py``):
     norm       RMSNorm by trainops.rms_norm: Llama's x_normed.to(dtype) * w; Gemma's (1 + w) and
-               OLMo 2's w * x_normed in float32, rounded once to the input's dtype
+               OLMo 2's w * x_normed in float32, rounded once to the input's dtype. Under autocast,
+               a decoder layer's pre-norm that only projections read writes the autocast dtype
+               (below: "Pre-norms under autocast")
     mlp        act(gate) * up by trainops.swiglu (SiLU) or trainops.geglu (tanh GELU), between
                transformers's Linear layers (separate gate_proj / up_proj, or one gate_up_proj)
     gelu       the tanh GELUs of transformers.activations -> trainops.gelu(approximate="tanh")
@@ -34,6 +36,29 @@ What each kind computes (``_common.py``):
                that reads a training step's logits, such as a token-accuracy metric, needs
                hf=False), with the logit transform z = softcap(logit_scale * (h W^T + b)) its
                config sets, and the MoE router's auxiliary loss as transformers adds it
+
+Pre-norms under autocast: with float32 parameters under bf16 (or fp16) autocast the residual
+stream is float32, so a decoder layer's RMSNorm returns float32, and each projection reading it
+(q_proj, k_proj and v_proj one norm's output, gate_proj and up_proj the other's) casts it to bf16
+on its own: autocast caches the casts of parameters, not of activations. In the backward each cast's
+ToCopyBackward0 turns its bf16 gradient back into float32 before autograd sums them. ``patch``
+therefore marks (instance attribute ``autocast_output = True``) each norm of a decoder layer
+(``DECODER_LAYERS`` of the family's module: input_layernorm, and post_attention_layernorm or
+Gemma 2 / 3's pre_feedforward_layernorm) whose output goes to one child (``self_attn``, ``mlp``)
+whose forward passes it only to its projections (its kind's ``input_projections``), each an exact
+torch.nn.Linear (not a PEFT or quantized layer, whose forward may read the input otherwise: their
+dropout would round differently). Under autocast of a half dtype on the input's device, a marked
+norm whose output would be float32 from a float32 input writes the autocast dtype: y computed in
+float32 and rounded once, the very values the projections' casts made (forward bit-identical),
+with no float32 y and no casts. Backward: autograd now sums the projections' bf16 input gradients
+in bf16 (three terms, two), where it summed their float32 copies; the norm's backward reads that
+bf16 dy and computes in float32 (benchmarks/notes/norm-autocast.md measures the difference).
+Not marked: post-norms (Gemma 2 / 3, OLMo 2, GLM-4: they feed the residual add), the final norm
+(its output leaves the model as ``last_hidden_state``), q / k norms, the norm before a
+mixture-of-experts block (its router and experts are not plain projections), norms shared by
+several modules. A forward hook on a marked norm sees the autocast dtype. ``patch(model,
+autocast_norms=False)`` marks none; ``norm.autocast_output = False`` turns one off; unpatch removes
+the attribute.
 
 The causal mask (``_causal_mask.py``): a patched causal LM's training forward (SDPA attention)
 gets SDPA's ``is_causal`` (no mask tensor) wherever transformers's eager rule skips the mask (no
@@ -87,19 +112,21 @@ eval mode or without labels the original forward runs: logits, no metrics (the k
 out of the call). TRL 1.16's SFTTrainer needs none of this: it computes both with its own fused
 head (above).
 
-Adding an architecture: its module here (``SWAPS``: class name -> kind), a row of ``ARCHITECTURES``,
-and its tiny configuration in tests/test_hf.py's ``ARCHS``.
+Adding an architecture: its module here (``SWAPS``: class name -> kind; ``DECODER_LAYERS``: its
+decoder layer's pre-norms, where only projections read them), a row of ``ARCHITECTURES``, and its
+tiny configuration in tests/test_hf.py's ``ARCHS``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..dtensor import fsdp_wrapped_class
 from . import (activations, gemma, gemma2, gemma3, glm4, gpt2, granite, llama, mistral, mixtral, olmo2, phi3, qwen2,
                qwen3, qwen3_moe, smollm3)
-from ._common import (_SUBCLASSES, _SWAPPED, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
-                      SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RotaryAttention, is_transformers_class,
-                      original_class, trainops_class)
+from ._common import (_SUBCLASSES, _SWAPPED, AUTOCAST_OUTPUT, GEMMA_NORM, LLAMA_NORM, QUALNAME_PREFIX,
+                      SCALED_EMBEDDING, TANH_GELU, CausalLM, GatedMLP, Kind, RMSNorm, RotaryAttention,
+                      is_transformers_class, original_class, trainops_class)
 from ._causal_mask import track as track_causal_mask
 from ._causal_mask import untrack as untrack_causal_mask
 from ._qk_attention import QKNormAttention
@@ -129,6 +156,14 @@ _KINDS: dict[tuple[str, str], Kind] = {
     for module_name, family in ARCHITECTURES.values() for class_name, kind in family.SWAPS.items()}
 
 
+# (transformers module, decoder layer class) -> {its norm: the child that alone reads the norm's output}
+_DECODER_LAYERS: dict[tuple[str, str], dict[str, str]] = {
+    (module_name, layer): norms
+    for module_name, family in ARCHITECTURES.values() for layer, norms in getattr(family, "DECODER_LAYERS", {}).items()}
+# the instance attributes patch may add to a swapped module (unpatch removes them)
+INSTANCE_ATTRIBUTES = (AUTOCAST_OUTPUT,)
+
+
 def _names(test) -> frozenset[str]:
     return frozenset(name for (_, name), kind in _KINDS.items() if test(kind))
 
@@ -154,6 +189,44 @@ def description(cls: type) -> str | None:
     in the patch report's words ("norm", "attention: fused q/k norm + rotary", ...); None: no swap."""
     kind = kind_of(original_class(cls) if cls in _SWAPPED else cls)
     return None if kind is None else kind.description
+
+
+def _transformers_class(module: torch.nn.Module) -> type:
+    """The class ``module`` was made with: below fully_shard's wrapper and trainops's swap."""
+    cls = fsdp_wrapped_class(type(module)) or type(module)
+    return original_class(cls) if cls in _SWAPPED else cls
+
+
+def _is_linear(module) -> bool:
+    """An exact torch.nn.Linear (or fully_shard's wrapper around one)."""
+    return module is not None and torch.nn.Linear in (type(module), fsdp_wrapped_class(type(module)))
+
+
+def norms_into_projections(modules) -> dict[int, tuple[str, ...]]:
+    """id(norm) -> the projections (names under the decoder layer) that alone read its output, for
+    each RMSNorm that trainops.hf's families' decoder layers feed to one child (``DECODER_LAYERS``:
+    the attention, the MLP) whose kind's ``input_projections`` are all exact torch.nn.Linear
+    modules; such a norm may write the autocast dtype under autocast (module docstring, "Pre-norms
+    under autocast"). ``modules``: every module of the model, once each. A norm reachable from
+    more than one parent is left out (its output may go elsewhere too)."""
+    parents: dict[int, int] = {}
+    for module in modules:
+        for child in module._modules.values():
+            if child is not None:
+                parents[id(child)] = parents.get(id(child), 0) + 1
+    found = {}
+    for layer in modules:
+        layer_class = _transformers_class(layer)
+        for norm_name, reader_name in _DECODER_LAYERS.get((layer_class.__module__, layer_class.__name__), {}).items():
+            norm, reader = layer._modules.get(norm_name), layer._modules.get(reader_name)
+            if norm is None or reader is None or parents[id(norm)] != 1 \
+                    or not isinstance(kind_of(_transformers_class(norm)), RMSNorm):
+                continue
+            reader_kind = kind_of(_transformers_class(reader))
+            projections = () if reader_kind is None else reader_kind.input_projections
+            if projections and all(_is_linear(reader._modules.get(name)) for name in projections):
+                found[id(norm)] = tuple(f"{reader_name}.{name}" for name in projections)
+    return found
 
 
 def is_swapped(module: torch.nn.Module, cls: type | None = None) -> bool:
@@ -201,6 +274,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ARCHITECTURES", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS",
-           "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped", "is_transformers_class", "kind_of", "original_class",
-           "swap_for", "swap_for_class", "QK_NORM_ATTENTIONS", "description", "track_causal_mask", "untrack_causal_mask"]
+__all__ = ["ARCHITECTURES", "AUTOCAST_OUTPUT", "CAUSAL_LMS", "GATED_MLPS", "GEMMA_STYLE_NORMS", "INSTANCE_ATTRIBUTES",
+           "LLAMA_STYLE_NORMS", "ROTARY_ATTENTIONS", "SCALED_EMBEDDINGS", "TANH_GELUS", "is_swapped",
+           "is_transformers_class", "kind_of", "norms_into_projections", "original_class", "swap_for", "swap_for_class",
+           "QK_NORM_ATTENTIONS", "description", "track_causal_mask", "untrack_causal_mask"]

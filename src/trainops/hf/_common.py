@@ -36,13 +36,20 @@ class Kind:
     ``forward``, and whatever else it overrides) and the reasons no instance of ``cls`` can be
     swapped (then the attributes are None); ``instance_reasons(module)`` what one instance lacks.
     ``group``: the word the report and the docs use (norm, mlp, gelu, embedding, attention,
-    router, experts, loss)."""
+    router, experts, loss). ``input_projections``: the names of the module's children that alone
+    read its forward's input (an attention's q / k / v projections, an MLP's gate and up), in
+    transformers's forward and the swapped one alike; empty (the default) where something else
+    reads it too, or nothing is known."""
 
     group: str
     forward: Callable | None = None
 
     def make(self, cls: type) -> tuple[dict | None, list[str]]:
         return {"forward": self.forward}, []
+
+    @property
+    def input_projections(self) -> tuple[str, ...]:
+        return ()
 
     def instance_reasons(self, module: torch.nn.Module) -> list[str]:
         return []
@@ -76,11 +83,37 @@ def _gated(act, gate: Tensor, up: Tensor | None = None) -> Tensor:
     return F.geglu(gate, up, approximate="tanh")
 
 
+# The instance attribute trainops.patch sets on a decoder layer's norm whose output only autocast's
+# matmuls read (``norms_into_projections``); unpatch removes it
+AUTOCAST_OUTPUT = "autocast_output"
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _autocast_output_dtype(module, x: Tensor, promote: bool) -> torch.dtype | None:
+    """The autocast dtype, where ``module`` (a norm with ``autocast_output`` set) would return float32
+    computed from a float32 x while autocast of a half dtype is on for x's device: its readers (the
+    projections) cast that output to the autocast dtype, so the norm writes it there itself. Else
+    None: the norm's own dtype."""
+    if not getattr(module, AUTOCAST_OUTPUT, False) or x.dtype != torch.float32:
+        return None
+    if promote and torch.promote_types(module.weight.dtype, x.dtype) != torch.float32:
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype in _HALF else None
+
+
 def _rms_norm_forward(eps_attribute: str, weight_offset: float, promote: bool):
     def forward(self, hidden_states: Tensor) -> Tensor:
         from .. import functional as F
 
-        y = F.rms_norm(hidden_states, self.weight, getattr(self, eps_attribute), weight_offset=weight_offset)
+        eps = getattr(self, eps_attribute)
+        autocast_dtype = _autocast_output_dtype(self, hidden_states, promote)
+        if autocast_dtype is not None:
+            return F.rms_norm(hidden_states, self.weight, eps, weight_offset=weight_offset, out_dtype=autocast_dtype)
+        y = F.rms_norm(hidden_states, self.weight, eps, weight_offset=weight_offset)
         if promote:   # weight * x_normed.to(input dtype): torch's promotion of the two
             out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
             y = y if y.dtype == out_dtype else y.to(out_dtype)
@@ -94,7 +127,13 @@ class RMSNorm(Kind):
     """y = x / sqrt(mean(x^2) + eps) * (w + weight_offset) by trainops.rms_norm, statistics in float32.
     ``promote``: the output in the promotion of the weight's and the input's dtypes (Llama's
     ``w * x_normed.to(input dtype)``), else in the input's dtype (Gemma's and OLMo 2's, which
-    multiply in float32 and round once)."""
+    multiply in float32 and round once).
+
+    Under autocast, a decoder layer's norm whose output only autocast's matmuls read (trainops.patch
+    sets its ``autocast_output``: ``norms_into_projections``) and which would return float32 from a
+    float32 input writes y in the autocast dtype (bf16 / fp16) instead: y computed in float32 and
+    rounded once, the values each projection's autocast cast would make, without the float32 y
+    and the casts (one per projection, each way)."""
 
     eps_attribute: str = "variance_epsilon"
     weight_offset: float = 0.0
@@ -135,6 +174,10 @@ class GatedMLP(Kind):
 
     group: str = "mlp"
     fused: bool = False
+
+    @property
+    def input_projections(self) -> tuple[str, ...]:
+        return ("gate_up_proj",) if self.fused else ("gate_proj", "up_proj")
 
     def make(self, cls):
         return {"forward": _fused_gated_mlp_forward if self.fused else _gated_mlp_forward}, []
@@ -294,6 +337,7 @@ class RotaryAttention(Kind):
 
     group: str = "attention"
     interleaved: bool = False
+    input_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     @property
     def description(self) -> str:
@@ -310,6 +354,16 @@ class RotaryAttention(Kind):
 
 ROTARY_ATTENTION = RotaryAttention()
 INTERLEAVED_ROTARY_ATTENTION = RotaryAttention(interleaved=True)
+FUSED_QKV_ROTARY_ATTENTION = RotaryAttention(input_projections=("qkv_proj",))   # Phi-3's one qkv_proj
+
+
+# ---- the pre-norms: whose output only projections read ------------------------------------------------
+
+# A decoder layer's norms -> the child whose forward alone reads each one's output (transformers
+# 5.24's decoder layers: the pre-norm before the attention, the one before the MLP; the post-norms
+# of Gemma 2 / 3, OLMo 2 and GLM-4 feed the residual add and are not listed)
+PRE_NORMS = {"input_layernorm": "self_attn", "post_attention_layernorm": "mlp"}
+GEMMA2_PRE_NORMS = {"input_layernorm": "self_attn", "pre_feedforward_layernorm": "mlp"}
 
 
 # ---- mixture of experts ----------------------------------------------------------------------------

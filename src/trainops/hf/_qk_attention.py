@@ -73,6 +73,7 @@ class QKNormAttention(Kind):
     across_heads: bool = False
     promote: bool = True
     sliding_window: bool = True
+    input_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     @property
     def description(self) -> str:

@@ -4,7 +4,7 @@ head, run with the rotary embedding in one trainops.qk_norm_rotary pass); the ca
 Gemma3ForConditionalGeneration (its vision tower's LayerNorm and GELU are torch's / patch's;
 transformers applies no final soft-capping there, and neither does the fused loss)."""
 
-from ._common import GATED_MLP, GEMMA_NORM, SCALED_EMBEDDING, CausalLM
+from ._common import GATED_MLP, GEMMA2_PRE_NORMS, GEMMA_NORM, SCALED_EMBEDDING, CausalLM
 from ._qk_attention import GEMMA3_ATTENTION
 
 SWAPS = {
@@ -16,3 +16,6 @@ SWAPS = {
     "Gemma3ForConditionalGeneration": CausalLM(output="Gemma3CausalLMOutputWithPast", labels_to_decoder=True,
                                                loss_types=(None, "ForCausalLM", "ForConditionalGeneration")),
 }
+
+# its decoder layer's norms -> the child that alone reads each one's output (_common.PRE_NORMS)
+DECODER_LAYERS = {"Gemma3DecoderLayer": GEMMA2_PRE_NORMS}

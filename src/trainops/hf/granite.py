@@ -2,7 +2,7 @@
 the fused loss (logit_scale = 1 / logits_scaling); its embedding, residual and attention
 multipliers stay in transformers's decoder."""
 
-from ._common import GATED_MLP, LLAMA_NORM, ROTARY_ATTENTION, CausalLM
+from ._common import GATED_MLP, LLAMA_NORM, PRE_NORMS, ROTARY_ATTENTION, CausalLM
 
 SWAPS = {
     "GraniteRMSNorm": LLAMA_NORM,
@@ -10,3 +10,6 @@ SWAPS = {
     "GraniteAttention": ROTARY_ATTENTION,
     "GraniteForCausalLM": CausalLM(logit_divisor="logits_scaling"),
 }
+
+# its decoder layer's norms -> the child that alone reads each one's output (_common.PRE_NORMS)
+DECODER_LAYERS = {"GraniteDecoderLayer": PRE_NORMS}

@@ -18,9 +18,12 @@ residual x's shape. Strides: any for x, residual, dy and the gradient of h (read
 normalized axes of each walk as one strided axis, the case of every view users make; otherwise that
 tensor is copied first). Outputs are contiguous. Dtypes: x and residual float32 / float16 /
 bfloat16 / float64, one dtype; weight and bias any of those (their gradients in their own dtype);
-y and h in x's dtype. Statistics (mean, rstd) and every sum in float32 (float64 for float64 x).
-h is rounded to x's dtype before it is normalized, as ``x + residual`` in torch, so the stored h
-and the normalized one agree.
+h in x's dtype; y in ``out_dtype`` (any of the four; default x's): the float32 (float64) y rounded
+once to it, so a bf16 y of a float32 x holds exactly ``y_float32.to(torch.bfloat16)`` (the cast
+torch's autocast makes before a matmul: trainops.hf's pre-norms under autocast). The backward
+takes dy in y's dtype and gives dx in x's. Statistics (mean, rstd) and every sum in float32
+(float64 for float64 x). h is rounded to x's dtype before it is normalized, as ``x + residual`` in
+torch, so the stored h and the normalized one agree.
 
 Deterministic and bit-identical run to run: the weight and bias gradients are summed per program
 over a fixed block of rows into a float32 workspace, then across programs in a fixed order by a
@@ -175,8 +178,10 @@ class NormProblem:
 
     Forward inputs (x, weight, bias, residual) -> (y, h, stats); backward inputs
     (dy, h, weight, stats, grad_h) -> (dx, dweight, dbias). Absent optional tensors are None;
-    absent outputs are empty tensors. ``stats`` is float32 (float64 for float64 x) of shape
-    (k, rows): RMSNorm's rstd (k = 1), LayerNorm's mean and rstd (k = 2).
+    absent outputs are empty tensors. ``dtype``: x's, residual's and h's (forward), h's, grad_h's
+    and dx's (backward); ``out_dtype``: y's (forward), dy's (backward). ``stats`` is float32
+    (float64 for float64 x) of shape (k, rows): RMSNorm's rstd (k = 1), LayerNorm's mean and rstd
+    (k = 2).
     ``strides``: the strided inputs' strides in the order of ``strided_names`` (None when absent).
     """
 
@@ -193,6 +198,7 @@ class NormProblem:
     weight_offset: float
     weight_grad: bool
     heuristics: NormHeuristics
+    out_dtype: torch.dtype
     index_dtype = None
 
     @cached_property
@@ -261,7 +267,8 @@ class NormProblem:
                                      "is given; the plan has none")
         for name, strides in zip(self.strided_names, self.strides):
             if given[name] is not None:
-                check_tensor(self.op, name, given[name], self.shape, self.dtype, self.device, strides)
+                check_tensor(self.op, name, given[name], self.shape, self.out_dtype if name == "dy" else self.dtype,
+                             self.device, strides)
         for name in ("weight", "bias"):
             if given.get(name) is not None:
                 check_tensor(self.op, name, given[name], self.normalized_shape, expected[name], self.device)
@@ -282,7 +289,7 @@ class NormProblem:
             db = (torch.empty(self.normalized_shape, dtype=self.bias_dtype, device=self.device)
                   if self.bias_dtype is not None else empty())
             return torch.empty(self.shape, dtype=self.dtype, device=self.device), dw, db
-        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         h = torch.empty(self.shape, dtype=self.dtype, device=self.device) if self.has_residual else empty()
         stats = torch.empty((self.stats_rows, self.rows), dtype=self.acc_dtype, device=self.device)
         return y, h, stats
@@ -290,11 +297,12 @@ class NormProblem:
 
 def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
               has_residual=False, strides=None, eps=None, weight_offset=0.0, weight_grad=True,
-              heuristics=None) -> NormProblem:
+              heuristics=None, out_dtype=None) -> NormProblem:
     """Validate a normalization descriptor.
 
     shape: x's sizes (rank 1..8). normalized_ndim: how many trailing axes form a row (1..rank).
-    dtype: x's (and residual's, dy's, h's) dtype. weight_dtype / bias_dtype: None when absent.
+    dtype: x's (and residual's, h's, dx's) dtype. out_dtype: y's (forward) or dy's (backward),
+    default dtype. weight_dtype / bias_dtype: None when absent.
     has_residual: forward, a residual is added; backward, a gradient of h is added.
     strides: None (contiguous) or one entry per strided input (forward x, residual; backward dy, h,
     grad_h), None for an absent one; each input's normalized axes must walk as one strided axis.
@@ -314,7 +322,8 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
         raise argument_error(InvalidProblemError, op, "normalized_shape",
                              f"must name 1 to {len(shape)} trailing axes of a rank-{len(shape)} input, "
                              f"got {normalized_ndim!r}")
-    dtype = float_dtype(op, first, dtype)
+    dtype = float_dtype(op, "h" if backward else first, dtype)
+    out_dtype = float_dtype(op, first if backward else "out_dtype", dtype if out_dtype is None else out_dtype)
     weight_dtype = float_dtype(op, "weight", weight_dtype, optional=True)
     bias_dtype = float_dtype(op, "bias", bias_dtype, optional=True)
     if bias_dtype is not None and op.startswith("rms"):
@@ -346,16 +355,17 @@ def _describe(op: str, shape, dtype, device="cuda", *, normalized_ndim=1, weight
         raise argument_error(InvalidProblemError, op, "heuristics",
                              f"must be a NormHeuristics, got {type(heuristics).__name__}")
     return NormProblem(op, shape, normalized_ndim, dtype, device, weight_dtype, bias_dtype, bool(has_residual),
-                       strides, float(eps), float(weight_offset), bool(weight_grad), heuristics)
+                       strides, float(eps), float(weight_offset), bool(weight_grad), heuristics, out_dtype)
 
 
 def _describer(op: str):
     def describe(shape, dtype, device="cuda", *, normalized_ndim=1, weight_dtype=None, bias_dtype=None,
                  has_residual=False, strides=None, eps=None, weight_offset=0.0, weight_grad=True,
-                 heuristics=None) -> NormProblem:
+                 heuristics=None, out_dtype=None) -> NormProblem:
         return _describe(op, shape, dtype, device, normalized_ndim=normalized_ndim, weight_dtype=weight_dtype,
                          bias_dtype=bias_dtype, has_residual=has_residual, strides=strides, eps=eps,
-                         weight_offset=weight_offset, weight_grad=weight_grad, heuristics=heuristics)
+                         weight_offset=weight_offset, weight_grad=weight_grad, heuristics=heuristics,
+                         out_dtype=out_dtype)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -867,7 +877,9 @@ def _row_alignment(problem: NormProblem, layout: ReductionLayout) -> int:
     every row's offset in every tensor (strides and launch bases); 1 where a row's elements are not
     adjacent. The kernels pass it to the compiler (``tl.multiple_of``): Triton itself only knows
     the values it specialises (multiples of 16), so rows of 1000 bf16 elements (2000 bytes, every
-    row 16-byte aligned) were loaded one element at a time."""
+    row 16-byte aligned) were loaded one element at a time. The 16 bytes are x's (h's); a y or dy
+    of another dtype (out_dtype) is a contiguous or strided tensor of the same element offsets, so
+    the count divides its offsets too (its vectors are then narrower or wider than 16 bytes)."""
     if any(s not in (0, 1) for s in layout.stride_n):
         return 1
     values = [problem.n, *layout.stride_outer0, *layout.stride_outer1, *layout.stride_inner,
@@ -1101,7 +1113,8 @@ def _walkable(t: Tensor | None, k: int) -> Tensor | None:
 
 
 def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
-             normalized_ndim: int, eps: float, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+             normalized_ndim: int, eps: float, weight_offset: float,
+             out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
     if not x.is_contiguous():
         x = _walkable(x, normalized_ndim)
     if residual is not None:
@@ -1110,7 +1123,8 @@ def _forward(op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, res
             raise_mismatch(op, "residual", residual, x.shape, x.dtype, x.device)
     descriptor = DESCRIPTORS[op](x.shape, x.dtype, x.device, normalized_ndim, _dtype_of(weight), _dtype_of(bias),
                                  residual is not None, (x.stride(), _strides_of(residual)), eps, weight_offset,
-                                 True, heuristics_for(NormHeuristics))
+                                 True, heuristics_for(NormHeuristics),
+                                 None if out_dtype == x.dtype else out_dtype)  # x's: the default's plan
     plan = cached_plan(descriptor)
     normalized_shape = x.shape[x.dim() - normalized_ndim:]
     # the kernels read weight and bias as dense rows: a strided one (a view, rare) is copied
@@ -1126,16 +1140,17 @@ def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tens
               normalized_ndim: int, has_bias: bool, bias_dtype, weight_offset: float,
               weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     dy, h, grad_h = (t if t is None or t.is_contiguous() else _walkable(t, normalized_ndim) for t in (dy, h, grad_h))
-    descriptor = DESCRIPTORS[op](dy.shape, dy.dtype, dy.device, normalized_ndim, _dtype_of(weight),
+    # dy in y's dtype (the forward's out_dtype), h, grad_h and dx in x's
+    descriptor = DESCRIPTORS[op](dy.shape, h.dtype, dy.device, normalized_ndim, _dtype_of(weight),
                                  bias_dtype if has_bias else None, grad_h is not None,
                                  (dy.stride(), h.stride(), _strides_of(grad_h)), 0.0, weight_offset,
-                                 weight_grad, heuristics_for(NormHeuristics))
+                                 weight_grad, heuristics_for(NormHeuristics), None if dy.dtype == h.dtype else dy.dtype)
     plan = cached_plan(descriptor)
     problem = plan.problem
     weight = weight if weight is None or weight.is_contiguous() else weight.contiguous()
     for name, t in (("h", h), ("grad_h", grad_h)):
-        if t is not None and (t.shape != dy.shape or t.dtype != dy.dtype or t.device != dy.device):
-            raise_mismatch(op, name, t, dy.shape, dy.dtype, dy.device)
+        if t is not None and (t.shape != dy.shape or t.dtype != h.dtype or t.device != dy.device):
+            raise_mismatch(op, name, t, dy.shape, h.dtype, dy.device)
     if weight is not None and (weight.shape != problem.normalized_shape or weight.device != dy.device):
         raise_mismatch(op, "weight", weight, problem.normalized_shape, weight.dtype, dy.device)
     if stats.shape != (problem.stats_rows, problem.rows) or stats.dtype != problem.acc_dtype \
@@ -1145,27 +1160,30 @@ def _backward(op: str, dy: Tensor, h: Tensor, weight: Tensor | None, stats: Tens
 
 
 def _rms_norm_impl(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], normalized_ndim: int,
-                   eps: Optional[float], weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _forward("rms_norm", x, weight, None, residual, normalized_ndim, eps, weight_offset)
+                   eps: Optional[float], weight_offset: float,
+                   out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward("rms_norm", x, weight, None, residual, normalized_ndim, eps, weight_offset, out_dtype)
 
 
 def _layer_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                     normalized_ndim: int, eps: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    return _forward("layer_norm", x, weight, bias, residual, normalized_ndim, eps, 0.0)
+                     normalized_ndim: int, eps: Optional[float],
+                     out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward("layer_norm", x, weight, bias, residual, normalized_ndim, eps, 0.0, out_dtype)
 
 
-def _forward_fake(x: Tensor, weight, residual, normalized_ndim: int, stats_rows: int):
+def _forward_fake(x: Tensor, weight, residual, normalized_ndim: int, stats_rows: int, out_dtype):
     rows = math.prod(x.shape[:x.dim() - normalized_ndim])
     h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), h, x.new_empty((stats_rows, rows), dtype=accumulator_dtype(x.dtype))
+    y = x.new_empty(x.shape, dtype=x.dtype if out_dtype is None else out_dtype)
+    return y, h, x.new_empty((stats_rows, rows), dtype=accumulator_dtype(x.dtype))
 
 
-def _rms_norm_fake(x, weight, residual, normalized_ndim, eps, weight_offset):
-    return _forward_fake(x, weight, residual, normalized_ndim, 1)
+def _rms_norm_fake(x, weight, residual, normalized_ndim, eps, weight_offset, out_dtype=None):
+    return _forward_fake(x, weight, residual, normalized_ndim, 1, out_dtype)
 
 
-def _layer_norm_fake(x, weight, bias, residual, normalized_ndim, eps):
-    return _forward_fake(x, weight, residual, normalized_ndim, 2)
+def _layer_norm_fake(x, weight, bias, residual, normalized_ndim, eps, out_dtype=None):
+    return _forward_fake(x, weight, residual, normalized_ndim, 2, out_dtype)
 
 
 def _save_forward(ctx, inputs, outputs) -> None:
@@ -1230,10 +1248,10 @@ def _layer_norm_backward_impl(dy: Tensor, h: Tensor, weight: Optional[Tensor], s
 
 def _layer_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, has_bias, bias_dtype, weight_grad=True):
     normalized_shape = dy.shape[dy.dim() - normalized_ndim:]
-    dw = dy.new_empty(normalized_shape, dtype=weight.dtype) if weight is not None and weight_grad \
-        else dy.new_empty(0)
-    db = dy.new_empty(normalized_shape, dtype=bias_dtype) if has_bias else dy.new_empty(0)
-    return dy.new_empty(dy.shape), dw, db
+    dw = h.new_empty(normalized_shape, dtype=weight.dtype) if weight is not None and weight_grad \
+        else h.new_empty(0)
+    db = h.new_empty(normalized_shape, dtype=bias_dtype) if has_bias else h.new_empty(0)
+    return h.new_empty(dy.shape), dw, db   # dx in x's (h's) dtype, whatever dy's
 
 
 def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weight_offset, weight_grad=True):
@@ -1241,10 +1259,11 @@ def _rms_norm_backward_fake(dy, h, weight, stats, grad_h, normalized_ndim, weigh
 
 
 def _decomposed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                normalized_ndim: int, eps: Optional[float], weight_offset: float, rms: bool):
+                normalized_ndim: int, eps: Optional[float], weight_offset: float, rms: bool,
+                out_dtype: Optional[torch.dtype]):
     """(y, h, stats) of the forward in torch ops, for Inductor (trainops.compiled): the module
     docstring's formulas with its roundings (h in x's dtype; statistics and y's products in float32,
-    float64 for float64; y rounded once to x's dtype)."""
+    float64 for float64; y rounded once to out_dtype, default x's dtype)."""
     h = x if residual is None else x + residual
     acc = accumulator_dtype(x.dtype)
     if eps is None:
@@ -1265,7 +1284,7 @@ def _decomposed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
         y = y * (weight.to(acc) + weight_offset if weight_offset else weight.to(acc))
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(x.dtype), (h if residual is not None else x.new_empty(0)), stats
+    return y.to(x.dtype if out_dtype is None else out_dtype), (h if residual is not None else x.new_empty(0)), stats
 
 
 def _normalized_size(arguments) -> int:
@@ -1277,11 +1296,12 @@ def _input_dtype(arguments) -> torch.dtype:
 
 
 RMS_NORM_DECOMPOSITION = Decomposition(
-    lambda x, weight, residual, normalized_ndim, eps, weight_offset: _decomposed(
-        x, weight, None, residual, normalized_ndim, eps, weight_offset, True), _normalized_size, _input_dtype)
+    lambda x, weight, residual, normalized_ndim, eps, weight_offset, out_dtype=None: _decomposed(
+        x, weight, None, residual, normalized_ndim, eps, weight_offset, True, out_dtype), _normalized_size,
+    _input_dtype)
 LAYER_NORM_DECOMPOSITION = Decomposition(
-    lambda x, weight, bias, residual, normalized_ndim, eps: _decomposed(
-        x, weight, bias, residual, normalized_ndim, eps, 0.0, False), _normalized_size, _input_dtype)
+    lambda x, weight, bias, residual, normalized_ndim, eps, out_dtype=None: _decomposed(
+        x, weight, bias, residual, normalized_ndim, eps, 0.0, False, out_dtype), _normalized_size, _input_dtype)
 
 
 def _inlinable(op: str):
