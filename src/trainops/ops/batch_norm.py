@@ -832,15 +832,21 @@ if triton_available():
 COMBINE_TILE = 4096   # elements of the last program's [BLOCK_P, BLOCK_C] tile of partials (unmeasured)
 
 
-def _counter(counters: dict, size: int, t: Tensor) -> Tensor:
-    """The zeroed int32 tickets (one per channel block) of one launcher for the current stream of
-    ``t``'s device, made on first use (the kernels leave them zeroed). One set a stream: launches
-    of one plan on two streams at once never share a ticket."""
+def _scratch(kept: dict, tickets: int, shape: tuple, dtype: torch.dtype, t: Tensor,
+             split: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(tickets, partials, partials[split:] or None) of one plan for the current stream of ``t``'s device, made on first use
+    and kept: ``tickets`` zeroed int32 (one per channel block; the kernels leave them zeroed),
+    ``partials`` of ``shape`` (written and read within one launch, or by the next launch of the
+    same call, in stream order). One pair a stream: launches of one plan on two streams at once
+    never share them; a plan's calls on one stream run one after the other. Keeping them saves
+    two allocations a call (host time)."""
     device = t.get_device()
     key = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else None
-    found = counters.get(key)
+    found = kept.get(key)
     if found is None:
-        found = counters[key] = torch.zeros(size, dtype=torch.int32, device=t.device)
+        part = torch.empty(shape, dtype=dtype, device=t.device)
+        found = kept[key] = (torch.zeros(tickets, dtype=torch.int32, device=t.device), part,
+                             part[split:] if split else None)
     return found
 
 
@@ -900,7 +906,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     o_sn, o_sc, o_ss = walks[-1]
     # the last program's combine: [BLOCK_P, BLOCK_C] tiles of partials, at most COMBINE_TILE elements
     combine_rows = max(1, min(next_pow2(config.programs), COMBINE_TILE // config.block_c))
-    counters: dict = {}
+    kept: dict = {}   # _scratch's
     relu, has_b = problem.relu, problem.bias_dtype is not None
     params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
               ("programs", config.programs), ("units_per_program", config.units_per_program))
@@ -920,8 +926,8 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
             if r == 0:
                 _write_empty(problem, tensors, outputs)
                 return
-            part = torch.empty((4, config.programs, c), dtype=acc, device=x.device)
-            stats(x, part, _counter(counters, c_blocks, x), mean, rstd, running_mean, running_var)
+            tickets, part, _ = _scratch(kept, c_blocks, (4, config.programs, c), acc, x)
+            stats(x, part, tickets, mean, rstd, running_mean, running_var)
 
         return Launch(run, KernelChoice("bn_stats", "triton", params), acc,
                       workspace_bytes=4 * config.programs * c * acc.itemsize)
@@ -967,9 +973,11 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
         dx, dweight, dbias = outputs   # reduce: sums in place of dx
         sums = None
         if sums_needed:
-            part = torch.empty((2, config.programs, c), dtype=acc, device=dy.device)
-            sums = dx if reduce else torch.empty((2, c), dtype=acc, device=dy.device)
-            grad_sums(dy, x, weight, bias, mean, rstd, part, _counter(counters, c_blocks, dy), sums,
+            # the partials and then the sums (read by grad_input below): one kept workspace
+            tickets, part, kept_sums = _scratch(kept, c_blocks, (2 * config.programs * c + 2 * c,), acc, dy,
+                                                split=2 * config.programs * c)
+            sums = dx if reduce else kept_sums
+            grad_sums(dy, x, weight, bias, mean, rstd, part, tickets, sums,
                       dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
         if problem.input_grad:
             grad_input(dy, x, dx, weight, bias, mean, rstd, sums)
@@ -991,7 +999,8 @@ if triton_available():
 
 def _walkable(t: Tensor) -> Tensor:
     """``t``, or a contiguous copy when its spatial axes do not walk as one strided axis (rare views)."""
-    if t.dim() < 2 or t.is_contiguous() or _walks(t.shape, [t.stride()]) is not None:
+    if (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or t.dim() < 2
+            or _walks(t.shape, [t.stride()]) is not None):
         return t
     return t.contiguous()
 
