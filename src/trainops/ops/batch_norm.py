@@ -706,7 +706,8 @@ if triton_available():
     def _relu_masked(dy, x, mean, scale, B, c, c_mask, DT: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
         """dy where the fused ReLU passed its input (y, stored in DT, not <= 0), else 0: torch's
         threshold_backward on the forward's y, recomputed from x."""
-        y = _normalized(x, mean, scale, B, c, c_mask, HAS_B, ACC).to(DT)
+        # y rounded to DT, compared in ACC (Triton's interpreter compares bfloat16 values as integers)
+        y = _normalized(x, mean, scale, B, c, c_mask, HAS_B, ACC).to(DT).to(ACC)
         return tl.where(y <= 0, 0.0, dy)
 
     @triton.jit
