@@ -314,8 +314,9 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     input: rank 2 to 8, any strides (channels-last stays channels-last in y and in the gradient),
     float32/float16/bfloat16/float64; weight, bias, running statistics (C,) in any float dtype.
     Statistics and sums in float32 (float64 for float64). Backward: dx, dweight, dbias,
-    deterministic (per-program partial sums added in a fixed order, no atomics), bit-identical
-    run to run. Double backward raises UnsupportedError.
+    deterministic (per-program partial sums added in a fixed order by the last program to finish;
+    its ticket is the only atomic), bit-identical run to run. Triton: 2 launches a training
+    forward, 2 a backward. Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes or devices of the per-channel tensors, running statistics
     missing in eval, one value per channel in training, momentum outside [0, 1], eps < 0),
     UnsupportedError (integer or other dtypes, rank above 8, DTensor parameters, forward-mode AD in

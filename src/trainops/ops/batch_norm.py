@@ -25,15 +25,27 @@ walk as one strided axis (other views are copied first); y and dx keep x's memor
 
 Deterministic and bit-identical run to run: every per-channel sum is taken per program over a
 fixed range of the channel's elements (means and squared deviations combined tile by tile,
-Chan's formula, so a large mean costs no precision), then across programs in a fixed order by a
-second kernel. No atomics.
+Chan's formula, so a large mean costs no precision), then across programs in a fixed order by the
+last program of the channel block to finish. The only atomic is that program's ticket (an int32
+counter a channel block), which decides who combines, never the order of a sum.
 
 Triton plan: x is walked as (N', C, S') with S' the spatial axes (and N folded into them when
 they merge, as in channels-last): a program owns BLOCK_C channels and a range of (n, spatial
-block) tiles. Forward in training: the statistics kernel reads x once, a finishing kernel merges
-the partials, updates the running statistics and writes (mean, rstd), the apply kernel reads x
-again and writes y (3 passes over x's bytes: read, read, write). Backward: partial sums of dy and
-dy * xh (reads dy, x), their fixed-order totals (dweight, dbias), then dx (reads dy, x, writes dx).
+block) tiles. Forward in training: the statistics kernel reads x once and writes each program's
+partials; the last program of each channel block to arrive (``_last_to_arrive``: a release /
+acquire ticket, reset by that program for the next launch) merges its channels' partials, updates
+the running statistics and writes (mean, rstd), all in the same launch; the apply kernel reads x
+again and writes y (3 passes over x's bytes: read, read, write; 2 launches, 3 before). Backward:
+partial sums of dy and dy * xh (reads dy, x) and, by the last program, their fixed-order totals
+(dweight, dbias) in one launch, then dx (reads dy, x, writes dx): 2 launches, 3 before. The
+normalising passes stay separate launches: they need every program's statistics (a grid-wide
+barrier). The tickets and partials are kept per plan and stream (``_scratch``): no allocation a
+call.
+
+Fused ReLU (``relu=True`` on batch_norm and batch_norm_backward; trainops.batch_norm_relu): y =
+max(batch norm, 0), NaN kept; the backward recomputes y from x (the forward's expression, rounded
+to y's dtype) in both backward kernels and zeroes dy where y <= 0 (torch's threshold_backward),
+so the ReLU costs no launch, no pass and no saved tensor.
 
 Synchronised (``sync_batch_norm``, torch.nn.SyncBatchNorm's semantics): in training the statistics
 are the process group's whole batch. Each rank computes its own count n_r (a host int: its R),
@@ -63,7 +75,7 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import merge_dims, next_pow2
-from ..library import custom_op
+from ..library import PLAIN_TENSORS, custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
@@ -1141,6 +1153,30 @@ def _save(ctx, inputs, output) -> None:
     ctx.bias_dtype = None if inputs.bias is None else inputs.bias.dtype
     # the backward plans with the forward's heuristics (autograd may run it on another thread)
     ctx.heuristics = heuristics_for(BatchNormHeuristics)
+    ctx.backward_plan = _eager_backward_plan(ctx, inputs, output)
+
+
+def _eager_backward_plan(ctx, inputs, y):
+    """In plain eager mode, the backward's plan for a dy with y's strides, made in the forward:
+    the backward, which autograd runs on its device thread (where Python is slowest), then only
+    launches. None under torch.compile, for tensor subclasses, or where x would be copied first."""
+    x = inputs.x
+    if (type(x) not in PLAIN_TENSORS or type(y) not in PLAIN_TENSORS or torch.compiler.is_compiling()
+            or _walkable(x) is not x):
+        return None
+    needs = ctx.needs_input_grad   # (x, weight, bias, ...): the op's argument order
+    weight_grad = inputs.weight is not None and needs[1]
+    bias_grad = inputs.bias is not None and needs[2]
+    if not (needs[0] or weight_grad or bias_grad):
+        return None
+    relu = inputs.relu
+    descriptor = BatchNormBackwardDescriptor(
+        x.shape, x.dtype, x.device, strides=(y.stride(), x.stride()),
+        weight_dtype=None if inputs.weight is None else inputs.weight.dtype,
+        bias_dtype=None if inputs.bias is None or not (bias_grad or relu) else inputs.bias.dtype,
+        training=inputs.training, input_grad=needs[0], weight_grad=weight_grad, bias_grad=bias_grad,
+        heuristics=ctx.heuristics, relu=relu)
+    return cached_plan(descriptor)
 
 
 def _grad(ctx, dy) -> dict:
@@ -1154,9 +1190,17 @@ def _grad(ctx, dy) -> dict:
     input_grad = ctx.needs_grad.x
     if not (input_grad or weight_grad or bias_grad):
         return {}
-    with heuristics(ctx.heuristics):
-        dx, dweight, dbias = batch_norm_backward_op(dy, x, weight, mean, rstd, ctx.training, input_grad, weight_grad,
-                                                    ctx.bias_dtype if bias_grad else None, bias, ctx.relu)
+    plan = getattr(ctx, "backward_plan", None)
+    if (plan is not None and type(dy) in PLAIN_TENSORS and dy.dtype == x.dtype and dy.device == x.device
+            and dy.stride() == plan.problem.strides[0] and dy.shape == x.shape):
+        # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
+        dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
+                                                (dy, x, weight, mean, rstd))
+    else:
+        with heuristics(ctx.heuristics):
+            dx, dweight, dbias = batch_norm_backward_op(dy, x, weight, mean, rstd, ctx.training, input_grad,
+                                                        weight_grad, ctx.bias_dtype if bias_grad else None, bias,
+                                                        ctx.relu)
     grads = {}
     if input_grad:
         grads["x"] = dx

@@ -231,16 +231,12 @@ class CnnResult:
     stash: object = None  # the GIST handle's StashStats of the last forward, with a stash
 
 
-def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = False) -> CnnResult:
-    """Train ``cfg.steps`` steps of one of CNN_RUNS and evaluate it."""
+def _step_function(cfg: CnnRunConfig, run: str, device: torch.device, forward, opt):
+    """(step(x, y) -> the loss, the CUDA learning-rate tensor or None): one training step, eager
+    (gradients set to None after the optimizer step) or, for a graphed run, a CapturedStep."""
     import trainops
 
-    model, forward, opt, handle = build_run(cfg, device, run)
     amp_dtype = autocast_dtype(cfg)
-    model.train()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
 
     def train_step(x, y):
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -249,15 +245,26 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
         opt.step()
         return loss.detach()
 
-    lr_tensor = None
-    if graphed(cfg, run):
-        lr_tensor = opt.param_groups[0]["lr"]   # every group's (build_run)
-        step_fn = trainops.capture_step(train_step, [opt], warmup_steps=GRAPH_WARMUP)
-    else:
-        def step_fn(x, y):
-            loss = train_step(x, y)
-            opt.zero_grad(set_to_none=True)
-            return loss
+    if graphed(cfg, run):   # capture_step sets the gradients to None before each eager call and the capture
+        return trainops.capture_step(train_step, [opt], warmup_steps=GRAPH_WARMUP), opt.param_groups[0]["lr"]
+
+    def eager_step(x, y):
+        loss = train_step(x, y)
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return eager_step, None
+
+
+def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = False) -> CnnResult:
+    """Train ``cfg.steps`` steps of one of CNN_RUNS and evaluate it."""
+    import trainops
+
+    model, forward, opt, handle = build_run(cfg, device, run)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    step_fn, lr_tensor = _step_function(cfg, run, device, forward, opt)
     losses, step_times = [], []
     with trainops.track_kernels() as used:
         for step in range(cfg.steps):
@@ -283,7 +290,7 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
     timed = sum(step_times)
     result = RunResult(run, losses, val, 1e3 * len(step_times) * cfg.batch / timed if timed else math.nan,
                        timed / len(step_times) if step_times else math.nan, peak, dict(used), step_times)
-    del model, forward, opt, handle
+    del model, forward, opt, handle, step_fn   # a graphed step holds its graph's memory pool
     gc.collect()
     if run.endswith("-compile"):
         torch._dynamo.reset()
