@@ -166,10 +166,10 @@ def test_torch_compile_fullgraph():
         assert torch.allclose(s, r, rtol=1e-6, atol=1e-7)
 
 
-def test_one_launch_each_way_for_the_sums_tickets_zeroed_and_bit_identical(monkeypatch):
-    """Triton: a training step is 4 launches (statistics + their finishing; apply; gradient sums +
-    their totals; dx; 6 before), eval 1 + 2; the last program leaves the tickets zeroed, so a second step
-    finishes too (outputs start as NaN) and gives the same bits."""
+def test_one_launch_each_way_for_the_sums_and_bit_identical(monkeypatch):
+    """Triton: a training step is 4 kernel launches (statistics + their finishing; apply; gradient
+    sums + their totals; dx; 6 before), eval 1 + 2; a second step finishes too (outputs start as
+    NaN) and gives the same bits."""
     launches = []
 
     def counting(kernel, grid, trailing=(), **meta):

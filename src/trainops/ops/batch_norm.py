@@ -33,14 +33,14 @@ Triton plan: x is walked as (N', C, S') with S' the spatial axes (and N folded i
 they merge, as in channels-last): a program owns BLOCK_C channels and a range of (n, spatial
 block) tiles. Forward in training: the statistics kernel reads x once and writes each program's
 partials; the last program of each channel block to arrive (``_last_to_arrive``: a release /
-acquire ticket, reset by that program for the next launch) merges its channels' partials, updates
+acquire ticket) merges its channels' partials, updates
 the running statistics and writes (mean, rstd), all in the same launch; the apply kernel reads x
 again and writes y (3 passes over x's bytes: read, read, write; 2 launches, 3 before). Backward:
 partial sums of dy and dy * xh (reads dy, x) and, by the last program, their fixed-order totals
 (dweight, dbias) in one launch, then dx (reads dy, x, writes dx): 2 launches, 3 before. The
 normalising passes stay separate launches: they need every program's statistics (a grid-wide
-barrier). The tickets and partials are kept per plan and stream (``_scratch``): no allocation a
-call.
+barrier). Each call zeroes its tickets (one fill of C / BLOCK_C int32, ``_workspace``): tickets kept
+by the plan would have to be made outside any CUDA graph's memory pool, which a call cannot ensure.
 
 Fused ReLU (``relu=True`` on batch_norm and batch_norm_backward; trainops.batch_norm_relu): y =
 max(batch norm, 0), NaN kept; the backward recomputes y from x (the forward's expression, rounded
@@ -651,16 +651,12 @@ if triton_available():
     @triton.jit
     def _last_to_arrive(COUNTER):
         """Whether this program is the last of its channel block (axis 0) to reach this point: a
-        ticket from the block's int32 counter, which the last program sets back to 0 for the next
-        launch (the plan's counters start zeroed and stay so between launches). The barrier puts
-        every thread's partial stores before the release of the ticket; the acquire side lets the
-        last program read them (volatile loads)."""
+        ticket from the block's int32 counter (zeroed by the caller). The barrier puts every
+        thread's partial stores before the release of the ticket; the acquire side lets the last
+        program read them (volatile loads)."""
         tl.debug_barrier()
         arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel")
-        last = arrived == tl.num_programs(1) - 1
-        if last:
-            tl.store(COUNTER + tl.program_id(0), 0)
-        return last
+        return arrived == tl.num_programs(1) - 1
 
     @triton.jit
     def _bn_stats_combine(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps, c, c_mask,
@@ -845,22 +841,13 @@ if triton_available():
 COMBINE_TILE = 4096   # elements of the last program's [BLOCK_P, BLOCK_C] tile of partials (unmeasured)
 
 
-def _scratch(kept: dict, tickets: int, shape: tuple, dtype: torch.dtype, t: Tensor,
-             split: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(tickets, partials, partials[split:] or None) of one plan for the current stream of ``t``'s device, made on first use
-    and kept: ``tickets`` zeroed int32 (one per channel block; the kernels leave them zeroed),
-    ``partials`` of ``shape`` (written and read within one launch, or by the next launch of the
-    same call, in stream order). One pair a stream: launches of one plan on two streams at once
-    never share them; a plan's calls on one stream run one after the other. Keeping them saves
-    two allocations a call (host time)."""
-    device = t.get_device()
-    key = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else None
-    found = kept.get(key)
-    if found is None:
-        part = torch.empty(shape, dtype=dtype, device=t.device)
-        found = kept[key] = (torch.zeros(tickets, dtype=torch.int32, device=t.device), part,
-                             part[split:] if split else None)
-    return found
+def _workspace(tickets: int, elements: int, dtype: torch.dtype, t: Tensor) -> tuple[Tensor, Tensor]:
+    """(zeroed int32 tickets, one per channel block; ``elements`` partials in ``dtype``) for one call,
+    on ``t``'s device. New each call: a tensor kept by a plan would sit in a CUDA graph's memory pool
+    when first made during a capture or a CUDA-graph-tree warm-up (torch.compile's reduce-overhead
+    checks its pool for such tensors)."""
+    return (torch.zeros(tickets, dtype=torch.int32, device=t.device),
+            torch.empty(elements, dtype=dtype, device=t.device))
 
 
 @dataclass(frozen=True)
@@ -919,7 +906,6 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     o_sn, o_sc, o_ss = walks[-1]
     # the last program's combine: [BLOCK_P, BLOCK_C] tiles of partials, at most COMBINE_TILE elements
     combine_rows = max(1, min(next_pow2(config.programs), COMBINE_TILE // config.block_c))
-    kept: dict = {}   # _scratch's
     relu, has_b = problem.relu, problem.bias_dtype is not None
     params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
               ("programs", config.programs), ("units_per_program", config.units_per_program))
@@ -939,7 +925,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
             if r == 0:
                 _write_empty(problem, tensors, outputs)
                 return
-            tickets, part, _ = _scratch(kept, c_blocks, (4, config.programs, c), acc, x)
+            tickets, part = _workspace(c_blocks, 4 * config.programs * c, acc, x)
             stats(x, part, tickets, mean, rstd, running_mean, running_var)
 
         return Launch(run, KernelChoice("bn_stats", "triton", params), acc,
@@ -986,10 +972,9 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
         dx, dweight, dbias = outputs   # reduce: sums in place of dx
         sums = None
         if sums_needed:
-            # the partials and then the sums (read by grad_input below): one kept workspace
-            tickets, part, kept_sums = _scratch(kept, c_blocks, (2 * config.programs * c + 2 * c,), acc, dy,
-                                                split=2 * config.programs * c)
-            sums = dx if reduce else kept_sums
+            # the partials, then the sums (read by grad_input below)
+            tickets, part = _workspace(c_blocks, 2 * config.programs * c + (0 if reduce else 2 * c), acc, dy)
+            sums = dx if reduce else part[2 * config.programs * c:]
             grad_sums(dy, x, weight, bias, mean, rstd, part, tickets, sums,
                       dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
         if problem.input_grad:
