@@ -701,21 +701,29 @@ if triton_available():
                      mask=c_mask)
 
     @triton.jit
-    def _normalized(x, mean, scale, B, c, c_mask, HAS_B: tl.constexpr, ACC: tl.constexpr):
+    def _bias(B, c, c_mask, HAS_B: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The channels' bias in ACC (zeros without one)."""
+        bias = tl.zeros([BLOCK_C], ACC)
+        if HAS_B:
+            bias = tl.load(B + c, mask=c_mask, other=0.0).to(ACC)
+        return bias
+
+    @triton.jit
+    def _normalized(x, mean, scale, bias, HAS_B: tl.constexpr):
         """(x - mean) * scale + bias of a [BLOCK_S, BLOCK_C] tile, the forward's expression: the
         backward of the fused ReLU recomputes it to find the elements the ReLU zeroed."""
         # x - mean first: x * scale - mean * scale would cancel in float32 when |mean| >> std
         y = (x - mean[None, :]) * scale[None, :]
         if HAS_B:
-            y += tl.load(B + c, mask=c_mask, other=0.0).to(ACC)[None, :]
+            y += bias[None, :]
         return y
 
     @triton.jit
-    def _relu_masked(dy, x, mean, scale, B, c, c_mask, DT: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
+    def _relu_masked(dy, x, mean, scale, bias, DT: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
         """dy where the fused ReLU passed its input (y, stored in DT, not <= 0), else 0: torch's
         threshold_backward on the forward's y, recomputed from x."""
         # y rounded to DT, compared in ACC (Triton's interpreter compares bfloat16 values as integers)
-        y = _normalized(x, mean, scale, B, c, c_mask, HAS_B, ACC).to(DT).to(ACC)
+        y = _normalized(x, mean, scale, bias, HAS_B).to(DT).to(ACC)
         return tl.where(y <= 0, 0.0, dy)
 
     @triton.jit
@@ -735,7 +743,7 @@ if triton_available():
             scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
         mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
         x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
-        y = _normalized(x, mean, scale, B, c, c_mask, HAS_B, ACC)
+        y = _normalized(x, mean, scale, _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C), HAS_B)
         if RELU:
             y = tl.where(y < 0, 0.0, y)
         tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
@@ -759,6 +767,7 @@ if triton_available():
         scale = rstd
         if HAS_W:
             scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
+        bias = _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C)   # HAS_B: with RELU only
         sum_dy = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         sum_dy_xh = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         for unit in range(first, last):
@@ -768,7 +777,7 @@ if triton_available():
             dy = tl.load(DY + dy_off, mask=mask, other=0.0).to(ACC)
             x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
             if RELU:
-                dy = _relu_masked(dy, x, mean, scale, B, c, c_mask, DY.dtype.element_ty, HAS_B, ACC)
+                dy = _relu_masked(dy, x, mean, scale, bias, DY.dtype.element_ty, HAS_B, ACC)
             sum_dy += dy
             sum_dy_xh += dy * ((x - mean[None, :]) * rstd[None, :])
         row = p.to(tl.int64) * C + c
@@ -827,7 +836,8 @@ if triton_available():
             x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
             mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
         if RELU:
-            dy = _relu_masked(dy, x, mean, scale, B, c, c_mask, DY.dtype.element_ty, HAS_B, ACC)
+            dy = _relu_masked(dy, x, mean, scale, _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C), DY.dtype.element_ty,
+                              HAS_B, ACC)
         if TRAINING:
             mean_dy = tl.load(SUMS + c, mask=c_mask, other=0.0) / R
             mean_dy_xh = tl.load(SUMS + C + c, mask=c_mask, other=0.0) / R
@@ -947,6 +957,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     sums_needed = not elemt and (reduce or problem.weight_grad or problem.bias_grad or
                                  (problem.input_grad and problem.training))
     has_w = problem.weight_dtype is not None
+    has_b = relu and has_b   # the backward takes the bias (to recompute y) only with the fused ReLU
     grad_sums = launcher(_bn_grad_sums, (c_blocks, config.programs),
                          trailing=(c, s, s_blocks, units, config.units_per_program, dy_sn, dy_sc, dy_ss,
                                    x_sn, x_sc, x_ss),
@@ -980,7 +991,8 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
         if problem.input_grad:
             grad_input(dy, x, dx, weight, bias, mean, rstd, sums)
 
-    name = ("bn_grad_input" if elemt else "bn_grad_sums" if reduce else "bn_grad_sums+input") + ("_relu" if relu else "")
+    name = (("bn_grad_input" if elemt else "bn_grad_sums" if reduce else "bn_grad_sums+input")
+            + ("_relu" if relu else ""))
     return Launch(run, KernelChoice(name, "triton", params), acc,
                   workspace_bytes=(2 * config.programs * c + 2 * c) * acc.itemsize)
 
@@ -1144,11 +1156,13 @@ def _save(ctx, inputs, output) -> None:
 def _eager_backward_plan(ctx, inputs, y):
     """In plain eager mode, the backward's plan for a dy with y's strides, made in the forward:
     the backward, which autograd runs on its device thread (where Python is slowest), then only
-    launches. None under torch.compile, for tensor subclasses, or where x would be copied first."""
+    launches. None under torch.compile, for tensor subclasses, or where x, the weight or the bias
+    would be copied first."""
     x = inputs.x
     if (type(x) not in PLAIN_TENSORS or type(y) not in PLAIN_TENSORS or torch.compiler.is_compiling()
-            or _walkable(x) is not x):
-        return None
+            or _walkable(x) is not x
+            or any(t is not None and not t.is_contiguous() for t in (inputs.weight, inputs.bias))):
+        return None   # (a strided weight or bias: the backward op makes it dense first)
     needs = ctx.needs_input_grad   # (x, weight, bias, ...): the op's argument order
     weight_grad = inputs.weight is not None and needs[1]
     bias_grad = inputs.bias is not None and needs[2]
