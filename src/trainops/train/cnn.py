@@ -23,9 +23,10 @@ decay of the learning rate, autocast bf16 and channels-last on CUDA, float32 on 
   and each block's first: batch norm and ReLU in one pass, no ReLU node in the backward),
   ``trainops.nn.BatchNorm2d`` for the others, ``trainops.gist.compress`` (the remaining
   ReLUs, after the residual additions, keep 1 bit an element; with ``--gist`` bf16 / fp16 / e5m2 /
-  e4m3 also every other saved activation packed, lossy; under bf16 autocast only the 1-byte formats pack anything, so bf16 /
-  fp16 are refused there), ``trainops.optim.SGD``. In this network each ReLU's output is the next
-  convolution's saved input, so the 1-bit ReLUs alone save about nothing: the stash does;
+  e4m3 also every other saved activation packed, lossy; under bf16 autocast only the 1-byte
+  formats pack anything, so bf16 / fp16 are refused there), ``trainops.optim.SGD``. In this
+  network each ReLU's output is the next convolution's saved input, so the 1-bit ReLUs alone save
+  about nothing: the stash does;
 - ``pytorch``: the same model with torch's modules and ``torch.optim.SGD``;
 - ``pytorch-compile``: the pytorch run under ``torch.compile``.
 
