@@ -168,8 +168,9 @@ def test_torch_compile_fullgraph():
 
 def test_one_launch_each_way_for_the_sums_and_bit_identical(monkeypatch):
     """Triton: a training step is 4 kernel launches (statistics + their finishing; apply; gradient
-    sums + their totals; dx; 6 before), eval 1 + 2; a second step finishes too (outputs start as
-    NaN) and gives the same bits."""
+    sums + their totals; dx; 6 before), eval 1 + 2. The plan keeps its tickets (on the CPU, as on a
+    CUDA default stream) and the last programs set them back to 0: a second step finishes too
+    (outputs start as NaN) and gives the same bits."""
     launches = []
 
     def counting(kernel, grid, trailing=(), **meta):

@@ -316,7 +316,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     Statistics and sums in float32 (float64 for float64). Backward: dx, dweight, dbias,
     deterministic (per-program partial sums added in a fixed order by the last program to finish;
     its ticket is the only atomic), bit-identical run to run. Triton: 2 kernels a training
-    forward, 2 a backward (and a fill of the tickets each). Double backward raises UnsupportedError.
+    forward, 2 a backward. Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes or devices of the per-channel tensors, running statistics
     missing in eval, one value per channel in training, momentum outside [0, 1], eps < 0),
     UnsupportedError (integer or other dtypes, rank above 8, DTensor parameters, forward-mode AD in

@@ -39,8 +39,9 @@ again and writes y (3 passes over x's bytes: read, read, write; 2 launches, 3 be
 partial sums of dy and dy * xh (reads dy, x) and, by the last program, their fixed-order totals
 (dweight, dbias) in one launch, then dx (reads dy, x, writes dx): 2 launches, 3 before. The
 normalising passes stay separate launches: they need every program's statistics (a grid-wide
-barrier). Each call zeroes its tickets (one fill of C / BLOCK_C int32, ``_workspace``): tickets kept
-by the plan would have to be made outside any CUDA graph's memory pool, which a call cannot ensure.
+barrier). The tickets and partials are kept by the plan on the default stream (the last program
+sets its ticket back to 0), made anew on other streams (``_workspace``: CUDA graph captures and
+graph-tree warm-ups, whose memory pools must not keep them), the tickets then zeroed by a fill.
 
 Fused ReLU (``relu=True`` on batch_norm and batch_norm_backward; trainops.batch_norm_relu): y =
 max(batch norm, 0), NaN kept; the backward recomputes y from x (the forward's expression, rounded
@@ -651,12 +652,16 @@ if triton_available():
     @triton.jit
     def _last_to_arrive(COUNTER):
         """Whether this program is the last of its channel block (axis 0) to reach this point: a
-        ticket from the block's int32 counter (zeroed by the caller). The barrier puts every
+        ticket from the block's int32 counter (zeroed before the launch; set back to 0 by the last
+        program). The barrier puts every
         thread's partial stores before the release of the ticket; the acquire side lets the last
         program read them (volatile loads)."""
         tl.debug_barrier()
         arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel")
-        return arrived == tl.num_programs(1) - 1
+        last = arrived == tl.num_programs(1) - 1
+        if last:   # zeroed again for the plan's next launch (_workspace keeps the tickets)
+            tl.store(COUNTER + tl.program_id(0), 0)
+        return last
 
     @triton.jit
     def _bn_stats_combine(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps, c, c_mask,
@@ -851,11 +856,23 @@ if triton_available():
 COMBINE_TILE = 4096   # elements of the last program's [BLOCK_P, BLOCK_C] tile of partials (unmeasured)
 
 
-def _workspace(tickets: int, elements: int, dtype: torch.dtype, t: Tensor) -> tuple[Tensor, Tensor]:
-    """(zeroed int32 tickets, one per channel block; ``elements`` partials in ``dtype``) for one call,
-    on ``t``'s device. New each call: a tensor kept by a plan would sit in a CUDA graph's memory pool
-    when first made during a capture or a CUDA-graph-tree warm-up (torch.compile's reduce-overhead
-    checks its pool for such tensors)."""
+def _workspace(kept: dict, tickets: int, elements: int, dtype: torch.dtype, t: Tensor) -> tuple[Tensor, Tensor]:
+    """(int32 tickets, zeroed, one per channel block; ``elements`` partials in ``dtype``) for one
+    launch on ``t``'s device.
+
+    On a CUDA device's default stream (and on the CPU) they are made once and kept in ``kept`` (the
+    plan's), the kernels' last programs setting the tickets back to 0: no allocation and no fill a
+    call, and the launches of one plan on one stream follow one another. Elsewhere (a side stream:
+    a CUDA graph capture, capture_step's warm-up, a CUDA graph tree's warm-up and recording) they are
+    new each call, the tickets zeroed by a fill: a tensor kept from there would sit in the graph's
+    memory pool, which torch.compile's reduce-overhead checks for strays."""
+    device = t.get_device()
+    if device < 0 or torch._C._cuda_getCurrentRawStream(device) == 0:
+        found = kept.get(device)
+        if found is None:
+            found = kept[device] = (torch.zeros(tickets, dtype=torch.int32, device=t.device),
+                                    torch.empty(elements, dtype=dtype, device=t.device))
+        return found
     return (torch.zeros(tickets, dtype=torch.int32, device=t.device),
             torch.empty(elements, dtype=dtype, device=t.device))
 
@@ -917,6 +934,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     # the last program's combine: [BLOCK_P, BLOCK_C] tiles of partials, at most COMBINE_TILE elements
     combine_rows = max(1, min(next_pow2(config.programs), COMBINE_TILE // config.block_c))
     relu, has_b = problem.relu, problem.bias_dtype is not None
+    kept: dict = {}   # _workspace's, by device
     params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
               ("programs", config.programs), ("units_per_program", config.units_per_program))
 
@@ -935,7 +953,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
             if r == 0:
                 _write_empty(problem, tensors, outputs)
                 return
-            tickets, part = _workspace(c_blocks, 4 * config.programs * c, acc, x)
+            tickets, part = _workspace(kept, c_blocks, 4 * config.programs * c, acc, x)
             stats(x, part, tickets, mean, rstd, running_mean, running_var)
 
         return Launch(run, KernelChoice("bn_stats", "triton", params), acc,
@@ -984,7 +1002,7 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
         sums = None
         if sums_needed:
             # the partials, then the sums (read by grad_input below)
-            tickets, part = _workspace(c_blocks, 2 * config.programs * c + (0 if reduce else 2 * c), acc, dy)
+            tickets, part = _workspace(kept, c_blocks, 2 * config.programs * c + (0 if reduce else 2 * c), acc, dy)
             sums = dx if reduce else part[2 * config.programs * c:]
             grad_sums(dy, x, weight, bias, mean, rstd, part, tickets, sums,
                       dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
