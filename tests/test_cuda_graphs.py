@@ -67,6 +67,8 @@ CASES = {
     "gather_backward": lambda t: _sq(trainops.gather_backward(t["x"], t["ids"], 0, (V, C))),
     # issue 22's families, x seen as an (8, 16, 16, 16) batch of images
     "batch_norm": lambda t: _sq(trainops.batch_norm(_images(t["x"]), None, None, t["w"][:16], t["b"][:16], True)),
+    "batch_norm_relu": lambda t: _sq(trainops.batch_norm_relu(_images(t["x"]), None, None, t["w"][:16], t["b"][:16],
+                                                              True)),
     "conv2d": lambda t: _sq(trainops.conv2d(_images(t["x"]), t["w"].view(16, 16, 1, 1), t["b"][:16])),
     "gist_relu": lambda t: (trainops.gist.relu(t["x"]) * t["r"]).sum(),
     "sum_to_shape": lambda t: _sq(trainops.sum_to_shape(_images(t["x"]), (16, 1, 1))),

@@ -38,16 +38,32 @@ def test_resnet_shapes():
     assert len(strided) == 2   # each stage after the first halves the resolution through a 1x1 shortcut
 
 
+def test_the_trainops_model_fuses_each_batch_norm_a_relu_follows():
+    """The stem's and each block's first batch norm are BatchNormReLU2d (no ReLU module after them),
+    the others BatchNorm2d; the parameters are the same, in the same order, from the same seed."""
+    cfg = CnnRunConfig(**{**train_cnn.CNN_CONFIGS["tiny"], "blocks": 2})
+    ours = train_cnn.build_model(cfg, torch.device("cpu"), True)
+    ref = train_cnn.build_model(cfg, torch.device("cpu"), False)
+    fused = [n for n, m in ours.named_modules() if isinstance(m, trainops.nn.BatchNormReLU2d)]
+    assert fused == ["stem.1"] + [f"stages.{i}.bn1" for i in range(4)], fused
+    plain = [n for n, m in ours.named_modules() if type(m) is trainops.nn.BatchNorm2d]
+    assert len(plain) == 4 + 1 and all(n.endswith(("bn2", "shortcut.1")) for n in plain), plain
+    assert sum(isinstance(m, torch.nn.ReLU) for m in ours.modules()) == 4   # each block's relu2
+    assert [n for n, _ in ours.named_parameters()] != [] and all(
+        torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+
+
 def test_trainops_run_follows_pytorchs_curve_and_uses_its_kernels():
     ours = run_cnn(TINY, torch.device("cpu"), "trainops", quiet=True)
     ref = run_cnn(TINY, torch.device("cpu"), "pytorch", quiet=True)
     assert len(ours.run.losses) == TINY.steps and all(math.isfinite(v) for v in ours.run.losses)
-    # float32 on the CPU: trainops's batch norm, the registry's convolutions (torch's CPU kernels)
-    # and the exact GIST ReLU give torch's values
+    # float32 on the CPU: trainops's batch norms (those a ReLU follows fused with it) and the exact
+    # GIST ReLU give torch's values
     assert max(abs(a - b) / b for a, b in zip(ours.run.losses, ref.run.losses)) < 1e-5
     ops = {op for op, *_ in ours.run.kernels}
     assert ops == {"batch_norm_stats", "batch_norm", "batch_norm_backward", "gist_relu", "gist_relu_backward",
-                   "sgd_step", "conv2d", "conv2d_backward"}, ops
+                   "sgd_step"}, ops
     assert ref.run.kernels == {}
     assert 0.0 <= ours.accuracy <= 1.0 and ours.stash is None
 
@@ -80,6 +96,11 @@ def test_the_command_reports_every_run(capsys, tmp_path):
     (["--model", "cnn", "--amp", "fp16"], "argument --amp: --model cnn runs bf16 or none"),
     (["--model", "cnn", "--dropout", "0.1"], "argument --dropout: not available with --model cnn"),
     (["--model", "cnn", "--gist", "int8"], "argument --gist: invalid choice"),
+    (["--model", "cnn", "--cuda-graphs"], "argument --cuda-graphs: needs --device cuda"),
+    (["--cuda-graphs"], "argument --cuda-graphs: only with --model cnn"),
+    (["--model", "cnn", "--runs", "trainops,eager"], "argument --runs: 'eager' is not a --model cnn run"),
+    (["--model", "cnn", "--runs", "pytorch,pytorch"], "argument --runs: a run is named twice"),
+    (["--model", "cnn", "--runs", "pytorch", "--compare"], "argument --runs: names the runs itself"),
     (["--model", "cnn", "--amp", "bf16", "--gist", "fp16"], "argument --gist: fp16 packs nothing under --amp bf16"),
 ])
 def test_arguments_are_refused_before_any_work(argv, message, capsys, monkeypatch):
@@ -101,3 +122,16 @@ def test_gpu_cnn_runs_side_by_side():
     assert all(math.isfinite(v) for v in ours.run.losses)
     assert max(abs(a - b) / b for a, b in zip(ours.run.losses, ref.run.losses)) < 0.05
     assert ours.run.peak_memory_mb < ref.run.peak_memory_mb
+
+
+@pytest.mark.gpu
+def test_gpu_cnn_runs_as_cuda_graphs_on_the_same_curve():
+    """--cuda-graphs: the trainops and pytorch runs replay one graph a step after the warm-up; the
+    curve is the eager run's (bf16: within a few percent), the learning rate follows the schedule."""
+    base = {**train_cnn.CNN_CONFIGS["small"], "steps": 12, "amp": "bf16"}
+    device = torch.device("cuda")
+    for run in ("trainops", "pytorch"):
+        eager = run_cnn(CnnRunConfig(**base), device, run, quiet=True)
+        graphs = run_cnn(CnnRunConfig(**base, cuda_graphs=True), device, run, quiet=True)
+        assert all(math.isfinite(v) for v in graphs.run.losses)
+        assert max(abs(a - b) / b for a, b in zip(graphs.run.losses, eager.run.losses)) < 0.05, run

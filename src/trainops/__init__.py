@@ -25,6 +25,7 @@ from .functional import attention_softmax
 from .functional import linear_cross_entropy
 from .functional import linear_distillation_loss, linear_preference_loss
 from .functional import batch_norm, sync_batch_norm
+from .functional import batch_norm_relu
 from .functional import conv2d, sum_to_shape
 from .functional import qk_norm_rotary
 from .ops._common import check_pending
@@ -48,4 +49,5 @@ __all__ = [
     "qk_norm_rotary",
     "linear_distillation_loss", "linear_preference_loss",
     "CapturedStep", "capture_step",
+    "batch_norm_relu",
 ]

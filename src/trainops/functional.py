@@ -336,8 +336,9 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     input: rank 2 to 8, any strides (channels-last stays channels-last in y and in the gradient),
     float32/float16/bfloat16/float64; weight, bias, running statistics (C,) in any float dtype.
     Statistics and sums in float32 (float64 for float64). Backward: dx, dweight, dbias,
-    deterministic (per-program partial sums added in a fixed order, no atomics), bit-identical
-    run to run. Double backward raises UnsupportedError.
+    deterministic (per-program partial sums added in a fixed order by the last program to finish;
+    its ticket is the only atomic), bit-identical run to run. Triton: 2 kernels a training
+    forward, 2 a backward. Double backward raises UnsupportedError.
     Errors: InvalidProblemError (shapes or devices of the per-channel tensors, running statistics
     missing in eval, one value per channel in training, momentum outside [0, 1], eps < 0),
     UnsupportedError (integer or other dtypes, rank above 8, DTensor parameters, forward-mode AD in
@@ -346,6 +347,20 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     op = "batch_norm"
     eps = _batch_norm_checks(op, input, running_mean, running_var, weight, bias, training, momentum, eps)
     return _batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), eps)
+
+
+def batch_norm_relu(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                    weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+                    momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """``relu(batch_norm(input, ...))`` in one pass: ``batch_norm``'s arguments, semantics, dtypes,
+    statistics and errors, y = max((x - mean) / sqrt(var + eps) * weight + bias, 0) (NaN kept, as
+    torch.relu) written once. Backward: dy zeroed where y <= 0 (torch's threshold_backward on y),
+    then batch norm's gradient; y is recomputed from the saved input in the backward kernels, so
+    nothing more is saved than batch norm's own (the input), and the ReLU adds no launch. Same
+    determinism as ``batch_norm``."""
+    op = "batch_norm_relu"
+    eps = _batch_norm_checks(op, input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), eps, relu=True)
 
 
 def _batch_norm_checks(op: str, input, running_mean, running_var, weight, bias, training, momentum, eps,
@@ -394,8 +409,8 @@ def _batch_norm_checks(op: str, input, running_mean, running_var, weight, bias, 
 
 
 def _batch_norm(input, running_mean, running_var, weight, bias, training: bool, momentum: float,
-                eps: float) -> Tensor:
-    """batch_norm on checked arguments."""
+                eps: float, relu: bool = False) -> Tensor:
+    """batch_norm (relu: batch_norm_relu) on checked arguments."""
     if training:
         # the statistics (running ones updated in place) carry no autograd: the forward op's
         # backward is batch norm's whole gradient
@@ -403,7 +418,7 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training: bool, 
     else:  # read, not written: no statistics op (whose in-place contract would bump their versions)
         acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         mean, rstd = running_mean.to(acc), torch.rsqrt(running_var.to(acc) + eps)
-    return batch_norm_ops.batch_norm_op(input, weight, bias, mean, rstd, training)
+    return batch_norm_ops.batch_norm_op(input, weight, bias, mean, rstd, training, relu)
 
 
 def _process_group(op: str, process_group):

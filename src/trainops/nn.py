@@ -215,6 +215,12 @@ class _BatchNormForward:
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
 
 
+class _BatchNormReLUForward(_BatchNormForward):
+    def _normalize(self, input: Tensor, running_mean, running_var, use_batch: bool, factor: float) -> Tensor:
+        return F.batch_norm_relu(input, running_mean, running_var, self.weight, self.bias, use_batch, factor,
+                                 self.eps)
+
+
 class BatchNorm1d(_BatchNormForward, torch.nn.BatchNorm1d):
     """``torch.nn.BatchNorm1d`` on ``trainops.functional.batch_norm``: same constructor, parameters,
     buffers and state dict; (N, C) or (N, C, L) input."""
@@ -228,6 +234,25 @@ class BatchNorm2d(_BatchNormForward, torch.nn.BatchNorm2d):
 class BatchNorm3d(_BatchNormForward, torch.nn.BatchNorm3d):
     """``torch.nn.BatchNorm3d`` on ``trainops.functional.batch_norm``; same constructor, parameters,
     buffers and state dict."""
+
+
+class BatchNormReLU2d(_BatchNormReLUForward, BatchNorm2d):
+    """``torch.nn.Sequential(torch.nn.BatchNorm2d(...), torch.nn.ReLU())`` as one module on
+    ``trainops.functional.batch_norm_relu`` (one pass writes the ReLU's output; its backward adds no
+    launch and saves nothing more than batch norm's input): BatchNorm2d's constructor, parameters,
+    buffers and state dict keys. ``trainops.patch(model, block_ops=True)`` turns a BatchNorm2d
+    followed by a ReLU in a Sequential into one."""
+
+
+class FusedReLU(torch.nn.Module):
+    """What ``trainops.patch`` makes of a torch.nn.ReLU whose work the BatchNormReLU2d before it in
+    the same Sequential does: returns its input. ``trainops.unpatch`` makes it a ReLU again."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return input
+
+    def extra_repr(self) -> str:
+        return "fused into the batch norm before it"
 
 
 _HAS_BIAS_KEYWORD = "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters

@@ -31,6 +31,17 @@ sizes, small batches) gets slower, as the training demo's 128-wide model did on 
 torch.compile, where their kernels are launched from the compiled graph. With ``block_ops=False``
 these modules are neither swapped nor listed in the report.
 
+``block_ops=True`` also fuses each torch.nn.BatchNorm2d followed by a torch.nn.ReLU in a
+torch.nn.Sequential (exact classes, e.g. a stem ``Sequential(conv, bn, relu)``): the batch norm
+becomes a trainops.nn.BatchNormReLU2d (batch norm and ReLU in one pass) and the ReLU a
+trainops.nn.FusedReLU (returns its input), both listed in the report with what they were fused
+with. Only where the pair is certain to be back to back: two neighbours of a plain Sequential (its
+forward feeds one's output to the next and nothing else), each reachable under that one name
+(a ReLU shared with another place keeps working there), neither with a hook (a hook would see the
+fused values) nor anything else that stops a swap. Calls inside a module's own forward (torchvision's
+BasicBlock calls ``self.bn1`` then ``self.relu``, a ReLU it uses twice) are not visible to patch and
+are not fused: build such blocks with BatchNormReLU2d.
+
 With ``batch_norm=True``, the batch norms are swapped too:
     torch.nn.BatchNorm1d -> trainops.nn.BatchNorm1d    torch.nn.BatchNorm2d -> trainops.nn.BatchNorm2d
     torch.nn.BatchNorm3d -> trainops.nn.BatchNorm3d    torch.nn.SyncBatchNorm -> trainops.nn.SyncBatchNorm
@@ -179,12 +190,15 @@ _BATCH_NORM_SWAPS = {swap.torch_class: swap for swap in (
 
 
 _CONVOLUTION_SWAPS = {torch.nn.Conv2d: _Swap(torch.nn.Conv2d, trainops_nn.Conv2d)}
+_BATCH_NORM_RELU = _Swap(torch.nn.BatchNorm2d, trainops_nn.BatchNormReLU2d)
+_FUSED_RELU = _Swap(torch.nn.ReLU, trainops_nn.FusedReLU)
 
 
 def _public_name(cls: type) -> str:
     """``torch.nn.Embedding`` / ``trainops.nn.Embedding`` for the classes in ``_SWAPS`` / ``_BLOCK_SWAPS``,
     ``transformers.LlamaRMSNorm`` / ``trainops.hf.LlamaRMSNorm`` for Hugging Face's."""
-    if cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS or cls in _CONVOLUTION_SWAPS:
+    if (cls in _SWAPS or cls in _BLOCK_SWAPS or cls in _BATCH_NORM_SWAPS or cls in _CONVOLUTION_SWAPS
+            or cls is torch.nn.ReLU):
         return f"torch.nn.{cls.__name__}"
     if trainops_hf.is_transformers_class(cls):
         return f"transformers.{cls.__name__}"
@@ -235,7 +249,8 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
           convolution: bool = False, autocast_norms: bool = True, dry_run: bool = False) -> PatchReport:
     """Swap, in place, every exact torch.nn.Softmax / LogSoftmax / Embedding / CrossEntropyLoss in
     ``model`` (``model`` included) for trainops.nn's class; with ``block_ops=True`` also every exact
-    RMSNorm / LayerNorm / GELU / SiLU / Dropout, with ``batch_norm=True`` every exact BatchNorm1d /
+    RMSNorm / LayerNorm / GELU / SiLU / Dropout (and each BatchNorm2d + ReLU pair of a Sequential
+    fused into one BatchNormReLU2d, the ReLU becoming a FusedReLU), with ``batch_norm=True`` every exact BatchNorm1d /
     2d / 3d / SyncBatchNorm, with ``convolution=True`` every exact Conv2d (all three off by default:
     see the module docstring); with ``hf`` (the
     default) the Hugging Face transformers modules trainops.hf lists (the norms, gated MLPs,
@@ -273,7 +288,19 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     into_projections = trainops_hf.norms_into_projections(modules) if hf and autocast_norms else {}
     report = PatchReport()
     to_swap: list[tuple[torch.nn.Module, _Swap, type]] = []
+    fused: set[int] = set()
+    for norm, relu in _batch_norm_relu_pairs(modules, names_by_module) if block_ops else ():
+        norm_name, relu_name = names_by_module[id(norm)][0], names_by_module[id(relu)][0]
+        for module, swap, description in ((norm, _BATCH_NORM_RELU, f"fused with the ReLU {relu_name}"),
+                                          (relu, _FUSED_RELU, f"fused into {norm_name}")):
+            fused.add(id(module))
+            to_swap.append((module, swap, swap.trainops_class))
+            name = names_by_module[id(module)][0]
+            report.swapped.append((name, _public_name(swap.torch_class), _public_name(swap.trainops_class)))
+            report.descriptions[name] = description
     for module in modules:
+        if id(module) in fused:
+            continue
         wrapped = fsdp_wrapped_class(type(module))   # the class fully_shard wrapped, if it did
         cls = wrapped or type(module)
         if isinstance(module, trainops_classes) or trainops_hf.is_swapped(module, cls):
@@ -320,6 +347,31 @@ def _configs(modules) -> list:
         if config is not None and trainops_hf.is_transformers_class(type(config)):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _batch_norm_relu_pairs(modules, names_by_module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(BatchNorm2d, ReLU) neighbours of plain Sequentials that are certain to run back to back and
+    can be swapped (see the module docstring), each module in one pair at most."""
+    pairs, taken = [], set()
+    for module in modules:
+        if type(module) is not torch.nn.Sequential:
+            continue
+        children = [child for child in module._modules.values()]
+        for norm, relu in zip(children, children[1:]):
+            if (type(norm) is not torch.nn.BatchNorm2d or type(relu) is not torch.nn.ReLU
+                    or id(norm) in taken or id(relu) in taken or norm is relu
+                    or len(names_by_module[id(norm)]) != 1 or len(names_by_module[id(relu)]) != 1
+                    or _has_hooks(norm) or _has_hooks(relu) or _reasons_not_to_swap(norm, _BATCH_NORM_RELU)
+                    or _reasons_not_to_swap(relu, _FUSED_RELU)):
+                continue
+            taken.update((id(norm), id(relu)))
+            pairs.append((norm, relu))
+    return pairs
 
 
 def _modules_and_names(model: torch.nn.Module) -> tuple[list[torch.nn.Module], dict[int, list[str]]]:

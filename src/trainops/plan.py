@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -103,6 +104,12 @@ class Plan:
     @property
     def workspace_bytes(self) -> int:
         return self.launch.workspace_bytes
+
+    @cached_property
+    def usage(self) -> tuple[str, str, str, str]:
+        """(op, backend, kernel name, dtype name): what ``track_kernels`` counts (made once: the
+        functional ops look plans up on every call)."""
+        return (self.info.op, self.info.backend, self.kernel.name, str(self.problem.dtype).replace("torch.", ""))
 
     @property
     def compiled(self) -> str | None:
@@ -277,7 +284,7 @@ def cached_plan(descriptor: tuple) -> Plan:
             _PLANS.clear()
         _PLANS[key] = found
     if _tracked:
-        usage = (op, found.info.backend, found.kernel.name, str(found.problem.dtype).replace("torch.", ""))
+        usage = found.usage
         for counts in _tracked:
             counts[usage] = counts.get(usage, 0) + 1
     return found

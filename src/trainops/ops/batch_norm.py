@@ -25,15 +25,28 @@ walk as one strided axis (other views are copied first); y and dx keep x's memor
 
 Deterministic and bit-identical run to run: every per-channel sum is taken per program over a
 fixed range of the channel's elements (means and squared deviations combined tile by tile,
-Chan's formula, so a large mean costs no precision), then across programs in a fixed order by a
-second kernel. No atomics.
+Chan's formula, so a large mean costs no precision), then across programs in a fixed order by the
+last program of the channel block to finish. The only atomic is that program's ticket (an int32
+counter a channel block), which decides who combines, never the order of a sum.
 
 Triton plan: x is walked as (N', C, S') with S' the spatial axes (and N folded into them when
 they merge, as in channels-last): a program owns BLOCK_C channels and a range of (n, spatial
-block) tiles. Forward in training: the statistics kernel reads x once, a finishing kernel merges
-the partials, updates the running statistics and writes (mean, rstd), the apply kernel reads x
-again and writes y (3 passes over x's bytes: read, read, write). Backward: partial sums of dy and
-dy * xh (reads dy, x), their fixed-order totals (dweight, dbias), then dx (reads dy, x, writes dx).
+block) tiles. Forward in training: the statistics kernel reads x once and writes each program's
+partials; the last program of each channel block to arrive (``_last_to_arrive``: a release /
+acquire ticket) merges its channels' partials, updates
+the running statistics and writes (mean, rstd), all in the same launch; the apply kernel reads x
+again and writes y (3 passes over x's bytes: read, read, write; 2 launches, 3 before). Backward:
+partial sums of dy and dy * xh (reads dy, x) and, by the last program, their fixed-order totals
+(dweight, dbias) in one launch, then dx (reads dy, x, writes dx): 2 launches, 3 before. The
+normalising passes stay separate launches: they need every program's statistics (a grid-wide
+barrier). The tickets and partials are kept by the plan on the default stream (the last program
+sets its ticket back to 0), made anew on other streams (``_workspace``: CUDA graph captures and
+graph-tree warm-ups, whose memory pools must not keep them), the tickets then zeroed by a fill.
+
+Fused ReLU (``relu=True`` on batch_norm and batch_norm_backward; trainops.batch_norm_relu): y =
+max(batch norm, 0), NaN kept; the backward recomputes y from x (the forward's expression, rounded
+to y's dtype) in both backward kernels and zeroes dy where y <= 0 (torch's threshold_backward),
+so the ReLU costs no launch, no pass and no saved tensor.
 
 Synchronised (``sync_batch_norm``, torch.nn.SyncBatchNorm's semantics): in training the statistics
 are the process group's whole batch. Each rank computes its own count n_r (a host int: its R),
@@ -63,7 +76,7 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import merge_dims, next_pow2
-from ..library import custom_op
+from ..library import PLAIN_TENSORS, custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
                         triton_available)
@@ -190,6 +203,7 @@ or one of the synchronised variant's three:
     weight_grad: bool
     bias_grad: bool
     heuristics: BatchNormHeuristics
+    relu: bool = False                   # batch_norm / batch_norm_backward: a ReLU fused after y
     index_dtype = None
 
     @cached_property
@@ -235,6 +249,9 @@ or one of the synchronised variant's three:
                 names += ("sums",)
             per_channel = {"weight": self.weight_dtype, "mean": self.acc_dtype, "rstd": self.acc_dtype}
             if not self.backward:
+                per_channel["bias"] = self.bias_dtype
+            elif self.relu:   # the fused ReLU's backward recomputes y: bias last
+                names += ("bias",)
                 per_channel["bias"] = self.bias_dtype
         if len(tensors) != len(names):
             raise InvalidProblemError(f"trainops.{self.op}: expected {len(names)} tensors ({', '.join(names)}), "
@@ -333,7 +350,7 @@ def _walks(shape: Sequence[int], strides: Sequence[Sequence[int]]):
 
 def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtype=None, bias_dtype=None,
               stats_dtype=None, training=True, momentum=0.1, eps=1e-5, input_grad=True, weight_grad=None,
-              bias_grad=None, heuristics=None) -> BatchNormProblem:
+              bias_grad=None, heuristics=None, relu=False) -> BatchNormProblem:
     """Validate a batch-norm descriptor.
 
     shape: x's sizes (N, C, spatial...), rank 2..8. dtype: x's (and dy's). strides: None
@@ -347,7 +364,9 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     tensor is present"). heuristics: a BatchNormHeuristics. The synchronised variant's ops:
     batch_norm_local_stats takes no running statistics and any R (one element, or none);
     batch_norm_backward_reduce computes no dx (input_grad is False), batch_norm_backward_elemt
-    only dx (weight_grad and bias_grad False), both with training's formula.
+    only dx (weight_grad and bias_grad False), both with training's formula. relu: batch_norm and
+    batch_norm_backward only, a ReLU fused after y (the backward then takes the bias, when present,
+    after rstd, and bias_dtype is its dtype; bias_grad says whether its gradient is wanted).
     """
     backward = op in BACKWARD_OPS
     if op == REDUCE_OP:
@@ -405,6 +424,10 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
         raise argument_error(InvalidProblemError, op, "weight_grad", "is True without a weight")
     if backward and bias_grad and bias_dtype is None:
         raise argument_error(InvalidProblemError, op, "bias_grad", "is True without a bias dtype")
+    if not isinstance(relu, bool):
+        raise argument_error(InvalidProblemError, op, "relu", f"must be a bool, got {relu!r}")
+    if relu and op not in (FORWARD_OP, BACKWARD_OP):
+        raise argument_error(InvalidProblemError, op, "relu", f"is only for {FORWARD_OP} and {BACKWARD_OP}")
     if heuristics is None:
         heuristics = heuristics_for(BatchNormHeuristics)
     elif not isinstance(heuristics, BatchNormHeuristics):
@@ -419,16 +442,17 @@ def _describe(op: str, shape, dtype, device="cuda", *, strides=None, weight_dtyp
     return BatchNormProblem(op, shape, dtype, device, tuple(checked), weight_dtype, bias_dtype,
                             stats_dtype if op == STATS_OP else None, training, float(momentum), float(eps),
                             bool(input_grad) if backward else True, bool(weight_grad) if backward else False,
-                            bool(bias_grad) if backward else False, heuristics)
+                            bool(bias_grad) if backward else False, heuristics, relu)
 
 
 def _describer(op: str):
     def describe(shape, dtype, device="cuda", *, strides=None, weight_dtype=None, bias_dtype=None, stats_dtype=None,
                  training=True, momentum=0.1, eps=1e-5, input_grad=True, weight_grad=None, bias_grad=None,
-                 heuristics=None) -> BatchNormProblem:
+                 heuristics=None, relu=False) -> BatchNormProblem:
         return _describe(op, shape, dtype, device, strides=strides, weight_dtype=weight_dtype, bias_dtype=bias_dtype,
                          stats_dtype=stats_dtype, training=training, momentum=momentum, eps=eps,
-                         input_grad=input_grad, weight_grad=weight_grad, bias_grad=bias_grad, heuristics=heuristics)
+                         input_grad=input_grad, weight_grad=weight_grad, bias_grad=bias_grad, heuristics=heuristics,
+                         relu=relu)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -477,12 +501,12 @@ def _cpu_stats(problem: BatchNormProblem, tensors, outputs) -> None:
 def _cpu_forward(problem: BatchNormProblem, tensors, y) -> None:
     x, weight, bias, mean, rstd = tensors
     acc, rank = problem.acc_dtype, len(problem.shape)
-    out = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd, rank)
-    if weight is not None:
-        out = out * _per_channel(weight.to(acc), rank)
+    # the kernels' expression: (x - mean) * (rstd * weight) + bias (the fused ReLU's backward repeats it)
+    out = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd * (weight.to(acc) if weight is not None else 1),
+                                                                rank)
     if bias is not None:
         out = out + _per_channel(bias.to(acc), rank)
-    y.copy_(out)
+    y.copy_(out.clamp_min(0) if problem.relu else out)   # clamp_min keeps NaN, as torch.relu
 
 
 def _cpu_backward(problem: BatchNormProblem, tensors, outputs) -> None:
@@ -492,6 +516,12 @@ def _cpu_backward(problem: BatchNormProblem, tensors, outputs) -> None:
     dya = dy.to(acc)
     xh = (x.to(acc) - _per_channel(mean, rank)) * _per_channel(rstd, rank)
     scale = _per_channel(rstd * (weight.to(acc) if weight is not None else 1), rank)
+    if problem.relu:   # the forward's y recomputed (its expression and dtype): dy where the ReLU passed it
+        bias = tensors[5]
+        y = (x.to(acc) - _per_channel(mean, rank)) * scale
+        if bias is not None:
+            y = y + _per_channel(bias.to(acc), rank)
+        dya = dya.masked_fill(y.to(problem.dtype) <= 0, 0)
     if problem.op == ELEMT_OP:   # the group's means given
         mean_dy, mean_dy_xh = tensors[5]
         outputs.copy_(scale * (dya - _per_channel(mean_dy, rank) - xh * _per_channel(mean_dy_xh, rank)))
@@ -566,8 +596,10 @@ if triton_available():
         return offsets, s < S, tl.minimum(S - (unit - n * S_BLOCKS) * BLOCK_S, BLOCK_S)
 
     @triton.jit
-    def _bn_stats(X, PART, C, S, S_BLOCKS, UNITS, units_per_program, sn, sc, ss,
-                  ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _bn_stats(X, PART, COUNTER, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, C, S, S_BLOCKS, UNITS,
+                  units_per_program, sn, sc, ss, R, momentum, eps,
+                  HAS_RUNNING: tl.constexpr, VARIANCE: tl.constexpr, ACC: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
         """Partial statistics of BLOCK_C channels over this program's tiles (at least one):
         PART[0, p, c] the elements' count, [1] their mean minus [3], [2] their squared deviations,
         [3] the shift: the program's first tile's mean. Elements are summed after the shift (sums
@@ -601,6 +633,9 @@ if triton_available():
         tl.store(PART + planes + row, mean, mask=c_mask)
         tl.store(PART + 2 * planes + row, m2, mask=c_mask)
         tl.store(PART + 3 * planes + row, shift, mask=c_mask)
+        if _last_to_arrive(COUNTER):
+            _bn_stats_combine(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, tl.num_programs(1), C, R, momentum, eps,
+                              c, c_mask, HAS_RUNNING, VARIANCE, ACC, BLOCK_P, BLOCK_C)
 
     @triton.jit
     def _partials(PART, planes, p0, P, C, c, c_mask, base, BLOCK_P: tl.constexpr):
@@ -609,26 +644,38 @@ if triton_available():
         p = p0 + tl.arange(0, BLOCK_P)
         mask = (p < P)[:, None] & c_mask[None, :]
         rows = p.to(tl.int64)[:, None] * C + c[None, :]
-        k = tl.load(PART + rows, mask=mask, other=0.0)
-        relative = tl.load(PART + planes + rows, mask=mask, other=0.0) + (
-            tl.load(PART + 3 * planes + rows, mask=mask, other=0.0) - base[None, :])
-        return k, relative, tl.load(PART + 2 * planes + rows, mask=mask, other=0.0)
+        k = tl.load(PART + rows, mask=mask, other=0.0, volatile=True)
+        relative = tl.load(PART + planes + rows, mask=mask, other=0.0, volatile=True) + (
+            tl.load(PART + 3 * planes + rows, mask=mask, other=0.0, volatile=True) - base[None, :])
+        return k, relative, tl.load(PART + 2 * planes + rows, mask=mask, other=0.0, volatile=True)
 
     @triton.jit
-    def _bn_stats_finish(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps,
-                         HAS_RUNNING: tl.constexpr, VARIANCE: tl.constexpr, ACC: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _last_to_arrive(COUNTER):
+        """Whether this program is the last of its channel block (axis 0) to reach this point: a
+        ticket from the block's int32 counter (zeroed before the launch; set back to 0 by the last
+        program). The barrier puts every
+        thread's partial stores before the release of the ticket; the acquire side lets the last
+        program read them (volatile loads)."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(COUNTER + tl.program_id(0), 1, sem="acq_rel")
+        last = arrived == tl.num_programs(1) - 1
+        if last:   # zeroed again for the plan's next launch (_workspace keeps the tickets)
+            tl.store(COUNTER + tl.program_id(0), 0)
+        return last
+
+    @triton.jit
+    def _bn_stats_combine(PART, MEAN, RSTD, RUNNING_MEAN, RUNNING_VAR, P, C, R, momentum, eps, c, c_mask,
+                          HAS_RUNNING: tl.constexpr, VARIANCE: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         """The P partials of each channel combined: mean, rstd (VARIANCE: the biased variance in
         its place); the running statistics updated in
         place (their own dtype; unbiased variance R / (R - 1)). Partial means are taken relative
         to the first partial's shift (base), then two passes over [BLOCK_P, BLOCK_C] tiles of
         partials: the mean (sum of count * relative mean / R), then the squared deviations (sum
         of each partial's plus count * (its mean - the mean)^2). Fixed tiles and reduction trees:
-        the same bits every run."""
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = c < C
+        the same bits every run, whichever program runs it."""
         planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
-        base = tl.load(PART + 3 * planes + c, mask=c_mask, other=0.0)
+        base = tl.load(PART + 3 * planes + c, mask=c_mask, other=0.0, volatile=True)
         weighted = tl.zeros([BLOCK_P, BLOCK_C], ACC)
         for p0 in range(0, P, BLOCK_P):
             k, relative, _ = _partials(PART, planes, p0, P, C, c, c_mask, base, BLOCK_P)
@@ -659,11 +706,37 @@ if triton_available():
                      mask=c_mask)
 
     @triton.jit
+    def _bias(B, c, c_mask, HAS_B: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The channels' bias in ACC (zeros without one)."""
+        bias = tl.zeros([BLOCK_C], ACC)
+        if HAS_B:
+            bias = tl.load(B + c, mask=c_mask, other=0.0).to(ACC)
+        return bias
+
+    @triton.jit
+    def _normalized(x, mean, scale, bias, HAS_B: tl.constexpr):
+        """(x - mean) * scale + bias of a [BLOCK_S, BLOCK_C] tile, the forward's expression: the
+        backward of the fused ReLU recomputes it to find the elements the ReLU zeroed."""
+        # x - mean first: x * scale - mean * scale would cancel in float32 when |mean| >> std
+        y = (x - mean[None, :]) * scale[None, :]
+        if HAS_B:
+            y += bias[None, :]
+        return y
+
+    @triton.jit
+    def _relu_masked(dy, x, mean, scale, bias, DT: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
+        """dy where the fused ReLU passed its input (y, stored in DT, not <= 0), else 0: torch's
+        threshold_backward on the forward's y, recomputed from x."""
+        # y rounded to DT, compared in ACC (Triton's interpreter compares bfloat16 values as integers)
+        y = _normalized(x, mean, scale, bias, HAS_B).to(DT).to(ACC)
+        return tl.where(y <= 0, 0.0, dy)
+
+    @triton.jit
     def _bn_apply(X, Y, W, B, MEAN, RSTD, C, S, S_BLOCKS, x_sn, x_sc, x_ss, y_sn, y_sc, y_ss,
-                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr, ACC: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """y = (x - mean) * rstd * weight + bias over one tile a program (tiles on axis 0, channel
-        blocks on axis 1)."""
+        """y = (x - mean) * rstd * weight + bias (RELU: then max(y, 0), NaN kept) over one tile a
+        program (tiles on axis 0, channel blocks on axis 1)."""
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < C
         unit = tl.program_id(0)
@@ -675,17 +748,20 @@ if triton_available():
             scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
         mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
         x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
-        # x - mean first: x * scale - mean * scale would cancel in float32 when |mean| >> std
-        y = (x - mean[None, :]) * scale[None, :]
-        if HAS_B:
-            y += tl.load(B + c, mask=c_mask, other=0.0).to(ACC)[None, :]
+        y = _normalized(x, mean, scale, _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C), HAS_B)
+        if RELU:
+            y = tl.where(y < 0, 0.0, y)
         tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bn_grad_sums(DY, X, MEAN, RSTD, PART, C, S, S_BLOCKS, UNITS, units_per_program,
+    def _bn_grad_sums(DY, X, W, B, MEAN, RSTD, PART, COUNTER, SUMS, DW, DB, C, S, S_BLOCKS, UNITS, units_per_program,
                       dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss,
-                      ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Partial sums of dy (PART[0, p, c]) and dy * xh (PART[1, p, c]) over this program's tiles."""
+                      DW_WANTED: tl.constexpr, DB_WANTED: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                      RELU: tl.constexpr, ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+        """Partial sums of dy (PART[0, p, c]) and dy * xh (PART[1, p, c]) over this program's tiles
+        (RELU: dy zeroed where the fused ReLU zeroed y); the last program of the channel block to
+        arrive sums the partials (``_bn_grad_combine``): one launch for the sums and their totals."""
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < C
         p = tl.program_id(1)
@@ -693,6 +769,10 @@ if triton_available():
         last = tl.minimum(first + units_per_program, UNITS)
         mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
         rstd = tl.load(RSTD + c, mask=c_mask, other=0.0)
+        scale = rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
+        bias = _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C)   # HAS_B: with RELU only
         sum_dy = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         sum_dy_xh = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         for unit in range(first, last):
@@ -701,20 +781,24 @@ if triton_available():
             mask = s_mask[:, None] & c_mask[None, :]
             dy = tl.load(DY + dy_off, mask=mask, other=0.0).to(ACC)
             x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
+            if RELU:
+                dy = _relu_masked(dy, x, mean, scale, bias, DY.dtype.element_ty, HAS_B, ACC)
             sum_dy += dy
             sum_dy_xh += dy * ((x - mean[None, :]) * rstd[None, :])
         row = p.to(tl.int64) * C + c
         tl.store(PART + row, tl.sum(sum_dy, 0), mask=c_mask)
         tl.store(PART + tl.num_programs(1).to(tl.int64) * C + row, tl.sum(sum_dy_xh, 0), mask=c_mask)
+        if _last_to_arrive(COUNTER):
+            _bn_grad_combine(PART, SUMS, DW, DB, tl.num_programs(1), C, c, c_mask, DW_WANTED, DB_WANTED, ACC,
+                             BLOCK_P, BLOCK_C)
 
     @triton.jit
-    def _bn_grad_finish(PART, SUMS, DW, DB, P, C, DW_WANTED: tl.constexpr, DB_WANTED: tl.constexpr,
-                        ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The P partials of each channel summed over [BLOCK_P, BLOCK_C] tiles (fixed tiles and
-        reduction tree: the same bits every run): SUMS[0] = sum(dy) (= dbias), SUMS[1] =
-        sum(dy * xh) (= dweight), both also written in the parameters' dtypes when wanted."""
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = c < C
+    def _bn_grad_combine(PART, SUMS, DW, DB, P, C, c, c_mask, DW_WANTED: tl.constexpr, DB_WANTED: tl.constexpr,
+                         ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The P partials of the channels ``c`` summed over [BLOCK_P, BLOCK_C] tiles (fixed tiles and
+        reduction tree: the same bits every run, whichever program runs it): SUMS[0] = sum(dy)
+        (= dbias), SUMS[1] = sum(dy * xh) (= dweight), both also written in the parameters' dtypes
+        when wanted."""
         planes = (P + tl.zeros([], tl.int64)) * C   # P may arrive as the int 1 (specialised)
         tile_dy = tl.zeros([BLOCK_P, BLOCK_C], ACC)
         tile_dy_xh = tl.zeros([BLOCK_P, BLOCK_C], ACC)
@@ -722,8 +806,8 @@ if triton_available():
             p = p0 + tl.arange(0, BLOCK_P)
             mask = (p < P)[:, None] & c_mask[None, :]
             rows = p.to(tl.int64)[:, None] * C + c[None, :]
-            tile_dy += tl.load(PART + rows, mask=mask, other=0.0)
-            tile_dy_xh += tl.load(PART + planes + rows, mask=mask, other=0.0)
+            tile_dy += tl.load(PART + rows, mask=mask, other=0.0, volatile=True)
+            tile_dy_xh += tl.load(PART + planes + rows, mask=mask, other=0.0, volatile=True)
         sum_dy = tl.sum(tile_dy, 0)
         sum_dy_xh = tl.sum(tile_dy_xh, 0)
         tl.store(SUMS + c, sum_dy, mask=c_mask)
@@ -734,12 +818,13 @@ if triton_available():
             tl.store(DB + c, sum_dy.to(DB.dtype.element_ty), mask=c_mask)
 
     @triton.jit
-    def _bn_grad_input(DY, X, DX, W, MEAN, RSTD, SUMS, C, S, S_BLOCKS, R,
+    def _bn_grad_input(DY, X, DX, W, B, MEAN, RSTD, SUMS, C, S, S_BLOCKS, R,
                        dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss, dx_sn, dx_sc, dx_ss,
-                       TRAINING: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                       TRAINING: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
+                       ACC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         """dx over one tile a program: training, weight * rstd * (dy - sum(dy) / R - xh * sum(dy * xh) / R);
-        eval, dy * weight * rstd (tiles on axis 0, channel blocks on axis 1)."""
+        eval, dy * weight * rstd (tiles on axis 0, channel blocks on axis 1); RELU: dy zeroed first
+        where the fused ReLU zeroed y."""
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < C
         unit = tl.program_id(0)
@@ -751,10 +836,14 @@ if triton_available():
         if HAS_W:
             scale = scale * tl.load(W + c, mask=c_mask, other=0.0).to(ACC)
         dy = tl.load(DY + dy_off, mask=mask, other=0.0).to(ACC)
-        if TRAINING:
+        if TRAINING or RELU:
             x_off, _, _ = _tile(unit, S, S_BLOCKS, x_sn, x_ss, x_sc, c, BLOCK_S)
             x = tl.load(X + x_off, mask=mask, other=0.0).to(ACC)
             mean = tl.load(MEAN + c, mask=c_mask, other=0.0)
+        if RELU:
+            dy = _relu_masked(dy, x, mean, scale, _bias(B, c, c_mask, HAS_B, ACC, BLOCK_C), DY.dtype.element_ty,
+                              HAS_B, ACC)
+        if TRAINING:
             mean_dy = tl.load(SUMS + c, mask=c_mask, other=0.0) / R
             mean_dy_xh = tl.load(SUMS + C + c, mask=c_mask, other=0.0) / R
             xh = (x - mean[None, :]) * rstd[None, :]
@@ -762,6 +851,30 @@ if triton_available():
         else:
             dx = dy * scale[None, :]
         tl.store(DX + dx_off, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+COMBINE_TILE = 4096   # elements of the last program's [BLOCK_P, BLOCK_C] tile of partials (unmeasured)
+
+
+def _workspace(kept: dict, tickets: int, elements: int, dtype: torch.dtype, t: Tensor) -> tuple[Tensor, Tensor]:
+    """(int32 tickets, zeroed, one per channel block; ``elements`` partials in ``dtype``) for one
+    launch on ``t``'s device.
+
+    On a CUDA device's default stream (and on the CPU) they are made once and kept in ``kept`` (the
+    plan's), the kernels' last programs setting the tickets back to 0: no allocation and no fill a
+    call, and the launches of one plan on one stream follow one another. Elsewhere (a side stream:
+    a CUDA graph capture, capture_step's warm-up, a CUDA graph tree's warm-up and recording) they are
+    new each call, the tickets zeroed by a fill: a tensor kept from there would sit in the graph's
+    memory pool, which torch.compile's reduce-overhead checks for strays."""
+    device = t.get_device()
+    if device < 0 or torch._C._cuda_getCurrentRawStream(device) == 0:
+        found = kept.get(device)
+        if found is None:
+            found = kept[device] = (torch.zeros(tickets, dtype=torch.int32, device=t.device),
+                                    torch.empty(elements, dtype=dtype, device=t.device))
+        return found
+    return (torch.zeros(tickets, dtype=torch.int32, device=t.device),
+            torch.empty(elements, dtype=dtype, device=t.device))
 
 
 @dataclass(frozen=True)
@@ -818,20 +931,19 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
     tile = dict(ACC=acc_tl, BLOCK_S=config.block_s, BLOCK_C=config.block_c, num_warps=config.num_warps)
     x_sn, x_sc, x_ss = walks[-2]
     o_sn, o_sc, o_ss = walks[-1]
-    # the finishing kernels: [BLOCK_P, BLOCK_C] tiles of partials, BLOCK_C channels a program
-    finish_block = min(next_pow2(max(c, 1)), 64)
-    finish_rows = min(next_pow2(config.programs), 32)
-    finish_grid = (-(-c // finish_block),)
+    # the last program's combine: [BLOCK_P, BLOCK_C] tiles of partials, at most COMBINE_TILE elements
+    combine_rows = max(1, min(next_pow2(config.programs), COMBINE_TILE // config.block_c))
+    relu, has_b = problem.relu, problem.bias_dtype is not None
+    kept: dict = {}   # _workspace's, by device
     params = (("BLOCK_S", config.block_s), ("BLOCK_C", config.block_c), ("num_warps", config.num_warps),
               ("programs", config.programs), ("units_per_program", config.units_per_program))
 
     if problem.stats:
         stats = launcher(_bn_stats, (c_blocks, config.programs),
-                         trailing=(c, s, s_blocks, units, config.units_per_program, x_sn, x_sc, x_ss), **tile)
-        finish = launcher(_bn_stats_finish, finish_grid, trailing=(config.programs, c, r, problem.momentum,
-                                                                   problem.eps),
-                          HAS_RUNNING=problem.stats_dtype is not None, VARIANCE=problem.variance, ACC=acc_tl,
-                          BLOCK_P=finish_rows, BLOCK_C=finish_block)
+                         trailing=(c, s, s_blocks, units, config.units_per_program, x_sn, x_sc, x_ss, r,
+                                   problem.momentum, problem.eps),
+                         HAS_RUNNING=problem.stats_dtype is not None, VARIANCE=problem.variance, BLOCK_P=combine_rows,
+                         **tile)
 
         def run(tensors, outputs):
             x, running_mean, running_var = tensors if not problem.variance else (tensors[0], None, None)
@@ -841,61 +953,64 @@ def _prepare_triton(problem: BatchNormProblem, config: BatchNormConfig | None = 
             if r == 0:
                 _write_empty(problem, tensors, outputs)
                 return
-            part = torch.empty((4, config.programs, c), dtype=acc, device=x.device)
-            stats(x, part)
-            finish(part, mean, rstd, running_mean, running_var)
+            tickets, part = _workspace(kept, c_blocks, 4 * config.programs * c, acc, x)
+            stats(x, part, tickets, mean, rstd, running_mean, running_var)
 
-        return Launch(run, KernelChoice("bn_stats+finish", "triton", params), acc,
+        return Launch(run, KernelChoice("bn_stats", "triton", params), acc,
                       workspace_bytes=4 * config.programs * c * acc.itemsize)
 
     if not problem.backward:
         apply = launcher(_bn_apply, (units, c_blocks), trailing=(c, s, s_blocks, x_sn, x_sc, x_ss, o_sn, o_sc, o_ss),
-                         HAS_W=problem.weight_dtype is not None, HAS_B=problem.bias_dtype is not None, **tile)
+                         HAS_W=problem.weight_dtype is not None, HAS_B=has_b, RELU=relu, **tile)
 
         def run(tensors, y):
             if c and r:
                 x, weight, bias, mean, rstd = tensors
                 apply(x, y, weight, bias, mean, rstd)
 
-        return Launch(run, KernelChoice("bn_apply", "triton", params), acc)
+        return Launch(run, KernelChoice("bn_apply_relu" if relu else "bn_apply", "triton", params), acc)
 
     dy_sn, dy_sc, dy_ss = walks[0]
     elemt, reduce = problem.op == ELEMT_OP, problem.op == REDUCE_OP
     sums_needed = not elemt and (reduce or problem.weight_grad or problem.bias_grad or
                                  (problem.input_grad and problem.training))
+    has_w = problem.weight_dtype is not None
+    has_b = relu and has_b   # the backward takes the bias (to recompute y) only with the fused ReLU
     grad_sums = launcher(_bn_grad_sums, (c_blocks, config.programs),
                          trailing=(c, s, s_blocks, units, config.units_per_program, dy_sn, dy_sc, dy_ss,
-                                   x_sn, x_sc, x_ss), **tile)
-    grad_finish = launcher(_bn_grad_finish, finish_grid, trailing=(config.programs, c),
-                           DW_WANTED=problem.weight_grad, DB_WANTED=problem.bias_grad, ACC=acc_tl,
-                           BLOCK_P=finish_rows, BLOCK_C=finish_block)
+                                   x_sn, x_sc, x_ss),
+                         DW_WANTED=problem.weight_grad, DB_WANTED=problem.bias_grad, HAS_W=has_w, HAS_B=has_b,
+                         RELU=relu, BLOCK_P=combine_rows, **tile)
     # elemt's sums are the group's means already: divided by 1
     grad_input = launcher(_bn_grad_input, (units, c_blocks),
                           trailing=(c, s, s_blocks, 1 if elemt else r, dy_sn, dy_sc, dy_ss, x_sn, x_sc, x_ss,
                                     o_sn, o_sc, o_ss),
-                          TRAINING=problem.training, HAS_W=problem.weight_dtype is not None, **tile)
+                          TRAINING=problem.training, HAS_W=has_w, HAS_B=has_b, RELU=relu, **tile)
 
     def run(tensors, outputs):
         dy, x, weight, mean, rstd = tensors[:5]
+        bias = tensors[5] if relu else None
         if c == 0:
             return
         if r == 0:
             _write_empty(problem, tensors, outputs)
             return
         if elemt:
-            grad_input(dy, x, outputs, weight, mean, rstd, tensors[5])
+            grad_input(dy, x, outputs, weight, None, mean, rstd, tensors[5])
             return
         dx, dweight, dbias = outputs   # reduce: sums in place of dx
         sums = None
         if sums_needed:
-            part = torch.empty((2, config.programs, c), dtype=acc, device=dy.device)
-            sums = dx if reduce else torch.empty((2, c), dtype=acc, device=dy.device)
-            grad_sums(dy, x, mean, rstd, part)
-            grad_finish(part, sums, dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
+            # the partials, then the sums (read by grad_input below)
+            tickets, part = _workspace(kept, c_blocks, 2 * config.programs * c + (0 if reduce else 2 * c), acc, dy)
+            sums = dx if reduce else part[2 * config.programs * c:]
+            grad_sums(dy, x, weight, bias, mean, rstd, part, tickets, sums,
+                      dweight if problem.weight_grad else None, dbias if problem.bias_grad else None)
         if problem.input_grad:
-            grad_input(dy, x, dx, weight, mean, rstd, sums)
+            grad_input(dy, x, dx, weight, bias, mean, rstd, sums)
 
-    name = "bn_grad_input" if elemt else "bn_grad_sums+finish" if reduce else "bn_grad_sums+finish+input"
+    name = (("bn_grad_input" if elemt else "bn_grad_sums" if reduce else "bn_grad_sums+input")
+            + ("_relu" if relu else ""))
     return Launch(run, KernelChoice(name, "triton", params), acc,
                   workspace_bytes=(2 * config.programs * c + 2 * c) * acc.itemsize)
 
@@ -912,7 +1027,8 @@ if triton_available():
 
 def _walkable(t: Tensor) -> Tensor:
     """``t``, or a contiguous copy when its spatial axes do not walk as one strided axis (rare views)."""
-    if t.dim() < 2 or t.is_contiguous() or _walks(t.shape, [t.stride()]) is not None:
+    if (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or t.dim() < 2
+            or _walks(t.shape, [t.stride()]) is not None):
         return t
     return t.contiguous()
 
@@ -953,7 +1069,7 @@ def _batch_norm_stats_fake(x, running_mean, running_var, momentum, eps):
 
 
 def _batch_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
-                     training: bool) -> Tensor:
+                     training: bool, relu: bool = False) -> Tensor:
     op = FORWARD_OP
     x = _walkable(x)
     channels = x.shape[1] if x.dim() >= 2 else 0
@@ -961,7 +1077,7 @@ def _batch_norm_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     descriptor = BatchNormDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
                                      weight_dtype=None if weight is None else weight.dtype,
                                      bias_dtype=None if bias is None else bias.dtype, training=training,
-                                     heuristics=heuristics_for(BatchNormHeuristics))
+                                     heuristics=heuristics_for(BatchNormHeuristics), relu=relu)
     plan = cached_plan(descriptor)
     acc = plan.problem.acc_dtype
     if any(t.shape != (channels,) or t.dtype != acc or t.device != x.device or not t.is_contiguous()
@@ -980,22 +1096,32 @@ def _like_read(x: Tensor) -> Tensor:
     return x.new_empty_strided(x.shape, output_strides(x.shape, strides))
 
 
-def _batch_norm_fake(x, weight, bias, mean, rstd, training):
+def _batch_norm_fake(x, weight, bias, mean, rstd, training, relu=False):
     return _like_read(x)
 
 
 def _batch_norm_backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                               training: bool, input_grad: bool, weight_grad: bool,
-                              bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
-    return _run_backward(BACKWARD_OP, dy, x, weight, mean, rstd, training=training, input_grad=input_grad,
-                         weight_grad=weight_grad, bias_dtype=bias_dtype)
+                              bias_dtype: Optional[torch.dtype], bias: Optional[Tensor] = None,
+                              relu: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    # relu: the bias (when the forward had one) joins the tensors; bias_dtype still says whether
+    # (and in which dtype) dbias is wanted
+    if relu and bias is not None:
+        bias = _per_channel_tensor(BACKWARD_OP, "bias", bias, x.shape[1] if x.dim() >= 2 else 0, x.device)
+        return _run_backward(BACKWARD_OP, dy, x, weight, mean, rstd, bias, training=training, input_grad=input_grad,
+                             weight_grad=weight_grad, bias_dtype=bias.dtype, bias_grad=bias_dtype is not None,
+                             relu=True)
+    return _run_backward(BACKWARD_OP, dy, x, weight, mean, rstd, None if relu else (), training=training,
+                         input_grad=input_grad, weight_grad=weight_grad, bias_dtype=bias_dtype, relu=relu)
 
 
 def _run_backward(op: str, dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
-                  sums: Tensor | None = None, *, training: bool = True, input_grad: bool = True,
-                  weight_grad: bool = False, bias_dtype: torch.dtype | None = None):
+                  sums=(), *, training: bool = True, input_grad: bool = True,
+                  weight_grad: bool = False, bias_dtype: torch.dtype | None = None, bias_grad: bool | None = None,
+                  relu: bool = False):
     """One of the backward ops (batch_norm_backward, batch_norm_backward_reduce, batch_norm_backward_elemt
-    with the group's ``sums``) on these tensors: dy and x walkable (rare views copied), a dense weight."""
+    with the group's ``sums``) on these tensors: dy and x walkable (rare views copied), a dense weight.
+    ``sums``: elemt's sums; batch_norm_backward with ``relu``: the bias (or None); () otherwise."""
     dy, x = _walkable(dy), _walkable(x)
     if weight is not None and not weight.is_contiguous():  # a strided weight: dense first, as the forward
         weight = weight.contiguous()
@@ -1005,15 +1131,17 @@ def _run_backward(op: str, dy: Tensor, x: Tensor, weight: Tensor | None, mean: T
     descriptor = _BACKWARD_DESCRIPTORS[op](x.shape, x.dtype, x.device, strides=(dy.stride(), x.stride()),
                                            weight_dtype=None if weight is None else weight.dtype,
                                            bias_dtype=bias_dtype, training=training, input_grad=input_grad,
-                                           weight_grad=weight_grad, bias_grad=bias_dtype is not None,
-                                           heuristics=heuristics_for(BatchNormHeuristics))
+                                           weight_grad=weight_grad,
+                                           bias_grad=bias_dtype is not None if bias_grad is None else bias_grad,
+                                           heuristics=heuristics_for(BatchNormHeuristics), relu=relu)
     plan = cached_plan(descriptor)
     acc, c = plan.problem.acc_dtype, (x.shape[1],)
-    tensors = (dy, x, weight, mean, rstd) + (() if sums is None else (sums,))
+    tensors = (dy, x, weight, mean, rstd) + (() if isinstance(sums, tuple) else (sums,))
+    elemt_sums = sums if op == ELEMT_OP else None
     if any(t.shape != c or t.dtype != acc or t.device != x.device or not t.is_contiguous() for t in (mean, rstd)) or (
             weight is not None and (weight.shape != c or weight.device != x.device or not weight.is_contiguous())) or (
-            sums is not None and (sums.shape != (2,) + c or sums.dtype != acc or sums.device != x.device
-                                  or not sums.is_contiguous())):
+            elemt_sums is not None and (elemt_sums.shape != (2,) + c or elemt_sums.dtype != acc
+                                        or elemt_sums.device != x.device or not elemt_sums.is_contiguous())):
         plan.problem.check(tensors, None)   # names the argument
     return plan.run_unchecked(tensors)
 
@@ -1022,7 +1150,8 @@ _BACKWARD_DESCRIPTORS = {BACKWARD_OP: BatchNormBackwardDescriptor, REDUCE_OP: Ba
                          ELEMT_OP: BatchNormElemtDescriptor}
 
 
-def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, weight_grad, bias_dtype):
+def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, weight_grad, bias_dtype, bias=None,
+                              relu=False):
     c = (x.shape[1],)
     dx = _like_read(x) if input_grad else x.new_empty(0)
     dw = x.new_empty(c, dtype=weight.dtype) if weight_grad else x.new_empty(0)
@@ -1032,11 +1161,39 @@ def _batch_norm_backward_fake(dy, x, weight, mean, rstd, training, input_grad, w
 
 def _save(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs.x, inputs.weight, inputs.mean, inputs.rstd)
+    ctx.relu = inputs.relu
+    # the fused ReLU's backward recomputes y from x: it needs the bias too
+    ctx.save_for_backward(inputs.x, inputs.weight, inputs.mean, inputs.rstd, inputs.bias if inputs.relu else None)
     ctx.training = inputs.training
     ctx.bias_dtype = None if inputs.bias is None else inputs.bias.dtype
     # the backward plans with the forward's heuristics (autograd may run it on another thread)
     ctx.heuristics = heuristics_for(BatchNormHeuristics)
+    ctx.backward_plan = _eager_backward_plan(ctx, inputs, output)
+
+
+def _eager_backward_plan(ctx, inputs, y):
+    """In plain eager mode, the backward's plan for a dy with y's strides, made in the forward:
+    the backward, which autograd runs on its device thread (where Python is slowest), then only
+    launches. None under torch.compile, for tensor subclasses, or where x, the weight or the bias
+    would be copied first."""
+    x = inputs.x
+    if (type(x) not in PLAIN_TENSORS or type(y) not in PLAIN_TENSORS or torch.compiler.is_compiling()
+            or _walkable(x) is not x
+            or any(t is not None and not t.is_contiguous() for t in (inputs.weight, inputs.bias))):
+        return None   # (a strided weight or bias: the backward op makes it dense first)
+    needs = ctx.needs_input_grad   # (x, weight, bias, ...): the op's argument order
+    weight_grad = inputs.weight is not None and needs[1]
+    bias_grad = inputs.bias is not None and needs[2]
+    if not (needs[0] or weight_grad or bias_grad):
+        return None
+    relu = inputs.relu
+    descriptor = BatchNormBackwardDescriptor(
+        x.shape, x.dtype, x.device, strides=(y.stride(), x.stride()),
+        weight_dtype=None if inputs.weight is None else inputs.weight.dtype,
+        bias_dtype=None if inputs.bias is None or not (bias_grad or relu) else inputs.bias.dtype,
+        training=inputs.training, input_grad=needs[0], weight_grad=weight_grad, bias_grad=bias_grad,
+        heuristics=ctx.heuristics, relu=relu)
+    return cached_plan(descriptor)
 
 
 def _grad(ctx, dy) -> dict:
@@ -1044,15 +1201,23 @@ def _grad(ctx, dy) -> dict:
         return {}
     if torch.is_grad_enabled():  # create_graph=True: the backward op records no graph of its own
         raise UnsupportedError("trainops.batch_norm: double backward (create_graph=True) is not supported")
-    x, weight, mean, rstd = ctx.saved_tensors
+    x, weight, mean, rstd, bias = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_grad.weight
     bias_grad = ctx.bias_dtype is not None and ctx.needs_grad.bias
     input_grad = ctx.needs_grad.x
     if not (input_grad or weight_grad or bias_grad):
         return {}
-    with heuristics(ctx.heuristics):
-        dx, dweight, dbias = batch_norm_backward_op(dy, x, weight, mean, rstd, ctx.training, input_grad, weight_grad,
-                                                    ctx.bias_dtype if bias_grad else None)
+    plan = getattr(ctx, "backward_plan", None)
+    if (plan is not None and type(dy) in PLAIN_TENSORS and dy.dtype == x.dtype and dy.device == x.device
+            and dy.stride() == plan.problem.strides[0] and dy.shape == x.shape):
+        # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
+        dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
+                                                (dy, x, weight, mean, rstd))
+    else:
+        with heuristics(ctx.heuristics):
+            dx, dweight, dbias = batch_norm_backward_op(dy, x, weight, mean, rstd, ctx.training, input_grad,
+                                                        weight_grad, ctx.bias_dtype if bias_grad else None, bias,
+                                                        ctx.relu)
     grads = {}
     if input_grad:
         grads["x"] = dx

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                              "a rank; gloo on cpu); --compare trains plain FSDP2 beside it")
     parser.add_argument("--runs", default=None,
                         help=f"--model llama: the runs to train, comma-separated, from {', '.join(llama.RUNS)} "
-                             "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger)")
+                             "(default: trainops; --compare: trainops, pytorch, pytorch-compile and liger); "
+                             f"--model cnn: from {', '.join(cnn.CNN_RUNS)}")
     parser.add_argument("--gist", default=None, choices=cnn.GIST_CHOICES,
                         help="--model cnn: what the trainops run stores compressed for the backward (default: relu, "
                              "1 bit a ReLU output, exact; bf16 / fp16 / e5m2 / e4m3: also every other saved "
@@ -147,11 +148,17 @@ def main(argv=None) -> int:
                              "global gradient norm (the first step unclipped)")
     parser.add_argument("--max-grad-norm", type=_non_negative_float, default=None,
                         help="global gradient-norm clip of every run, 0 for none (default: 1.0)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="--model cnn, --device cuda: record each run's training step (forward, backward, "
+                             "optimizer step) once as a CUDA graph (trainops.capture_step) and replay it every later "
+                             "step: no host time per module (not the torch.compile run)")
     args = parser.parse_args(argv)
     if args.model == "cnn":
         return cnn.main_cnn(parser, args)
     if args.gist is not None:
         parser.error("argument --gist: only with --model cnn")
+    if args.cuda_graphs:
+        parser.error("argument --cuda-graphs: only with --model cnn")
     if args.model == "llama":
         if args.fsdp:
             parser.error("argument --fsdp: only with --model gpt (the default)")

@@ -10,23 +10,32 @@ run sees the same images and nothing is downloaded or read.
 The model (``CNN_CONFIGS``): a CIFAR-style ResNet: a 3x3 stem convolution, batch norm and ReLU,
 then stages of basic blocks (two 3x3 convolutions with batch norms, ReLUs, an identity or a strided
 1x1 convolution shortcut; each stage after the first halves the resolution and doubles the
-width), global average pooling and a linear head. The trainops run's convolutions go through
-trainops's convolution registry (``trainops.nn.Conv2d``: cuDNN on CUDA, as torch's, since this
-network has no depthwise convolution, where alone the registry's Triton kernels run; torch's CPU
-kernels on the CPU), the other runs' are torch's.
+width), global average pooling and a linear head. Every run's convolutions are torch's: the
+convolution registry (``trainops.nn.Conv2d``) would choose cuDNN for every one of them (this
+network has no depthwise convolution, where alone its Triton kernels run), torch's own kernel, so
+routing them through it only added a custom op's host time to each call.
 
 Runs (``CNN_RUNS``), from the same initial weights (same seed) on the same batches, SGD with
 Nesterov momentum 0.9, weight decay 5e-4 (not on batch norms and biases), warm-up then cosine
 decay of the learning rate, autocast bf16 and channels-last on CUDA, float32 on the CPU:
 
-- ``trainops``: ``trainops.nn.BatchNorm2d`` for every batch norm, ``trainops.nn.Conv2d`` for every
-  convolution, ``trainops.gist.compress`` (the
-  ReLUs keep 1 bit an element; with ``--gist`` bf16 / fp16 / e5m2 / e4m3 also every other saved
-  activation packed, lossy; under bf16 autocast only the 1-byte formats pack anything, so bf16 /
-  fp16 are refused there), ``trainops.optim.SGD``. In this network each ReLU's output is the next
-  convolution's saved input, so the 1-bit ReLUs alone save about nothing: the stash does;
+- ``trainops``: ``trainops.nn.BatchNormReLU2d`` for each batch norm followed by a ReLU (the stem's
+  and each block's first: batch norm and ReLU in one pass, no ReLU node in the backward),
+  ``trainops.nn.BatchNorm2d`` for the others, ``trainops.gist.compress`` (the remaining
+  ReLUs, after the residual additions, keep 1 bit an element; with ``--gist`` bf16 / fp16 / e5m2 /
+  e4m3 also every other saved activation packed, lossy; under bf16 autocast only the 1-byte
+  formats pack anything, so bf16 / fp16 are refused there), ``trainops.optim.SGD``. In this
+  network each ReLU's output is the next convolution's saved input, so the 1-bit ReLUs alone save
+  about nothing: the stash does;
 - ``pytorch``: the same model with torch's modules and ``torch.optim.SGD``;
 - ``pytorch-compile``: the pytorch run under ``torch.compile``.
+
+``--cuda-graphs`` (CUDA): the trainops and pytorch runs' training step (forward, backward, optimizer
+step) is recorded once as a CUDA graph by ``trainops.capture_step`` after ``GRAPH_WARMUP`` eager steps
+and replayed for every later step, so a step costs its GPU time and no host time per module. The
+learning rate then lives in a CUDA tensor that the schedule fills before each step; the pytorch run
+uses torch's fused SGD (the foreach one reads a tensor learning rate on the host). The
+pytorch-compile run stays as it is.
 
 Each run reports its loss curve, held-out loss and accuracy, images/s and the median step time
 (the first ``UNTIMED_STEPS`` steps left out), and peak memory (CUDA: the most allocated during the
@@ -54,6 +63,7 @@ CNN_CONFIGS = {
 CNN_RUNS = {"trainops": "trainops (BatchNorm, GIST)", "pytorch": "PyTorch eager", "pytorch-compile": "torch.compile"}
 GIST_CHOICES = ("none", "relu", "bf16", "fp16", "e5m2", "e4m3")   # relu + a stash format, for the last four
 UNTIMED_STEPS = 3
+GRAPH_WARMUP = UNTIMED_STEPS - 1   # --cuda-graphs: eager steps before the capture (the next, untimed, step)
 WEIGHT_DECAY = 5e-4   # SGD's usual decay for ResNets, on kernels and weights only
 VAL_BATCHES = 4
 CLASSES = 10
@@ -71,6 +81,7 @@ class CnnRunConfig:
     amp: str = "none"
     seed: int = 0
     warmup: int = 5
+    cuda_graphs: bool = False
 
 
 def gratings(batch: int, seed: int, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +101,15 @@ def gratings(batch: int, seed: int, noise: float) -> tuple[torch.Tensor, torch.T
 
 
 class BasicBlock(torch.nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, norm, conv=torch.nn.Conv2d):
+    """``norm_relu(channels)``: a module computing relu(batch norm) in one (trainops.nn.BatchNormReLU2d),
+    used for ``bn1`` in place of ``norm`` then ``relu1`` (None then); the parameters and their order
+    are the same either way."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm, conv=torch.nn.Conv2d, norm_relu=None):
         super().__init__()
         self.conv1 = conv(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = norm(cout)
-        self.relu1 = torch.nn.ReLU(inplace=True)
+        self.bn1 = (norm_relu or norm)(cout)
+        self.relu1 = None if norm_relu else torch.nn.ReLU(inplace=True)
         self.conv2 = conv(cout, cout, 3, padding=1, bias=False)
         self.bn2 = norm(cout)
         self.relu2 = torch.nn.ReLU(inplace=True)
@@ -103,22 +118,28 @@ class BasicBlock(torch.nn.Module):
             self.shortcut = torch.nn.Sequential(conv(cin, cout, 1, stride=stride, bias=False), norm(cout))
 
     def forward(self, x):
-        out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        out = self.bn1(self.conv1(x))
+        if self.relu1 is not None:
+            out = self.relu1(out)
+        out = self.bn2(self.conv2(out))
         return self.relu2(out + (x if self.shortcut is None else self.shortcut(x)))
 
 
 class ResNet(torch.nn.Module):
     """The CIFAR-style ResNet of the module docstring; ``norm(channels)`` makes each batch norm,
-    ``conv`` (torch.nn.Conv2d's constructor) each convolution."""
+    ``conv`` (torch.nn.Conv2d's constructor) each convolution, ``norm_relu(channels)`` (optional)
+    each batch norm that a ReLU follows, the two in one module (the stem's and each block's first;
+    the same parameters, in the same order, as with ``norm``)."""
 
-    def __init__(self, widths, blocks: int, norm=torch.nn.BatchNorm2d, conv=torch.nn.Conv2d):
+    def __init__(self, widths, blocks: int, norm=torch.nn.BatchNorm2d, conv=torch.nn.Conv2d, norm_relu=None):
         super().__init__()
-        self.stem = torch.nn.Sequential(conv(3, widths[0], 3, padding=1, bias=False), norm(widths[0]),
-                                        torch.nn.ReLU(inplace=True))
+        stem = [conv(3, widths[0], 3, padding=1, bias=False)]
+        stem += [norm_relu(widths[0])] if norm_relu else [norm(widths[0]), torch.nn.ReLU(inplace=True)]
+        self.stem = torch.nn.Sequential(*stem)
         layers, cin = [], widths[0]
         for i, width in enumerate(widths):
             for j in range(blocks):
-                layers.append(BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, norm, conv))
+                layers.append(BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, norm, conv, norm_relu))
                 cin = width
         self.stages = torch.nn.Sequential(*layers)
         self.head = torch.nn.Linear(cin, CLASSES)
@@ -128,13 +149,13 @@ class ResNet(torch.nn.Module):
 
 
 def build_model(cfg: CnnRunConfig, device: torch.device, use_trainops: bool) -> torch.nn.Module:
-    """The ResNet with torch's or trainops's batch norms and convolutions, the same initial weights
-    either way."""
+    """The ResNet with torch's or trainops's batch norms (trainops's: BatchNormReLU2d where a ReLU
+    follows), the same initial weights either way."""
     import trainops
 
     torch.manual_seed(cfg.seed)
     if use_trainops:
-        model = ResNet(cfg.widths, cfg.blocks, trainops.nn.BatchNorm2d, trainops.nn.Conv2d)
+        model = ResNet(cfg.widths, cfg.blocks, trainops.nn.BatchNorm2d, norm_relu=trainops.nn.BatchNormReLU2d)
     else:
         model = ResNet(cfg.widths, cfg.blocks)
     model = model.to(device)
@@ -151,8 +172,14 @@ def learning_rate(cfg: CnnRunConfig, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def graphed(cfg: CnnRunConfig, run: str) -> bool:
+    """Whether ``run`` trains as a CUDA graph (``--cuda-graphs``; not the torch.compile run)."""
+    return cfg.cuda_graphs and run != "pytorch-compile"
+
+
 def build_run(cfg: CnnRunConfig, device: torch.device, run: str):
-    """(model, forward, optimizer, GistHandle or None) of one of CNN_RUNS."""
+    """(model, forward, optimizer, GistHandle or None) of one of CNN_RUNS. Graphed runs
+    (``graphed``): the learning rate is one CUDA tensor shared by the parameter groups."""
     import trainops
 
     if run not in CNN_RUNS:
@@ -160,12 +187,15 @@ def build_run(cfg: CnnRunConfig, device: torch.device, run: str):
     use_trainops = run == "trainops"
     model = build_model(cfg, device, use_trainops)
     handle = None
+    lr = torch.tensor(cfg.lr, device=device) if graphed(cfg, run) else cfg.lr
     if use_trainops:
         if cfg.gist != "none":
             handle = trainops.gist.compress(model, relu=True, stash=None if cfg.gist == "relu" else cfg.gist)
-        opt = trainops.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
+        opt = trainops.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=lr, momentum=0.9, nesterov=True)
     else:
-        opt = torch.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=cfg.lr, momentum=0.9, nesterov=True)
+        # a tensor learning rate: torch's fused SGD reads it on the device (the foreach one calls .item())
+        fused = {"fused": True} if graphed(cfg, run) else {}
+        opt = torch.optim.SGD(parameter_groups(model, WEIGHT_DECAY), lr=lr, momentum=0.9, nesterov=True, **fused)
     forward = torch.compile(model) if run == "pytorch-compile" else model
     return model, forward, opt, handle
 
@@ -202,30 +232,53 @@ class CnnResult:
     stash: object = None  # the GIST handle's StashStats of the last forward, with a stash
 
 
+def _step_function(cfg: CnnRunConfig, run: str, device: torch.device, forward, opt):
+    """(step(x, y) -> the loss, the CUDA learning-rate tensor or None): one training step, eager
+    (gradients set to None after the optimizer step) or, for a graphed run, a CapturedStep."""
+    import trainops
+
+    amp_dtype = autocast_dtype(cfg)
+
+    def train_step(x, y):
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = torch.nn.functional.cross_entropy(forward(x).float(), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    if graphed(cfg, run):   # capture_step sets the gradients to None before each eager call and the capture
+        return trainops.capture_step(train_step, [opt], warmup_steps=GRAPH_WARMUP), opt.param_groups[0]["lr"]
+
+    def eager_step(x, y):
+        loss = train_step(x, y)
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return eager_step, None
+
+
 def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = False) -> CnnResult:
     """Train ``cfg.steps`` steps of one of CNN_RUNS and evaluate it."""
     import trainops
 
     model, forward, opt, handle = build_run(cfg, device, run)
-    amp_dtype = autocast_dtype(cfg)
     model.train()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    step_fn, lr_tensor = _step_function(cfg, run, device, forward, opt)
     losses, step_times = [], []
     with trainops.track_kernels() as used:
         for step in range(cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = learning_rate(cfg, step)
+            if lr_tensor is not None:
+                lr_tensor.fill_(learning_rate(cfg, step))
+            else:
+                for group in opt.param_groups:
+                    group["lr"] = learning_rate(cfg, step)
             x, y = _images(cfg, cfg.seed * 1_000_003 + step, device)
             started = time.perf_counter()
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                loss = torch.nn.functional.cross_entropy(forward(x).float(), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))   # one host read per step: the step is done when it returns
-            if step >= UNTIMED_STEPS:
+            loss = step_fn(x, y)
+            losses.append(float(loss))   # one host read per step: the step is done when it returns
+            if step >= UNTIMED_STEPS:   # a graphed run's warm-up steps and capture among them
                 step_times.append(1e3 * (time.perf_counter() - started))
             if not quiet:
                 timed = sum(step_times)
@@ -238,7 +291,7 @@ def run_cnn(cfg: CnnRunConfig, device: torch.device, run: str, *, quiet: bool = 
     timed = sum(step_times)
     result = RunResult(run, losses, val, 1e3 * len(step_times) * cfg.batch / timed if timed else math.nan,
                        timed / len(step_times) if step_times else math.nan, peak, dict(used), step_times)
-    del model, forward, opt, handle
+    del model, forward, opt, handle, step_fn   # a graphed step holds its graph's memory pool
     gc.collect()
     if run.endswith("-compile"):
         torch._dynamo.reset()
@@ -271,7 +324,7 @@ def main_cnn(parser, args) -> int:
     if args.config not in CNN_CONFIGS:
         parser.error(f"argument --config: --model cnn has {', '.join(CNN_CONFIGS)}; got {args.config!r}")
     for option, given in (("--save", args.save is not None), ("--resume", args.resume is not None),
-                          ("--dropout", args.dropout != 0.0), ("--fsdp", args.fsdp), ("--runs", args.runs is not None),
+                          ("--dropout", args.dropout != 0.0), ("--fsdp", args.fsdp),
                           ("--optimizer", args.optimizer != "adamw"), ("--optim-bits", args.optim_bits != 32),
                           ("--param-dtype", args.param_dtype != "float32"), ("--master-weights", args.master_weights),
                           ("--stochastic-rounding", args.stochastic_rounding),
@@ -283,7 +336,21 @@ def main_cnn(parser, args) -> int:
     if args.compile:
         parser.error("argument --compile: --model cnn's --compare trains torch.compile's run itself; the trainops "
                      "run is eager")
+    if args.runs is not None:
+        if args.compare:
+            parser.error("argument --runs: names the runs itself; leave out --compare")
+        runs = [name.strip() for name in args.runs.split(",")]
+        unknown = [name for name in runs if name not in CNN_RUNS]
+        if unknown or not runs:
+            parser.error(f"argument --runs: {', '.join(map(repr, unknown)) or 'nothing'} is not a --model cnn run; "
+                         f"choose from {', '.join(CNN_RUNS)} (comma-separated)")
+        if len(set(runs)) != len(runs):
+            parser.error(f"argument --runs: a run is named twice in {args.runs!r}")
+    else:
+        runs = ["trainops"] + (["pytorch", "pytorch-compile"] if args.compare else [])
     device = args.device
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("argument --cuda-graphs: needs --device cuda (a CUDA graph records CUDA kernels)")
     amp = args.amp or ("bf16" if device.type == "cuda" else "none")
     if device.type == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
         parser.error(f"argument --amp: bf16 is not supported by {torch.cuda.get_device_name(device)}; use --amp fp16 "
@@ -296,15 +363,16 @@ def main_cnn(parser, args) -> int:
                      "bytes already); choose e4m3 or e5m2, or --amp none")
     base = CNN_CONFIGS[args.config]
     cfg = CnnRunConfig(**{**base, "steps": base["steps"] if args.steps is None else args.steps,
-                          "lr": base["lr"] if args.lr is None else args.lr}, gist=gist, amp=amp)
+                          "lr": base["lr"] if args.lr is None else args.lr}, gist=gist, amp=amp,
+                        cuda_graphs=args.cuda_graphs)
     plot_path = checked_plot_path(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    runs = ["trainops"] + (["pytorch", "pytorch-compile"] if args.compare else [])
     params = sum(p.numel() for p in ResNet(cfg.widths, cfg.blocks).parameters())
     print(f"trainops train: {args.config} ResNet (widths {', '.join(map(str, cfg.widths))}, {cfg.blocks} basic "
           f"block(s) a stage, {params / 1e6:.2f} M parameters), {cfg.steps} steps of {cfg.batch} 3x32x32 gratings "
-          f"(10 classes, noise {cfg.noise}), SGD, amp {cfg.amp}, GIST {cfg.gist}, on {device}; runs: {', '.join(runs)}")
+          f"(10 classes, noise {cfg.noise}), SGD, amp {cfg.amp}, GIST {cfg.gist}, on {device}"
+          f"{', CUDA graphs (not the torch.compile run)' if cfg.cuda_graphs else ''}; runs: {', '.join(runs)}")
     results = []
     for run in runs:
         result = run_cnn(cfg, device, run)

@@ -1,0 +1,269 @@
+"""Batch norm + ReLU fused (trainops.batch_norm_relu, nn.BatchNormReLU2d, patch's fusion) against
+relu(torch's batch_norm) in float64, both backends; the one-launch statistics and gradient sums
+(tickets left zeroed, launches counted, bit-identical); edge cases; gradcheck; torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+import trainops
+from trainops.errors import InvalidProblemError
+from trainops.ops import batch_norm as bn_ops
+from trainops.ops.batch_norm import BatchNormHeuristics
+from trainops.plan import clear_plan_cache
+
+from numerics import assert_close, poison_new_output
+
+# several programs a channel block (the last one to arrive combines), several channel blocks
+SMALL = BatchNormHeuristics(tile=16, channel_block=2, spatial_block=4, programs_per_sm=16)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output trainops allocates starts as NaN: an element left unwritten fails the test."""
+    poison_new_output(monkeypatch, bn_ops.BatchNormProblem)
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+def _inputs(shape, layout="contiguous", dtype=torch.float32, device="cpu", seed=0, affine=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.3
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = torch.cat([x, x], -1)[..., ::2]
+    c = shape[1]
+    w = torch.rand(c, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.randn(c, generator=gen, dtype=torch.float64) * 0.5
+    rm = torch.randn(c, generator=gen, dtype=torch.float64)
+    rv = torch.rand(c, generator=gen, dtype=torch.float64) + 0.5
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    cast = [t.to(dtype).to(device) for t in (x, w, b)]
+    return (cast[0], *(cast[1:] if affine else (None, None)), rm.float().to(device), rv.float().to(device),
+            dy.to(dtype).to(device))
+
+
+def _both(x, w, b, rm, rv, dy, training, momentum=0.1):
+    """(ours, reference float64 on the CPU): (y, running mean, running var, grads of x [, w, b])."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
+    xs, *params = leaves
+    ws, bs = params if params else (None, None)
+    stats = (rm.clone(), rv.clone())
+    y = trainops.batch_norm_relu(xs, *stats, ws, bs, training, momentum)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in (x, w, b) if t is not None]
+    xr, *ref_params = ref_leaves
+    wr, br = ref_params if ref_params else (None, None)
+    ref_stats = (rm.double().cpu(), rv.double().cpu())
+    yr = torch.relu(torch_F.batch_norm(xr, *ref_stats, wr, br, training, momentum))
+    ref_grads = torch.autograd.grad(yr, ref_leaves, dy.double().cpu())
+    return (y, *stats, grads), (yr, *ref_stats, ref_grads)
+
+
+CASES = [((4, 3, 5, 6), "contiguous", True), ((4, 3, 5, 6), "channels_last", True), ((3, 4, 7), "contiguous", True),
+         ((2, 3, 4, 6), "strided", False), ((4, 3, 5, 6), "channels_last", False)]
+
+
+@pytest.mark.parametrize("shape,layout,training", CASES)
+def test_matches_relu_of_torchs_batch_norm(backend, device, shape, layout, training):
+    x, w, b, rm, rv, dy = _inputs(shape, layout, device=device, seed=len(shape) + training)
+    (y, rm1, rv1, grads), (yr, rmr, rvr, ref_grads) = _both(x, w, b, rm, rv, dy, training)
+    assert_close(y, yr, torch.float32, "y")
+    assert (y == 0).any() and (y > 0).any()   # the ReLU cut something and kept something
+    assert_close(rm1, rmr, torch.float32, "running_mean")
+    assert_close(rv1, rvr, torch.float32, "running_var")
+    for name, g, r in zip(("dx", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, torch.float32, name)
+    if layout == "channels_last":
+        assert y.stride() == x.stride() and grads[0].stride() == x.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_dtypes_without_affine_and_with_small_tiles(backend, device, dtype):
+    x, w, b, rm, rv, dy = _inputs((3, 5, 4, 3), "channels_last", dtype, device, seed=3, affine=False)
+    with trainops.heuristics(SMALL):
+        (y, rm1, rv1, grads), (yr, rmr, rvr, ref_grads) = _both(x, w, b, rm, rv, dy, True)
+    assert y.dtype == dtype and len(grads) == 1
+    # half y: the interpreter truncates float32 -> half where the GPU rounds (one ulp)
+    assert_close(y, yr, dtype, "y")
+    assert_close(grads[0], ref_grads[0], dtype, "dx")
+    assert_close(rm1, rmr, torch.float32, "running_mean")
+
+
+def test_zero_outputs_pass_no_gradient_and_nan_stays(backend, device):
+    """y = 0 exactly (weight and bias 0): torch's threshold_backward passes nothing (y <= 0); a NaN
+    input stays NaN in y, as torch.relu."""
+    x = torch.randn(4, 2, 3, 3, device=device, requires_grad=True)
+    w = torch.zeros(2, device=device, requires_grad=True)
+    b = torch.zeros(2, device=device, requires_grad=True)
+    y = trainops.batch_norm_relu(x, None, None, w, b, True)
+    assert torch.equal(y, torch.zeros_like(y))
+    for g in torch.autograd.grad(y, (x, w, b), torch.ones_like(y)):
+        assert torch.equal(g, torch.zeros_like(g))
+    rm, rv = torch.zeros(2, device=device), torch.ones(2, device=device)
+    x = torch.randn(2, 2, 3, device=device)
+    x[0, 1, 2] = float("nan")
+    y = trainops.batch_norm_relu(x, rm, rv, training=False)
+    assert y[0, 1, 2].isnan() and not y[:, 0].isnan().any()
+
+
+def test_edge_cases_as_torch(backend, device):
+    """N * H * W = 1: training refused (as torch), eval computed; an empty batch: empty y, the
+    running statistics left alone, zero parameter gradients."""
+    rm, rv = torch.zeros(3, device=device), torch.ones(3, device=device)
+    with pytest.raises(InvalidProblemError, match="batch_norm_relu.*more than 1 value per channel"):
+        trainops.batch_norm_relu(torch.randn(1, 3, 1, 1, device=device), rm, rv, training=True)
+    x = torch.randn(1, 3, 1, 1, device=device)
+    assert_close(trainops.batch_norm_relu(x, rm, rv), torch.relu(torch_F.batch_norm(x, rm, rv)), torch.float32, "y")
+    x = torch.empty(0, 3, 4, 4, device=device, requires_grad=True)
+    w, b = torch.ones(3, device=device, requires_grad=True), torch.zeros(3, device=device, requires_grad=True)
+    y = trainops.batch_norm_relu(x, rm, rv, w, b, True)
+    assert y.shape == x.shape and torch.equal(rm, torch.zeros(3, device=device))
+    dx, dw, db = torch.autograd.grad(y.sum(), (x, w, b))
+    assert dx.shape == x.shape and not dw.any() and not db.any()
+
+
+def test_errors_name_the_op_and_argument(backend, device):
+    x = torch.randn(4, 3, 5, device=device)
+    with pytest.raises(InvalidProblemError, match="batch_norm_relu.*'weight'"):
+        trainops.batch_norm_relu(x, None, None, torch.ones(4, device=device), training=True)
+    with pytest.raises(InvalidProblemError, match="batch_norm_relu.*'running_mean'"):
+        trainops.batch_norm_relu(x, None, None, training=False)
+    with pytest.raises(InvalidProblemError, match="'relu'"):
+        trainops.plan("batch_norm_stats", shape=(4, 3, 5), dtype=torch.float32, device=device, relu=True)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_gradcheck_float64(backend, device, training):
+    x, w, b, rm, rv, _ = _inputs((3, 2, 4), dtype=torch.float64, device=device, seed=9)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+
+    def f(x, w, b):
+        return trainops.batch_norm_relu(x, rm.double(), rv.double(), w, b, training)
+    assert torch.autograd.gradcheck(f, leaves, fast_mode=backend == "triton")
+
+
+def test_torch_compile_fullgraph():
+    """The op's schema, fake and autograd under dynamo + AOTAutograd (the op stays whole: the
+    backend does not matter to the trace; the CPU's is the cheaper here)."""
+    x, w, b, rm, rv, _ = _inputs((4, 3, 5, 5), "channels_last", seed=8)
+
+    def block(x, w, b, rm, rv):
+        return (trainops.batch_norm_relu(x, rm, rv, w, b, True) * 2).sum()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    stats = [rm.clone(), rv.clone()]
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*leaves, *stats)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    ref_stats = [rm.clone(), rv.clone()]
+    ref = block(*ref_leaves, *ref_stats)
+    assert_close(loss, ref, torch.float32, "loss")
+    for g, r in zip(grads, torch.autograd.grad(ref, ref_leaves)):
+        assert_close(g, r, torch.float32, "grad")
+    for s, r in zip(stats, ref_stats):
+        assert torch.allclose(s, r, rtol=1e-6, atol=1e-7)
+
+
+def test_one_launch_each_way_for_the_sums_and_bit_identical(monkeypatch):
+    """Triton: a training step is 4 kernel launches (statistics + their finishing; apply; gradient
+    sums + their totals; dx; 6 before), eval 1 + 2. The plan keeps its tickets (on the CPU, as on a
+    CUDA default stream) and the last programs set them back to 0: a second step finishes too
+    (outputs start as NaN) and gives the same bits."""
+    launches = []
+
+    def counting(kernel, grid, trailing=(), **meta):
+        run = launcher(kernel, grid, trailing, **meta)
+        return lambda *args: (launches.append(kernel.fn.__name__), run(*args))[1]
+    launcher = bn_ops.launcher
+    monkeypatch.setattr(bn_ops, "launcher", counting)
+    x, w, b, rm, rv, dy = _inputs((3, 3, 2, 3), "channels_last", seed=4)
+    with trainops.backend("triton"), trainops.heuristics(SMALL):
+        results = []
+        for _ in range(2):
+            launches.clear()
+            results.append(_both(x, w, b, rm, rv, dy, True)[0])
+            assert launches == ["_bn_stats", "_bn_apply", "_bn_grad_sums", "_bn_grad_input"], launches
+        first, second = results
+        for a, c in zip((*first[:3], *first[3]), (*second[:3], *second[3])):
+            assert torch.equal(a, c)
+        launches.clear()
+        _both(x, w, b, rm, rv, dy, False)   # eval: the weight and bias gradients still need their sums
+        assert launches == ["_bn_apply", "_bn_grad_sums", "_bn_grad_input"], launches
+
+
+def test_module_is_a_drop_in_for_batch_norm_then_relu(backend, device):
+    torch.manual_seed(0)
+    for momentum in (0.1, None):
+        ours = trainops.nn.BatchNormReLU2d(3, momentum=momentum).to(device)
+        ref = torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=momentum), torch.nn.ReLU()).to(device)
+        ref[0].load_state_dict(ours.state_dict())
+        for _ in range(2):
+            x = torch.randn(4, 3, 2, 3, device=device)
+            assert_close(ours(x), ref(x), torch.float32, "train")
+        assert_close(ours.running_var, ref[0].running_var, torch.float32, "running_var")
+        assert ours.num_batches_tracked == ref[0].num_batches_tracked == 2
+        ours.eval(), ref.eval()
+        assert_close(ours(x), ref(x), torch.float32, "eval")
+
+
+def _net():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True)),
+                               torch.nn.BatchNorm2d(4))
+
+
+def test_patch_fuses_sequential_pairs_and_unpatch_undoes_it():
+    model, ref = _net(), _net()
+    ref.load_state_dict(model.state_dict())
+    assert trainops.patch(model, block_ops=True, dry_run=True).swapped and type(model[1]) is torch.nn.BatchNorm2d
+    report = trainops.patch(model, block_ops=True)
+    assert [(n, new) for n, _, new in report.swapped] == [
+        ("1", "trainops.nn.BatchNormReLU2d"), ("2", "trainops.nn.FusedReLU"),
+        ("3.0", "trainops.nn.BatchNormReLU2d"), ("3.1", "trainops.nn.FusedReLU")]
+    assert report.descriptions["1"] == "fused with the ReLU 2" and "fused into 3.0" in str(report)
+    assert type(model[4]) is torch.nn.BatchNorm2d   # no ReLU after it (batch_norm=False: kept)
+    x = torch.randn(2, 3, 6, 6)
+    assert_close(model(x), ref(x), torch.float32, "patched")
+    trainops.unpatch(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+
+
+def test_patch_fuses_only_pairs_certain_to_run_back_to_back():
+    """A ReLU shared with another place, a hook on either module, a BatchNorm + ReLU called from a
+    block's own forward (torchvision's BasicBlock): not fused."""
+    shared = torch.nn.ReLU()
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(4), shared, torch.nn.BatchNorm2d(4), shared)
+    assert not trainops.patch(model, block_ops=True).swapped
+    hooked = torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    hooked[1].register_forward_hook(lambda *args: None)
+    assert not trainops.patch(hooked, block_ops=True).swapped
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn1, self.relu = torch.nn.BatchNorm2d(4), torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.bn1(x) + x)
+    assert not trainops.patch(Block(), block_ops=True).swapped
+    plain = _net()   # batch_norm=True alone: plain batch norms, nothing fused
+    report = trainops.patch(plain, batch_norm=True)
+    assert {new for _, _, new in report.swapped} == {"trainops.nn.BatchNorm2d"} and not report.descriptions
+    assert type(plain[2]) is torch.nn.ReLU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_real_sizes_on_gpu(layout):
+    """The demo's largest batch norm (256 x 64 x 32 x 32, bf16) and a deep one: against float64,
+    bit-identical run to run."""
+    for shape in ((256, 64, 32, 32), (256, 512, 4, 4)):
+        x, w, b, rm, rv, dy = _inputs(shape, layout, torch.bfloat16, "cuda", seed=1)
+        ours, ref = _both(x, w, b, rm, rv, dy, True)
+        again = _both(x, w, b, rm, rv, dy, True)[0]
+        assert_close(ours[0], ref[0], torch.bfloat16, "y")
+        assert_close(ours[3][0], ref[3][0], torch.bfloat16, "dx")
+        for a, c in zip((ours[0], *ours[3]), (again[0], *again[3])):
+            assert torch.equal(a, c), "not bit-identical run to run"
