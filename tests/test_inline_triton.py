@@ -120,7 +120,9 @@ def test_dynamic_shapes_keep_the_ops_whole():
 
     t = _inputs("cuda")
     eager = _block(**t)
-    compiled, code = run_and_get_code(torch.compile(_block, fullgraph=True, dynamic=True), **t)
+    # our ops everywhere (the shipped table hands these short bf16 rows to Inductor's fusion)
+    with trainops.heuristics(CompiledChoices(table={})):
+        compiled, code = run_and_get_code(torch.compile(_block, fullgraph=True, dynamic=True), **t)
     assert "torch.ops.trainops.rms_norm.default" in "\n".join(code)
     assert _close(compiled, eager)
 
