@@ -208,6 +208,32 @@ def test_module_is_a_drop_in_for_batch_norm_then_relu(backend, device):
         assert_close(ours(x), ref(x), torch.float32, "eval")
 
 
+@pytest.mark.parametrize("relu", [False, True])
+def test_saved_tensor_hooks_that_change_xs_layout(backend, device, relu):
+    """A saved-tensor hook may hand x back in another layout (save_on_cpu returns a contiguous copy
+    of a channels-last x): the backward follows the tensors it gets, not the forward's plan."""
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last)
+    dy = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last)
+    w0, b0 = torch.rand(3, device=device) + 0.5, torch.randn(3, device=device)
+    fn = trainops.batch_norm_relu if relu else trainops.batch_norm
+
+    def grads(f, hooked):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.contiguous()) if hooked \
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = f(x, None, None, w, b, True)
+        return torch.autograd.grad(y, (x, w, b), dy)
+
+    def reference(x, rm, rv, w, b, training):
+        y = torch_F.batch_norm(x.double(), rm, rv, w.double(), b.double(), training)
+        return y.relu() if relu else y
+
+    expected = grads(reference, False)
+    for got, want, name in zip(grads(fn, True), expected, ("dx", "dweight", "dbias")):
+        assert_close(got, want.float(), torch.float32, name)
+
+
 def _net():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True)),

@@ -1208,8 +1208,12 @@ def _grad(ctx, dy) -> dict:
     if not (input_grad or weight_grad or bias_grad):
         return {}
     plan = getattr(ctx, "backward_plan", None)
-    if (plan is not None and type(dy) in PLAIN_TENSORS and dy.dtype == x.dtype and dy.device == x.device
-            and dy.stride() == plan.problem.strides[0] and dy.shape == x.shape):
+    # the saved tensors as autograd hands them back: a saved-tensor hook (save_on_cpu, ...) may
+    # return x in another layout or on another device than the forward's plan was made for
+    if (plan is not None and type(dy) in PLAIN_TENSORS and type(x) in PLAIN_TENSORS
+            and dy.dtype == x.dtype == plan.problem.dtype and dy.device == x.device == plan.problem.device
+            and dy.shape == x.shape and dy.stride() == plan.problem.strides[0] and x.stride() == plan.problem.strides[1]
+            and all(t is None or t.is_contiguous() for t in (weight, mean, rstd, bias))):
         # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
         dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
                                                 (dy, x, weight, mean, rstd))
