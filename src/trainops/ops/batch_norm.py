@@ -72,7 +72,6 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.overrides import has_torch_function
 
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
@@ -1215,7 +1214,8 @@ def _grad(ctx, dy) -> dict:
     if (plan is not None and type(dy) in PLAIN_TENSORS and type(x) in PLAIN_TENSORS
             and dy.dtype == x.dtype == plan.problem.dtype and dy.device == x.device == plan.problem.device
             and dy.shape == x.shape and dy.stride() == plan.problem.strides[0] and x.stride() == plan.problem.strides[1]
-            and all(t is None or t.is_contiguous() for t in (weight, mean, rstd, bias))):
+            and mean.is_contiguous() and rstd.is_contiguous() and (weight is None or weight.is_contiguous())
+            and (bias is None or bias.is_contiguous())):
         # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
         dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
                                                 (dy, x, weight, mean, rstd))
@@ -1281,14 +1281,15 @@ def eager_training(x: Tensor, running_mean: Tensor | None, running_var: Tensor |
     statistics' versions are bumped as by the statistics op. The (x layout, dtypes, options)
     key -> plans cache saves the three descriptor builds and plan look-ups a call."""
     if (type(x) not in PLAIN_TENSORS or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or has_torch_function((x, weight, bias, running_mean, running_var))):
+            or torch._C._is_torch_function_mode_enabled()):
         return None
-    grad = torch.is_grad_enabled()
-    needs_x = grad and x.requires_grad
-    needs_w = needs_b = False
     for t in (weight, bias, running_mean, running_var):
         if t is not None and (type(t) not in PLAIN_TENSORS or not t.is_contiguous()):
             return None
+    # (plain tensors and no __torch_function__ mode: has_torch_function would say no, 1.5 us dearer)
+    grad = torch.is_grad_enabled()
+    needs_x = grad and x.requires_grad
+    needs_w = needs_b = False
     if weight is not None:
         needs_w = grad and weight.requires_grad
     if bias is not None:
