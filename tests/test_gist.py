@@ -709,3 +709,16 @@ def test_eager_relu_falls_back_where_it_must(backend, device, monkeypatch):
         dy = torch.randn_like(y)
         (dx,) = torch.autograd.grad(y, x, dy)
         assert torch.equal(dx, torch.where(x.detach() > 0, dy, 0)), name
+
+
+def test_eager_relu_counts_the_op_paths_kernels(backend, device, monkeypatch):
+    """track_kernels counts what the op path counts, a backward through the op (dy in another
+    layout) included."""
+    x = torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
+    counted = []
+    for op_path in (False, True):
+        with trainops.track_kernels() as used:
+            for dy in (torch.ones_like(x), torch.ones(x.shape, device=device)):
+                _relu_step(x, dy, op_path, monkeypatch)
+        counted.append(dict(used))
+    assert counted[0] == counted[1] and len(counted[0]) == 2, counted

@@ -465,12 +465,12 @@ class _EagerGistRelu(torch.autograd.Function):
         (bits,) = ctx.saved_tensors
         plans = ctx.plans
         problem = plans.backward.problem
-        if _tracked:
-            record_use(plans.backward)
         if (type(dy) in PLAIN_TENSORS and dy.stride() == problem.strides and dy.dtype == problem.dtype
                 and dy.device == problem.device and dy.shape == problem.shape and type(bits) in PLAIN_TENSORS
                 and bits.shape == (problem.nbytes_bits,) and bits.dtype == torch.uint8 and bits.device == dy.device
                 and bits.is_contiguous()):
+            if _tracked:   # (the op's cached_plan counts it on the other path)
+                record_use(plans.backward)
             return plans.backward.run_unchecked((dy, bits)), None
         # another layout (copied into y's by the op), a subclass, or bits a saved-tensor hook moved
         with keep_heuristics(plans.heuristics):
