@@ -151,7 +151,7 @@ def _recorded_calls():
         run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
         run(trainops.batch_norm(leaf(4, 3, 5), torch.zeros(3), torch.ones(3), leaf(3), leaf(3), training=True))
         # the backward op: reached where the saved x comes back in another layout than the forward's
-        # plan was made for (else the forward's plan runs without it)
+        # plan was made for (else the eager backward runs the forward's plan without calling it)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.contiguous()):
             run(trainops.batch_norm(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last), None, None, leaf(3),
                                     leaf(3), training=True))
