@@ -234,6 +234,50 @@ def test_saved_tensor_hooks_that_change_xs_layout(backend, device, relu):
         assert_close(got, want.float(), torch.float32, name)
 
 
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("saved", ["weight", "mean", "rstd", "bias"])
+def test_saved_tensor_hooks_that_change_a_per_channel_tensors_dtype(backend, device, monkeypatch, relu, saved):
+    """A hook that hands back the weight, mean, rstd (or the fused ReLU's bias) in another dtype:
+    the forward's plan (made for the dtypes saved) does not run on it. The backward op does: it
+    plans for a float64 weight or bias (torch's values), and names mean or rstd, which must be in
+    the accumulator's dtype (InvalidProblemError), where the forward's plan read them silently."""
+    if saved == "bias" and not relu:
+        pytest.skip("the bias is saved for the fused ReLU only")
+    torch.manual_seed(0)
+    x0, dy = torch.randn(4, 3, 5, 6, device=device), torch.randn(4, 3, 5, 6, device=device)
+    w0, b0 = torch.rand(3, device=device) + 0.5, torch.randn(3, device=device)
+    fn = trainops.batch_norm_relu if relu else trainops.batch_norm
+    calls = []
+    real = bn_ops.batch_norm_backward_op
+    monkeypatch.setattr(bn_ops, "batch_norm_backward_op", lambda *a: (calls.append(1), real(*a))[1])
+    for eager in (True, False):
+        calls.clear()
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        names = {id(x): "x", id(w): "weight", id(b): "bias"}
+        others = ["mean", "rstd"]   # saved in this order, after x and the weight
+
+        def pack(t):
+            return (names[id(t)] if id(t) in names else others.pop(0)), t
+
+        with monkeypatch.context() as m:
+            if not eager:
+                m.setattr(bn_ops, "eager_training", lambda *args: None)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[1].double() if p[0] == saved else p[1]):
+                y = fn(x, None, None, w, b, True)
+        assert type(y.grad_fn).__name__ == ("_EagerTrainingBackward" if eager else "batch_norm_functionBackward")
+        if saved in ("mean", "rstd"):
+            with pytest.raises(InvalidProblemError, match=saved):
+                torch.autograd.grad(y, (x, w, b), dy)
+        else:
+            got = torch.autograd.grad(y, (x, w, b), dy)
+            xr, wr, br = (t.double().requires_grad_() for t in (x0, w0, b0))
+            yr = torch_F.batch_norm(xr, None, None, wr, br, True)
+            want = torch.autograd.grad(yr.relu() if relu else yr, (xr, wr, br), dy.double())
+            for g, r, name in zip(got, want, ("dx", "dweight", "dbias")):
+                assert_close(g, r.float(), torch.float32, name)
+        assert calls == [1], (eager, calls)
+
+
 def _net():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True)),

@@ -1197,6 +1197,32 @@ def _eager_backward_plan(ctx, inputs, y):
     return cached_plan(descriptor)
 
 
+def _per_channel_as_planned(t: Tensor, dtype: torch.dtype, channels: tuple, device) -> bool:
+    return (type(t) in PLAIN_TENSORS and t.dtype == dtype and t.shape == channels and t.device == device
+            and t.is_contiguous())
+
+
+def _as_planned(problem: BatchNormProblem, dy: Tensor, x: Tensor, weight, mean, rstd, bias) -> bool:
+    """Whether the backward's tensors (dy as given, the rest as the saved-tensor hooks hand them
+    back) are those ``problem``, the forward-made backward plan, was made for: else the backward
+    op, which plans for them or names the argument it refuses."""
+    device = problem.device
+    if not (type(dy) in PLAIN_TENSORS and type(x) in PLAIN_TENSORS and dy.dtype == x.dtype == problem.dtype
+            and dy.device == x.device == device and dy.shape == x.shape == problem.shape
+            and dy.stride() == problem.strides[0] and x.stride() == problem.strides[1]):
+        return False
+    channels, acc = (problem.shape[1],), problem.acc_dtype
+    if not (_per_channel_as_planned(mean, acc, channels, device) and _per_channel_as_planned(rstd, acc, channels, device)):
+        return False
+    if (weight is None) != (problem.weight_dtype is None) or (
+            weight is not None and not _per_channel_as_planned(weight, problem.weight_dtype, channels, device)):
+        return False
+    # (bias: the fused ReLU's, which the plan reads; None otherwise)
+    if bias is not None and not (problem.relu and _per_channel_as_planned(bias, problem.bias_dtype, channels, device)):
+        return False
+    return True
+
+
 def _grad(ctx, dy) -> dict:
     if dy is None:
         return {}
@@ -1210,12 +1236,8 @@ def _grad(ctx, dy) -> dict:
         return {}
     plan = getattr(ctx, "backward_plan", None)
     # the saved tensors as autograd hands them back: a saved-tensor hook (save_on_cpu, ...) may
-    # return x in another layout or on another device than the forward's plan was made for
-    if (plan is not None and type(dy) in PLAIN_TENSORS and type(x) in PLAIN_TENSORS
-            and dy.dtype == x.dtype == plan.problem.dtype and dy.device == x.device == plan.problem.device
-            and dy.shape == x.shape and dy.stride() == plan.problem.strides[0] and x.stride() == plan.problem.strides[1]
-            and mean.is_contiguous() and rstd.is_contiguous() and (weight is None or weight.is_contiguous())
-            and (bias is None or bias.is_contiguous())):
+    # return any of them in another layout, dtype or device than the forward's plan was made for
+    if plan is not None and _as_planned(plan.problem, dy, x, weight, mean, rstd, bias if ctx.relu else None):
         # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
         dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
                                                 (dy, x, weight, mean, rstd))
