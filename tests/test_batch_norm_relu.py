@@ -235,12 +235,13 @@ def test_saved_tensor_hooks_that_change_xs_layout(backend, device, relu):
 
 
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("saved", ["weight", "mean", "rstd", "bias"])
+@pytest.mark.parametrize("saved", ["none", "weight", "mean", "rstd", "bias"])
 def test_saved_tensor_hooks_that_change_a_per_channel_tensors_dtype(backend, device, monkeypatch, relu, saved):
     """A hook that hands back the weight, mean, rstd (or the fused ReLU's bias) in another dtype:
     the forward's plan (made for the dtypes saved) does not run on it. The backward op does: it
     plans for a float64 weight or bias (torch's values), and names mean or rstd, which must be in
-    the accumulator's dtype (InvalidProblemError), where the forward's plan read them silently."""
+    the accumulator's dtype (InvalidProblemError), where the forward's plan read them silently.
+    A hook that changes nothing ("none"): the forward's plan, no backward op."""
     if saved == "bias" and not relu:
         pytest.skip("the bias is saved for the fused ReLU only")
     torch.manual_seed(0)
@@ -275,7 +276,7 @@ def test_saved_tensor_hooks_that_change_a_per_channel_tensors_dtype(backend, dev
             want = torch.autograd.grad(yr.relu() if relu else yr, (xr, wr, br), dy.double())
             for g, r, name in zip(got, want, ("dx", "dweight", "dbias")):
                 assert_close(g, r.float(), torch.float32, name)
-        assert calls == [1], (eager, calls)
+        assert calls == ([] if saved == "none" else [1]), (eager, calls)
 
 
 def _net():
@@ -444,3 +445,38 @@ def test_eager_training_falls_back_where_it_must(backend, device, monkeypatch):
         assert_close(y.detach().as_subclass(torch.Tensor), ref.float(), torch.float32, name)
         grads = torch.autograd.grad(y.as_subclass(torch.Tensor), leaves, dy[..., :xs.shape[-1]].contiguous())
         assert all(g is not None for g in grads), name
+
+
+def test_clear_plan_cache_empties_the_eager_paths_plans(backend, device):
+    """clear_plan_cache() empties the plans batch norm's and GIST ReLU's eager paths keep: the next
+    call makes new ones (a registry or heuristics change reaches them)."""
+    from trainops.ops import gist as gist_ops
+    x = torch.randn(4, 3, 5, 6, device=device, requires_grad=True)
+    w = torch.ones(3, device=device, requires_grad=True)
+    trainops.batch_norm(x, None, None, w, None, True)
+    trainops.gist.relu(x)
+    kept = (next(iter(bn_ops._EAGER_PLANS.values())), next(iter(gist_ops._EAGER_PLANS.values())))
+    assert all(isinstance(p, tuple) for p in kept)   # _EagerPlans, not the op path's marker
+    clear_plan_cache()
+    assert not bn_ops._EAGER_PLANS and not gist_ops._EAGER_PLANS
+    trainops.batch_norm(x, None, None, w, None, True)
+    trainops.gist.relu(x)
+    again = (next(iter(bn_ops._EAGER_PLANS.values())), next(iter(gist_ops._EAGER_PLANS.values())))
+    assert again[0].forward is not kept[0].forward and again[1].forward is not kept[1].forward
+
+
+def test_functorch_transforms_take_the_op_path(backend, device, monkeypatch):
+    """Under vmap the eager paths stand aside: GIST ReLU's op (its batching fallback) gives
+    torch's values; batch norm's statistics op raises its missing batching rule, as on main."""
+    from trainops.ops import gist as gist_ops
+    runs = []
+    for module, name in ((bn_ops, "_eager_run"), (gist_ops._EagerGistRelu, "apply")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real: (runs.append(1), _real(*a))[1])
+    x = torch.randn(2, 4, 3, 5, 6, device=device)
+    assert torch.equal(torch.func.vmap(trainops.gist.relu)(x), torch.relu(x))
+    with pytest.raises(RuntimeError, match="batch_norm_stats"):
+        torch.func.vmap(lambda t: trainops.batch_norm(t, None, None, None, None, True))(x)
+    assert runs == []
+    trainops.batch_norm(x[0].requires_grad_(), None, None, None, None, True)   # (the spies see eager calls)
+    assert runs == [1]

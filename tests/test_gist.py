@@ -722,3 +722,28 @@ def test_eager_relu_counts_the_op_paths_kernels(backend, device, monkeypatch):
                 _relu_step(x, dy, op_path, monkeypatch)
         counted.append(dict(used))
     assert counted[0] == counted[1] and len(counted[0]) == 2, counted
+
+
+def test_eager_relu_backward_runs_its_plan_and_checks_the_bits_it_gets_back(backend, device, monkeypatch):
+    """dy in y's layout and the bits as saved: the forward-made plan, no backward op. Bits a
+    saved-tensor hook hands back changed (strided, another dtype): not that plan but the backward
+    op, which names them (InvalidProblemError)."""
+    calls = []
+    real = G.gist_relu_backward_op
+    monkeypatch.setattr(G, "gist_relu_backward_op", lambda *a: (calls.append(1), real(*a))[1])
+    hooks = {"as saved": lambda t: t, "strided": lambda t: torch.stack([t, t], 1)[:, 0],
+             "int8": lambda t: t.view(torch.int8)}
+    for name, unpack in hooks.items():
+        x = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = trainops.gist.relu(x)
+        assert type(y.grad_fn).__name__ == "_EagerGistReluBackward", name
+        calls.clear()
+        dy = torch.randn_like(y)
+        if name == "as saved":
+            (dx,) = torch.autograd.grad(y, x, dy)
+            assert torch.equal(dx, torch.where(x.detach() > 0, dy, 0)) and calls == [], name
+        else:
+            with pytest.raises(InvalidProblemError, match="bits"):
+                torch.autograd.grad(y, x, dy)
+            assert calls == [1], name
