@@ -20,14 +20,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def clear_word():
-    """Each test starts and ends with nothing reported (an error left over would leak into others)."""
-    if _common._WORD:
-        _common._WORD[1][0] = 0
+    """Each test starts and ends with nothing reported (an error left over would leak into others):
+    every device synchronised first, so that a check still in flight cannot land mid-test."""
+    def clear():
+        for d in range(torch.cuda.device_count() if HAS_CUDA else 0):
+            torch.cuda.synchronize(d)
+        if _common._WORD:
+            _common._WORD[1][0] = 0
+    clear()
     yield
-    if HAS_CUDA:
-        torch.cuda.synchronize()
-    if _common._WORD:
-        _common._WORD[1][0] = 0
+    clear()
 
 
 def test_message_codes_are_stable_and_never_0_1_or_a_multiple_of_16():
