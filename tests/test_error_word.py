@@ -20,14 +20,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def clear_word():
-    """Each test starts and ends with nothing reported (an error left over would leak into others)."""
-    if _common._WORD:
-        _common._WORD[1][0] = 0
+    """Each test starts and ends with nothing reported (an error left over would leak into others):
+    every device synchronised first, so that a check still in flight cannot land mid-test."""
+    def clear():
+        for d in range(torch.cuda.device_count() if HAS_CUDA else 0):
+            torch.cuda.synchronize(d)
+        if _common._WORD:
+            _common._WORD[1][0] = 0
+    clear()
     yield
-    if HAS_CUDA:
-        torch.cuda.synchronize()
-    if _common._WORD:
-        _common._WORD[1][0] = 0
+    clear()
 
 
 def test_message_codes_are_stable_and_never_0_1_or_a_multiple_of_16():
@@ -39,6 +41,10 @@ def test_message_codes_are_stable_and_never_0_1_or_a_multiple_of_16():
 
 
 def test_messages_past_the_limit_share_the_overflow_code(monkeypatch):
+    # private copies: the codes this test makes must not outlive it (a rerun in the same process
+    # would find "... 1" cached and give "... 2" its own code)
+    monkeypatch.setattr(_common, "_CODES", dict(_common._CODES))
+    monkeypatch.setattr(_common, "_MESSAGES", list(_common._MESSAGES))
     monkeypatch.setattr(_common, "_MESSAGES_LIMIT", len(_common._CODES) + 1)
     first = _common.message_code("a message past the limit, 1")
     second = _common.message_code("a message past the limit, 2")
@@ -50,9 +56,10 @@ def test_messages_past_the_limit_share_the_overflow_code(monkeypatch):
 @needs_triton
 def test_a_reported_flag_raises_once_with_its_message():
     message = "test: the flag was set"
-    _common.report_flag(torch.zeros(2, dtype=torch.int32, device=DEVICE), message)
-    trainops.check_pending()   # a zero flag reports nothing
-    _common.raise_flagged()
+    _common.report_flag(torch.zeros(2, dtype=torch.int32, device=DEVICE), "test: a zero flag was reported")
+    if HAS_CUDA:
+        torch.cuda.synchronize()   # report_flag notes no device: check_pending would not wait
+    _common.raise_flagged()        # a zero flag reports nothing
     _common.report_flag(torch.tensor([3, 0], dtype=torch.int32, device=DEVICE), message)
     if HAS_CUDA:
         torch.cuda.synchronize()
@@ -71,12 +78,11 @@ def test_out_of_range_indices_are_reported_by_every_program(n, bad_at):
     if bad_at is not None:
         index[bad_at] = 7
     gather_ops.report_out_of_range(index, -3, 7, "test: an index out of [-3, 6]")
+    if HAS_CUDA:
+        torch.cuda.synchronize()   # report_out_of_range notes no device: check_pending would not wait
     if bad_at is None:
-        trainops.check_pending()
         assert int(_common.error_word()[0]) == 0
     else:
-        if HAS_CUDA:
-            torch.cuda.synchronize()
         with pytest.raises(trainops.IndexOutOfRangeError, match=r"out of \[-3, 6\]"):
             _common.raise_flagged()
 
@@ -123,7 +129,7 @@ def test_gpu_eager_calls_with_checks_launch_no_copy_fill_or_event():
     for _ in range(3):
         trainops.embedding(ids, table)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:   # CUDA: runtime calls
         trainops.embedding(ids, table)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
@@ -132,7 +138,7 @@ def test_gpu_eager_calls_with_checks_launch_no_copy_fill_or_event():
     with torch.no_grad():
         trainops.cross_entropy(logits, target)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
         trainops.cross_entropy(logits, target)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from typing import Sequence
 
 import torch
@@ -26,10 +27,14 @@ MAX_GRID_Y = 65535   # CUDA's limit on a grid's second (and third) axis
 
 # Deferred checks of eager CUDA calls. A check's kernel (or a one-program report kernel reading an
 # op's flag) writes the message's code into one int32 word of pinned host memory, which every CUDA
-# device addresses directly (unified addressing); only a failing check writes. A later call reads
-# the word on the host: no copy, event, fill or synchronisation per call. Measured on the H200
-# host (gpu_tmp probe, benchmarks/NOTES.md "The error word"): the pinned copy and its event 28.4 us,
-# the event query 2.7, the host read of the copy 3.5, against 0.12 for reading the word.
+# device addresses (unified addressing: torch's pinned allocator uses cudaHostAlloc, or with
+# PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True cudaHostRegisterDefault, both mapped and
+# portable under UVA; Triton's launcher takes the device address from cuPointerGetAttribute, and
+# raises "cannot be accessed from Triton" rather than writing elsewhere); only a failing check writes. A later call reads the word on the host: no copy, event, fill or
+# synchronisation per call. One word: when several calls fail before one is raised, the last
+# report's message is raised. Measured on the H200 host (benchmarks/NOTES.md, "The error word"):
+# the former pinned copy and its event 28.4 us a call, the event query 2.7, the host read of the
+# copy 3.5, against 0.12 for reading the word.
 _WORD: list = []        # [the pinned int32 tensor of one element, its numpy view], made on first use
 _MESSAGES: list[str] = ["", ""]   # code -> message; codes 0 (no error) and 1 unused
 _CODES: dict[str, int] = {}
@@ -37,6 +42,7 @@ _MESSAGES_LIMIT = 4096  # distinct messages kept; further ones share _OVERFLOW_M
 _OVERFLOW_MESSAGE = ("trainops: an index or class index out of range, found by a check on the GPU that did not "
                      "wait for it (the call's own message was not kept: more than 4096 distinct messages)")
 _NOTED_DEVICES: set[int] = set()   # CUDA devices with checks noted since the last check_pending
+_CODES_LOCK = threading.Lock()      # a new code: read len(_MESSAGES), append, record (threads)
 
 
 def error_word() -> torch.Tensor:
@@ -56,18 +62,19 @@ def message_code(message: str) -> int:
     code = _CODES.get(message)
     if code is not None:
         return code
-    if len(_CODES) >= _MESSAGES_LIMIT:
-        message = _OVERFLOW_MESSAGE
+    with _CODES_LOCK:
+        if len(_CODES) >= _MESSAGES_LIMIT:
+            message = _OVERFLOW_MESSAGE
         code = _CODES.get(message)
         if code is not None:
             return code
-    code = len(_MESSAGES)
-    while code % 16 == 0:
-        _MESSAGES.append("")
-        code += 1
-    _MESSAGES.append(message)
-    _CODES[message] = code
-    return code
+        code = len(_MESSAGES)
+        while code % 16 == 0:
+            _MESSAGES.append("")
+            code += 1
+        _MESSAGES.append(message)
+        _CODES[message] = code
+        return code
 
 
 def capturing(device: torch.device) -> bool:
@@ -92,16 +99,20 @@ _REPORT_LAUNCH: list = []
 def report_flag(flag: torch.Tensor, message: str) -> None:
     """Launch the one-program kernel that stores ``message``'s code into the error word when
     ``flag``'s first element is nonzero, on the current stream (after the kernel that wrote the flag).
-    Any device the kernels run on (the interpreter's CPU tensors included)."""
+    Any device the kernels run on (the interpreter's CPU tensors included); a CUDA one is noted for
+    check_pending here, so that no writer of the word goes unwaited."""
     if not _REPORT_LAUNCH:
         _REPORT_LAUNCH.append(launcher(_report_nonzero, (1,)))
+    if flag.is_cuda:
+        _NOTED_DEVICES.add(flag.get_device())
     _REPORT_LAUNCH[0](flag, error_word(), message_code(message))
 
 
 def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) -> None:
     """Have a CUDA call's error flag (``flag``'s first element, nonzero = the error) reported by a
-    later check that never waits for the GPU: ``raise_flagged`` raises IndexOutOfRangeError(message)
-    once the GPU has run the report (``report_flag``: one launch, no copy, event or fill). Off CUDA,
+    later check that never waits for the GPU: once the GPU has run the report (``report_flag``: one
+    launch, no copy, event or fill), ``raise_flagged`` raises IndexOutOfRangeError with ``message``,
+    or with the message of another failing check that wrote the one error word after it. Off CUDA,
     nothing (CPU callers check at once). While a CUDA graph is being captured the flag becomes a
     device-side assert instead (``assert_on_device``), checked at every replay. ``in_capture``: the
     caller's ``capturing(flag.device)``, if it asked already."""
@@ -110,7 +121,6 @@ def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) 
     if in_capture if in_capture is not None else capturing(flag.device):
         assert_on_device(flag.reshape(-1)[:1] == 0)
         return
-    _NOTED_DEVICES.add(flag.get_device())
     report_flag(flag, message)
 
 
@@ -138,7 +148,8 @@ def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
 
 def raise_flagged(in_capture: bool | None = None) -> None:
     """Raise IndexOutOfRangeError for an error a check on the GPU has reported by now (reads the
-    error word: never waits, no CUDA call). The word is cleared first, so each report raises once.
+    error word: never waits, no CUDA call). The word is cleared first, so a report raises at most
+    once (several reports before the read raise once, with the last written code's message).
     Nothing while a CUDA graph is being captured: the next call after the capture reports it.
     ``in_capture``: the caller's ``capturing`` of its device, if it asked already (else asked here
     when the word is set)."""

@@ -704,8 +704,11 @@ def out_of_range_flag(index: Tensor, low: int, high: int) -> Tensor:
 
 def report_out_of_range(index: Tensor, low: int, high: int, message: str) -> None:
     """One launch that stores ``message``'s code into the error word (ops/_common.py) if some value
-    of ``index`` lies outside [low, high): nothing allocated, nothing waited for."""
+    of ``index`` lies outside [low, high): nothing allocated, nothing waited for. Notes the device
+    for check_pending."""
     n = index.numel()
+    if index.is_cuda:
+        note_device(index.device)
     launch, programs = _flag_launch(n, True)
     launch(index.reshape(-1), error_word(), n, low, high, programs, message_code(message))
 
@@ -745,7 +748,6 @@ def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) ->
     if in_capture:
         note_flag(out_of_range_flag(index, low, high), message, in_capture)
     else:
-        note_device(index.device)
         report_out_of_range(index, low, high, message)
 
 
