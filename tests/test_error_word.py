@@ -112,7 +112,8 @@ def test_gpu_word_is_pinned_and_written_from_every_device():
             ids = torch.tensor([0, 5], device=f"cuda:{d}")
             table = torch.randn(5, 4, device=f"cuda:{d}")
             trainops.embedding(ids, table)   # the check kernel, on device d, stores into host memory
-        with pytest.raises(trainops.IndexOutOfRangeError, match=r"argument 'input' held an index out of range \[0, 4\]"):
+        with pytest.raises(trainops.IndexOutOfRangeError,
+                           match=r"argument 'input' held an index out of range \[0, 4\]"):
             trainops.check_pending()
 
 

@@ -28,13 +28,14 @@ MAX_GRID_Y = 65535   # CUDA's limit on a grid's second (and third) axis
 # Deferred checks of eager CUDA calls. A check's kernel (or a one-program report kernel reading an
 # op's flag) writes the message's code into one int32 word of pinned host memory, which every CUDA
 # device addresses (unified addressing: torch's pinned allocator uses cudaHostAlloc, or with
-# PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True cudaHostRegisterDefault, both mapped and
-# portable under UVA; Triton's launcher takes the device address from cuPointerGetAttribute, and
-# raises "cannot be accessed from Triton" rather than writing elsewhere); only a failing check writes. A later call reads the word on the host: no copy, event, fill or
-# synchronisation per call. One word: when several calls fail before one is raised, the last
-# report's message is raised. Measured on the H200 host (benchmarks/NOTES.md, "The error word"):
-# the former pinned copy and its event 28.4 us a call, the event query 2.7, the host read of the
-# copy 3.5, against 0.12 for reading the word.
+# PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True cudaHostRegisterDefault, both mapped
+# and portable under UVA; Triton's launcher takes the device address from cuPointerGetAttribute and
+# raises "cannot be accessed from Triton" rather than writing elsewhere). Only a failing check
+# writes. A later call reads the word on the host: no copy, event, fill or synchronisation per
+# call. One word: when several calls fail before one is raised, the last report's message is
+# raised. Measured on the H200 host (benchmarks/NOTES.md, "The error word"; probe
+# benchmarks/probe_deferred_checks.py): the former pinned copy and its event 28.4 us a call, the
+# event query 2.7, the host read of the copy 3.5, against 0.12 for reading the word.
 _WORD: list = []        # [the pinned int32 tensor of one element, its numpy view], made on first use
 _MESSAGES: list[str] = ["", ""]   # code -> message; codes 0 (no error) and 1 unused
 _CODES: dict[str, int] = {}
