@@ -720,6 +720,28 @@ def test_fill_tile_choices_at_real_sizes():
     assert config((8, 8192)) == ("exchange", 2048, 4, 4)
 
 
+
+def test_column_backward_splits_at_real_sizes():
+    """dim=0 of a matrix on the H200 (132 SMs): the backward's split plan aims at
+    column_backward_split_per_sm (4) programs an SM, the forward's at split_programs_per_sm (16)."""
+    from trainops.layout import reduction_layout
+
+    def config(op, shape, dtype=torch.bfloat16, **options):
+        problem = softmax_ops._describe(op, shape, 0, dtype, "cpu",
+                                        heuristics=softmax_ops.SoftmaxHeuristics(sms=132, **options))
+        layout = reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
+        c = softmax_ops._choose_config(problem, layout)
+        return c.kind, c.block_i, c.block_n, c.splits
+    # 4096 columns in tiles of 64: 64 programs; 4 x 132 / 64 -> 16 splits of 256 rows (16 -> 32 splits)
+    assert config("softmax_backward", (4096, 4096)) == ("split", 64, 128, 16)
+    assert config("softmax_backward", (4096, 4096), column_backward_split_per_sm=16) == ("split", 64, 128, 32)
+    assert config("softmax_backward", (32000, 512)) == ("split", 64, 128, 128)
+    assert config("softmax_backward", (4096, 4096), torch.float32) == ("split", 32, 128, 8)
+    assert config("softmax", (4096, 4096)) == ("split", 32, 256, 16)   # the forward: split_programs_per_sm
+    assert config("softmax", (4096, 4096), split_programs_per_sm=4)[3] == 8
+    assert config("softmax", (4096, 4096), column_backward_split_per_sm=1) == config("softmax", (4096, 4096))
+    assert config("softmax_backward", (1024, 8192))[0] == "fused"   # fits a register tile: no split
+
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 
 GPU_CASES = [((4096, 32768), -1), ((1024, 131072), -1), ((128, 262144), -1), ((32, 512, 4096), 1),

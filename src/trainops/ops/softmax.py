@@ -66,7 +66,11 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         streaming a long row (32 KiB per tensor). column_block: contiguous positions a column tile
         spans forward (64 B of bf16, 128 B of fp32 were best); column_bytes_backward: bytes of
         them backward (bf16 dim=1 of 32x512x4096: 64 positions, 146 us, against 198 us for 32,
-        log-softmax backward). split_programs_per_sm: the programs per SM split plans aim at.
+        log-softmax backward). split_programs_per_sm: the programs per SM split plans aim at;
+        column_backward_split_per_sm: the same for the backward of a column layout (dim=0 of a
+        matrix): 4, fewer and longer chunks (H200, bf16 dim=0 backward, benchmarks/
+        probe_softmax_classes.py, 2026-11-30: 4096x4096 0.0745 -> 0.0633 ms, 32000x512 0.0752 ->
+        0.0618, float32 4096x4096 0.1032 -> 0.0988, at 16 and 4).
         exchange_tile, exchange_warps (by op), exchange_per_sm (by backward): the exchange plan's
         chunk elements per program, warps and programs per SM; best of 12 settings on bf16
         128x262144 and 1024x131072: softmax forward at 16 warps (40 registers a thread once rows
@@ -92,6 +96,7 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     column_block: int = 32
     column_bytes_backward: int = 128
     split_programs_per_sm: int = 16
+    column_backward_split_per_sm: int = 4
     exchange_tile: Mapping[int, int] = field(default_factory=lambda: {1: 8192, 2: 8192, 4: 8192, 8: 4096})
     exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
         "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
@@ -817,7 +822,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     held by programs that trade partial sums ("exchange", exchange.py). Longer still (or with
     the exchange off) rows stream h.stream_tile elements a step, one row to a program ("looped");
     with fewer than 2 programs per SM the rows are cut into chunks of half a stream tile
-    ("split"), aiming at h.split_programs_per_sm programs per SM.
+    ("split"), aiming at h.split_programs_per_sm programs per SM (h.column_backward_split_per_sm for a
+    column layout's backward).
     Few long rows (row-major) whose plan above gives fewer programs than SMs: rows longer than a
     chunk of exchange.fill_tile (about h.fill_per_sm programs an SM, h.fill_min_bytes at least)
     take the exchange plan at that chunk, short of a register tile or not; with the exchange off,
@@ -873,7 +879,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     block_n = max(1, stream_tile // 2 // block_i)
     if fill:
         block_n = min(block_n, fill)
-    splits = min(next_pow2(-(-h.split_programs_per_sm * sms // programs)), next_pow2(-(-n // block_n)), 256)
+    per_sm = h.column_backward_split_per_sm if column and backward else h.split_programs_per_sm
+    splits = min(next_pow2(-(-per_sm * sms // programs)), next_pow2(-(-n // block_n)), 256)
     chunk = -(-n // (splits * block_n)) * block_n
     return TritonConfig("split", block_i, block_n, 16 if backward else 8, next_pow2(-(-n // chunk)), chunk)
 
