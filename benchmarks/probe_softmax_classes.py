@@ -139,17 +139,23 @@ CANDIDATES = {
         "looped16k": dict(register_tile=_table("register_tile", {2: 16384}), row_exchange=False),
         "looped8k": dict(register_tile=_table("register_tile", {2: 16384}), row_exchange=False,
                          stream_tile=_table("stream_tile", {2: 8192})),
+        # 32000 fused at 16 warps (64 elements a thread of dy and of y), and at 32 (32 a thread)
+        "fused_w16": dict(fused_backward_warps=16),
+        "fused_w32": dict(fused_backward_warps=32),
     },
     DIM0: {
         # column tiles: BLOCK_I = max(column_block, column_bytes_backward / itemsize) contiguous columns (bf16 64
         # today; float32 32) by BLOCK_N = stream_tile / 2 / BLOCK_I rows; the split plan (two launches: partial
         # sums, then apply) for all but 1024x8192, which is fused (32 columns x 1024 rows, 8 warps). column_block (32)
         # is a floor: column_bytes_backward under 64 B changes nothing in bf16 (probe_split_rows.py's "col32B" ran
-        # 32 columns, 64 B), and split_programs_per_sm above 16 nothing here (the splits are capped at N / BLOCK_N).
+        # 32 columns, 64 B), and column_backward_split_per_sm above 16 nothing here (the splits are capped at
+        # N / BLOCK_N).
         "col64B": dict(column_bytes_backward=64),       # bf16 32 columns (float32: 32, the default's)
         "col256B": dict(column_bytes_backward=256),     # bf16 128 columns, float32 64
         "col512B": dict(column_bytes_backward=512),     # bf16 256 columns (32 rows a step), float32 128
-        "split4": dict(split_programs_per_sm=4),        # fewer splits (longer chunks, fewer partials)
+        # the split plan's programs an SM: 4 by default since 2026-11-30 (column_backward_split_per_sm), 16 before
+        "split16": dict(column_backward_split_per_sm=16),
+        "split2": dict(column_backward_split_per_sm=2),
         "stream32k": dict(stream_tile=_table("stream_tile", {2: 32768, 4: 16384})),   # 256-row steps, half the splits
         "reg16k": dict(register_tile=_table("register_tile", {2: 16384, 4: 16384})),  # 1024x8192: fused at 16 columns
         "reg8k": dict(register_tile=_table("register_tile", {2: 8192, 4: 8192})),     # 1024x8192: split, 64 columns

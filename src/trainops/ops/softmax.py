@@ -70,7 +70,8 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         column_backward_split_per_sm: the same for the backward of a column layout (dim=0 of a
         matrix): 4, fewer and longer chunks (H200, bf16 dim=0 backward, benchmarks/
         probe_softmax_classes.py, 2026-11-30: 4096x4096 0.0745 -> 0.0633 ms, 32000x512 0.0752 ->
-        0.0618, float32 4096x4096 0.1032 -> 0.0988, at 16 and 4).
+        0.0618, float32 4096x4096 0.1032 -> 0.0988, at 16 and 4). fused_backward_warps: the most
+        warps of a fused backward (one per 256 tile elements, at least 4; more was slower on the H100).
         exchange_tile, exchange_warps (by op), exchange_per_sm (by backward): the exchange plan's
         chunk elements per program, warps and programs per SM; best of 12 settings on bf16
         128x262144 and 1024x131072: softmax forward at 16 warps (40 registers a thread once rows
@@ -97,6 +98,7 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     column_bytes_backward: int = 128
     split_programs_per_sm: int = 16
     column_backward_split_per_sm: int = 4
+    fused_backward_warps: int = 8
     exchange_tile: Mapping[int, int] = field(default_factory=lambda: {1: 8192, 2: 8192, 4: 8192, 8: 4096})
     exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
         "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
@@ -831,7 +833,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
     of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
-    Warps: forward one per 1024 tile elements (4 to 32); backward 4 to 8 (more was slower);
+    Warps: forward one per 1024 tile elements (4 to 32); backward one per 256, 4 to h.fused_backward_warps;
     exchange h.exchange_warps; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     h = problem.heuristics
@@ -843,7 +845,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     def fused(block_i: int) -> TritonConfig:
         tile = block_i * block_n_full
-        warps = min(8, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
+        warps = min(h.fused_backward_warps, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
         return TritonConfig("fused", block_i, block_n_full, warps)
 
     sms = h.sm_count(problem.device)
