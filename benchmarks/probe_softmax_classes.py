@@ -139,8 +139,9 @@ CANDIDATES = {
         "looped16k": dict(register_tile=_table("register_tile", {2: 16384}), row_exchange=False),
         "looped8k": dict(register_tile=_table("register_tile", {2: 16384}), row_exchange=False,
                          stream_tile=_table("stream_tile", {2: 8192})),
-        # 32000 fused at 16 warps (64 elements a thread of dy and of y), and at 32 (32 a thread)
-        "fused_w16": dict(fused_backward_warps=16),
+        # 32000 fused: 16 warps by default since 2026-11-30 (fused_backward_warps; 64 elements a thread of dy
+        # and of y), 8 before (128 a thread), and 32 (32 a thread)
+        "fused_w8": dict(fused_backward_warps=8),
         "fused_w32": dict(fused_backward_warps=32),
     },
     DIM0: {
@@ -153,9 +154,9 @@ CANDIDATES = {
         "col64B": dict(column_bytes_backward=64),       # bf16 32 columns (float32: 32, the default's)
         "col256B": dict(column_bytes_backward=256),     # bf16 128 columns, float32 64
         "col512B": dict(column_bytes_backward=512),     # bf16 256 columns (32 rows a step), float32 128
-        # the split plan's programs an SM: 4 by default since 2026-11-30 (column_backward_split_per_sm), 16 before
+        # the split plan's programs an SM: 2 by default since 2026-11-30 (column_backward_split_per_sm), 16 before
         "split16": dict(column_backward_split_per_sm=16),
-        "split2": dict(column_backward_split_per_sm=2),
+        "split4": dict(column_backward_split_per_sm=4),
         "stream32k": dict(stream_tile=_table("stream_tile", {2: 32768, 4: 16384})),   # 256-row steps, half the splits
         "reg16k": dict(register_tile=_table("register_tile", {2: 16384, 4: 16384})),  # 1024x8192: fused at 16 columns
         "reg8k": dict(register_tile=_table("register_tile", {2: 8192, 4: 8192})),     # 1024x8192: split, 64 columns

@@ -723,7 +723,7 @@ def test_fill_tile_choices_at_real_sizes():
 
 def test_column_backward_splits_at_real_sizes():
     """dim=0 of a matrix on the H200 (132 SMs): the backward's split plan aims at
-    column_backward_split_per_sm (4) programs an SM, the forward's at split_programs_per_sm (16)."""
+    column_backward_split_per_sm (2) programs an SM, the forward's at split_programs_per_sm (16)."""
     from trainops.layout import reduction_layout
 
     def config(op, shape, dtype=torch.bfloat16, **options):
@@ -732,15 +732,37 @@ def test_column_backward_splits_at_real_sizes():
         layout = reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
         c = softmax_ops._choose_config(problem, layout)
         return c.kind, c.block_i, c.block_n, c.splits
-    # 4096 columns in tiles of 64: 64 programs; 4 x 132 / 64 -> 16 splits of 256 rows (16 -> 32 splits)
-    assert config("softmax_backward", (4096, 4096)) == ("split", 64, 128, 16)
+    # 4096 columns in tiles of 64: 64 programs; 2 x 132 / 64 -> 8 splits of 512 rows (16 -> 32 splits)
+    assert config("softmax_backward", (4096, 4096)) == ("split", 64, 128, 8)
     assert config("softmax_backward", (4096, 4096), column_backward_split_per_sm=16) == ("split", 64, 128, 32)
-    assert config("softmax_backward", (32000, 512)) == ("split", 64, 128, 128)
-    assert config("softmax_backward", (4096, 4096), torch.float32) == ("split", 32, 128, 8)
+    assert config("softmax_backward", (32000, 512)) == ("split", 64, 128, 64)
+    assert config("softmax_backward", (8192, 1024)) == ("split", 64, 128, 32)
+    assert config("softmax_backward", (4096, 4096), torch.float32) == ("split", 32, 128, 4)
     assert config("softmax", (4096, 4096)) == ("split", 32, 256, 16)   # the forward: split_programs_per_sm
     assert config("softmax", (4096, 4096), split_programs_per_sm=4)[3] == 8
     assert config("softmax", (4096, 4096), column_backward_split_per_sm=1) == config("softmax", (4096, 4096))
     assert config("softmax_backward", (1024, 8192))[0] == "fused"   # fits a register tile: no split
+
+
+def test_fused_backward_warps_at_real_sizes():
+    """The fused backward: one warp per 256 tile elements, 4 to 8, and up to fused_backward_warps
+    (16) for tiles over 16384 elements (bf16 rows of 32000 on the H200); the forward unchanged."""
+    from trainops.layout import reduction_layout
+
+    def warps(op, shape, dtype=torch.bfloat16, **options):
+        problem = softmax_ops._describe(op, shape, -1, dtype, "cpu",
+                                        heuristics=softmax_ops.SoftmaxHeuristics(sms=132, **options))
+        layout = reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
+        c = softmax_ops._choose_config(problem, layout)
+        assert c.kind == "fused", c
+        return c.num_warps
+    assert warps("softmax_backward", (4096, 32000)) == 16
+    assert warps("softmax_backward", (4096, 32000), fused_backward_warps=8) == 8
+    assert warps("softmax_backward", (4096, 16384)) == 8          # a tile of 16384: the H100's cap
+    assert warps("softmax_backward", (4096, 16384), fused_backward_warps=32) == 8
+    assert warps("softmax_backward", (4096, 1024)) == 8           # 4 rows a program: a tile of 4096
+    assert warps("softmax_backward", (1, 512)) == 4
+    assert warps("softmax", (4096, 32000)) == 32                   # the forward: one per 1024, 4 to 32
 
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 

@@ -68,10 +68,13 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         them backward (bf16 dim=1 of 32x512x4096: 64 positions, 146 us, against 198 us for 32,
         log-softmax backward). split_programs_per_sm: the programs per SM split plans aim at;
         column_backward_split_per_sm: the same for the backward of a column layout (dim=0 of a
-        matrix): 4, fewer and longer chunks (H200, bf16 dim=0 backward, benchmarks/
-        probe_softmax_classes.py, 2026-11-30: 4096x4096 0.0745 -> 0.0633 ms, 32000x512 0.0752 ->
-        0.0618, float32 4096x4096 0.1032 -> 0.0988, at 16 and 4). fused_backward_warps: the most
-        warps of a fused backward (one per 256 tile elements, at least 4; more was slower on the H100).
+        matrix): 2, fewer and longer chunks (H200, dim=0 backward, benchmarks/probe_softmax_classes.py,
+        2026-11-30, at 16 / 4 / 2: bf16 4096x4096 0.0740 / 0.0628 / 0.0571 ms, 32000x512 0.0751 /
+        0.0616 / 0.0553, 8192x1024 0.0399 (16 and 4) / 0.0343; float32 4096x4096 0.1028 / 0.0987 /
+        0.1013). fused_backward_warps: the most warps of a fused backward whose tile is over 16384
+        elements (one warp per 256 tile elements, at least 4; at most 8 for smaller tiles, where more
+        was slower on the H100): 16 (same probe, bf16 rows of 32000: 4096 rows 0.2043 ms at 8 warps,
+        0.1904 at 16, 0.2038 at 32; 8192 rows 0.4112 / 0.3713 / 0.3975).
         exchange_tile, exchange_warps (by op), exchange_per_sm (by backward): the exchange plan's
         chunk elements per program, warps and programs per SM; best of 12 settings on bf16
         128x262144 and 1024x131072: softmax forward at 16 warps (40 registers a thread once rows
@@ -97,8 +100,8 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     column_block: int = 32
     column_bytes_backward: int = 128
     split_programs_per_sm: int = 16
-    column_backward_split_per_sm: int = 4
-    fused_backward_warps: int = 8
+    column_backward_split_per_sm: int = 2
+    fused_backward_warps: int = 16
     exchange_tile: Mapping[int, int] = field(default_factory=lambda: {1: 8192, 2: 8192, 4: 8192, 8: 4096})
     exchange_warps: Mapping[str, int] = field(default_factory=lambda: {
         "softmax": 16, "log_softmax": 8, "softmax_backward": 8, "log_softmax_backward": 8})
@@ -833,7 +836,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     Column-major (a batch axis is more contiguous, e.g. softmax over dim=1 of [B, C, HW]): tiles
     of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
-    Warps: forward one per 1024 tile elements (4 to 32); backward one per 256, 4 to h.fused_backward_warps;
+    Warps: forward one per 1024 tile elements (4 to 32); backward one per 256, 4 to 8 (to
+    h.fused_backward_warps for tiles over 16384 elements);
     exchange h.exchange_warps; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     h = problem.heuristics
@@ -845,7 +849,8 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
 
     def fused(block_i: int) -> TritonConfig:
         tile = block_i * block_n_full
-        warps = min(h.fused_backward_warps, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
+        most = h.fused_backward_warps if tile > 16384 else 8
+        warps = min(most, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
         return TritonConfig("fused", block_i, block_n_full, warps)
 
     sms = h.sm_count(problem.device)
