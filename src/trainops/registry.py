@@ -28,7 +28,9 @@ import torch
 
 from .errors import InvalidProblemError, UnsupportedError
 
-BACKENDS = ("triton", "cudnn", "cpu")   # cudnn: torch's own CUDA kernels (its convolutions: cuDNN)
+# cudnn: torch's own CUDA kernels (its convolutions: cuDNN); quack: quack-kernels' CUDA kernels, registered
+# only where the optional extra trainops[quack] imports (ops/softmax.py)
+BACKENDS = ("triton", "cudnn", "quack", "cpu")
 DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 INDEX_DTYPES = frozenset({torch.int32, torch.int64})
@@ -172,15 +174,15 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
              name: str | None = None, index_dtypes=(), device_types: tuple[str, ...] | None = None):
     """Decorator: register ``prepare`` as the ``backend`` kernel of ``op``.
 
-    ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter)
-    and cuDNN, and ``("cpu",)`` for the CPU backend.
+    ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter),
+    cuDNN and quack, and ``("cpu",)`` for the CPU backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if device_types is None:
         if backend == "triton":
             device_types = ("cuda", "cpu") if triton_interpreting() else ("cuda",)
-        elif backend == "cudnn":
+        elif backend in ("cudnn", "quack"):
             device_types = ("cuda",)
         else:
             device_types = ("cpu",)
@@ -223,8 +225,9 @@ def pinned_backend() -> str | None:
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
-    """Pin the backend (``"triton"``, ``"cudnn"`` or ``"cpu"``) for every trainops op run inside
-    the block (an op with no kernel of that backend then raises UnsupportedError).
+    """Pin the backend (``"triton"``, ``"cudnn"``, ``"quack"`` or ``"cpu"``) for every trainops op
+    run inside the block (an op with no kernel of that backend then raises UnsupportedError; quack
+    has kernels only where trainops[quack] is installed and imports).
 
     Pinning ``"triton"`` on CPU tensors works only with ``TRITON_INTERPRET=1`` set before import.
     """
@@ -260,6 +263,8 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         raise UnsupportedError(f"trainops.{op}: the {chosen} backend has no deterministic kernel; asked for {where}")
     if info is None:
         hint = " (is triton installed?)" if chosen == "triton" and not triton_available() else ""
+        if chosen == "quack":
+            hint = " (the quack backend registers kernels only where quack-kernels imports: pip install 'trainops[quack]')"
         raise UnsupportedError(f"trainops.{op}: no {chosen} kernel is registered{hint}; asked for {where}")
     if not info.supports(device_type, dtype, index_dtype):
         hint = ""

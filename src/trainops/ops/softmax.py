@@ -27,10 +27,16 @@ Triton plans (chosen in ``_choose_config``):
              newest-chunk-first so its reads hit L2.
     split    few long rows: two launches, per-chunk partial stats into a workspace, then each
              chunk combines its row's partials (fixed order) and writes its part.
+
+The quack backend (the optional extra ``trainops[quack]``: quack-kernels' CuTe DSL kernels) runs
+softmax and its backward on long contiguous rows, and is registered only when ``quack.softmax``
+imports. With no backend pinned, ``choose_backend`` puts a problem on it only where it was measured
+faster than the Triton plans (``quack_beats_triton``); everything else stays on Triton.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
@@ -50,6 +56,24 @@ from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchan
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
 BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
+
+# The quack backend: the ops it runs, the dtypes its kernels take, and where it is chosen (quack_beats_triton).
+QUACK_OPS = ("softmax", "softmax_backward")
+QUACK_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# Chosen for bf16 (measured) and fp16 (the same bytes an element, so the same memory-bound traffic;
+# the sweep in benchmarks/notes/quack-backend.md checks it); float32 was not measured: Triton.
+QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
+# issue 42's table, H200, quack-kernels 0.6.5 (torch 2.11, Triton 3.6), bf16 softmax forward, trainops vs
+# quack: 4096x32768 0.178 vs 0.134 ms, 1024x131072 0.190 vs 0.134, 128x262144 0.055 vs 0.041, 2048x151936
+# 0.463 vs 0.337; the backward at 2048x151936 ran at 0.81x quack's speed; shorter rows: trainops level or
+# ahead (no measured quack win below 32768 columns). So rows of 32768 (the smallest measured win) to 262144
+# columns (the longest measured: quack keeps a row in its cluster's shared memory, so longer rows are not
+# safe to assume), forward and backward (the backward's range is the forward's: one measured point).
+QUACK_MIN_COLUMNS = 32768
+QUACK_MAX_COLUMNS = 262144
+# The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
+# (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
+QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,6 +108,9 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         0.98x at 4x131072, 0.92x / 0.91x at 16x65536, 0.90x / 0.84x at 64x32768, 1.00x at
         8x1048576 and 32x151936 (benchmarks/NOTES.md).
         sms and row_exchange: ExchangeHeuristics.
+        quack_columns: (fewest, most) columns of a row that choose_backend puts on the quack backend
+        (where it is registered; QUACK_MIN_COLUMNS, QUACK_MAX_COLUMNS: issue 42's H200 table).
+        ``(0, -1)`` keeps every problem on Triton; a pinned backend ignores it.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -99,6 +126,7 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     fill_per_sm: int = 0
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
+    quack_columns: tuple[int, int] = (QUACK_MIN_COLUMNS, QUACK_MAX_COLUMNS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +245,69 @@ def _describer(op: str):
     return describe
 
 
-DESCRIPTORS = {op: register_op(op, _describer(op)) for op in FORWARD_OPS + BACKWARD_OPS}
+def quack_unsupported(problem: SoftmaxProblem) -> tuple[str, str] | None:
+    """Why quack's kernels cannot run this problem, as (argument, reason), or None when they can:
+    plain softmax or its backward on CUDA, float32 / float16 / bfloat16, the output in the input's
+    dtype, along the last axis of tensors that are contiguous (any rank, viewed as (rows, N))."""
+    first = problem.names[0]
+    if problem.op not in QUACK_OPS:
+        return "op", f"is {problem.op}; quack's kernels run {' and '.join(QUACK_OPS)}"
+    if problem.device.type != "cuda":
+        return first, f"is on device {problem.device}; quack's kernels run on CUDA"
+    if problem.dtype not in QUACK_DTYPES:
+        return first, f"has dtype {problem.dtype}; quack's kernels take float32, float16 and bfloat16"
+    if problem.out_dtype != problem.dtype:
+        return "dtype", f"is {problem.out_dtype}; quack's kernels write the input's dtype ({problem.dtype})"
+    rank = len(problem.shape)
+    if rank == 0 or problem.dim != rank - 1:
+        return "dim", f"is {problem.dim}; quack's kernels reduce the last axis (of a tensor of rank >= 1)"
+    for name, strides in zip(problem.names, problem.strides):
+        if not _contiguous(problem.shape, strides):
+            return name, (f"has strides {strides}; quack's kernels take contiguous tensors (viewed as (rows, "
+                          f"{problem.shape[-1]}))")
+    return None
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Row-major contiguous, as torch.Tensor.is_contiguous (the strides of size-1 axes do not matter)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``, None without CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def quack_beats_triton(problem: SoftmaxProblem) -> bool:
+    """Whether issue 42's measurements put this problem on quack's kernels: the quack backend is
+    registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
+    contiguous rows, last axis, output in the input's dtype), the dtype is bfloat16 or float16, the
+    GPU is the measured architecture (sm_90) and a row has ``heuristics.quack_columns`` columns
+    (QUACK_MIN_COLUMNS to QUACK_MAX_COLUMNS by default)."""
+    if _quack is None or problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
+        return False
+    low, high = problem.heuristics.quack_columns
+    if quack_unsupported(problem) is not None or not low <= problem.shape[-1] <= high:
+        return False
+    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES
+
+
+def choose_backend(problem: SoftmaxProblem) -> str | None:
+    """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
+    rows of 32768 to 262144 columns, where quack-kernels imports (issue 42's H200 table); else the
+    device type's default (Triton on CUDA)."""
+    return "quack" if quack_beats_triton(problem) else None
+
+
+DESCRIPTORS = {op: register_op(op, _describer(op), choose_backend=choose_backend if op in QUACK_OPS else None)
+               for op in FORWARD_OPS + BACKWARD_OPS}
 
 
 def _raise_mismatch(op: str, dy: torch.Tensor, y: torch.Tensor):
@@ -1008,6 +1098,74 @@ if triton_available():
     for _op in FORWARD_OPS + BACKWARD_OPS:
         register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
                  name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# quack backend: quack-kernels' softmax and its backward (the optional extra trainops[quack])
+# ----------------------------------------------------------------------------------------------
+
+_quack = None                               # quack.softmax, once register_quack has registered it
+quack_import_error: str | None = None       # why it did not, when it was tried and failed
+
+
+def _prepare_quack(problem: SoftmaxProblem) -> Launch:
+    """quack's ``_softmax_fwd(x, out)`` / ``_softmax_backward(dy, y, dx)`` on the (rows, N) views
+    of the contiguous operands. quack compiles its kernels assuming each row starts on a boundary of
+    ``gcd(16 bytes / element size, N)`` elements; a call whose pointers are off it (a view at an odd
+    storage offset) runs the Triton plan of the same problem, prepared here
+    (``plan.kernel["unaligned"]`` names it). Errors of quack's own are raised, never retried."""
+    why = quack_unsupported(problem)
+    if why is not None:
+        raise argument_error(UnsupportedError, problem.op, *why)
+    n = problem.shape[-1]
+    rows = problem.numel // n if n else 0
+    itemsize = problem.dtype.itemsize
+    align = math.gcd(16 // itemsize, n) * itemsize if n else 1
+    function = _quack._softmax_backward if problem.backward else _quack._softmax_fwd
+    unaligned = _prepare_triton(problem) if triton_available() else None
+
+    def run(tensors, out):
+        if problem.numel == 0:
+            return
+        operands = (*tensors, out)
+        if any(t.data_ptr() % align for t in operands):
+            if unaligned is None:
+                name = next(nm for nm, t in zip(problem.names + ("out",), operands) if t.data_ptr() % align)
+                raise argument_error(UnsupportedError, problem.op, name,
+                                     f"starts off a {align}-byte boundary, which quack's kernels assume; "
+                                     "Triton (which runs it) is not installed")
+            unaligned.run(tensors, out)
+            return
+        function(*(t.view(rows, n) for t in operands))
+
+    params = (("rows", rows), ("N", n), ("align_bytes", align),
+              ("unaligned", "-" if unaligned is None else str(unaligned.kernel)))
+    name = "quack_softmax_backward" if problem.backward else "quack_softmax_fwd"
+    return Launch(run, KernelChoice(name, "quack", params), torch.float32)
+
+
+def register_quack() -> bool:
+    """Register the quack kernels of softmax and its backward when ``quack.softmax`` imports (with
+    ``_softmax_fwd`` and ``_softmax_backward``, quack-kernels 0.6.5's); True when they are
+    registered. Called once at import; a failure registers nothing, says nothing, and leaves its
+    reason in ``quack_import_error``."""
+    global _quack, quack_import_error
+    if _quack is not None:
+        return True
+    try:
+        module = importlib.import_module("quack.softmax")
+        module._softmax_fwd, module._softmax_backward  # noqa: B018 (the API this backend calls)
+    except Exception as e:   # not installed, or its CUDA libraries / DSL did not load: no quack backend
+        quack_import_error = f"{type(e).__name__}: {e}"
+        return False
+    _quack, quack_import_error = module, None
+    for op in QUACK_OPS:
+        register(op, backend="quack", dtypes=QUACK_DTYPES, deterministic=True,
+                 accumulator="float32 (quack's)", name=f"{op}_quack")(_prepare_quack)
+    return True
+
+
+register_quack()
 
 
 # ----------------------------------------------------------------------------------------------

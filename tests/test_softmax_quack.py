@@ -1,0 +1,332 @@
+"""The softmax family's quack backend (the optional extra trainops[quack]): registration, the choice
+rule, the wrapper's calls. On the CPU a fake ``quack.softmax`` (torch's softmax behind quack-kernels
+0.6.5's signatures) stands in for quack; the GPU test runs the real one."""
+
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+import trainops
+from trainops import registry
+from trainops.ops import softmax as S
+from trainops.plan import clear_plan_cache
+
+from conftest import HAS_CUDA
+from numerics import assert_close
+
+LONG = S.QUACK_MIN_COLUMNS   # the shortest row the rule puts on quack
+
+
+def _fake_quack_modules(calls: list, fail: bool = False):
+    """``quack`` and ``quack.softmax`` modules whose ``_softmax_fwd(x, out)`` and
+    ``_softmax_backward(dy, y, dx)`` check what quack's check (2-D, dtypes) plus contiguous rows, record
+    each call, and write torch's results into the output."""
+    def check(*tensors):
+        for t in tensors:
+            assert t.dim() == 2 and t.is_contiguous() and t.dtype in S.QUACK_DTYPES, (t.shape, t.stride(), t.dtype)
+        assert len({t.shape for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1
+
+    def softmax_fwd(x, out):
+        check(x, out)
+        calls.append(("fwd", x, out))
+        if fail:
+            raise RuntimeError("fake quack failed")
+        out.copy_(torch.softmax(x.double(), -1))
+
+    def softmax_backward(dy, y, dx):
+        check(dy, y, dx)
+        calls.append(("bwd", dy, y, dx))
+        if fail:
+            raise RuntimeError("fake quack failed")
+        dyd, yd = dy.double(), y.double()
+        dx.copy_(yd * (dyd - (yd * dyd).sum(-1, keepdim=True)))
+
+    package = types.ModuleType("quack")
+    module = types.ModuleType("quack.softmax")
+    module._softmax_fwd, module._softmax_backward = softmax_fwd, softmax_backward
+    package.softmax = module
+    return package, module
+
+
+def _isolated_registry(monkeypatch):
+    """The registry without quack's kernels (had the real quack registered them); registrations made
+    inside the test are undone after it."""
+    monkeypatch.setattr(registry, "_KERNELS", {k: v for k, v in registry._KERNELS.items() if v.backend != "quack"})
+    monkeypatch.setattr(S, "_quack", None)
+    monkeypatch.setattr(S, "quack_import_error", None)
+
+
+def _install(monkeypatch, calls, fail=False):
+    package, module = _fake_quack_modules(calls, fail)
+    monkeypatch.setitem(sys.modules, "quack", package)
+    monkeypatch.setitem(sys.modules, "quack.softmax", module)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+@pytest.fixture
+def fake_quack(monkeypatch):
+    """The fake quack registered as the quack backend, on a pretend sm_90 GPU; yields its calls."""
+    calls = []
+    _isolated_registry(monkeypatch)
+    _install(monkeypatch, calls)
+    assert S.register_quack()
+    monkeypatch.setattr(S, "_capability", lambda device: (9, 0) if device.type == "cuda" else None)
+    yield calls
+
+
+def _rows():
+    return [k.row() for k in trainops.kernels()]
+
+
+# ---- registration --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(S._quack is not None, reason="quack is installed: the registry holds its kernels")
+def test_without_quack_nothing_is_registered(monkeypatch):
+    before = _rows()
+    assert not any(r["backend"] == "quack" for r in before)
+    _isolated_registry(monkeypatch)
+    monkeypatch.setitem(sys.modules, "quack", None)   # `import quack` raises ImportError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                # a failed import says nothing
+        assert not S.register_quack()
+    assert _rows() == before
+    assert "ImportError" in S.quack_import_error or "ModuleNotFoundError" in S.quack_import_error
+    with pytest.raises(trainops.UnsupportedError, match="no quack kernel is registered.*trainops\\[quack\\]"):
+        with trainops.backend("quack"):
+            trainops.plan("softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device="cuda")
+    p = trainops.plan("softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device="cuda")
+    assert p.info.backend == "triton"
+
+
+def test_a_quack_without_the_softmax_api_registers_nothing(monkeypatch):
+    before = [r for r in _rows() if r["backend"] != "quack"]
+    _isolated_registry(monkeypatch)
+    package, module = _fake_quack_modules([])
+    del module._softmax_backward                      # another quack version's API
+    monkeypatch.setitem(sys.modules, "quack", package)
+    monkeypatch.setitem(sys.modules, "quack.softmax", module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not S.register_quack()
+    assert "AttributeError" in S.quack_import_error and _rows() == before
+
+
+def test_registration_with_quack(fake_quack):
+    rows = [r for r in _rows() if r["backend"] == "quack"]
+    assert [(r["op"], r["kernel"], r["devices"], r["dtypes"], r["deterministic"]) for r in rows] == [
+        ("softmax", "softmax_quack", "cuda", "float32,float16,bfloat16", "yes"),
+        ("softmax_backward", "softmax_backward_quack", "cuda", "float32,float16,bfloat16", "yes")]
+    assert S.register_quack()                         # a second call registers nothing twice
+    assert len([r for r in _rows() if r["backend"] == "quack"]) == 2
+    with trainops.backend("quack"):
+        assert trainops.lookup("softmax", "cuda", torch.float32).name == "softmax_quack"
+        for op, device, dtype in [("log_softmax", "cuda", torch.bfloat16), ("softmax", "cuda", torch.float64),
+                                  ("softmax", "cpu", torch.bfloat16)]:
+            with pytest.raises(trainops.UnsupportedError, match="quack"):
+                trainops.lookup(op, device, dtype)
+
+
+def test_cli_kernels_lists_quack_and_the_rule(fake_quack, capsys):
+    from trainops.__main__ import main
+    main(["kernels"])
+    out = capsys.readouterr().out
+    assert "softmax_quack" in out and "softmax_backward_quack" in out
+    assert "softmax: quack's kernels on bf16 / fp16 CUDA (sm_90)" in out
+
+
+# ---- the choice ---------------------------------------------------------------------------------
+
+def _backend(op="softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device="cuda", **kwargs):
+    return trainops.plan(op, shape=shape, dim=dim, dtype=dtype, device=device, **kwargs).info.backend
+
+
+@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
+def test_choice_on_the_rule_boundary(fake_quack, op):
+    # issue 42's H200 table: quack won from 32768 columns (the smallest measured win) to 262144 (the longest)
+    assert _backend(op, (4, 32767)) == "triton"
+    assert _backend(op, (4, 32768)) == "quack"
+    assert _backend(op, (4, 262144)) == "quack"
+    assert _backend(op, (4, 262145)) == "triton"
+    assert _backend(op, (2, 3, 151936)) == "quack"                       # any rank, viewed as (rows, N)
+    assert _backend(op, (LONG,)) == "quack"                              # one row
+    assert _backend(op, (2, 1, LONG), strides=(LONG, 7, 1)) == "quack"   # a size-1 axis's stride does not matter
+    assert _backend(op, (4, LONG), dtype=torch.float16) == "quack"
+    for dtype in (torch.float32, torch.float64):                         # not measured / not quack's
+        assert _backend(op, (4, LONG), dtype=dtype) == "triton"
+    assert _backend(op, (4, LONG), out_dtype=torch.float32) == "triton"  # softmax(x, dtype=...): another dtype
+    assert _backend(op, (4, LONG, 2), dim=1) == "triton"                 # not the last axis
+    assert _backend(op, (LONG, 4), dim=0) == "triton"
+    assert _backend(op, (4, LONG), strides=(1, 4)) == "triton"           # transposed
+    assert _backend(op, (4, LONG), strides=(2 * LONG, 1)) == "triton"    # rows of a wider tensor
+    assert _backend(op, (4, LONG), strides=(0, 1)) == "triton"           # expanded
+    assert _backend(op, (4, LONG), device="cpu") == "cpu"                # the CPU: its default
+    with trainops.backend("triton"):
+        assert _backend(op, (4, LONG)) == "triton"                       # a pinned backend wins
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=(0, -1))):
+        assert _backend(op, (4, LONG)) == "triton"
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=(64, 128))):
+        assert _backend(op, (4, 128)) == "quack" and _backend(op, (4, LONG)) == "triton"
+
+
+def test_choice_one_input_off_layout_backward(fake_quack):
+    """Backward: dy and y must both be contiguous."""
+    contiguous, transposed = (LONG, 1), (1, 4)
+    assert _backend("softmax_backward", strides=(contiguous, contiguous)) == "quack"
+    assert _backend("softmax_backward", strides=(contiguous, transposed)) == "triton"
+    assert _backend("softmax_backward", strides=(transposed, contiguous)) == "triton"
+
+
+def test_choice_log_softmax_never_quack(fake_quack):
+    for op in ("log_softmax", "log_softmax_backward"):
+        assert _backend(op, (4, LONG)) == "triton"
+        assert registry.op_spec(op).choose_backend is None
+
+
+def test_choice_other_gpus_stay_on_triton(fake_quack, monkeypatch):
+    for capability in [(8, 0), (10, 0), (12, 0), None]:
+        monkeypatch.setattr(S, "_capability", lambda device, c=capability: c)
+        clear_plan_cache()
+        assert _backend("softmax", (4, LONG)) == "triton", capability
+
+
+def test_choice_function_on_problems(fake_quack):
+    """choose_backend itself: "quack" or None (the device's default), as the table says."""
+    problem = S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cuda")
+    assert S.choose_backend(problem) == "quack"
+    assert S.choose_backend(S._describe("softmax", (4, LONG - 1), -1, torch.bfloat16, "cuda")) is None
+    assert S.choose_backend(S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cpu")) is None
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+def _launch(op, shape, dtype=torch.bfloat16):
+    p = trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda")
+    assert p.info.backend == "quack" and p.kernel.backend == "quack"
+    return p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wrapper_calls_quack_on_row_views(fake_quack, dtype):
+    """The launch views each contiguous operand as (rows, N) in place, forward and backward (run
+    here on CPU tensors: the plan is for CUDA, its launch only takes pointers and views)."""
+    shape = (2, 3, LONG)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    p = _launch("softmax", shape, dtype)
+    assert p.kernel["rows"] == 6 and p.kernel["N"] == LONG and p.kernel["align_bytes"] == 16
+    assert p.precision.deterministic and p.precision.accumulator == torch.float32
+    y = torch.full(shape, float("nan"), dtype=dtype)
+    p.launch.run((x,), y)
+    (kind, qx, qout), = fake_quack
+    assert kind == "fwd" and qx.shape == qout.shape == (6, LONG)
+    assert qx.data_ptr() == x.data_ptr() and qout.data_ptr() == y.data_ptr()
+    assert_close(y, torch.softmax(x.double(), -1), dtype, "forward")
+
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    dx = torch.full(shape, float("nan"), dtype=dtype)
+    _launch("softmax_backward", shape, dtype).launch.run((dy, y), dx)
+    kind, qdy, qy, qdx = fake_quack[-1]
+    assert kind == "bwd" and qdy.shape == qy.shape == qdx.shape == (6, LONG)
+    assert (qdy.data_ptr(), qy.data_ptr(), qdx.data_ptr()) == (dy.data_ptr(), y.data_ptr(), dx.data_ptr())
+    yd, dyd = y.double(), dy.double()
+    assert_close(dx, yd * (dyd - (yd * dyd).sum(-1, keepdim=True)), dtype, "backward")
+
+
+def test_wrapper_empty_problem_calls_nothing(fake_quack):
+    p = trainops.plan("softmax", shape=(0, LONG), dim=-1, dtype=torch.bfloat16, device="cuda")
+    assert p.info.backend == "quack"
+    p.launch.run((torch.empty(0, LONG, dtype=torch.bfloat16),), torch.empty(0, LONG, dtype=torch.bfloat16))
+    assert fake_quack == []
+
+
+@pytest.mark.skipif(not registry.triton_interpreting(), reason="runs the Triton plan on CPU tensors")
+def test_wrapper_unaligned_pointers_run_the_triton_plan(fake_quack):
+    """A view at an odd storage offset is off quack's assumed 16-byte row boundary: the plan's
+    Triton launch (named in its kernel parameters) runs it, quack is not called."""
+    shape = (2, LONG)
+    p = _launch("softmax", shape)
+    assert p.kernel["unaligned"].startswith("triton:")
+    flat = (torch.randn(2 * LONG + 1, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    x = flat[1:].view(shape)
+    y = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    p.launch.run((x,), y)
+    assert fake_quack == []
+    assert_close(y, torch.softmax(x.double(), -1), torch.bfloat16, "unaligned forward")
+
+
+def test_quack_errors_are_raised_not_retried(monkeypatch):
+    calls = []
+    _isolated_registry(monkeypatch)
+    _install(monkeypatch, calls, fail=True)
+    assert S.register_quack()
+    monkeypatch.setattr(S, "_capability", lambda device: (9, 0))
+    shape = (2, LONG)
+    x = torch.randn(shape).to(torch.bfloat16)
+    y = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fake quack failed"):
+        _launch("softmax", shape).launch.run((x,), y)
+    assert len(calls) == 1 and y.isnan().all()        # nothing else wrote the output
+
+
+def test_pinned_quack_refuses_what_it_cannot_run(fake_quack):
+    """Pinned, quack takes any row length but only the problems its kernels run; errors name the argument."""
+    with trainops.backend("quack"):
+        assert _backend("softmax", (4, 1000)) == "quack"
+        assert _backend("softmax", (4, 1000), dtype=torch.float32) == "quack"
+        for kwargs, argument in [(dict(shape=(LONG, 4), dim=0), "dim"), (dict(shape=(), dim=0), "dim"),
+                                 (dict(strides=(1, 4)), "x"), (dict(out_dtype=torch.float32), "dtype")]:
+            with pytest.raises(trainops.UnsupportedError, match=f"argument '{argument}'"):
+                trainops.plan("softmax", **{**dict(shape=(4, LONG), dim=-1, dtype=torch.bfloat16,
+                                                   device="cuda"), **kwargs})
+        with pytest.raises(trainops.UnsupportedError, match="argument 'y'"):
+            trainops.plan("softmax_backward", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device="cuda",
+                          strides=((LONG, 1), (1, 4)))
+        with pytest.raises(trainops.UnsupportedError, match="no quack kernel"):
+            trainops.plan("log_softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device="cuda")
+
+
+def test_cpu_tensors_never_reach_quack(fake_quack):
+    x = torch.randn(2, LONG).to(torch.bfloat16).requires_grad_()
+    with trainops.track_kernels() as used:
+        trainops.softmax(x, -1).sum().backward()
+    assert fake_quack == [] and {backend for _, backend, _, _ in used} == {"cpu"}
+
+
+# ---- the GPU: quack itself --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or S._quack is None, reason="needs CUDA and quack-kernels (trainops[quack])")
+@pytest.mark.parametrize("shape", [(2048, 151936), (4096, 32768)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_quack_against_float64(shape, dtype):
+    if torch.cuda.get_device_capability() not in S.QUACK_MEASURED_CAPABILITIES:
+        pytest.skip("the rule puts quack on sm_90 only")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype).requires_grad_()
+    dy = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    for op in ("softmax", "softmax_backward"):
+        p = trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda")
+        assert p.info.backend == "quack", p.kernel
+    with trainops.track_kernels() as used:
+        y = trainops.softmax(x, -1)
+        y.backward(dy)
+    assert {(op, backend) for op, backend, _, _ in used} == {("softmax", "quack"), ("softmax_backward", "quack")}
+    xd = x.detach().double()
+    yd = torch.softmax(xd, -1)
+    assert_close(y, yd, dtype, "quack forward")
+    dyd = dy.double()
+    # the reference backward from the kernel's own y (what autograd saved), in float64
+    y64 = y.detach().double()
+    assert_close(x.grad, y64 * (dyd - (y64 * dyd).sum(-1, keepdim=True)), dtype, "quack backward")
+    again = trainops.softmax(x.detach(), -1)
+    assert torch.equal(again, y.detach())              # bit-identical run to run
+    torch.cuda.synchronize()
