@@ -55,6 +55,7 @@ def _isolated_registry(monkeypatch):
     """The registry without quack's kernels (had the real quack registered them); registrations made
     inside the test are undone after it."""
     monkeypatch.setattr(registry, "_KERNELS", {k: v for k, v in registry._KERNELS.items() if v.backend != "quack"})
+    monkeypatch.setattr(registry, "_LOADERS", {})
     monkeypatch.setattr(S, "_quack", None)
     monkeypatch.setattr(S, "quack_import_error", None)
 
@@ -118,6 +119,30 @@ def test_a_quack_without_the_softmax_api_registers_nothing(monkeypatch):
         warnings.simplefilter("error")
         assert not S.register_quack()
     assert "AttributeError" in S.quack_import_error and _rows() == before
+
+
+def test_quack_is_imported_only_where_needed(monkeypatch):
+    """import trainops leaves quack unimported (a loader is registered where a quack package is on the
+    path); the first listing, a pinned look-up or a problem the rule puts on quack imports it."""
+    monkeypatch.setattr(S, "_capability", lambda device: (9, 0))
+    for trigger in ("listing", "pinned", "chosen"):
+        _isolated_registry(monkeypatch)
+        _install(monkeypatch, [])
+        assert S._quack_findable()
+        registry.register_loader("quack", S.register_quack)   # what ops/softmax.py does at import
+        clear_plan_cache()
+        assert _backend("softmax", (4, LONG - 1)) == "triton" and _backend("softmax", (4, LONG), device="cpu") == "cpu"
+        assert _backend("log_softmax", (4, LONG)) == "triton" and S._quack is None
+        if trigger == "listing":
+            assert any(r["backend"] == "quack" for r in _rows())
+        elif trigger == "pinned":
+            with trainops.backend("quack"):
+                assert trainops.lookup("softmax", "cuda", torch.bfloat16).backend == "quack"
+        else:
+            assert _backend("softmax", (4, LONG)) == "quack"
+        assert S._quack is sys.modules["quack.softmax"] and registry._LOADERS.get("quack") in (None, [])
+    monkeypatch.setitem(sys.modules, "quack", None)
+    assert not S._quack_findable()
 
 
 def test_registration_with_quack(fake_quack):

@@ -134,6 +134,7 @@ class OpSpec:
 
 _KERNELS: dict[tuple[str, str, bool], KernelInfo] = {}
 _OPS: dict[str, OpSpec] = {}
+_LOADERS: dict[str, list[Callable[[], object]]] = {}
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
 
 
@@ -202,8 +203,28 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
     return decorate
 
 
+def register_loader(backend: str, load: Callable[[], object]) -> None:
+    """Defer the registration of ``backend``'s kernels that need an optional package costly to import
+    (quack: ops/softmax.py): the registry calls ``load()`` once, before the first listing
+    (``kernels()``) and before the first look-up of that backend (pinned, or chosen by an op's
+    ``choose_backend``, which may call it itself). ``load`` registers nothing where the package does
+    not import, and raises nothing: the registry is then as it would be without the package."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _LOADERS.setdefault(backend, []).append(load)
+
+
+def _run_loaders(backend: str | None = None) -> None:
+    """Call (once) the pending loaders of ``backend``, or of every backend."""
+    for name in [backend] if backend is not None else list(_LOADERS):
+        for load in _LOADERS.pop(name, ()):
+            load()
+
+
 def kernels() -> list[KernelInfo]:
-    """Every registered kernel, sorted by op and backend."""
+    """Every registered kernel, sorted by op and backend (deferred registrations made first)."""
+    if _LOADERS:
+        _run_loaders()
     return sorted(_KERNELS.values(), key=lambda k: (k.op, BACKENDS.index(k.backend), not k.deterministic))
 
 
@@ -256,6 +277,8 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         where += f", index dtype {dtype_name(index_dtype)}"
     if chosen is None:
         raise UnsupportedError(f"trainops.{op}: no backend runs on {where}")
+    if chosen in _LOADERS:
+        _run_loaders(chosen)
     info = _KERNELS.get((op, chosen, True))
     if not deterministic:
         info = _KERNELS.get((op, chosen, False), info)

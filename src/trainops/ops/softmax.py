@@ -30,14 +30,19 @@ Triton plans (chosen in ``_choose_config``):
 
 The quack backend (the optional extra ``trainops[quack]``: quack-kernels' CuTe DSL kernels) runs
 softmax and its backward on long contiguous rows, and is registered only when ``quack.softmax``
-imports. With no backend pinned, ``choose_backend`` puts a problem on it only where it was measured
-faster than the Triton plans (``quack_beats_triton``); everything else stays on Triton.
+imports. ``import trainops`` does not import quack (seconds: its CUDA DSL): where a ``quack``
+package is on the path, the registry imports it at the first listing (``trainops.kernels()``), the
+first look-up of the quack backend, or the first problem ``quack_beats_triton`` would put on it.
+With no backend pinned, ``choose_backend`` puts a problem on it only where it was measured faster
+than the Triton plans (``quack_beats_triton``); everything else stays on Triton.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
@@ -49,8 +54,8 @@ from ..launch import launcher
 from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
-                        triton_available)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_loader,
+                        register_op, triton_available)
 from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 MAX_RANK = 8
@@ -291,12 +296,12 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     contiguous rows, last axis, output in the input's dtype), the dtype is bfloat16 or float16, the
     GPU is the measured architecture (sm_90) and a row has ``heuristics.quack_columns`` columns
     (QUACK_MIN_COLUMNS to QUACK_MAX_COLUMNS by default)."""
-    if _quack is None or problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
+    if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
         return False
     low, high = problem.heuristics.quack_columns
     if quack_unsupported(problem) is not None or not low <= problem.shape[-1] <= high:
         return False
-    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES
+    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and register_quack()
 
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
@@ -1147,11 +1152,14 @@ def _prepare_quack(problem: SoftmaxProblem) -> Launch:
 def register_quack() -> bool:
     """Register the quack kernels of softmax and its backward when ``quack.softmax`` imports (with
     ``_softmax_fwd`` and ``_softmax_backward``, quack-kernels 0.6.5's); True when they are
-    registered. Called once at import; a failure registers nothing, says nothing, and leaves its
-    reason in ``quack_import_error``."""
+    registered. Deferred (``registry.register_loader``; quack_beats_triton calls it too): the import
+    is tried once; a failure registers nothing, says nothing, and leaves its reason in
+    ``quack_import_error``."""
     global _quack, quack_import_error
     if _quack is not None:
         return True
+    if quack_import_error is not None:
+        return False
     try:
         module = importlib.import_module("quack.softmax")
         module._softmax_fwd, module._softmax_backward  # noqa: B018 (the API this backend calls)
@@ -1165,7 +1173,15 @@ def register_quack() -> bool:
     return True
 
 
-register_quack()
+def _quack_findable() -> bool:
+    """Whether there is a ``quack`` package to import: a look at the import path, no import."""
+    if "quack" in sys.modules:
+        return sys.modules["quack"] is not None
+    return importlib.util.find_spec("quack") is not None
+
+
+if _quack_findable():
+    register_loader("quack", register_quack)
 
 
 # ----------------------------------------------------------------------------------------------
