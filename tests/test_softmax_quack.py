@@ -22,11 +22,15 @@ LONG = S.QUACK_MIN_COLUMNS   # the shortest row the rule puts on quack
 
 def _fake_quack_modules(calls: list, fail: bool = False):
     """``quack`` and ``quack.softmax`` modules whose ``_softmax_fwd(x, out)`` and
-    ``_softmax_backward(dy, y, dx)`` check what quack's check (2-D, dtypes) plus contiguous rows, record
-    each call, and write torch's results into the output."""
+    ``_softmax_backward(dy, y, dx)`` check what quack's check (2-D, dtypes), what its compiled kernels
+    assume (contiguous rows of a whole number of 16-byte vectors: ``ReductionBase._get_tiled_copy``'s
+    assert; 16-byte aligned pointers: ``Softmax.compile``'s ``assumed_align``), record each call, and
+    write torch's results into the output."""
     def check(*tensors):
         for t in tensors:
             assert t.dim() == 2 and t.is_contiguous() and t.dtype in S.QUACK_DTYPES, (t.shape, t.stride(), t.dtype)
+            assert t.shape[1] % (16 // t.element_size()) == 0, f"Input N {t.shape[1]} is not divisible by vector size"
+            assert t.data_ptr() % 16 == 0, f"pointer {t.data_ptr():#x} is off quack's assumed 16-byte alignment"
         assert len({t.shape for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1
 
     def softmax_fwd(x, out):
@@ -56,6 +60,7 @@ def _isolated_registry(monkeypatch):
     inside the test are undone after it."""
     monkeypatch.setattr(registry, "_KERNELS", {k: v for k, v in registry._KERNELS.items() if v.backend != "quack"})
     monkeypatch.setattr(registry, "_LOADERS", {})
+    monkeypatch.setattr(registry, "_BACKEND_NOTES", {})
     monkeypatch.setattr(S, "_quack", None)
     monkeypatch.setattr(S, "quack_import_error", None)
 
@@ -273,19 +278,84 @@ def test_wrapper_empty_problem_calls_nothing(fake_quack):
     assert fake_quack == []
 
 
+def test_rows_quack_cannot_load_in_vectors_stay_on_triton(fake_quack):
+    """quack loads rows in 16-byte vectors (it asserts N % (16 / element size) == 0 when it compiles):
+    a row length off it inside the rule's range goes to Triton, and a pinned quack refuses it."""
+    for n in (LONG + 1, LONG + 4, 151937, 262144 - 2):
+        assert _backend("softmax", (4, n)) == "triton", n
+        assert _backend("softmax_backward", (4, n)) == "triton", n
+    assert _backend("softmax", (4, LONG + 8)) == "quack"
+    with trainops.backend("quack"):
+        assert _backend("softmax", (4, 1004), dtype=torch.float32) == "quack"     # float32: vectors of 4
+        for dtype in (torch.bfloat16, torch.float16):
+            with pytest.raises(trainops.UnsupportedError, match="argument 'shape'.*multiple of 8"):
+                _backend("softmax", (4, 1004), dtype=dtype)
+
+
 @pytest.mark.skipif(not registry.triton_interpreting(), reason="runs the Triton plan on CPU tensors")
-def test_wrapper_unaligned_pointers_run_the_triton_plan(fake_quack):
-    """A view at an odd storage offset is off quack's assumed 16-byte row boundary: the plan's
-    Triton launch (named in its kernel parameters) runs it, quack is not called."""
+@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
+def test_unaligned_inputs_are_planned_on_triton_visibly(fake_quack, op, monkeypatch):
+    """A view at an odd storage offset is off quack's assumed 16-byte boundary: its descriptor says
+    so (align), the rule puts it on Triton, and the plan and track_kernels name Triton; quack is not
+    called. (The plans run here on CPU tensors: the descriptor is made for CUDA.)"""
+    shape = (2, LONG)
+    assert _backend(op, shape, align=2) == "triton" and _backend(op, shape, align=16) == "quack"
+    with trainops.backend("quack"):
+        with pytest.raises(trainops.UnsupportedError, match="argument 'align'"):
+            _backend(op, shape, align=8)
+    gen = torch.Generator().manual_seed(1)
+    flat = (torch.randn(2 * LONG + 1, generator=gen) * 3).to(torch.bfloat16)
+    x = flat[1:].view(shape)
+    assert S.pointer_align([x]) == 2 and S.pointer_align([flat]) == 16
+    cuda = torch.device("cuda")
+    real_descriptor_of = S.descriptor_of
+    # descriptor_of on these CPU tensors, as on CUDA ones (the CPU's own backend never reaches quack)
+    monkeypatch.setattr(S, "descriptor_of", lambda o, ts, dim, out_dtype=None: real_descriptor_of(
+        o, ts, dim, out_dtype)._replace(device=cuda))
+    monkeypatch.setattr(S.SoftmaxProblem, "new_output", lambda self: torch.empty_strided(
+        self.shape, self.out_strides, dtype=self.out_dtype))
+    with trainops.track_kernels() as used:
+        if op == "softmax":
+            y = S._softmax_impl(x, -1)
+            expected = torch.softmax(x.double(), -1)
+        else:
+            dy = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            y = S._softmax_backward_impl(dy, x, -1)
+            expected = x.double() * (dy.double() - (x.double() * dy.double()).sum(-1, keepdim=True))
+    assert fake_quack == []
+    assert [(o, backend) for o, backend, _, _ in used] == [(op, "triton")]
+    assert_close(y, expected, torch.bfloat16, f"unaligned {op}")
+    with trainops.track_kernels() as used:                 # the aligned tensor: quack, counted as quack
+        S._softmax_impl(flat[:-1].view(shape), -1) if op == "softmax" else S._softmax_backward_impl(
+            flat[:-1].view(shape), flat[:-1].view(shape), -1)
+    assert [(o, backend) for o, backend, _, _ in used] == [(op, "quack")] and len(fake_quack) == 1
+
+
+def test_a_quack_plan_refuses_unaligned_operands(fake_quack):
+    """Plan.run / the launch on tensors off a 16-byte boundary (not what the plan was made for): an
+    error naming the operand, not another kernel run in quack's name."""
     shape = (2, LONG)
     p = _launch("softmax", shape)
-    assert p.kernel["unaligned"].startswith("triton:")
-    flat = (torch.randn(2 * LONG + 1, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
-    x = flat[1:].view(shape)
-    y = torch.full(shape, float("nan"), dtype=torch.bfloat16)
-    p.launch.run((x,), y)
+    flat = torch.randn(2 * LONG + 8).to(torch.bfloat16)
+    for x, y, name in [(flat[1:1 + 2 * LONG].view(shape), torch.empty(shape, dtype=torch.bfloat16), "x"),
+                       (flat[:2 * LONG].view(shape), flat[4:4 + 2 * LONG].view(shape), "out")]:
+        with pytest.raises(trainops.InvalidProblemError, match=f"argument '{name}'.*16-byte boundary"):
+            p.launch.run((x,), y)
     assert fake_quack == []
-    assert_close(y, torch.softmax(x.double(), -1), torch.bfloat16, "unaligned forward")
+
+
+def test_a_failed_quack_import_is_listed(monkeypatch, capsys):
+    """A quack on the path that does not import registers nothing, and says why where the kernels
+    are listed (python -m trainops kernels, env), not at each call."""
+    _isolated_registry(monkeypatch)
+    monkeypatch.setitem(sys.modules, "quack", None)
+    registry.register_loader("quack", S.register_quack)
+    assert "quack" in registry.backend_notes() and "did not import" in registry.backend_notes()["quack"]
+    from trainops.__main__ import main
+    main(["kernels"])
+    assert "the quack backend: not registered" in capsys.readouterr().out
+    from trainops import env
+    assert any(w.startswith("the quack backend: not registered") for w in env.collect()["warnings"])
 
 
 def test_quack_errors_are_raised_not_retried(monkeypatch):

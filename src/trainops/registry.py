@@ -135,6 +135,7 @@ class OpSpec:
 _KERNELS: dict[tuple[str, str, bool], KernelInfo] = {}
 _OPS: dict[str, OpSpec] = {}
 _LOADERS: dict[str, list[Callable[[], object]]] = {}
+_BACKEND_NOTES: dict[str, str] = {}
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
 
 
@@ -212,6 +213,23 @@ def register_loader(backend: str, load: Callable[[], object]) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     _LOADERS.setdefault(backend, []).append(load)
+
+
+def note_backend(backend: str, note: str | None) -> None:
+    """Record (or clear, with None) why a deferred backend registered nothing: a loader whose package is
+    on the path but did not import says so here, and ``python -m trainops kernels`` / ``env`` print it."""
+    if note is None:
+        _BACKEND_NOTES.pop(backend, None)
+    else:
+        _BACKEND_NOTES[backend] = note
+
+
+def backend_notes() -> dict[str, str]:
+    """{backend: why it registered nothing} for the deferred backends that were tried and failed
+    (their loaders run first)."""
+    if _LOADERS:
+        _run_loaders()
+    return dict(_BACKEND_NOTES)
 
 
 def _run_loaders(backend: str | None = None) -> None:

@@ -54,8 +54,8 @@ from ..launch import launcher
 from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_loader,
-                        register_op, triton_available)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, note_backend, register,
+                        register_loader, register_op, triton_available)
 from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 MAX_RANK = 8
@@ -79,6 +79,9 @@ QUACK_MAX_COLUMNS = 262144
 # The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
 # (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
 QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
+# quack-kernels 0.6.5 loads rows in 16-byte vectors: its ReductionBase._get_tiled_copy asserts N % (16 bytes /
+# element size) == 0, and Softmax.compile declares every operand 16-byte aligned (assumed_align) when it is
+QUACK_ALIGN = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,6 +158,7 @@ class SoftmaxProblem:
     strides: tuple[tuple[int, ...], ...]
     out_strides: tuple[int, ...]
     heuristics: SoftmaxHeuristics
+    align: int = QUACK_ALIGN
     index_dtype = None
 
     @property
@@ -189,13 +193,17 @@ class SoftmaxProblem:
 
 
 def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
-              heuristics=None) -> SoftmaxProblem:
+              heuristics=None, align=QUACK_ALIGN) -> SoftmaxProblem:
     """Validate a softmax-family descriptor.
 
     shape: sizes (rank 0..8). dim: the reduced axis, negative counts from the end.
     dtype: the inputs' dtype. out_dtype: the output's (default: dtype). device: where it runs.
     strides: None (contiguous), one stride tuple for every input, or one tuple per input.
     heuristics: a SoftmaxHeuristics (default: the one in force, trainops.heuristics).
+    align: the largest power of two, up to 16, that divides every input's data pointer in bytes
+    (default 16, as a fresh allocation; ``descriptor_of`` measures it). Only the choice of backend
+    reads it: quack's kernels assume 16-byte aligned operands (a view at an odd storage offset runs
+    on Triton, and its plan says so).
     """
     names = ("x",) if op in FORWARD_OPS else ("dy", "y")
     shape = checked_shape(op, "shape", shape)
@@ -239,13 +247,16 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
     elif not isinstance(heuristics, SoftmaxHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics", f"must be a SoftmaxHeuristics, got "
                              f"{type(heuristics).__name__}")
-    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides, heuristics)
+    if isinstance(align, bool) or not isinstance(align, int) or align not in (1, 2, 4, 8, 16):
+        raise argument_error(InvalidProblemError, op, "align", f"must be 1, 2, 4, 8 or 16 (bytes), got {align!r}")
+    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides, heuristics, align)
 
 
 def _describer(op: str):
     def describe(shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
-                 heuristics=None) -> SoftmaxProblem:
-        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides, heuristics=heuristics)
+                 heuristics=None, align=QUACK_ALIGN) -> SoftmaxProblem:
+        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides, heuristics=heuristics,
+                         align=align)
     describe.__doc__ = _describe.__doc__
     return describe
 
@@ -253,7 +264,9 @@ def _describer(op: str):
 def quack_unsupported(problem: SoftmaxProblem) -> tuple[str, str] | None:
     """Why quack's kernels cannot run this problem, as (argument, reason), or None when they can:
     plain softmax or its backward on CUDA, float32 / float16 / bfloat16, the output in the input's
-    dtype, along the last axis of tensors that are contiguous (any rank, viewed as (rows, N))."""
+    dtype, along the last axis of tensors that are contiguous (any rank, viewed as (rows, N)), rows
+    of a whole number of 16-byte vectors (N a multiple of 8 in fp16 / bf16, of 4 in float32), every
+    input starting on a 16-byte boundary (``problem.align``)."""
     first = problem.names[0]
     if problem.op not in QUACK_OPS:
         return "op", f"is {problem.op}; quack's kernels run {' and '.join(QUACK_OPS)}"
@@ -270,7 +283,24 @@ def quack_unsupported(problem: SoftmaxProblem) -> tuple[str, str] | None:
         if not _contiguous(problem.shape, strides):
             return name, (f"has strides {strides}; quack's kernels take contiguous tensors (viewed as (rows, "
                           f"{problem.shape[-1]}))")
+    vector = QUACK_ALIGN // problem.dtype.itemsize
+    if problem.shape[-1] % vector:
+        return "shape", (f"is {problem.shape}: rows of {problem.shape[-1]} elements; quack's kernels load rows in "
+                         f"16-byte vectors, so N must be a multiple of {vector} in {problem.dtype}")
+    if problem.align < QUACK_ALIGN:
+        return "align", (f"is {problem.align}: an input starts off a 16-byte boundary (a view at an odd storage "
+                         "offset); quack's kernels assume 16-byte aligned operands")
     return None
+
+
+def pointer_align(tensors: Sequence[torch.Tensor]) -> int:
+    """The largest power of two, up to 16, that divides every tensor's data pointer (bytes)."""
+    align = QUACK_ALIGN
+    for t in tensors:
+        ptr = t.data_ptr()
+        if ptr % align:
+            align = min(align, ptr & -ptr)
+    return align
 
 
 def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -293,7 +323,8 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     """Whether issue 42's measurements put this problem on quack's kernels: the quack backend is
     registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
-    contiguous rows, last axis, output in the input's dtype), the dtype is bfloat16 or float16, the
+    contiguous rows, last axis, output in the input's dtype, N a multiple of 16 bytes, 16-byte
+    aligned inputs), the dtype is bfloat16 or float16, the
     GPU is the measured architecture (sm_90) and a row has ``heuristics.quack_columns`` columns
     (QUACK_MIN_COLUMNS to QUACK_MAX_COLUMNS by default)."""
     if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
@@ -306,8 +337,8 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
     """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
-    rows of 32768 to 262144 columns, where quack-kernels imports (issue 42's H200 table); else the
-    device type's default (Triton on CUDA)."""
+    16-byte aligned rows of 32768 to 262144 columns (a multiple of 8), where quack-kernels imports
+    (issue 42's H200 table); else the device type's default (Triton on CUDA)."""
     return "quack" if quack_beats_triton(problem) else None
 
 
@@ -325,15 +356,16 @@ def _raise_mismatch(op: str, dy: torch.Tensor, y: torch.Tensor):
 
 def descriptor_of(op: str, tensors: Sequence[torch.Tensor], dim: int, out_dtype=None) -> tuple:
     """The descriptor (and plan-cache key) of a call on concrete tensors; backward inputs must agree
-    in shape, dtype and device."""
+    in shape, dtype and device. It holds the inputs' pointer alignment (``pointer_align``): the
+    backend chosen can depend on it (quack: 16-byte aligned inputs only)."""
     ref = tensors[-1]
     if len(tensors) == 2:
         dy = tensors[0]
         if dy.shape != ref.shape or dy.dtype != ref.dtype or dy.device != ref.device:
             _raise_mismatch(op, dy, ref)
-    # positionally: (shape, dim, dtype, device, out_dtype, strides, heuristics), the hot path's cheapest build
+    # positionally: (shape, dim, dtype, device, out_dtype, strides, heuristics, align), the hot path's cheapest build
     return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype, tuple(t.stride() for t in tensors),
-                           heuristics_for(SoftmaxHeuristics))
+                           heuristics_for(SoftmaxHeuristics), pointer_align(tensors))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1115,36 +1147,32 @@ quack_import_error: str | None = None       # why it did not, when it was tried 
 
 def _prepare_quack(problem: SoftmaxProblem) -> Launch:
     """quack's ``_softmax_fwd(x, out)`` / ``_softmax_backward(dy, y, dx)`` on the (rows, N) views
-    of the contiguous operands. quack compiles its kernels assuming each row starts on a boundary of
-    ``gcd(16 bytes / element size, N)`` elements; a call whose pointers are off it (a view at an odd
-    storage offset) runs the Triton plan of the same problem, prepared here
-    (``plan.kernel["unaligned"]`` names it). Errors of quack's own are raised, never retried."""
+    of the contiguous operands. quack compiles its kernels for 16-byte aligned operands (rows of a
+    whole number of 16-byte vectors, ``quack_unsupported``); the plan is made for aligned inputs
+    (``problem.align``: the choice sends a view at an odd storage offset to Triton, and a pinned
+    quack refuses it), and its launch refuses operands off a 16-byte boundary (``Plan.run`` on other
+    tensors than planned, or a misaligned ``out``) rather than run another kernel in its name.
+    Errors of quack's own are raised, never retried."""
     why = quack_unsupported(problem)
     if why is not None:
         raise argument_error(UnsupportedError, problem.op, *why)
     n = problem.shape[-1]
     rows = problem.numel // n if n else 0
-    itemsize = problem.dtype.itemsize
-    align = math.gcd(16 // itemsize, n) * itemsize if n else 1
     function = _quack._softmax_backward if problem.backward else _quack._softmax_fwd
-    unaligned = _prepare_triton(problem) if triton_available() else None
+    names = problem.names + ("out",)
 
     def run(tensors, out):
         if problem.numel == 0:
             return
         operands = (*tensors, out)
-        if any(t.data_ptr() % align for t in operands):
-            if unaligned is None:
-                name = next(nm for nm, t in zip(problem.names + ("out",), operands) if t.data_ptr() % align)
-                raise argument_error(UnsupportedError, problem.op, name,
-                                     f"starts off a {align}-byte boundary, which quack's kernels assume; "
-                                     "Triton (which runs it) is not installed")
-            unaligned.run(tensors, out)
-            return
+        for name, t in zip(names, operands):
+            if t.data_ptr() % QUACK_ALIGN:
+                raise argument_error(InvalidProblemError, problem.op, name,
+                                     f"starts off a {QUACK_ALIGN}-byte boundary; the plan (quack's kernels) is for "
+                                     f"aligned operands (make a plan with align={pointer_align((t,))}: Triton)")
         function(*(t.view(rows, n) for t in operands))
 
-    params = (("rows", rows), ("N", n), ("align_bytes", align),
-              ("unaligned", "-" if unaligned is None else str(unaligned.kernel)))
+    params = (("rows", rows), ("N", n), ("align_bytes", QUACK_ALIGN))
     name = "quack_softmax_backward" if problem.backward else "quack_softmax_fwd"
     return Launch(run, KernelChoice(name, "quack", params), torch.float32)
 
@@ -1153,8 +1181,9 @@ def register_quack() -> bool:
     """Register the quack kernels of softmax and its backward when ``quack.softmax`` imports (with
     ``_softmax_fwd`` and ``_softmax_backward``, quack-kernels 0.6.5's); True when they are
     registered. Deferred (``registry.register_loader``; quack_beats_triton calls it too): the import
-    is tried once; a failure registers nothing, says nothing, and leaves its reason in
-    ``quack_import_error``."""
+    is tried once; a failure registers nothing, raises nothing, and leaves its reason in
+    ``quack_import_error`` and ``registry.backend_notes()`` (printed by ``python -m trainops kernels``
+    and ``env``): with no quack kernels, the rule puts every problem on Triton."""
     global _quack, quack_import_error
     if _quack is not None:
         return True
@@ -1165,6 +1194,9 @@ def register_quack() -> bool:
         module._softmax_fwd, module._softmax_backward  # noqa: B018 (the API this backend calls)
     except Exception as e:   # not installed, or its CUDA libraries / DSL did not load: no quack backend
         quack_import_error = f"{type(e).__name__}: {e}"
+        note_backend("quack", f"not registered: a quack package is on the path but quack.softmax (quack-kernels "
+                              f"0.6.5's _softmax_fwd / _softmax_backward) did not import ({quack_import_error}); "
+                              "softmax runs on Triton")
         return False
     _quack, quack_import_error = module, None
     for op in QUACK_OPS:
