@@ -35,7 +35,7 @@ call runs them (functional, the eager shortcut, plan cache, descriptors, outputs
 every Triton launch replaced by a no-op: TRITON_INTERPRET=1, the triton backend pinned, each op
 module's ``launcher`` stubbed (the outputs are garbage: no comparison; AdamW, which launches
 through Triton's JIT, is left out). CUDA-only work (the launches themselves, the deferred checks'
-pinned copies and events) is not in it; the CPU-only immediate checks are (use --no-check for the
+report launches into the error word) is not in it; the CPU-only immediate checks are (use --no-check for the
 cross-entropy and embedding calls without them). Timed in thread CPU time (time.thread_time_ns),
 which a busy host perturbs less than wall time.
 """

@@ -208,6 +208,76 @@ def test_module_is_a_drop_in_for_batch_norm_then_relu(backend, device):
         assert_close(ours(x), ref(x), torch.float32, "eval")
 
 
+@pytest.mark.parametrize("relu", [False, True])
+def test_saved_tensor_hooks_that_change_xs_layout(backend, device, relu):
+    """A saved-tensor hook may hand x back in another layout (save_on_cpu returns a contiguous copy
+    of a channels-last x): the backward follows the tensors it gets, not the forward's plan."""
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last)
+    dy = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last)
+    w0, b0 = torch.rand(3, device=device) + 0.5, torch.randn(3, device=device)
+    fn = trainops.batch_norm_relu if relu else trainops.batch_norm
+
+    def grads(f, hooked):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.contiguous()) if hooked \
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = f(x, None, None, w, b, True)
+        return torch.autograd.grad(y, (x, w, b), dy)
+
+    def reference(x, rm, rv, w, b, training):
+        y = torch_F.batch_norm(x.double(), rm, rv, w.double(), b.double(), training)
+        return y.relu() if relu else y
+
+    expected = grads(reference, False)
+    for got, want, name in zip(grads(fn, True), expected, ("dx", "dweight", "dbias")):
+        assert_close(got, want.float(), torch.float32, name)
+
+
+@pytest.mark.parametrize("relu, saved", [(relu, saved) for relu in (False, True)
+                                         for saved in ("none", "weight", "mean", "rstd", "bias")
+                                         if relu or saved != "bias"])   # the bias is saved for the ReLU only
+def test_saved_tensor_hooks_that_change_a_per_channel_tensors_dtype(backend, device, monkeypatch, relu, saved):
+    """A hook that hands back the weight, mean, rstd (or the fused ReLU's bias) in another dtype:
+    the forward's plan (made for the dtypes saved) does not run on it. The backward op does: it
+    plans for a float64 weight or bias (torch's values), and names mean or rstd, which must be in
+    the accumulator's dtype (InvalidProblemError), where the forward's plan read them silently.
+    A hook that changes nothing ("none"): the forward's plan, no backward op."""
+    torch.manual_seed(0)
+    x0, dy = torch.randn(4, 3, 5, 6, device=device), torch.randn(4, 3, 5, 6, device=device)
+    w0, b0 = torch.rand(3, device=device) + 0.5, torch.randn(3, device=device)
+    fn = trainops.batch_norm_relu if relu else trainops.batch_norm
+    calls = []
+    real = bn_ops.batch_norm_backward_op
+    monkeypatch.setattr(bn_ops, "batch_norm_backward_op", lambda *a: (calls.append(1), real(*a))[1])
+    for eager in (True, False):
+        calls.clear()
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        names = {id(x): "x", id(w): "weight", id(b): "bias"}
+        others = ["mean", "rstd"]   # saved in this order, after x and the weight
+
+        def pack(t):
+            return (names[id(t)] if id(t) in names else others.pop(0)), t
+
+        with monkeypatch.context() as m:
+            if not eager:
+                m.setattr(bn_ops, "eager_training", lambda *args: None)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[1].double() if p[0] == saved else p[1]):
+                y = fn(x, None, None, w, b, True)
+        assert type(y.grad_fn).__name__ == ("_EagerTrainingBackward" if eager else "batch_norm_functionBackward")
+        if saved in ("mean", "rstd"):
+            with pytest.raises(InvalidProblemError, match=saved):
+                torch.autograd.grad(y, (x, w, b), dy)
+        else:
+            got = torch.autograd.grad(y, (x, w, b), dy)
+            xr, wr, br = (t.double().requires_grad_() for t in (x0, w0, b0))
+            yr = torch_F.batch_norm(xr, None, None, wr, br, True)
+            want = torch.autograd.grad(yr.relu() if relu else yr, (xr, wr, br), dy.double())
+            for g, r, name in zip(got, want, ("dx", "dweight", "dbias")):
+                assert_close(g, r.float(), torch.float32, name)
+        assert calls == ([] if saved == "none" else [1]), (eager, calls)
+
+
 def _net():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True)),
@@ -267,3 +337,145 @@ def test_real_sizes_on_gpu(layout):
         assert_close(ours[3][0], ref[3][0], torch.bfloat16, "dx")
         for a, c in zip((ours[0], *ours[3]), (again[0], *again[3])):
             assert torch.equal(a, c), "not bit-identical run to run"
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager training path (bn_ops.eager_training): one call, the op path's plans and bits
+# ----------------------------------------------------------------------------------------------
+
+def _step(fn, x0, w0, b0, rm0, rv0, dy, op_path: bool, monkeypatch=None):
+    """(y, running mean, running var, their versions, grads, grad_fn's name) of one training call of
+    ``fn`` (trainops.batch_norm or batch_norm_relu), through the op path when ``op_path``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x0, w0, b0) if t is not None]
+    x, *params = leaves
+    w, b = params if params else (None, None)
+    rm, rv = (None, None) if rm0 is None else (rm0.clone(), rv0.clone())
+    if op_path:
+        with monkeypatch.context() as m:
+            m.setattr(bn_ops, "eager_training", lambda *args: None)
+            y = fn(x, rm, rv, w, b, True, 0.1)
+    else:
+        y = fn(x, rm, rv, w, b, True, 0.1)
+    grads = torch.autograd.grad(y, leaves, dy)
+    versions = None if rm is None else (rm._version, rv._version)
+    return y, rm, rv, versions, grads, type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("affine,running", [(True, True), (False, False), (True, False)])
+def test_eager_training_path_is_taken_and_bit_identical_to_the_op_path(backend, device, monkeypatch, relu, layout,
+                                                                        affine, running):
+    x, w, b, rm, rv, dy = _inputs((4, 3, 5, 6), layout, device=device, seed=7, affine=affine)
+    if not running:
+        rm = rv = None
+    fn = trainops.batch_norm_relu if relu else trainops.batch_norm
+    for heuristics in (BatchNormHeuristics(), SMALL):   # a new key for other heuristics
+        with trainops.heuristics(heuristics):
+            fast = _step(fn, x, w, b, rm, rv, dy, False)
+            slow = _step(fn, x, w, b, rm, rv, dy, True, monkeypatch)
+        assert fast[-1] == "_EagerTrainingBackward" and slow[-1] != fast[-1], (fast[-1], slow[-1])
+        for got, want in zip((*fast[:3], *fast[4]), (*slow[:3], *slow[4])):
+            assert (got is None and want is None) or torch.equal(got, want)
+        assert fast[3] == slow[3]   # the running statistics' versions bumped alike
+        assert fast[0].stride() == slow[0].stride()
+    # against float64, once
+    (y, *_), (yr, *_) = _both(x, w, b, rm if running else torch.zeros(3), rv if running else torch.ones(3), dy, True)
+    assert_close(y, yr.float(), torch.float32, "y")
+
+
+def test_eager_training_without_gradients_and_kernel_counts(backend, device, monkeypatch):
+    """No input needing a gradient (or grad mode off): no autograd node, the same bits; the kernels
+    ``track_kernels`` counts are the op path's."""
+    x, w, b, rm, rv, dy = _inputs((4, 3, 5, 6), "channels_last", device=device, seed=3)
+    outs = []
+    for op_path in (False, True):
+        stats = (rm.clone(), rv.clone())
+        with monkeypatch.context() as m, trainops.track_kernels() as used:
+            if op_path:
+                m.setattr(bn_ops, "eager_training", lambda *args: None)
+            with torch.no_grad():
+                y = trainops.batch_norm(x, *stats, w, b, True)
+            y2 = trainops.batch_norm_relu(x.requires_grad_(), *stats, w, b, True)
+            x.requires_grad_(False)
+        outs.append((y, y2.detach(), *stats, dict(used)))
+    (y, y2, rm1, rv1, used), (ry, ry2, rrm, rrv, rused) = outs
+    assert y.grad_fn is None and torch.equal(y, ry) and torch.equal(y2, ry2)
+    assert torch.equal(rm1, rrm) and torch.equal(rv1, rrv)
+    assert used == rused, (used, rused)
+
+
+def test_eager_training_falls_back_where_it_must(backend, device, monkeypatch):
+    """The op path runs (with its results) for an x it copies first, a strided weight, a
+    __torch_function__ mode, a tensor subclass; in each case the values are torch's."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    x, w, b, rm, rv, dy = _inputs((4, 3, 5, 6), "contiguous", device=device, seed=5)
+    # (leaves, the call's x, weight, bias (views of the leaves), mode)
+    wide, double_w = torch.cat([x, x], -1), torch.stack([w, w], 1)
+    cases = {
+        "copied x": ((wide, w, b), lambda t: (t[0][..., :5], t[1], t[2]), None),   # spatial axes not one axis
+        "strided weight": ((x, double_w, b), lambda t: (t[0], t[1][:, 0], t[2]), None),
+        "mode": ((x, w, b), lambda t: t, Passing),
+        "subclass": ((x, w, b), lambda t: (t[0].as_subclass(Sub), t[1], t[2]), None),
+    }
+    for name, (leaf_values, views, mode) in cases.items():
+        leaves = [t.detach().clone().requires_grad_() for t in leaf_values]
+        xs, ws, bs = views(leaves)
+        calls = []
+        real = bn_ops._EagerTraining.apply
+        with monkeypatch.context() as m:
+            m.setattr(bn_ops._EagerTraining, "apply", lambda *a: (calls.append(1), real(*a))[1])
+            if mode is not None:
+                with mode():
+                    y = trainops.batch_norm(xs, None, None, ws, bs, True)
+            else:
+                y = trainops.batch_norm(xs, None, None, ws, bs, True)
+        assert calls == [], name
+        plain = [t.detach().as_subclass(torch.Tensor).double() for t in (xs, ws, bs)]
+        ref = torch_F.batch_norm(plain[0], None, None, plain[1], plain[2], True)
+        assert_close(y.detach().as_subclass(torch.Tensor), ref.float(), torch.float32, name)
+        grads = torch.autograd.grad(y.as_subclass(torch.Tensor), leaves, dy[..., :xs.shape[-1]].contiguous())
+        assert all(g is not None for g in grads), name
+
+
+def test_clear_plan_cache_empties_the_eager_paths_plans(backend, device):
+    """clear_plan_cache() empties the plans batch norm's and GIST ReLU's eager paths keep: the next
+    call makes new ones (a registry or heuristics change reaches them)."""
+    from trainops.ops import gist as gist_ops
+    x = torch.randn(4, 3, 5, 6, device=device, requires_grad=True)
+    w = torch.ones(3, device=device, requires_grad=True)
+    trainops.batch_norm(x, None, None, w, None, True)
+    trainops.gist.relu(x)
+    kept = (next(iter(bn_ops._EAGER_PLANS.values())), next(iter(gist_ops._EAGER_PLANS.values())))
+    assert all(isinstance(p, tuple) for p in kept)   # _EagerPlans, not the op path's marker
+    clear_plan_cache()
+    assert not bn_ops._EAGER_PLANS and not gist_ops._EAGER_PLANS
+    trainops.batch_norm(x, None, None, w, None, True)
+    trainops.gist.relu(x)
+    again = (next(iter(bn_ops._EAGER_PLANS.values())), next(iter(gist_ops._EAGER_PLANS.values())))
+    assert again[0].forward is not kept[0].forward and again[1].forward is not kept[1].forward
+
+
+def test_functorch_transforms_take_the_op_path(backend, device, monkeypatch):
+    """Under vmap the eager paths stand aside: GIST ReLU's op (its batching fallback) gives
+    torch's values; batch norm's statistics op raises its missing batching rule, as on main."""
+    from trainops.ops import gist as gist_ops
+    runs = []
+    for module, name in ((bn_ops, "_eager_run"), (gist_ops._EagerGistRelu, "apply")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real: (runs.append(1), _real(*a))[1])
+    x = torch.randn(2, 4, 3, 5, 6, device=device)
+    assert torch.equal(torch.func.vmap(trainops.gist.relu)(x), torch.relu(x))
+    with pytest.raises(RuntimeError, match="batch_norm_stats"):
+        torch.func.vmap(lambda t: trainops.batch_norm(t, None, None, None, None, True))(x)
+    assert runs == []
+    trainops.batch_norm(x[0].requires_grad_(), None, None, None, None, True)   # (the spies see eager calls)
+    assert runs == [1]

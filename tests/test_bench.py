@@ -9,6 +9,7 @@ the device's L2 size and the peers (torch.compile, Liger, quack): those run on t
 import importlib.util
 import json
 import os
+import sys
 import types
 
 import pytest
@@ -332,12 +333,185 @@ def test_sweep_command_on_the_cpu_writes_rows_summary_and_chart(tmp_path, capsys
         saved = json.load(f)
     assert saved["problems_run"] == saved["problems_drawn"] == {family: 2 for family in sweep.FAMILIES}
     assert set(saved["summary"]) == set(sweep.FAMILIES)
+    fixed = {family: len({p["issue42_class"] for p in sweep.fixed_problems(family, 1 << 14, scale=True)})
+             for family in sweep.FAMILIES}   # scaled down, one problem a class
+    assert saved["issue42_problems"] == fixed and saved["issue42_scaled_down"] is True
+    assert saved["issue42_problems_run"] == {family: n for family, n in fixed.items() if n}
+    assert {c for s in saved["summary"].values() for c in s["issue42_classes"]} == set(sweep.ISSUE42_CLASSES)
+    assert "issue 42's shape classes against the best peer" in printed
     for row in saved["rows"]:   # every implementation checked against float64 before it was timed
         assert row["error"] is not None and row["error"] < sweep.TOLERANCE[getattr(torch, row["dtype"])]
         assert row["family"] == row["op"] and row["impl"] in ("trainops", "torch")
     rows = sweep.load_rows(out)
     assert json.loads(json.dumps(sweep.summarise(rows))) == saved["summary"]
     assert os.path.getsize(out[:-5] + ".png") > 1000
+
+
+def test_sweep_plan_has_issue42_classes_first():
+    """Issue 42's shape classes are in every plan, before the draws, each problem with its class; on
+    the GPU at the issue's sizes (37 problems, the draws' cap would drop most), on the CPU scaled
+    down under the CPU's cap with every class kept."""
+    from trainops.bench import sweep
+
+    fixed, drawn, repeats = sweep.plan(sweep.FAMILIES, shapes=5, seed=0)
+    assert len(fixed) == 37 and drawn and all("issue42_class" not in p for _, p in drawn)
+    got = {(family, p["issue42_class"], p["shape"], p["dim"]) for family, p in fixed}
+    bf16 = {p["dtype"] for _, p in fixed}
+    assert bf16 == {torch.bfloat16}
+    for rows in (1, 8, 64):
+        for n in (16384, 131072, 1048576):
+            assert {(f, "few_long_rows", (rows, n), -1) for f in ("softmax", "cross_entropy")} <= got
+    for rows in (4096, 8192):
+        for n in (32000, 50257, 65536):
+            assert ("softmax_backward", "vocab_rows", (rows, n), -1) in got
+    for shape in ((4096, 4096), (32000, 512), (1024, 8192)):
+        assert ("softmax_backward", "non_last_axis", shape, 0) in got     # dim=0 of a 2-D tensor
+    for n in (32000, 50257, 65536):
+        assert ("cross_entropy", "vocab_10k_rows", (10240, n), -1) in got
+    quack_table = {("softmax", s) for s in ((4096, 32768), (1024, 131072), (128, 262144), (2048, 151936))}
+    quack_table |= {("softmax_backward", (2048, 151936)), ("cross_entropy", (8192, 128256)),
+                    ("cross_entropy", (4096, 151936))}
+    assert {(f, s) for f, c, s, _ in got if c == "quack_table"} == quack_table
+    assert {c for _, c, _, _ in got} == set(sweep.ISSUE42_CLASSES)
+    assert not {f for f, _ in fixed} & {"rms_norm", "swiglu"}
+    # the first problems of the run cover every class (a time limit leaves each a share)
+    assert {(f, p["issue42_class"]) for f, p in fixed[:8]} == {(f, c) for f, c, _, _ in got}
+    assert sweep.plan(sweep.FAMILIES, shapes=5, seed=0)[0] == fixed   # the same every run
+
+    cpu_fixed, _, _ = sweep.plan(sweep.FAMILIES, 2, 0, 1 << 14, 1 << 14, scale_fixed=True)
+    assert sorted((f, p["issue42_class"]) for f, p in cpu_fixed) == sorted({(f, c) for f, c, _, _ in got})
+    for family, p in cpu_fixed:
+        assert p["rows"] * p["row_length"] <= 1 << 14 and p["shape"][p["dim"]] == p["row_length"]
+    assert any(p["dim"] == 0 and len(p["shape"]) == 2 for _, p in cpu_fixed)
+    # the row says its class
+    impls_case = sweep.sweep_case("softmax_backward", cpu_fixed[3][1], "cpu", compiled=False)
+    assert cpu_fixed[3][0] == "softmax_backward" and impls_case.fields["issue42_class"] == "non_last_axis"
+
+
+def _fake_quack(monkeypatch, scale=1.0, backward=True):
+    """A quack-kernels stand-in in sys.modules: quack.softmax(x), quack.softmax.softmax_bwd(dy, y)
+    (without it with ``backward=False``) and quack.cross_entropy(x, t) (a mean loss), their results
+    times ``scale`` (not 1: wrong). Returns the list of calls made."""
+    calls = []
+    quack, module = types.ModuleType("quack"), types.ModuleType("quack.softmax")
+
+    def softmax(x):
+        calls.append("softmax")
+        return (torch.softmax(x.float(), -1) * scale).to(x.dtype)
+
+    def softmax_bwd(dy, y):
+        calls.append("softmax_bwd")
+        return (torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32) * scale).to(y.dtype)
+
+    def cross_entropy(x, t):
+        calls.append("cross_entropy")
+        return torch.nn.functional.cross_entropy(x.float(), t) * scale
+
+    quack.softmax, quack.cross_entropy = softmax, cross_entropy
+    if backward:
+        module.softmax_bwd = softmax_bwd
+    monkeypatch.setitem(sys.modules, "quack", quack)
+    monkeypatch.setitem(sys.modules, "quack.softmax", module)
+    return calls
+
+
+def _no_quack(monkeypatch):
+    """quack not installed (an import of it raises), whether or not this machine has it."""
+    monkeypatch.setitem(sys.modules, "quack", None)
+    monkeypatch.setitem(sys.modules, "quack.softmax", None)
+
+
+def _sweep_rows(family, shape, dim=-1, dtype=torch.bfloat16, issue42_class=None):
+    from trainops.bench import sweep
+
+    length = shape[dim]
+    problem = dict(shape=shape, dim=dim, dtype=dtype, row_length=length, rows=shape[0] * shape[-1] // length,
+                   issue42_class=issue42_class)
+    return sweep.run_problem(family, problem, "cpu", compiled=False, peers=True, ceiling=None, log=lambda *a: None)
+
+
+SWEEP_QUACK_FAMILIES = [("softmax", "softmax"), ("softmax_backward", "softmax_bwd"),
+                        ("cross_entropy", "cross_entropy")]
+
+
+@pytest.mark.parametrize("family, call", SWEEP_QUACK_FAMILIES)
+def test_sweep_quack_is_a_peer_where_installed(monkeypatch, family, call):
+    """With quack importable, its call runs as a third peer on the problems it has a call for, checked
+    against float64 first; every row says which peers ran and their ms; without quack, none."""
+    calls = _fake_quack(monkeypatch)
+    rows = _sweep_rows(family, (4, 64), issue42_class="quack_table")
+    by_impl = {r.impl: r for r in rows}
+    assert set(by_impl) == {"trainops", "torch", "quack"} and call in calls
+    assert by_impl["quack"].error < 1e-2
+    for r in rows:
+        assert r.fields["peers_ms"] == {"torch": by_impl["torch"].ms, "quack": by_impl["quack"].ms}
+        assert r.fields["peers_failed"] == {} and r.fields["issue42_class"] == "quack_table"
+    if family != "cross_entropy":   # no quack call: a middle axis, dim=0, rows not a multiple of 16 bytes
+        calls.clear()
+        for shape, dim in (((2, 16, 8), 1), ((16, 8), 0), ((4, 63), -1)):
+            rows = _sweep_rows(family, shape, dim)
+            assert {r.impl for r in rows} == {"trainops", "torch"} and not calls
+            assert "quack" not in rows[0].fields["peers_ms"] and "quack" not in rows[0].fields["peers_failed"]
+    _no_quack(monkeypatch)
+    rows = _sweep_rows(family, (4, 64))
+    assert {r.impl for r in rows} == {"trainops", "torch"} and rows[0].fields["peers_ms"].keys() == {"torch"}
+
+
+@pytest.mark.parametrize("family, call", SWEEP_QUACK_FAMILIES)
+def test_sweep_wrong_quack_is_a_failed_peer_never_the_best(monkeypatch, family, call):
+    """A quack whose result is outside the tolerance: recorded as failed on the row, the run goes on,
+    and the best-of leaves it out however fast it was."""
+    from trainops.bench import sweep
+
+    calls = _fake_quack(monkeypatch, scale=1.5)
+    rows = _sweep_rows(family, (4, 64), issue42_class="quack_table")
+    assert {r.impl for r in rows} == {"trainops", "torch"} and call in calls
+    assert rows[0].fields["peers_failed"]["quack"].startswith("CheckFailed: relative error")
+    assert rows[0].fields["peers_ms"].keys() == {"torch"}
+    s = sweep.summarise(rows)[family]
+    assert s["best_of"] == ["torch"] and s["peer_failed"] == {"quack": 1}
+    assert s["worst_best_of"][2] == "torch" and s["issue42_classes"]["quack_table"]["worst_best_of"][2] == "torch"
+    assert "quack 0 (1 failed)" in "\n".join(sweep.summary_lines(sweep.summarise(rows)))
+
+
+def test_sweep_softmax_backward_says_when_quack_has_no_backward(monkeypatch):
+    calls = _fake_quack(monkeypatch, backward=False)
+    rows = _sweep_rows("softmax_backward", (4, 64))
+    assert {r.impl for r in rows} == {"trainops", "torch"} and not calls
+    assert "softmax_bwd" in rows[0].fields["peers_unavailable"]["quack"]
+    _no_quack(monkeypatch)
+    assert _sweep_rows("softmax_backward", (4, 64))[0].fields["peers_unavailable"] == {}
+
+
+def test_sweep_summary_best_of_peers_and_issue42_classes():
+    """summarise: the old keys against the better of torch eager and torch.compile, the new ones
+    against the best of every peer that ran (quack included), which peers those were, and per
+    issue 42 class the worst ratio against the best peer."""
+    from trainops.bench import sweep
+
+    def rows(case, ms, cls=None, failed=None):
+        fields = {"family": "softmax", "row_length": 64, "rows": 4, "dtype": "bfloat16", "dim": -1,
+                  "issue42_class": cls, "peers_failed": failed or {}}
+        return [Row("softmax", case, impl, t, 1.0, None, 0.0, None, dict(fields)) for impl, t in ms.items()]
+
+    summary = sweep.summarise(
+        rows("a", {"trainops": 1.0, "torch": 2.0, "torch.compile": 1.5, "quack": 0.5}, "quack_table")
+        + rows("b", {"trainops": 1.0, "torch": 4.0, "torch.compile": 3.0, "quack": 2.0}, "quack_table")
+        + rows("c", {"trainops": 1.0, "torch": 0.8, "torch.compile": 1.2}, "few_long_rows", {"quack": "CheckFailed"})
+        + rows("d", {"trainops": 1.0, "torch": 2.0, "torch.compile": 2.0}))["softmax"]
+    assert summary["problems"] == 4 and summary["worst"] == (0.8, "c", "torch") and summary["slower"] == 1
+    assert summary["geomean_speedup"] == round((1.5 * 3.0 * 0.8 * 2.0) ** 0.25, 3)
+    assert summary["best_of"] == ["quack", "torch", "torch.compile"]
+    assert summary["peer_problems"] == {"torch": 4, "torch.compile": 4, "quack": 2}
+    assert summary["peer_failed"] == {"quack": 1}
+    assert summary["geomean_speedup_best_of"] == round((0.5 * 2.0 * 0.8 * 2.0) ** 0.25, 3)
+    assert summary["worst_best_of"] == (0.5, "a", "quack") and summary["slower_best_of"] == 2
+    assert summary["issue42_classes"] == {
+        "quack_table": {"problems": 2, "geomean_speedup_best_of": 1.0, "worst_best_of": (0.5, "a", "quack")},
+        "few_long_rows": {"problems": 1, "geomean_speedup_best_of": 0.8, "worst_best_of": (0.8, "c", "torch")}}
+    text = "\n".join(sweep.summary_lines({"softmax": summary}))
+    assert "against the best of torch eager, quack and torch.compile" in text
+    assert "quack 2 (1 failed)" in text and "quack_table" in text and "(0.5, 'a', 'quack')" in text
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -811,7 +811,7 @@ def test_gpu_evaluation_errors_are_raised_by_check_pending_or_printed_at_exit():
 
 @pytest.mark.gpu
 def test_deferred_target_check_on_a_side_stream_raises_at_a_later_call():
-    """The flag's host copy is ordered on the stream the call ran on (a side stream here): the
+    """The flag's report into the error word is ordered on the stream the call ran on (a side stream here): the
     error is raised by a later call once that stream has run it, and calls on the default stream
     in between see nothing of it before."""
     torch.cuda.synchronize()

@@ -653,3 +653,97 @@ def test_gpu_relu_max_pool2d_resnet_stem():
     ref_z, ref_dx = relu_and_grad(lambda t: torch.nn.functional.max_pool2d(torch.relu(t), 3, 2, 1), x, dz)
     assert same_bits(z, ref_z) and z.stride() == ref_z.stride()
     assert relative_error(dx, ref_dx) <= 1e-2
+
+
+def _relu_step(x0, dy, op_path: bool, monkeypatch):
+    x = x0.detach().clone().requires_grad_()
+    with monkeypatch.context() as m:
+        if op_path:
+            m.setattr(G, "eager_relu", lambda t: None)
+        y = trainops.gist.relu(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    return y, dx, type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize("plan", ["default", "small"])
+def test_eager_relu_is_taken_and_bit_identical_to_the_op_path(backend, device, monkeypatch, plan):
+    """Plain eager calls run G.eager_relu (its autograd node, the backward's plan made in the
+    forward): the op path's values, bits and strides, with dy in y's layout and in another (the
+    op's copy), and without gradients."""
+    x = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last)
+    x[0, 0, 0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    dys = {"as y": torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last),
+           "contiguous": torch.randn(4, 3, 5, 6, device=device)}
+    with trainops.heuristics(PLANS[plan]):
+        for name, dy in dys.items():
+            y, dx, node = _relu_step(x, dy, False, monkeypatch)
+            ry, rdx, rnode = _relu_step(x, dy, True, monkeypatch)
+            assert node == "_EagerGistReluBackward" and rnode != node, (node, rnode)
+            assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(ry)) and y.stride() == ry.stride(), name
+            assert torch.equal(dx, rdx) and dx.stride() == rdx.stride(), name
+            assert torch.equal(dx, torch.where(x > 0, dy, 0).where(~x.isnan(), dy)), name
+        with torch.no_grad():
+            y = trainops.gist.relu(x)
+        assert y.grad_fn is None and torch.equal(torch.nan_to_num(y), torch.nan_to_num(torch.relu(x)).abs())
+
+
+def test_eager_relu_falls_back_where_it_must(backend, device, monkeypatch):
+    """A layout the op copies first, a __torch_function__ mode: the op path (its node), same values."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    base = torch.randn(4, 3, 5, 12, device=device)
+    for name, x0, mode in (("strided", base[..., ::2], None), ("mode", base, Passing)):
+        x = x0.detach().clone() if name == "mode" else x0.detach()
+        x.requires_grad_()
+        if mode is not None:
+            with mode():
+                y = trainops.gist.relu(x)
+        else:
+            y = trainops.gist.relu(x)
+        assert type(y.grad_fn).__name__ != "_EagerGistReluBackward", name
+        assert torch.equal(y, torch.relu(x.detach())), name
+        dy = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        assert torch.equal(dx, torch.where(x.detach() > 0, dy, 0)), name
+
+
+def test_eager_relu_counts_the_op_paths_kernels(backend, device, monkeypatch):
+    """track_kernels counts what the op path counts, a backward through the op (dy in another
+    layout) included."""
+    x = torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
+    counted = []
+    for op_path in (False, True):
+        with trainops.track_kernels() as used:
+            for dy in (torch.ones_like(x), torch.ones(x.shape, device=device)):
+                _relu_step(x, dy, op_path, monkeypatch)
+        counted.append(dict(used))
+    assert counted[0] == counted[1] and len(counted[0]) == 2, counted
+
+
+def test_eager_relu_backward_runs_its_plan_and_checks_the_bits_it_gets_back(backend, device, monkeypatch):
+    """dy in y's layout and the bits as saved: the forward-made plan, no backward op. Bits a
+    saved-tensor hook hands back changed (strided, another dtype): not that plan but the backward
+    op, which names them (InvalidProblemError)."""
+    calls = []
+    real = G.gist_relu_backward_op
+    monkeypatch.setattr(G, "gist_relu_backward_op", lambda *a: (calls.append(1), real(*a))[1])
+    hooks = {"as saved": lambda t: t, "strided": lambda t: torch.stack([t, t], 1)[:, 0],
+             "int8": lambda t: t.view(torch.int8)}
+    for name, unpack in hooks.items():
+        x = torch.randn(4, 3, 5, 6, device=device).to(memory_format=torch.channels_last).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = trainops.gist.relu(x)
+        assert type(y.grad_fn).__name__ == "_EagerGistReluBackward", name
+        calls.clear()
+        dy = torch.randn_like(y)
+        if name == "as saved":
+            (dx,) = torch.autograd.grad(y, x, dy)
+            assert torch.equal(dx, torch.where(x.detach() > 0, dy, 0)) and calls == [], name
+        else:
+            with pytest.raises(InvalidProblemError, match="bits"):
+                torch.autograd.grad(y, x, dy)
+            assert calls == [1], name

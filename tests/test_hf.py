@@ -743,6 +743,19 @@ def test_which_norms_are_marked():
         trainops.patch(model, autocast_norms="yes")
 
 
+@pytest.mark.parametrize("where", ["norm", "reader", "projection"])
+def test_norms_with_hooks_around_them_are_not_marked(where):
+    """A forward hook on the norm, on its reader or on one of the projections would see bf16 where
+    it saw float32: that norm keeps float32 out; the others are still marked."""
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    hooked = {"norm": layer.input_layernorm, "reader": layer.self_attn, "projection": layer.self_attn.k_proj}[where]
+    hooked.register_forward_hook(lambda module, args, out: None)
+    trainops.patch(model)
+    assert set(marked_norms(model)) == {"model.layers.0.post_attention_layernorm",
+                                        "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm"}
+
+
 def test_qk_norm_attention_refusals():
     """What the fused q/k norm + rotary attention cannot compute is left as transformers's and
     reported (the rest patched, the unpatched loss): an instance whose q_norm and k_norm eps differ,

@@ -122,6 +122,10 @@ def _recorded_calls():
 
     x, w, b = leaf(4, 16), leaf(16), leaf(16)
     q, k, cos, sin = leaf(2, 4, 8, 16), leaf(2, 2, 8, 16), torch.randn(8, 16), torch.randn(8, 16)
+    # the eager paths that run the ops' plans without calling the ops: off, so that the ops are reached
+    from trainops.ops import batch_norm as bn_ops, gist as gist_ops
+    eager = (bn_ops.eager_training, gist_ops.eager_relu)
+    bn_ops.eager_training, gist_ops.eager_relu = (lambda *args: None), (lambda *args: None)
     library.CustomOp.__call__ = record
     try:
         run(trainops.softmax(x, 1))
@@ -146,6 +150,11 @@ def _recorded_calls():
                                           entropy=True))
         run(trainops.gather(leaf(6, 5), torch.randint(0, 6, (3, 5)), 0))
         run(trainops.batch_norm(leaf(4, 3, 5), torch.zeros(3), torch.ones(3), leaf(3), leaf(3), training=True))
+        # the backward op: reached where the saved x comes back in another layout than the forward's
+        # plan was made for (else the eager backward runs the forward's plan without calling it)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.contiguous()):
+            run(trainops.batch_norm(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last), None, None, leaf(3),
+                                    leaf(3), training=True))
         run(trainops.gist.relu(leaf(3, 7)))
         run(trainops.gist.relu(leaf(2, 3, 4, 5).to(memory_format=torch.channels_last)))
         run(trainops.gist.relu_max_pool2d(leaf(2, 3, 6, 5), 3, 2, 1))
@@ -162,6 +171,7 @@ def _recorded_calls():
                                                 kind="simpo").loss)
     finally:
         library.CustomOp.__call__ = original
+        bn_ops.eager_training, gist_ops.eager_relu = eager
     return calls
 
 

@@ -114,8 +114,8 @@ def test_op_runs_on_its_tensors_device_whatever_device_is_current(name):
 
 def test_checks_deferred_on_two_devices_in_turn():
     """An embedding (index check) on cuda:0 and a cross-entropy (target check) on cuda:1, in turn:
-    the deferred checks' events are kept per device (an event recorded on one device cannot be
-    recorded on another), and a bad target on cuda:1 is still reported."""
+    each device's check kernels store into the one error word of pinned host memory, check_pending
+    waits for both devices, and a bad target on cuda:1 is still reported."""
     table0 = torch.randn(100, 8, device="cuda:0", requires_grad=True)
     ids0 = torch.randint(0, 100, (32,), device="cuda:0")
     logits1 = torch.randn(32, 50, device="cuda:1", requires_grad=True)

@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                        "with --step: ./bench-step-<model>-<device>-<date>.json, or that name in a directory)")
     bench.add_argument("--no-peers", action="store_true", help="skip torch.compile and peer libraries")
     bench.add_argument("--sweep", action="store_true",
-                       help="time trainops against the better of torch eager and torch.compile on shapes drawn from "
-                            "what users run (trainops.bench.sweep); --ops picks families")
+                       help="time trainops against the best of torch eager, torch.compile and quack (where installed) "
+                            "on issue 42's shape classes and shapes drawn from what users run (trainops.bench.sweep); "
+                            "--ops picks families")
     bench.add_argument("--sweep-shapes", type=int, default=200, help="with --sweep: problems per family (default 200)")
     bench.add_argument("--sweep-seconds", type=float, default=None,
                        help="with --sweep: start no new problem after this many seconds")

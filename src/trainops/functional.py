@@ -16,12 +16,14 @@ from torch.autograd import forward_ad
 
 from .dtensor import is_dtensor
 from .errors import InvalidProblemError, UnsupportedError, argument_error
+from .library import PLAIN_TENSORS
 from .ops import activations as activation_ops
 from .ops import attention_softmax as attention_ops
 from .ops import batch_norm as batch_norm_ops
 from .ops import broadcast as broadcast_ops
 from .ops import convolution as convolution_ops
 from .ops._common import FLOAT_NAMES, float_dtype
+from .registry import FLOATS
 from .ops import cross_entropy as cross_entropy_ops
 from .ops import dropout as dropout_ops
 from .ops import gather as gather_ops
@@ -373,10 +375,12 @@ def _batch_norm_checks(op: str, input, running_mean, running_var, weight, bias, 
         raise argument_error(InvalidProblemError, op, "input", f"has shape {tuple(input.shape)}; batch norm takes "
                              "(N, C, ...)")
     channels = (input.shape[1],)
+    device = input.device
     # every check before the statistics op writes the running statistics: nothing half-applied
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
+        if t is None or (type(t) in PLAIN_TENSORS and t.dtype in FLOATS and t.shape == channels
+                         and t.device == device):
+            continue   # (the usual case, which every check below passes: a few us of host time less a call)
         if not isinstance(t, Tensor):
             raise argument_error(InvalidProblemError, op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
         if is_dtensor(t):
@@ -391,7 +395,8 @@ def _batch_norm_checks(op: str, input, running_mean, running_var, weight, bias, 
     for name, t in (("running_mean", running_mean), ("running_var", running_var)):
         if t is not None and t.requires_grad:
             raise argument_error(InvalidProblemError, op, name, "requires grad; running statistics are buffers")
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
+    if not (type(momentum) is float and 0 <= momentum <= 1) and (
+            isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1):
         raise argument_error(InvalidProblemError, op, "momentum", f"must be a number in [0, 1], got {momentum!r}")
     eps = _eps(op, eps) if eps is not None else 1e-5
     training = bool(training)
@@ -412,6 +417,10 @@ def _batch_norm(input, running_mean, running_var, weight, bias, training: bool, 
                 eps: float, relu: bool = False) -> Tensor:
     """batch_norm (relu: batch_norm_relu) on checked arguments."""
     if training:
+        # plain eager: statistics and normalisation in one call, the same plans and bits as the ops
+        y = batch_norm_ops.eager_training(input, running_mean, running_var, weight, bias, momentum, eps, relu)
+        if y is not None:
+            return y
         # the statistics (running ones updated in place) carry no autograd: the forward op's
         # backward is batch norm's whole gradient
         mean, rstd = batch_norm_ops.batch_norm_stats_op(input.detach(), running_mean, running_var, momentum, eps)

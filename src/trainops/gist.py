@@ -87,7 +87,9 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
     if inplace:
         raise argument_error(UnsupportedError, op, "inplace", "is True; trainops.gist.relu returns a new tensor "
                              "(its saved state is the bits, so the input is freed as after an in-place ReLU)")
-    y, _ = gist_ops.gist_relu_op(input)
+    y = gist_ops.eager_relu(input)   # plain eager: the plans made once per layout
+    if y is None:
+        y, _ = gist_ops.gist_relu_op(input)
     return y
 
 

@@ -261,7 +261,9 @@ def patch(model: torch.nn.Module, *, block_ops: bool = False, hf: bool = True, b
     output only the layer's projections read write the autocast dtype under autocast (bf16 / fp16)
     where they would return float32, instead of each projection casting it: the same forward values,
     no casts; the projections' input gradients are then summed in that dtype (trainops.hf,
-    "Pre-norms under autocast"); the report's description of each says so. ``dry_run=True``: the
+    "Pre-norms under autocast"); the report's description of each says so. A norm with hooks on it,
+    on its reader or on a projection is not marked. The marks are made with the swap: to change
+    ``autocast_norms`` on a patched model, ``trainops.unpatch`` it first. ``dry_run=True``: the
     same report, nothing changed. ``trainops.unpatch`` changes the swapped modules back.
 
     Each swapped module keeps its identity and all its state (see the module docstring). Modules

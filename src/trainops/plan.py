@@ -265,12 +265,13 @@ _PLAN_CACHE_SIZE = 4096
 _stats = {"hits": 0, "misses": 0}
 
 
-def cached_plan(descriptor: tuple) -> Plan:
+def cached_plan(descriptor: tuple, *, count: bool = True) -> Plan:
     """The plan for ``descriptor`` (an instance of its op's descriptor class, ``register_op``'s
     return), made once by ``plan(descriptor.op, **descriptor._asdict())``.
 
     The descriptor is the key, with the pinned backend. The functional ops call this on every
-    launch, so the hit path is the descriptor's build and one dict look-up.
+    launch, so the hit path is the descriptor's build and one dict look-up. ``count=False``: not
+    counted by ``track_kernels`` (an eager path that keeps the plan counts its runs, ``record_use``).
     """
     op = descriptor.op
     key = (op, pinned_backend(), descriptor)
@@ -283,11 +284,17 @@ def cached_plan(descriptor: tuple) -> Plan:
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[key] = found
-    if _tracked:
-        usage = found.usage
-        for counts in _tracked:
-            counts[usage] = counts.get(usage, 0) + 1
+    if _tracked and count:
+        record_use(found)
     return found
+
+
+def record_use(found: Plan) -> None:
+    """Count one run of ``found`` in every ``track_kernels`` block open (``cached_plan`` does it for
+    the plans it hands out; an eager path running plans it keeps calls it itself)."""
+    usage = found.usage
+    for counts in _tracked:
+        counts[usage] = counts.get(usage, 0) + 1
 
 
 _tracked: list[dict] = []
@@ -315,9 +322,21 @@ def plan_cache_info() -> dict:
 
 def clear_plan_cache() -> None:
     _PLANS.clear()
+    for clear in _KEPT_PLANS:
+        clear()
+
+
+_KEPT_PLANS: list = []   # the ``clear`` of each cache of plans an eager path keeps (``keeps_plans``)
+
+
+def keeps_plans(cache: dict) -> dict:
+    """Register ``cache``, a dict of plans (or of records holding plans) kept by an op family's eager
+    path, to be emptied with the plan cache (``clear_plan_cache``); returns it."""
+    _KEPT_PLANS.append(cache.clear)
+    return cache
 
 
 __all__ = ["check_tensor", "checked_shape", "compiled_backend", "KernelChoice", "Launch", "Plan", "Precision", "Problem", "cached_plan", "clear_plan_cache",
            "heuristics", "heuristics_for", "plan", "plan_cache_info", "select", "track_kernels", "InvalidProblemError",
            "UnsupportedError"]
-__all__ += ["keep_heuristics"]
+__all__ += ["keep_heuristics", "keeps_plans", "record_use"]

@@ -200,14 +200,17 @@ def _free_device_memory() -> None:
 
 
 def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
-              timer: Callable[[Callable, Timing], float] | None = None, same_copy: bool = True) -> list[Row]:
+              timer: Callable[[Callable, Timing], float] | None = None, same_copy: bool = True,
+              failed: list | None = None) -> list[Row]:
     """Build each case, check each implementation against the reference, time it, free it.
 
     ``ceiling``: the large copy's GB/s (None: the CPU path, no % of copy, CPU timing). ``timer``:
     ``timer(call, timing) -> ms`` (default time_gpu with a ceiling, else time_cpu). ``same_copy``:
     also time a copy of each case's bytes (GPU only; rows whose implementation has bytes of its
     own get None there). A failing implementation is reported and left out, but "trainops"
-    itself, and a trainops implementation outside its case's tolerance, stop the run.
+    itself, and a trainops implementation outside its case's tolerance, stop the run. ``failed``:
+    a list that receives ``(op, label, impl, "ExceptionType: message")`` for each implementation
+    left out (the sweep records its failed peers from it).
     """
     timer = timer or (time_cpu if ceiling is None else time_gpu)
     rows: list[Row] = []
@@ -235,6 +238,8 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
                     ms = timer(call, timing)
             except Exception as e:  # a peer that fails on a shape is reported, not fatal
                 log(f"  {case.op} {case.label}: {name} failed: {type(e).__name__}: {str(e)[:160]}")
+                if failed is not None:
+                    failed.append((case.op, case.label, name, f"{type(e).__name__}: {str(e)[:160]}"))
                 if name == "trainops" or (isinstance(e, CheckFailed) and name.startswith("trainops")):
                     raise
                 continue

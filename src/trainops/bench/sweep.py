@@ -1,5 +1,6 @@
-"""``python -m trainops bench --sweep``: trainops against the better of torch eager and
-torch.compile on the shapes users run, not only the tuned ones (issue 20).
+"""``python -m trainops bench --sweep``: trainops against the best of torch eager, torch.compile
+and, where installed, quack-kernels, on the shapes users run, not only the tuned ones (issue 20),
+and on issue 42's shape classes in every run.
 
 Families: ``softmax`` (forward), ``softmax_backward``, ``cross_entropy`` (forward + backward of a
 training loss), ``rms_norm`` (forward + backward, float32 weight) and ``swiglu`` (forward +
@@ -13,22 +14,45 @@ float64 there, trainops 6 %, the unit tests bounding it absolutely), a row count
 a dtype (bfloat16 twice as often as float16 or float32), and for the softmax families a quarter
 of the problems reduce a middle axis ((outer, length, inner), dim=1). Duplicates are drawn again.
 
-Each problem: trainops, torch eager and torch.compile of the same eager code (one compiled
+Issue 42's shape classes (``ISSUE42_CLASSES``, ``fixed_problems``; bf16; 37 problems) run first
+in every sweep, then the draws (``plan``; a draw that is one of them is not run twice): few rows of
+long rows (softmax and cross_entropy, rows 1 / 8 / 64 x 16384 / 131072 / 1048576), softmax_backward
+over vocabulary-sized rows (32000 / 50257 / 65536 x 4096 / 8192 rows) and over dim=0 of a
+(length, inner) tensor, cross_entropy at those vocabularies with 10240 rows, and the quack table
+(softmax 4096x32768, 1024x131072, 128x262144, 2048x151936, its backward at 2048x151936,
+cross_entropy 8192x128256 and 4096x151936). Their cap is ``ISSUE42_MAX_ELEMENTS`` (1 << 30, all of
+them), not the draws' 1 << 26, which would drop the vocabulary-sized backward and the quack table.
+Their rows carry ``issue42_class`` (None on the draws).
+
+Each problem: trainops, torch eager, torch.compile of the same eager code (one compiled
 function per family, compiled as a user would: automatic dynamic shapes; Dynamo's recompile
-limits are raised for the sweep, so no shape silently falls back to eager), every output first
+limits are raised for the sweep, so no shape silently falls back to eager) and quack where it is
+installed and has the call (``_quack_supports``: ``quack.softmax(x)`` and
+``quack.softmax.softmax_bwd(dy, y)`` on a 2-D tensor's last axis with rows a multiple of 16
+bytes, ``quack.cross_entropy(x, t).backward()`` as the main bench calls it; looked up through
+``_peer``, so quack is imported only then), every output first
 compared with a float64 reference (the output and, for the training calls, every gradient; trainops
-outside the dtype's tolerance stops the run), then timed once (``triton.testing.do_bench``
+outside the dtype's tolerance stops the run, a peer outside it or raising is left out and recorded),
+then timed once (``triton.testing.do_bench``
 median, shorter warm-up and repetition than the main bench: ``SWEEP_TIMING``; a few-microsecond
 call is noisy). The weights are in the input's dtype for every implementation. Rows carry ms, GB/s of the fewest bytes, % of the copy ceiling and the fields
-``family``, ``row_length``, ``rows``, ``dtype``, ``dim``; ``summarise`` adds per family the
-geometric mean of best-of-torch ms / trainops ms, the worst shape, how many shapes trainops is
+``family``, ``row_length``, ``rows``, ``dtype``, ``dim``, ``issue42_class``, ``peers_ms`` (each
+peer that ran: its ms), ``peers_failed`` (each peer that failed: why) and ``peers_unavailable``
+(quack installed without a backward call: softmax_backward says so). ``summarise`` adds per family
+the geometric mean of best-of-torch ms / trainops ms, the worst shape, how many shapes trainops is
 slower on, and the median % of the copy ceiling of odd and of even row lengths (shapes of at least
-``LARGE_BYTES``, where the copy ceiling means something). ``chart`` draws that speed ratio
-against row length, one panel per family.
+``LARGE_BYTES``, where the copy ceiling means something), those keys unchanged; then the same
+against the best of every peer that ran (``best_of``: which peers; ``geomean_speedup_best_of``,
+``worst_best_of``, ``slower_best_of``, ``peer_problems``, ``peer_failed``) and per issue 42 class
+the worst ratio against the best peer (``issue42_classes``). ``chart`` draws the best peer's ms /
+trainops ms against row length, one panel per family.
 
-``seconds``: no new problem starts after that much time (the run says how many ran). Without a
-GPU (``cpu=True``) the same code runs the CPU path on a few small shapes, eager only: a
-self-check of the harness, not a benchmark.
+``seconds``: no new problem starts after that much time (the run says how many ran, of the
+classes and of the draws). Without a GPU (``cpu=True``) the same code runs the CPU path on a few
+small shapes, eager only, no peers: a self-check of the harness, not a benchmark. There issue 42's
+classes are scaled down (``_scaled_down``: the largest axis halved until the shape fits the CPU's
+1 << 14 elements) to one problem per family and class (8, the dim=0 backward among them), which
+checks their path, not their sizes.
 """
 
 from __future__ import annotations
@@ -43,7 +67,7 @@ import torch.nn.functional as F
 
 import trainops
 
-from .case import Case, Timing, _dt, _randn
+from .case import Case, Timing, _dt, _peer, _randn
 
 FAMILIES = ("softmax", "softmax_backward", "cross_entropy", "rms_norm", "swiglu")
 ROW_LENGTHS = (1, 2, 3, 5, 8, 17, 31, 64, 100, 127, 128, 255, 384, 509, 512, 768, 1000, 1023, 1024, 1536, 2047,
@@ -79,6 +103,116 @@ def problems(family: str, count: int, seed: int = 0, max_elements: int = 1 << 26
         seen.add((shape, dim, dtype))
         out.append(dict(shape=shape, dim=dim, dtype=dtype, row_length=length, rows=math.prod(shape) // length))
     return out
+
+
+# -- issue 42's shape classes: fixed problems, in every run ---------------------------------------
+
+FEW_ROWS, LONG_ROWS = (1, 8, 64), (16384, 131072, 1048576)
+VOCABULARIES = (32000, 50257, 65536)
+ISSUE42_CLASSES = {
+    "few_long_rows": "fewer rows than SMs, long rows: softmax and cross_entropy, rows 1/8/64 x 16384/131072/1048576",
+    "vocab_rows": "softmax_backward over vocabulary-sized rows: 32000/50257/65536 x 4096/8192 rows",
+    "non_last_axis": "softmax_backward of a (length, inner) tensor over dim=0",
+    "vocab_10k_rows": "cross_entropy at vocabularies 32000/50257/65536 with 10240 rows",
+    "quack_table": "issue 42's table of quack's wins: softmax, its backward and cross_entropy",
+}
+ISSUE42_MAX_ELEMENTS = 1 << 30   # the fixed classes' cap on the GPU (the largest, 8192x128256, is 1.05e9)
+
+
+def _issue42_shapes() -> list[tuple]:
+    """(family, issue42_class, shape, dim, dtype) of every fixed problem, bf16, class by class."""
+    bf16 = torch.bfloat16
+    out = [(family, "few_long_rows", (rows, n), -1, bf16)
+           for family in ("softmax", "cross_entropy") for rows in FEW_ROWS for n in LONG_ROWS]
+    out += [("softmax_backward", "vocab_rows", (rows, n), -1, bf16) for rows in (4096, 8192) for n in VOCABULARIES]
+    out += [("softmax_backward", "non_last_axis", shape, 0, bf16)    # (length, inner), reduced over dim=0
+            for shape in ((4096, 4096), (32000, 512), (1024, 8192))]
+    out += [("cross_entropy", "vocab_10k_rows", (10240, n), -1, bf16) for n in VOCABULARIES]
+    out += [("softmax", "quack_table", shape, -1, bf16)
+            for shape in ((4096, 32768), (1024, 131072), (128, 262144), (2048, 151936))]
+    out += [("softmax_backward", "quack_table", (2048, 151936), -1, bf16)]
+    out += [("cross_entropy", "quack_table", shape, -1, bf16) for shape in ((8192, 128256), (4096, 151936))]
+    return out
+
+
+def _scaled_down(shape: tuple, max_elements: int) -> tuple:
+    """``shape`` with its largest axis halved (rounding up) until it holds at most ``max_elements``."""
+    shape = list(shape)
+    while math.prod(shape) > max_elements:
+        i = shape.index(max(shape))
+        shape[i] = -(-shape[i] // 2)
+    return tuple(shape)
+
+
+def fixed_problems(family: str, max_elements: int = ISSUE42_MAX_ELEMENTS, scale: bool = False) -> list[dict]:
+    """Issue 42's shape classes of ``family`` (``ISSUE42_CLASSES``), the same in every run: problem
+    dicts as ``problems``'s plus ``issue42_class``. Problems over ``max_elements`` are left out, or
+    with ``scale`` (the CPU self-check) scaled down to fit (``_scaled_down``; ``scaled_from``: the
+    issue's shape), a problem that scales onto an earlier one dropped."""
+    seen, out = set(), []
+    for fam, cls, shape, dim, dtype in _issue42_shapes():
+        if fam != family:
+            continue
+        extra = {}
+        if math.prod(shape) > max_elements:
+            if not scale:
+                continue
+            shape, extra = _scaled_down(shape, max_elements), {"scaled_from": shape}
+        if (shape, dim, dtype) in seen:
+            continue
+        seen.add((shape, dim, dtype))
+        length = shape[dim]
+        out.append(dict(shape=shape, dim=dim, dtype=dtype, row_length=length, rows=math.prod(shape) // length,
+                        issue42_class=cls, **extra))
+    return out
+
+
+def plan(families=FAMILIES, shapes: int = 200, seed: int = 0, max_elements: int = 1 << 26,
+         fixed_max_elements: int = ISSUE42_MAX_ELEMENTS, scale_fixed: bool = False) -> tuple[list, list, dict]:
+    """What a sweep runs, in order: (fixed, drawn, repeats). ``fixed``: (family, problem) of issue
+    42's classes, round robin over the (family, class) groups, so a time limit leaves each class a
+    share; ``drawn``: (family, problem) of the random draws, round robin over the families;
+    ``repeats``: per family, the draws left out because a fixed problem is the same problem. With
+    ``scale_fixed`` (the CPU self-check) the classes are scaled down and each (family, class) keeps
+    its first problem: their path is checked, quickly."""
+    groups: dict = {}
+    for family in families:
+        for p in fixed_problems(family, fixed_max_elements, scale_fixed):
+            group = groups.setdefault((family, p["issue42_class"]), [])
+            if not (scale_fixed and group):   # scaled down (the CPU self-check): one problem a class
+                group.append((family, p))
+    fixed = [g[i] for i in range(max(map(len, groups.values()), default=0)) for g in groups.values() if i < len(g)]
+    keys = {(family, p["shape"], p["dim"], p["dtype"]) for family, p in fixed}
+    draws = {family: problems(family, shapes, seed, max_elements) for family in families}
+    drawn, repeats = [], {}
+    for i in range(shapes):
+        for family in families:
+            if i >= len(draws[family]):
+                continue
+            p = draws[family][i]
+            if (family, p["shape"], p["dim"], p["dtype"]) in keys:
+                repeats[family] = repeats.get(family, 0) + 1
+                continue
+            drawn.append((family, p))
+    return fixed, drawn, repeats
+
+
+# -- one problem -------------------------------------------------------------------------------------
+
+PEERS_TORCH = ("torch", "torch.compile")
+
+
+def _quack_supports(family: str, problem: dict) -> bool:
+    """Whether quack-kernels has a call for this problem: softmax and its backward on a 2-D
+    tensor's last axis, rows a multiple of 16 bytes (quack loads rows in 16-byte vectors and its
+    compile asserts it), cross_entropy (2-D logits, every row length: as the main bench calls it).
+    fp32 / fp16 / bf16 only."""
+    shape, dim, dtype = problem["shape"], problem["dim"], problem["dtype"]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16) or len(shape) != 2 or dim not in (-1, 1):
+        return False
+    if family in ("softmax", "softmax_backward"):
+        return shape[-1] * dtype.itemsize % 16 == 0
+    return family == "cross_entropy"
 
 
 _COMPILED: dict = {}
@@ -124,8 +258,11 @@ def _backward_step(fn, inputs, leaves, dy):
 
 
 def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
-    """The Case of one problem: trainops, torch and (with ``compiled``) torch.compile."""
+    """The Case of one problem: trainops, torch, (with ``compiled``) torch.compile, and where the
+    case is built with peers, quack-kernels where installed and ``_quack_supports`` the problem
+    (through ``_peer``: quack is imported only then)."""
     shape, dim, dtype = problem["shape"], problem["dim"], problem["dtype"]
+    quack = _quack_supports(family, problem)
     numel = math.prod(shape)
     tensors = {"softmax": 2, "softmax_backward": 3, "cross_entropy": 2, "rms_norm": 5, "swiglu": 8}[family]
 
@@ -136,6 +273,9 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
                      "torch": lambda: (lambda: _torch_softmax(x, dim))}
             if compiled:
                 impls["torch.compile"] = lambda: (lambda: _compiled(family, _torch_softmax)(x, dim))
+            quack_softmax = _peer("quack", "softmax") if peers and quack else None
+            if quack_softmax is not None:
+                impls["quack"] = lambda: (lambda: quack_softmax(x))
             return impls, lambda: torch.softmax(x.double(), dim)
         if family == "softmax_backward":
             y = torch.softmax(_randn(shape, dtype, device, 0, 3.0), dim)
@@ -144,11 +284,18 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
                      "torch": lambda: (lambda: _torch_softmax_backward(dy, y, dim))}
             if compiled:
                 impls["torch.compile"] = lambda: (lambda: _compiled(family, _torch_softmax_backward)(dy, y, dim))
+            found = {}
+            if peers and quack:
+                quack_backward = _peer("quack.softmax", "softmax_bwd")   # quack's own allocating call, as ours
+                if quack_backward is not None:
+                    impls["quack"] = lambda: (lambda: quack_backward(dy, y))
+                elif _peer("quack", "softmax") is not None:   # quack is installed, its backward is not reachable
+                    found["peers_unavailable"] = {"quack": "quack.softmax has no softmax_bwd(dy, y): no backward peer"}
 
             def reference():
                 yd, dyd = y.double(), dy.double()
                 return yd * (dyd - (yd * dyd).sum(dim, keepdim=True))
-            return impls, reference
+            return impls, reference, found
         if family == "cross_entropy":
             x = _randn(shape, dtype, device, 0, 2.0).requires_grad_()
             t = torch.randint(0, shape[-1], shape[:-1], device=device)
@@ -157,6 +304,9 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
             if compiled:
                 impls["torch.compile"] = lambda: _backward_step(_compiled(family, _torch_cross_entropy), (x, t), [x],
                                                                 None)
+            quack_ce = _peer("quack", "cross_entropy") if peers and quack else None
+            if quack_ce is not None:   # as cases.py's: quack_ce(x, t), a mean loss, .backward()
+                impls["quack"] = lambda: _backward_step(quack_ce, (x, t), [x], None)
 
             def reference():
                 xd = x.detach().double().requires_grad_()
@@ -197,15 +347,58 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
 
     label = "x".join(map(str, shape)) + (f" dim={dim}" if dim != -1 else "") + f" {_dt(dtype)}"
     fields = {"family": family, "row_length": problem["row_length"], "rows": problem["rows"], "dtype": _dt(dtype),
-              "dim": dim}
+              "dim": dim, "issue42_class": problem.get("issue42_class")}
     nbytes = numel * dtype.itemsize * tensors + (8 * problem["rows"] if family == "cross_entropy" else 0)  # targets
     return Case(family, label, nbytes, build, fields, SWEEP_TIMING, TOLERANCE[dtype])
+
+
+def run_problem(family: str, problem: dict, device, *, compiled: bool, peers: bool, ceiling: float | None,
+                log=print, timer=None) -> list:
+    """The rows of one problem (``run_cases`` on its ``sweep_case``), each carrying which peers
+    ran and their ms (``peers_ms``), which failed and why (``peers_failed``: an error, or a result
+    outside the tolerance; left out of every best-of) and which are installed but have no call for
+    the problem (``peers_unavailable``: quack's softmax backward where quack lacks ``softmax_bwd``)."""
+    from . import run_cases
+
+    failed: list = []
+    rows = run_cases([sweep_case(family, problem, device, compiled)], peers=peers, ceiling=ceiling, log=log,
+                     timer=timer, same_copy=False, failed=failed)
+    ran = {r.impl: r.ms for r in rows if r.impl != "trainops"}
+    lost = {impl: why for _, _, impl, why in failed}
+    for r in rows:
+        r.fields.update(peers_ms=dict(ran), peers_failed=dict(lost),
+                        peers_unavailable=dict(r.fields.get("peers_unavailable", {})))
+    return rows
+
+
+def _ratios() -> dict:
+    return {"problems": 0, "log_ratio_sum": 0.0, "worst": None, "slower": 0}
+
+
+def _add_ratio(s: dict, ratio: float, case: str, impl: str) -> None:
+    s["problems"] += 1
+    s["log_ratio_sum"] += math.log(ratio)
+    if s["worst"] is None or ratio < s["worst"][0]:
+        s["worst"] = (round(ratio, 3), case, impl)
+    s["slower"] += ratio < 1.0
+
+
+def _geomean(s: dict) -> float | None:
+    total = s.pop("log_ratio_sum")
+    return round(math.exp(total / s["problems"]), 3) if s["problems"] else None
 
 
 def summarise(rows) -> dict:
     """Per family: problems, geometric mean and minimum of best-of-torch ms / trainops ms (and the
     worst shape), shapes where trainops is slower, and the median % of the copy ceiling of odd and
-    even row lengths among shapes of at least LARGE_BYTES (bytes / GB/s gives the bytes back)."""
+    even row lengths among shapes of at least LARGE_BYTES (bytes / GB/s gives the bytes back);
+    these keys keep their meaning (the better of torch eager and torch.compile).
+
+    Against the best of every peer that ran on a problem (torch eager, torch.compile, quack where
+    it ran; a failed peer has no row and is never the best): ``best_of`` (the peers that entered
+    it), ``peer_problems`` / ``peer_failed`` (problems each peer ran / failed on),
+    ``geomean_speedup_best_of``, ``worst_best_of``, ``slower_best_of``, and per issue 42 class
+    (``issue42_classes``): problems, geomean and the worst (ratio, shape, fastest peer)."""
     by_case: dict = {}
     for r in rows:
         by_case.setdefault((r.op, r.case), {})[r.impl] = r
@@ -215,24 +408,45 @@ def summarise(rows) -> dict:
         others = [r for k, r in impls.items() if k != "trainops"]
         if ours is None or not others:
             continue
+        s = out.setdefault(family, {**_ratios(), "odd_pct": [], "even_pct": [], "best_of": set(), "peer_problems": {},
+                                    "peer_failed": {}, "best_of_ratios": _ratios(), "classes": {}})
+        torch_peers = [r for r in others if r.impl in PEERS_TORCH]
+        if torch_peers:
+            best = min(torch_peers, key=lambda r: r.ms)
+            _add_ratio(s, best.ms / ours.ms, case, best.impl)
         best = min(others, key=lambda r: r.ms)
-        s = out.setdefault(family, {"problems": 0, "log_ratio_sum": 0.0, "worst": None, "slower": 0,
-                                    "odd_pct": [], "even_pct": []})
-        ratio = best.ms / ours.ms
-        s["problems"] += 1
-        s["log_ratio_sum"] += math.log(ratio)
-        if s["worst"] is None or ratio < s["worst"][0]:
-            s["worst"] = (round(ratio, 3), case, best.impl)
-        s["slower"] += ratio < 1.0
+        _add_ratio(s["best_of_ratios"], best.ms / ours.ms, case, best.impl)
+        cls = ours.fields.get("issue42_class")
+        if cls is not None:
+            _add_ratio(s["classes"].setdefault(cls, _ratios()), best.ms / ours.ms, case, best.impl)
+        for r in others:
+            s["best_of"].add(r.impl)
+            s["peer_problems"][r.impl] = s["peer_problems"].get(r.impl, 0) + 1
+        for impl in ours.fields.get("peers_failed") or {}:
+            s["peer_failed"][impl] = s["peer_failed"].get(impl, 0) + 1
         nbytes = ours.gbps * 1e6 * ours.ms
         if ours.pct_of_copy is not None and nbytes >= LARGE_BYTES:
             s["odd_pct" if ours.fields["row_length"] % 2 else "even_pct"].append(ours.pct_of_copy)
     for s in out.values():
-        s["geomean_speedup"] = round(math.exp(s.pop("log_ratio_sum") / s["problems"]), 3)
+        s["geomean_speedup"] = _geomean(s)
         for key in ("odd_pct", "even_pct"):
             values = s.pop(key)
             s[f"median_pct_of_copy_{key[:-4]}_rows"] = round(statistics.median(values), 1) if values else None
+        s["best_of"] = sorted(s["best_of"])
+        b = s.pop("best_of_ratios")
+        s["geomean_speedup_best_of"], s["worst_best_of"], s["slower_best_of"] = _geomean(b), b["worst"], b["slower"]
+        classes = s.pop("classes")
+        s["issue42_classes"] = {cls: {"problems": c["problems"], "geomean_speedup_best_of": _geomean(c),
+                                      "worst_best_of": c["worst"]} for cls, c in classes.items()}
     return out
+
+
+def best_of_words(summary: dict) -> str:
+    """'torch eager, torch.compile and quack': the peers any family's best-of took in."""
+    names = {"torch": "torch eager"}
+    peers = sorted({p for s in summary.values() for p in s.get("best_of", ())}, key=lambda p: (p != "torch", p))
+    words = [names.get(p, p) for p in peers] or ["torch eager", "torch.compile"]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -240,14 +454,32 @@ def summary_lines(summary: dict) -> list[str]:
              "worst (ratio, shape, fastest torch)"]
     for family, s in summary.items():
         odd, even = s["median_pct_of_copy_odd_rows"], s["median_pct_of_copy_even_rows"]
-        lines.append(f"{family:18s} {s['problems']:6d} {s['geomean_speedup']:7.2f}x {s['slower']:6d} "
+        geomean = "-" if s["geomean_speedup"] is None else f"{s['geomean_speedup']:.2f}x"
+        lines.append(f"{family:18s} {s['problems']:6d} {geomean:>8s} {s['slower']:6d} "
                      f"{'-' if odd is None else f'{odd:.1f}':>9s} {'-' if even is None else f'{even:.1f}':>10s}  "
                      f"{s['worst']}")
+    lines += ["", f"against the best of {best_of_words(summary)} (per problem, the peers that ran and passed):",
+              f"{'family':18s} {'geomean':>8s} {'slower':>6s}  {'best of (problems run, failed)':44s}  "
+              "worst (ratio, shape, fastest peer)"]
+    for family, s in summary.items():
+        peers = ", ".join(f"{p} {s['peer_problems'][p]}" + (f" ({s['peer_failed'][p]} failed)" if p in s["peer_failed"]
+                                                            else "") for p in s["best_of"])
+        failed_only = [p for p in s["peer_failed"] if p not in s["best_of"]]
+        peers += "".join(f", {p} 0 ({s['peer_failed'][p]} failed)" for p in failed_only)
+        lines.append(f"{family:18s} {s['geomean_speedup_best_of']:7.2f}x {s['slower_best_of']:6d}  {peers:44s}  "
+                     f"{s['worst_best_of']}")
+    classes = [(family, cls, c) for family, s in summary.items() for cls, c in s["issue42_classes"].items()]
+    if classes:
+        lines += ["", "issue 42's shape classes against the best peer:",
+                  f"{'family':18s} {'class':16s} {'shapes':>6s} {'geomean':>8s}  worst (ratio, shape, fastest peer)"]
+        lines += [f"{family:18s} {cls:16s} {c['problems']:6d} {c['geomean_speedup_best_of']:7.2f}x  "
+                  f"{c['worst_best_of']}" for family, cls, c in classes]
     return lines
 
 
 def chart(rows, path: str, title: str) -> str:
-    """Best-of-torch ms / trainops ms against row length, one panel per family, colour by dtype."""
+    """Best peer's ms / trainops ms against row length (the peers that ran on each problem: torch
+    eager, torch.compile, quack), one panel per family, colour by dtype."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -272,11 +504,11 @@ def chart(rows, path: str, title: str) -> str:
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_yscale("log", base=2)
-        ax.set_ylabel("best torch / trainops")
+        ax.set_ylabel("best peer / trainops")
         ax.set_title(family, fontsize=9)
     axes[-1, 0].set_xlabel("row length (reduced axis; hidden size for rms_norm and swiglu)")
     handles = [plt.Line2D([], [], ls="", marker="o", color=c, label=d) for d, c in colours.items()]
-    handles.append(plt.Line2D([], [], ls="", marker="^", color="black", label="middle axis"))
+    handles.append(plt.Line2D([], [], ls="", marker="^", color="black", label="not the last axis"))
     axes[0, 0].legend(handles=handles, fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -301,7 +533,7 @@ def load_rows(path: str) -> list:
 def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed: int = 0, cpu: bool = False,
         log=print) -> tuple[list, dict, dict]:
     """(rows, summary, meta) of a sweep; see the module docstring."""
-    from . import _free_device_memory, run_cases, start
+    from . import _free_device_memory, start
 
     env, ceiling = start(cpu, log=log)
     device = torch.device("cpu" if cpu else "cuda")
@@ -310,37 +542,46 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
               if hasattr(torch._dynamo.config, name)}
     for name in limits:
         setattr(torch._dynamo.config, name, 4096)
-    started, rows, ran, skipped = time.perf_counter(), [], {}, {}
-    drawn = {family: problems(family, shapes, seed, max_elements) for family in families}
-    for family, found in drawn.items():
-        if len(found) < shapes:
-            log(f"{family}: {len(found)} distinct problems within the bounds, fewer than the {shapes} asked")
+    started, rows = time.perf_counter(), []
+    ran: dict = {}
+    skipped: dict = {}
+    fixed_ran: dict = {}
+    fixed_skipped: dict = {}
+    fixed, drawn, repeats = plan(families, shapes, seed, max_elements,
+                                 max_elements if cpu else ISSUE42_MAX_ELEMENTS, scale_fixed=cpu)
+    counts = {family: sum(f == family for f, _ in drawn) + repeats.get(family, 0) for family in families}
+    for family, n in counts.items():
+        if n < shapes:
+            log(f"{family}: {n} distinct problems within the bounds, fewer than the {shapes} asked")
     try:
-        # round robin over the families: a time limit leaves every family the same share
-        for i in range(shapes):
-            for family in families:
-                if i >= len(drawn[family]):
-                    continue
+        # issue 42's classes first, then the draws; each list round robin, so a time limit leaves a share to all
+        for is_fixed, queue in ((True, fixed), (False, drawn)):
+            done, not_started = (fixed_ran, fixed_skipped) if is_fixed else (ran, skipped)
+            for family, problem in queue:
                 if seconds is not None and time.perf_counter() - started > seconds:
-                    skipped[family] = skipped.get(family, 0) + 1
+                    not_started[family] = not_started.get(family, 0) + 1
                     continue
-                rows += run_cases([sweep_case(family, drawn[family][i], device, compiled=not cpu)], peers=not cpu,
-                                  ceiling=ceiling, log=log, same_copy=False)
-                ran[family] = ran.get(family, 0) + 1
+                rows += run_problem(family, problem, device, compiled=not cpu, peers=not cpu, ceiling=ceiling,
+                                    log=log)
+                done[family] = done.get(family, 0) + 1
         _free_device_memory()
     finally:
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
         _COMPILED.clear()
     meta = {"environment": env, "copy_ceiling_gbps": None if ceiling is None else round(ceiling, 1),
-            "shapes_asked": shapes, "problems_drawn": {family: len(found) for family, found in drawn.items()},
+            "shapes_asked": shapes, "problems_drawn": counts,
             "problems_run": ran, "problems_not_started": skipped, "seed": seed,
+            "problems_drawn_as_issue42": repeats,
+            "issue42_problems": {family: sum(f == family for f, _ in fixed) for family in families},
+            "issue42_problems_run": fixed_ran, "issue42_problems_not_started": fixed_skipped,
+            "issue42_scaled_down": cpu,
             "seconds": round(time.perf_counter() - started, 1)}
     return rows, summarise(rows), meta
 
 
-__all__ = ["FAMILIES", "ROW_COUNTS", "ROW_LENGTHS", "chart", "load_rows", "problems", "run", "summarise",
-           "summary_lines", "sweep_case"]
+__all__ = ["FAMILIES", "ISSUE42_CLASSES", "ROW_COUNTS", "ROW_LENGTHS", "best_of_words", "chart", "fixed_problems",
+           "load_rows", "plan", "problems", "run", "run_problem", "summarise", "summary_lines", "sweep_case"]
 
 
 def main(shapes: int = 200, seconds: float | None = None, families=FAMILIES, out: str | None = None,
@@ -355,8 +596,9 @@ def main(shapes: int = 200, seconds: float | None = None, families=FAMILIES, out
     rows, summary, meta = run(families, shapes, seconds, seed, cpu)
     print()
     print("\n".join(summary_lines(summary)))
-    if meta["problems_not_started"]:
-        print(f"not started (past --sweep-seconds {seconds:g}): {meta['problems_not_started']}")
+    if meta["problems_not_started"] or meta["issue42_problems_not_started"]:
+        print(f"not started (past --sweep-seconds {seconds:g}): issue 42's classes "
+              f"{meta['issue42_problems_not_started']}, draws {meta['problems_not_started']}")
     if out is None:
         stamp = _dt_module.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = os.path.join("benchmarks", "results", f"sweep-{'cpu' if cpu else 'cuda'}-{stamp}.json")
@@ -364,6 +606,6 @@ def main(shapes: int = 200, seconds: float | None = None, families=FAMILIES, out
     write_results(out, env, {**meta, "summary": summary}, rows=rows)
     print(f"wrote {out}")
     print(chart(rows, os.path.splitext(out)[0] + ".png",
-                f"best of torch eager / torch.compile over trainops, {env['device']}, {env['date'][:10]}"
+                f"best of {best_of_words(summary)} over trainops, {env['device']}, {env['date'][:10]}"
                 + (" (CPU self-check)" if cpu else "")))
     return 0

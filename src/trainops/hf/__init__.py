@@ -202,13 +202,22 @@ def _is_linear(module) -> bool:
     return module is not None and torch.nn.Linear in (type(module), fsdp_wrapped_class(type(module)))
 
 
+def _hooked(module) -> bool:
+    """Whether ``module`` has forward, forward-pre or backward hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def norms_into_projections(modules) -> dict[int, tuple[str, ...]]:
     """id(norm) -> the projections (names under the decoder layer) that alone read its output, for
     each RMSNorm that trainops.hf's families' decoder layers feed to one child (``DECODER_LAYERS``:
     the attention, the MLP) whose kind's ``input_projections`` are all exact torch.nn.Linear
     modules; such a norm may write the autocast dtype under autocast (module docstring, "Pre-norms
     under autocast"). ``modules``: every module of the model, once each. A norm reachable from
-    more than one parent is left out (its output may go elsewhere too)."""
+    more than one parent is left out (its output may go elsewhere too), and so is one where the
+    norm, its reader or a projection has hooks (they would see the autocast dtype, not float32).
+    The marks are made when ``patch`` runs: projections replaced afterwards (adapters applied after
+    patching) then read the autocast dtype too; apply PEFT before ``patch``."""
     parents: dict[int, int] = {}
     for module in modules:
         for child in module._modules.values():
@@ -220,11 +229,12 @@ def norms_into_projections(modules) -> dict[int, tuple[str, ...]]:
         for norm_name, reader_name in _DECODER_LAYERS.get((layer_class.__module__, layer_class.__name__), {}).items():
             norm, reader = layer._modules.get(norm_name), layer._modules.get(reader_name)
             if norm is None or reader is None or parents[id(norm)] != 1 \
-                    or not isinstance(kind_of(_transformers_class(norm)), RMSNorm):
+                    or not isinstance(kind_of(_transformers_class(norm)), RMSNorm) or _hooked(norm) or _hooked(reader):
                 continue
             reader_kind = kind_of(_transformers_class(reader))
             projections = () if reader_kind is None else reader_kind.input_projections
-            if projections and all(_is_linear(reader._modules.get(name)) for name in projections):
+            if projections and all(_is_linear(reader._modules.get(name)) and not _hooked(reader._modules[name])
+                                   for name in projections):
                 found[id(norm)] = tuple(f"{reader_name}.{name}" for name in projections)
     return found
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from typing import Sequence
 
 import torch
@@ -24,11 +25,57 @@ from ..registry import FLOATS, triton_available
 FLOAT_NAMES = "float32, float16, bfloat16, float64"
 MAX_GRID_Y = 65535   # CUDA's limit on a grid's second (and third) axis
 
-# Deferred checks of eager CUDA calls: (flag copied to pinned memory without waiting, its copy's
-# event, the error message); checked (flag, event) pairs are reused (an event costs ~10 us to create).
-_PENDING_FLAGS: list[tuple[torch.Tensor, "torch.cuda.Event", str, int]] = []   # (host, event, message, device)
-# per CUDA device index: a recorded event belongs to its device and can be recorded on no other
-_FREE_FLAGS: dict[int, list[tuple[torch.Tensor, "torch.cuda.Event"]]] = {}
+# Deferred checks of eager CUDA calls. A check's kernel (or a one-program report kernel reading an
+# op's flag) writes the message's code into one int32 word of pinned host memory, which every CUDA
+# device addresses (unified addressing: torch's pinned allocator uses cudaHostAlloc, or with
+# PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True cudaHostRegisterDefault, both mapped
+# and portable under UVA; Triton's launcher takes the device address from cuPointerGetAttribute and
+# raises "cannot be accessed from Triton" rather than writing elsewhere). Only a failing check
+# writes. A later call reads the word on the host: no copy, event, fill or synchronisation per
+# call. One word: when several calls fail before one is raised, the last report's message is
+# raised. Measured on the H200 host (benchmarks/NOTES.md, "The error word"; probe
+# benchmarks/probe_deferred_checks.py): the former pinned copy and its event 28.4 us a call, the
+# event query 2.7, the host read of the copy 3.5, against 0.12 for reading the word.
+_WORD: list = []        # [the pinned int32 tensor of one element, its numpy view], made on first use
+_MESSAGES: list[str] = ["", ""]   # code -> message; codes 0 (no error) and 1 unused
+_CODES: dict[str, int] = {}
+_MESSAGES_LIMIT = 4096  # distinct messages kept; further ones share _OVERFLOW_MESSAGE's code
+_OVERFLOW_MESSAGE = ("trainops: an index or class index out of range, found by a check on the GPU that did not "
+                     "wait for it (the call's own message was not kept: more than 4096 distinct messages)")
+_NOTED_DEVICES: set[int] = set()   # CUDA devices with checks noted since the last check_pending
+_CODES_LOCK = threading.Lock()      # a new code: read len(_MESSAGES), append, record (threads)
+
+
+def error_word() -> torch.Tensor:
+    """The process's error word: one int32 of pinned host memory when CUDA is available (a kernel on
+    any device stores into it), else of plain CPU memory (the interpreter's kernels write it). 0 =
+    no error; else the code of the message to raise (``message_code``)."""
+    if not _WORD:
+        word = torch.zeros(1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        _WORD.extend((word, word.numpy()))
+    return _WORD[0]
+
+
+def message_code(message: str) -> int:
+    """The code a check kernel stores for ``message``: a run-time kernel argument, never 0, 1 or a
+    multiple of 16, so that every code shares one compiled specialisation of the kernel. Past
+    _MESSAGES_LIMIT distinct messages, new ones get _OVERFLOW_MESSAGE's code."""
+    code = _CODES.get(message)
+    if code is not None:
+        return code
+    with _CODES_LOCK:
+        if len(_CODES) >= _MESSAGES_LIMIT:
+            message = _OVERFLOW_MESSAGE
+        code = _CODES.get(message)
+        if code is not None:
+            return code
+        code = len(_MESSAGES)
+        while code % 16 == 0:
+            _MESSAGES.append("")
+            code += 1
+        _MESSAGES.append(message)
+        _CODES[message] = code
+        return code
 
 
 def capturing(device: torch.device) -> bool:
@@ -47,46 +94,40 @@ def assert_on_device(ok: torch.Tensor) -> None:
     torch._assert_async(ok.reshape(-1)[:1].reshape(()))
 
 
+_REPORT_LAUNCH: list = []
+
+
+def report_flag(flag: torch.Tensor, message: str) -> None:
+    """Launch the one-program kernel that stores ``message``'s code into the error word when
+    ``flag``'s first element is nonzero, on the current stream (after the kernel that wrote the flag).
+    Any device the kernels run on (the interpreter's CPU tensors included); a CUDA one is noted for
+    check_pending here, so that no writer of the word goes unwaited."""
+    if not _REPORT_LAUNCH:
+        _REPORT_LAUNCH.append(launcher(_report_nonzero, (1,)))
+    if flag.is_cuda:
+        _NOTED_DEVICES.add(flag.get_device())
+    _REPORT_LAUNCH[0](flag, error_word(), message_code(message))
+
+
 def note_flag(flag: torch.Tensor, message: str, in_capture: bool | None = None) -> None:
-    """Remember a CUDA call's error flag (a one-element tensor, nonzero = the error) for a later
-    check that never waits for the GPU: ``raise_flagged`` raises IndexOutOfRangeError(message) once
-    the GPU has set it. Off CUDA, nothing (CPU callers check at once). While a CUDA graph is being
-    captured the flag becomes a device-side assert instead (``assert_on_device``), checked at every
-    replay: no host copy or event could be waited on for a replay. ``in_capture``: the caller's
-    ``capturing(flag.device)``, if it asked already."""
+    """Have a CUDA call's error flag (``flag``'s first element, nonzero = the error) reported by a
+    later check that never waits for the GPU: once the GPU has run the report (``report_flag``: one
+    launch, no copy, event or fill), ``raise_flagged`` raises IndexOutOfRangeError with ``message``,
+    or with the message of another failing check that wrote the one error word after it. Off CUDA,
+    nothing (CPU callers check at once). While a CUDA graph is being captured the flag becomes a
+    device-side assert instead (``assert_on_device``), checked at every replay. ``in_capture``: the
+    caller's ``capturing(flag.device)``, if it asked already."""
     if flag.device.type != "cuda":
         return
     if in_capture if in_capture is not None else capturing(flag.device):
         assert_on_device(flag.reshape(-1)[:1] == 0)
         return
-    index = flag.get_device()
-    free = _FREE_FLAGS.get(index)
-    if free:
-        host, done = free.pop()
-    else:
-        host, done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-    host.copy_(flag if flag.shape == (1,) else flag.reshape(-1)[:1], non_blocking=True)
-    done.record(current_stream(flag.device))   # the copy's stream, whichever device is current
-    _PENDING_FLAGS.append((host, done, message, index))
+    report_flag(flag, message)
 
 
-_STREAMS: dict = {}  # (stream id, device index, device type) -> its torch.cuda.Stream
-_STREAMS_LIMIT = 256  # emptied when full (torch's stream pools are 32 streams a priority and device)
-
-
-def current_stream(device: torch.device) -> "torch.cuda.Stream":
-    """``torch.cuda.current_stream(device)`` of a CUDA ``device``, its Stream object kept per stream:
-    torch's builds a new one under a device guard at every call, about a tenth of an eager
-    cross-entropy call's host time on the H100 machine (benchmarks/NOTES.md, "Direct launches
-    everywhere")."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = torch._C._cuda_getCurrentStream(index)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        if len(_STREAMS) >= _STREAMS_LIMIT:
-            _STREAMS.clear()
-        stream = _STREAMS[key] = torch.cuda.current_stream(index)
-    return stream
+def note_device(device: torch.device) -> None:
+    """Record that a check kernel on CUDA ``device`` may write the error word (for check_pending)."""
+    _NOTED_DEVICES.add(device.index if device.index is not None else torch.cuda.current_device())
 
 
 CHECK_MODES = "True, False or 'immediate'"
@@ -107,31 +148,38 @@ def check_mode(op: str, name: str, value) -> tuple[bool, bool]:
 
 
 def raise_flagged(in_capture: bool | None = None) -> None:
-    """Raise IndexOutOfRangeError for the first remembered flag that the GPU has set by now (never
-    waits). Nothing while a CUDA graph is being captured (no event may be queried then): the next
-    call after the capture reports them. ``in_capture``: the caller's ``capturing`` of its device,
-    if it asked already (else asked here when something is pending)."""
-    if not _PENDING_FLAGS:
+    """Raise IndexOutOfRangeError for an error a check on the GPU has reported by now (reads the
+    error word: never waits, no CUDA call). The word is cleared first, so a report raises at most
+    once (several reports before the read raise once, with the last written code's message).
+    Nothing while a CUDA graph is being captured: the next call after the capture reports it.
+    ``in_capture``: the caller's ``capturing`` of its device, if it asked already (else asked here
+    when the word is set)."""
+    if not _WORD or not _WORD[1][0]:
         return
-    if in_capture if in_capture is not None else torch.cuda.is_current_stream_capturing():
+    if in_capture if in_capture is not None else (torch.cuda.is_available()
+                                                  and torch.cuda.is_current_stream_capturing()):
         return
-    while _PENDING_FLAGS and _PENDING_FLAGS[0][1].query():
-        host, done, message, index = _PENDING_FLAGS.pop(0)
-        _FREE_FLAGS.setdefault(index, []).append((host, done))
-        if host[0]:
-            raise IndexOutOfRangeError(message)
+    _raise_word()
+
+
+def _raise_word() -> None:
+    view = _WORD[1]
+    code = int(view[0])
+    if code:
+        view[0] = 0
+        raise IndexOutOfRangeError(_MESSAGES[code] if 1 < code < len(_MESSAGES) and _MESSAGES[code]
+                                   else f"trainops: a check on the GPU reported an unknown error code {code}")
 
 
 def check_pending() -> None:
-    """Wait for the GPU work behind every remembered flag, then raise IndexOutOfRangeError for the
-    first one set (``trainops.check_pending``: the end of an evaluation, before trusting its loss).
-    One host synchronisation when something is pending; nothing otherwise."""
-    while _PENDING_FLAGS:
-        host, done, message, index = _PENDING_FLAGS.pop(0)
-        done.synchronize()
-        _FREE_FLAGS.setdefault(index, []).append((host, done))
-        if host[0]:
-            raise IndexOutOfRangeError(message)
+    """Wait for every CUDA device a deferred check ran on since the last call, then raise
+    IndexOutOfRangeError for an error one of them reported (``trainops.check_pending``: the end of
+    an evaluation, before trusting its loss). One host synchronisation a device when checks are
+    pending; nothing otherwise."""
+    while _NOTED_DEVICES:
+        torch.cuda.synchronize(_NOTED_DEVICES.pop())
+    if _WORD:
+        _raise_word()
 
 
 def _report_pending_at_exit() -> None:
@@ -251,6 +299,11 @@ _SUM_TILE = 8192
 if triton_available():
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _report_nonzero(flag_ptr, word_ptr, code):
+        """*word = code if *flag != 0 (one program): an op's device flag reported into the error word."""
+        tl.store(word_ptr, code, mask=tl.load(flag_ptr) != 0)
 
     @triton.jit
     def from_bits(bits, ACC: tl.constexpr):

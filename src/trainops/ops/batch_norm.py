@@ -77,9 +77,10 @@ from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import merge_dims, next_pow2
 from ..library import PLAIN_TENSORS, custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op, sm_count,
-                        triton_available)
+from ..plan import (KernelChoice, Launch, Plan, _tracked, cached_plan, check_tensor, checked_shape, heuristics,
+                    heuristics_for, keeps_plans, record_use)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, pinned_backend, register,
+                        register_op, sm_count, triton_available)
 from ._common import check_heuristic_fields, float_dtype
 
 STATS_OP, FORWARD_OP, BACKWARD_OP = "batch_norm_stats", "batch_norm", "batch_norm_backward"
@@ -1196,6 +1197,30 @@ def _eager_backward_plan(ctx, inputs, y):
     return cached_plan(descriptor)
 
 
+def _per_channel_as_planned(t: Tensor, dtype: torch.dtype, channels: tuple, device) -> bool:
+    return (type(t) in PLAIN_TENSORS and t.dtype == dtype and t.shape == channels and t.device == device
+            and t.is_contiguous())
+
+
+def _as_planned(problem: BatchNormProblem, dy: Tensor, x: Tensor, weight, mean, rstd, bias) -> bool:
+    """Whether the backward's tensors (dy as given, the rest as the saved-tensor hooks hand them
+    back: save_on_cpu returns a channels-last x contiguous) are those ``problem``, the forward-made
+    backward plan, was made for: else the backward op, which plans for them or names the argument
+    it refuses. ``bias``: the fused ReLU's (the plan reads it), else None."""
+    device = problem.device
+    if not (type(dy) in PLAIN_TENSORS and type(x) in PLAIN_TENSORS and dy.dtype == x.dtype == problem.dtype
+            and dy.device == x.device == device and dy.shape == x.shape == problem.shape
+            and dy.stride() == problem.strides[0] and x.stride() == problem.strides[1]):
+        return False
+    channels, acc = (problem.shape[1],), problem.acc_dtype
+    if not (_per_channel_as_planned(mean, acc, channels, device) and _per_channel_as_planned(rstd, acc, channels, device)):
+        return False
+    if (weight is None) != (problem.weight_dtype is None) or (
+            weight is not None and not _per_channel_as_planned(weight, problem.weight_dtype, channels, device)):
+        return False
+    return bias is None or (problem.relu and _per_channel_as_planned(bias, problem.bias_dtype, channels, device))
+
+
 def _grad(ctx, dy) -> dict:
     if dy is None:
         return {}
@@ -1208,8 +1233,7 @@ def _grad(ctx, dy) -> dict:
     if not (input_grad or weight_grad or bias_grad):
         return {}
     plan = getattr(ctx, "backward_plan", None)
-    if (plan is not None and type(dy) in PLAIN_TENSORS and dy.dtype == x.dtype and dy.device == x.device
-            and dy.stride() == plan.problem.strides[0] and dy.shape == x.shape):
+    if plan is not None and _as_planned(plan.problem, dy, x, weight, mean, rstd, bias if ctx.relu else None):
         # the forward's plan (eager, dy laid out as y): launches only, no op dispatch or planning
         dx, dweight, dbias = plan.run_unchecked((dy, x, weight, mean, rstd, bias) if ctx.relu else
                                                 (dy, x, weight, mean, rstd))
@@ -1236,6 +1260,142 @@ batch_norm_stats_op = custom_op(STATS_OP, _batch_norm_stats_impl, _batch_norm_st
                                 mutates_args=("running_mean", "running_var"))
 batch_norm_backward_op = custom_op(BACKWARD_OP, _batch_norm_backward_impl, _batch_norm_backward_fake)
 batch_norm_op = custom_op(FORWARD_OP, _batch_norm_impl, _batch_norm_fake, backward=_grad, save=_save)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager training forward: statistics and normalisation in one call
+# ----------------------------------------------------------------------------------------------
+
+class _EagerPlans(NamedTuple):
+    """The plans of one eager training call (``eager_training``): the statistics', the forward's
+    and, when a gradient is wanted, the backward's for a dy laid out as y (None otherwise, or where
+    ``_eager_backward_plan`` declines)."""
+
+    heuristics: BatchNormHeuristics
+    stats: Plan
+    forward: Plan
+    backward: Plan | None
+    bias_dtype: torch.dtype | None
+    relu: bool
+
+
+_NO_EAGER_PATH = object()   # a key whose calls take the op path (x would be copied first)
+# (x's shape, strides, dtype, device, the per-channel tensors' dtypes, momentum, eps, relu, the
+# gradients wanted, id(heuristics), pinned backend) -> _EagerPlans or _NO_EAGER_PATH
+_EAGER_PLANS: dict = keeps_plans({})
+_EAGER_CACHE_SIZE = 1024
+_Needs = NamedTuple("_Needs", [("x", bool), ("weight", bool), ("bias", bool)])
+
+
+def eager_training(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
+                   bias: Tensor | None, momentum: float, eps: float, relu: bool) -> Tensor | None:
+    """Training's batch norm (relu: + ReLU) of checked arguments in one eager call: the statistics'
+    and the forward's plans run back to back, under one autograd node whose backward has its plan
+    made already (the custom ops' ``_grad``, unchanged). None where the op path must run instead:
+    under torch.compile or a functorch transform, with tensor subclasses or a __torch_function__
+    mode, for an x that would be copied first (``_walkable``), a strided weight, bias or running
+    statistic. The plans are those the op path's ``cached_plan`` calls hand out for the same call,
+    so the outputs, the running statistics and the gradients are the same bits; the running
+    statistics' versions are bumped as by the statistics op. The (x layout, dtypes, options)
+    key -> plans cache saves the three descriptor builds and plan look-ups a call."""
+    if (type(x) not in PLAIN_TENSORS or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled()):
+        return None
+    for t in (weight, bias, running_mean, running_var):
+        if t is not None and (type(t) not in PLAIN_TENSORS or not t.is_contiguous()):
+            return None
+    # (plain tensors and no __torch_function__ mode: has_torch_function would say no, 1.5 us dearer)
+    grad = torch.is_grad_enabled()
+    needs_x = grad and x.requires_grad
+    needs_w = needs_b = False
+    if weight is not None:
+        needs_w = grad and weight.requires_grad
+    if bias is not None:
+        needs_b = grad and bias.requires_grad
+    h = heuristics_for(BatchNormHeuristics)
+    key = (x.shape, x.stride(), x.dtype, x.device, None if weight is None else weight.dtype,
+           None if bias is None else bias.dtype, None if running_mean is None else running_mean.dtype,
+           None if running_var is None else running_var.dtype, momentum, eps, relu, needs_x, needs_w, needs_b, id(h),
+           pinned_backend())
+    plans = _EAGER_PLANS.get(key)
+    if plans is None or (plans is not _NO_EAGER_PATH and plans.heuristics is not h):
+        plans = _eager_plans(x, running_mean, running_var, weight, bias, momentum, eps, relu, h,
+                             (needs_x, needs_w, needs_b))
+        if len(_EAGER_PLANS) >= _EAGER_CACHE_SIZE:
+            _EAGER_PLANS.clear()
+        _EAGER_PLANS[key] = plans
+    if plans is _NO_EAGER_PATH:
+        return None
+    if _tracked:   # as the op path's cached_plan calls count them (the backward's in the forward's _save)
+        record_use(plans.stats)
+        record_use(plans.forward)
+        if plans.backward is not None:
+            record_use(plans.backward)
+    if needs_x or needs_w or needs_b:
+        return _EagerTraining.apply(x, weight, bias, plans, (running_mean, running_var))
+    return _eager_run(plans, x, weight, bias, running_mean, running_var)[0]
+
+
+def _eager_plans(x, running_mean, running_var, weight, bias, momentum, eps, relu, h, needs):
+    """The _EagerPlans of a call (the op path's descriptors), or _NO_EAGER_PATH."""
+    if _walkable(x) is not x or (running_mean is None) != (running_var is None) or (
+            running_mean is not None and running_mean.dtype != running_var.dtype):
+        return _NO_EAGER_PATH   # (running statistics the statistics op refuses: its error, from the op path)
+    if any(t is not None and (t.shape != (x.shape[1],) or t.device != x.device)
+           for t in (running_mean, running_var, weight, bias)):
+        return _NO_EAGER_PATH
+    stats = cached_plan(BatchNormStatsDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
+                                                 stats_dtype=None if running_mean is None else running_mean.dtype,
+                                                 momentum=momentum, eps=eps, heuristics=h),
+                        count=False)   # (track_kernels counts the runs: record_use)
+    bias_dtype = None if bias is None else bias.dtype
+    forward = cached_plan(BatchNormDescriptor(x.shape, x.dtype, x.device, strides=(x.stride(),),
+                                              weight_dtype=None if weight is None else weight.dtype,
+                                              bias_dtype=bias_dtype, training=True, heuristics=h, relu=relu),
+                          count=False)
+    backward = None
+    needs_x, needs_w, needs_b = needs
+    if needs_x or needs_w or needs_b:   # _eager_backward_plan's descriptor, for y's strides
+        backward = cached_plan(BatchNormBackwardDescriptor(
+            x.shape, x.dtype, x.device, strides=(forward.problem.out_strides, x.stride()),
+            weight_dtype=None if weight is None else weight.dtype,
+            bias_dtype=None if bias is None or not (needs_b or relu) else bias.dtype,
+            training=True, input_grad=needs_x, weight_grad=needs_w, bias_grad=needs_b, heuristics=h, relu=relu),
+            count=False)
+    return _EagerPlans(h, stats, forward, backward, bias_dtype, relu)
+
+
+def _eager_run(plans: _EagerPlans, x, weight, bias, running_mean, running_var):
+    """(y, mean, rstd): the statistics (the running ones updated, their versions bumped as by the
+    statistics op), then y."""
+    mean, rstd = plans.stats.run_unchecked((x, running_mean, running_var))
+    if running_mean is not None:
+        torch.autograd.graph.increment_version(running_mean)
+        torch.autograd.graph.increment_version(running_var)
+    return plans.forward.run_unchecked((x, weight, bias, mean, rstd)), mean, rstd
+
+
+class _EagerTraining(torch.autograd.Function):
+    """``eager_training``'s autograd node: the forward op's ``_save`` and ``_grad``, with the plans
+    made once per key. The running statistics come in a tuple: autograd does not see them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plans, running):
+        y, mean, rstd = _eager_run(plans, x, weight, bias, *running)
+        ctx.set_materialize_grads(False)
+        ctx.relu = plans.relu
+        ctx.save_for_backward(x, weight, mean, rstd, bias if plans.relu else None)
+        ctx.training = True
+        ctx.bias_dtype = plans.bias_dtype
+        ctx.heuristics = plans.heuristics
+        ctx.backward_plan = plans.backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.needs_grad = _Needs(*ctx.needs_input_grad[:3])
+        grads = _grad(ctx, dy)
+        return grads.get("x"), grads.get("weight"), grads.get("bias"), None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1347,4 +1507,4 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
 
 
 __all__ = ["BatchNormHeuristics", "BatchNormProblem", "batch_norm_op", "batch_norm_backward_op", "batch_norm_stats_op",
-           "output_strides", "sync_batch_norm"]
+           "eager_training", "output_strides", "sync_batch_norm"]

@@ -1173,11 +1173,17 @@ _BAD_TARGET_MESSAGE = ("trainops.{}: argument 'target' holds a class index out o
                        "ignore_index (found by the fused kernel{}; such rows were left out of the loss)")
 
 
+_DEFERRED_MESSAGES: dict[str, str] = {}   # op -> its deferred message
+
+
 def note_target_flag(flags: Tensor, op: str = "cross_entropy", in_capture: bool | None = None) -> None:
     """Remember a CUDA call's bad-target flag (flags[0]) for a later check that does not wait for the
     GPU (ops/_common.py's deferred flags); ``op``: the public function the error will name."""
-    note_flag(flags[:1], _BAD_TARGET_MESSAGE.format(op, " of a call on the GPU, reported once the GPU had run it"),
-              in_capture)
+    message = _DEFERRED_MESSAGES.get(op)
+    if message is None:
+        message = _DEFERRED_MESSAGES[op] = _BAD_TARGET_MESSAGE.format(
+            op, " of a call on the GPU, reported once the GPU had run it")
+    note_flag(flags, message, in_capture)   # flags[0]: the bad-target flag
 
 
 

@@ -52,7 +52,7 @@ from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
 from ..registry import (ACCUMULATOR, FLOATS, INDEX_DTYPES, accumulator_dtype, normalize_device, register,
                         register_op, triton_available)
-from ._common import assert_on_device, capturing, note_flag, raise_flagged
+from ._common import assert_on_device, capturing, error_word, message_code, note_device, note_flag, raise_flagged
 
 MAX_RANK = 8
 
@@ -392,16 +392,21 @@ if triton_available():
         tl.store(dst, tile, mask=n_mask[:, None] & i_mask[None, :])
 
     @triton.jit
-    def _flag_out_of_range(index_ptr, flag_ptr, N, LOW, HIGH, PROGRAMS, BLOCK: tl.constexpr):
-        """flag[0] = 1 if some index[n] lies outside [LOW, HIGH); every program writes its own verdict
-        into flag[pid] (no memset, no atomics), flag[0] being program 0's over all programs'."""
+    def _flag_out_of_range(index_ptr, flag_ptr, N, LOW, HIGH, PROGRAMS, CODE, TO_WORD: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """Whether some index[n] lies outside [LOW, HIGH). TO_WORD: a program that finds one stores
+        CODE into the error word ``flag_ptr`` (ops/_common.py; nothing is written otherwise). Else
+        every program writes its verdict into flag[pid] (no memset, no atomics)."""
         pid = tl.program_id(0)
         bad = tl.zeros([BLOCK], tl.int32)
         for start in range(pid * BLOCK, N, PROGRAMS * BLOCK):
             n = start + tl.arange(0, BLOCK)
             rows = tl.load(index_ptr + n, mask=n < N, other=LOW).to(tl.int64)
             bad = bad | ((rows < LOW) | (rows >= HIGH)).to(tl.int32)
-        tl.store(flag_ptr + pid, tl.max(bad, 0))
+        if TO_WORD:
+            tl.store(flag_ptr, CODE, mask=tl.max(bad, 0) != 0)
+        else:
+            tl.store(flag_ptr + pid, tl.max(bad, 0))
 
     @triton.jit
     def _gather_grad_hot_chunks(dy_ptr, sorted_ptr, perm_ptr, starts_ptr, partial_ptr, S, N, I, CHUNKS,
@@ -675,19 +680,37 @@ _FLAG_BLOCK = 1024
 _FLAG_LAUNCHERS: dict = {}
 
 
-def out_of_range_flag(index: Tensor, low: int, high: int) -> Tensor:
-    """A one-element int32 tensor on index's (CUDA) device: 1 if some value of ``index`` lies outside
-    [low, high), else 0, computed on the device (no host sync): one launch of a few programs, each
-    writing its verdict, then their maximum (a second tiny reduction only when there are several)."""
-    n = index.numel()
+def _flag_launch(n: int, to_word: bool):
+    """(the check kernel's launcher, its programs) for ``n`` indices: up to 32 programs of 1024."""
     programs = max(1, min(-(-n // _FLAG_BLOCK), 32))
-    launch = _FLAG_LAUNCHERS.get(programs)
+    launch = _FLAG_LAUNCHERS.get((programs, to_word))
     if launch is None:
-        launch = _FLAG_LAUNCHERS[programs] = launcher(_flag_out_of_range, (programs,), BLOCK=_FLAG_BLOCK,
-                                                      num_warps=4)
+        launch = _FLAG_LAUNCHERS[programs, to_word] = launcher(_flag_out_of_range, (programs,), TO_WORD=to_word,
+                                                                BLOCK=_FLAG_BLOCK, num_warps=4)
+    return launch, programs
+
+
+def out_of_range_flag(index: Tensor, low: int, high: int) -> Tensor:
+    """A one-element int32 tensor on index's device: 1 if some value of ``index`` lies outside
+    [low, high), else 0, computed on the device (no host sync): one launch of a few programs, each
+    writing its verdict, then their maximum (a second tiny reduction only when there are several).
+    For the device-side assert of a CUDA graph capture; eager calls use report_out_of_range."""
+    n = index.numel()
+    launch, programs = _flag_launch(n, False)
     flags = torch.empty(programs, dtype=torch.int32, device=index.device)
-    launch(index.reshape(-1), flags, n, low, high, programs)
+    launch(index.reshape(-1), flags, n, low, high, programs, 0)
     return flags if programs == 1 else flags.amax(0, keepdim=True)
+
+
+def report_out_of_range(index: Tensor, low: int, high: int, message: str) -> None:
+    """One launch that stores ``message``'s code into the error word (ops/_common.py) if some value
+    of ``index`` lies outside [low, high): nothing allocated, nothing waited for. Notes the device
+    for check_pending."""
+    n = index.numel()
+    if index.is_cuda:
+        note_device(index.device)
+    launch, programs = _flag_launch(n, True)
+    launch(index.reshape(-1), error_word(), n, low, high, programs, message_code(message))
 
 
 if triton_available():
@@ -717,11 +740,15 @@ def defer_index_check(op: str, name: str, index: Tensor, low: int, high: int) ->
     read nothing (zeros) and get no gradient."""
     in_capture = capturing(index.device)
     raise_flagged(in_capture)
-    if index.numel():
-        note_flag(out_of_range_flag(index, low, high),
-                  f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
-                  "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
-                  "indices were zeros and they got no gradient)", in_capture)
+    if not index.numel():
+        return
+    message = (f"trainops.{op}: argument '{name}' held an index out of range [{low}, {high - 1}] (found by a "
+               "check on the GPU that did not wait for it, reported at a later call; the outputs of such "
+               "indices were zeros and they got no gradient)")
+    if in_capture:
+        note_flag(out_of_range_flag(index, low, high), message, in_capture)
+    else:
+        report_out_of_range(index, low, high, message)
 
 
 def _start(deferred_check: bool, index: Tensor) -> bool:

@@ -64,9 +64,10 @@ from torch import Tensor
 from ..errors import InvalidProblemError, UnsupportedError, argument_error
 from ..launch import launcher
 from ..layout import next_pow2
-from ..library import custom_op
-from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics, heuristics_for
-from ..registry import FLOATS, normalize_device, register, register_op, triton_available
+from ..library import PLAIN_TENSORS, custom_op
+from ..plan import (KernelChoice, Launch, Plan, _tracked, cached_plan, check_tensor, checked_shape, heuristics,
+                    heuristics_for, keep_heuristics, keeps_plans, record_use)
+from ..registry import FLOATS, normalize_device, pinned_backend, register, register_op, triton_available
 from ._common import float_dtype
 from .dropout import pack_bits, unpack_bits
 
@@ -387,6 +388,93 @@ def _grad(ctx, dy, dbits) -> dict:
 
 gist_relu_backward_op = custom_op("gist_relu_backward", _gist_relu_backward_impl, _gist_relu_backward_fake)
 gist_relu_op = custom_op("gist_relu", _gist_relu_impl, _gist_relu_fake, backward=_grad, save=_save)
+
+
+class _EagerPlans(NamedTuple):
+    """The plans of one eager GIST ReLU (``eager_relu``): the forward's, and the backward's for a dy
+    laid out as y (``strides``)."""
+
+    heuristics: GistHeuristics
+    forward: Plan
+    backward: Plan
+    strides: tuple[int, ...]
+
+
+_NO_EAGER_PATH = object()   # a layout the op path copies first
+# (x's shape, strides, dtype, device, id(heuristics), pinned backend) -> _EagerPlans or _NO_EAGER_PATH
+_EAGER_PLANS: dict = keeps_plans({})
+_EAGER_CACHE_SIZE = 1024
+
+
+def eager_relu(x: Tensor) -> Tensor | None:
+    """``gist_relu_op(x)[0]`` in plain eager mode, its two plans made once per layout: the forward
+    launches, and its autograd node's backward (run on autograd's device thread, where Python is
+    slowest) launches the backward's plan when dy comes with y's strides, dtype and device (else
+    the backward op, as ``_grad``). The same plans, so the same bits, as the op path. None where the
+    op path must run: under torch.compile or a functorch transform, for a tensor subclass or under a
+    __torch_function__ mode, for a layout that is not dense."""
+    if (type(x) not in PLAIN_TENSORS or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled()):   # (a plain x: has_torch_function's one other case)
+        return None
+    h = heuristics_for(GistHeuristics)
+    key = (x.shape, x.stride(), x.dtype, x.device, id(h), pinned_backend())
+    plans = _EAGER_PLANS.get(key)
+    if plans is None or (plans is not _NO_EAGER_PATH and plans.heuristics is not h):
+        plans = _eager_plans(x, h)
+        if len(_EAGER_PLANS) >= _EAGER_CACHE_SIZE:
+            _EAGER_PLANS.clear()
+        _EAGER_PLANS[key] = plans
+    if plans is _NO_EAGER_PATH:
+        return None
+    if _tracked:
+        record_use(plans.forward)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _EagerGistRelu.apply(x, plans)
+    return plans.forward.run_unchecked((x,))[0]
+
+
+def _eager_plans(x: Tensor, h: GistHeuristics):
+    if _dense(x) is not x:
+        return _NO_EAGER_PATH
+    # (not counted here: eager_relu and the backward count each run, record_use)
+    forward = cached_plan(GistReluDescriptor(x.shape, x.dtype, x.device, strides=x.stride(), heuristics=h),
+                          count=False)
+    strides = forward.problem.strides   # y's (new_output's empty_strided)
+    backward = cached_plan(GistReluBackwardDescriptor(x.shape, x.dtype, x.device, strides=strides, heuristics=h),
+                           count=False)
+    return _EagerPlans(h, forward, backward, strides)
+
+
+class _EagerGistRelu(torch.autograd.Function):
+    """``eager_relu``'s autograd node: the op's ``_save`` and ``_grad`` with both plans made."""
+
+    @staticmethod
+    def forward(ctx, x, plans):
+        y, bits = plans.forward.run_unchecked((x,))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(bits)   # the bits alone: not x, not y
+        ctx.plans = plans
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return None, None
+        if torch.is_grad_enabled():   # create_graph=True: the backward op records no graph of its own
+            raise UnsupportedError("trainops.gist.relu: double backward (create_graph=True) is not supported")
+        (bits,) = ctx.saved_tensors
+        plans = ctx.plans
+        problem = plans.backward.problem
+        if (type(dy) in PLAIN_TENSORS and dy.stride() == problem.strides and dy.dtype == problem.dtype
+                and dy.device == problem.device and dy.shape == problem.shape and type(bits) in PLAIN_TENSORS
+                and bits.shape == (problem.nbytes_bits,) and bits.dtype == torch.uint8 and bits.device == dy.device
+                and bits.is_contiguous()):
+            if _tracked:   # (the op's cached_plan counts it on the other path)
+                record_use(plans.backward)
+            return plans.backward.run_unchecked((dy, bits)), None
+        # another layout (copied into y's by the op), a subclass, or bits a saved-tensor hook moved
+        with keep_heuristics(plans.heuristics):
+            return gist_relu_backward_op(dy, bits, list(plans.strides)), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -857,7 +945,7 @@ def unpack_stash(stashed: Stashed) -> Tensor:
     return out
 
 
-__all__ = ["GIST_OPS", "NO_POSITION", "POOL_OPS", "GistHeuristics", "GistPoolProblem", "GistReluProblem",
+__all__ = ["GIST_OPS", "NO_POSITION", "POOL_OPS", "GistHeuristics", "GistPoolProblem", "GistReluProblem", "eager_relu",
            "STASH_FORMATS", "Stashed", "StashFormat", "check_stash_format", "dense_strides",
            "gist_relu_backward_op", "gist_relu_max_pool2d_backward_op", "gist_relu_max_pool2d_op", "gist_relu_op",
            "like_strides", "memory_order", "pack_stash", "pool_output_size", "pool_window", "unpack_stash"]
