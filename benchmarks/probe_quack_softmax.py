@@ -3,14 +3,16 @@
     PYTHONPATH=src python benchmarks/probe_quack_softmax.py [OUT.json] [--dtype bfloat16] [--elements 134217728] [--cpu]
 
 ops/softmax.py puts softmax and its backward on quack's kernels for bf16 / fp16 rows of
-QUACK_MIN_COLUMNS (32768) to QUACK_MAX_COLUMNS (262144) columns on sm_90 (issue 42's H200 table).
-This times, per op (softmax, softmax_backward) and row length N in COLUMNS (8192 to 262144, around
+QUACK_COLUMNS[op] columns on sm_90 (softmax 16384 to 524288, softmax_backward 24576 to 524288: this
+probe's H200 run of 2026-11-30, benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.json).
+This times, per op (softmax, softmax_backward) and row length N in COLUMNS (8192 to 524288, around
 and past both ends), rows = elements // N of contiguous inputs: trainops (the rule's choice; the
 row's ``backend`` says which), trainops with Triton pinned, trainops with quack pinned (our wrapper
-of quack's call), quack's own call (the peer), and torch (trainops.bench: do_bench medians, checked
-against float64 first). Then per (op, N): Triton's ms against quack's (pinned), which is faster, and
-whether the rule picks that one ("agrees"): a "no" below 32768 or above 262144 means the range should
-grow, one inside it that it should shrink.
+of quack's call), quack's own call (the peer), and torch (trainops.bench: do_bench medians, each
+row's relative error against float64; the softmax cases set no tolerance, so read the err column: a
+nan there does not stop the run). Then per (op, N): Triton's ms against quack's (pinned), which is
+faster, and whether the rule picks that one ("agrees"): a "no" outside the op's range means the
+range should grow, one inside it that it should shrink.
 --cpu: tiny shapes under Triton's interpreter (TRITON_INTERPRET=1; a self-check of this script, no quack).
 """
 

@@ -17,7 +17,13 @@ from trainops.plan import clear_plan_cache
 from conftest import HAS_CUDA
 from numerics import assert_close
 
-LONG = S.QUACK_MIN_COLUMNS   # the shortest row the rule puts on quack
+# The rule's ends per op, as the H200 probe of 2026-11-30 measured them (S.QUACK_COLUMNS), written out so
+# that a change of the constant fails here. Every length the boundary tests try is a multiple of 8
+# elements (rows of whole 16-byte vectors in bf16 / fp16): one quack's kernels could run, kept off quack
+# only by the range.
+BOUNDS = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
+LONG = 24576                # a row length the rule puts on quack, forward and backward
+SHORT = 16376               # a runnable row length the rule keeps on Triton, forward and backward
 
 
 def _fake_quack_modules(calls: list, fail: bool = False):
@@ -95,8 +101,10 @@ def _rows():
 
 # ---- registration --------------------------------------------------------------------------------
 
-@pytest.mark.skipif(S._quack is not None, reason="quack is installed: the registry holds its kernels")
 def test_without_quack_nothing_is_registered(monkeypatch):
+    # decided now, not at collection (the loader has not run then): no import tried where there is no quack
+    if S._quack_findable() and S.register_quack():
+        pytest.skip("quack is installed: the registry holds its kernels")
     before = _rows()
     assert not any(r["backend"] == "quack" for r in before)
     _isolated_registry(monkeypatch)
@@ -136,7 +144,7 @@ def test_quack_is_imported_only_where_needed(monkeypatch):
         assert S._quack_findable()
         registry.register_loader("quack", S.register_quack)   # what ops/softmax.py does at import
         clear_plan_cache()
-        assert _backend("softmax", (4, LONG - 1)) == "triton" and _backend("softmax", (4, LONG), device="cpu") == "cpu"
+        assert _backend("softmax", (4, SHORT)) == "triton" and _backend("softmax", (4, LONG), device="cpu") == "cpu"
         assert _backend("log_softmax", (4, LONG)) == "triton" and S._quack is None
         if trigger == "listing":
             assert any(r["backend"] == "quack" for r in _rows())
@@ -181,11 +189,15 @@ def _backend(op="softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device
 
 @pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
 def test_choice_on_the_rule_boundary(fake_quack, op):
-    # issue 42's H200 table: quack won from 32768 columns (the smallest measured win) to 262144 (the longest)
-    assert _backend(op, (4, 32767)) == "triton"
-    assert _backend(op, (4, 32768)) == "quack"
-    assert _backend(op, (4, 262144)) == "quack"
-    assert _backend(op, (4, 262145)) == "triton"
+    # the H200 probe of 2026-11-30: quack faster from 16384 columns forward, 24576 backward, to 524288 (the longest)
+    first, last = BOUNDS[op]
+    for n in (first - 8, first, last, last + 8):          # lengths quack's kernels run: only the range decides
+        assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
+    assert _backend(op, (4, first - 8)) == "triton"
+    assert _backend(op, (4, first)) == "quack"
+    assert _backend(op, (4, last)) == "quack"
+    assert _backend(op, (4, last + 8)) == "triton"
+    assert _backend(op, (4, SHORT)) == "triton"
     assert _backend(op, (2, 3, 151936)) == "quack"                       # any rank, viewed as (rows, N)
     assert _backend(op, (LONG,)) == "quack"                              # one row
     assert _backend(op, (2, 1, LONG), strides=(LONG, 7, 1)) == "quack"   # a size-1 axis's stride does not matter
@@ -201,10 +213,24 @@ def test_choice_on_the_rule_boundary(fake_quack, op):
     assert _backend(op, (4, LONG), device="cpu") == "cpu"                # the CPU: its default
     with trainops.backend("triton"):
         assert _backend(op, (4, LONG)) == "triton"                       # a pinned backend wins
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=(0, -1))):
-        assert _backend(op, (4, LONG)) == "triton"
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=(64, 128))):
+    for columns in ({op: (0, -1)}, {}):                    # an empty range, or the op left out: Triton
+        with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=columns)):
+            assert _backend(op, (4, LONG)) == "triton"
+    other = "softmax_backward" if op == "softmax" else "softmax"
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns={op: (64, 128), other: (0, -1)})):
         assert _backend(op, (4, 128)) == "quack" and _backend(op, (4, LONG)) == "triton"
+        assert _backend(other, (4, 128)) == "triton"      # per op: the other op's range is its own
+
+
+def test_choice_forward_and_backward_ranges_differ(fake_quack):
+    """16384 to 24568 columns (multiples of 8): quack forward, Triton backward (quack's backward was
+    not faster at 16384; nothing measured between 16384 and 24576)."""
+    for n in (16384, 16392, 24568):
+        assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "triton"), n
+    for n in (24576, 524288):
+        assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "quack"), n
+    assert S.SoftmaxHeuristics().quack_columns == BOUNDS == S.QUACK_COLUMNS
+    assert S.SoftmaxHeuristics().quack_columns is not S.SoftmaxHeuristics().quack_columns   # a copy each
 
 
 def test_choice_one_input_off_layout_backward(fake_quack):
@@ -229,10 +255,11 @@ def test_choice_other_gpus_stay_on_triton(fake_quack, monkeypatch):
 
 
 def test_choice_function_on_problems(fake_quack):
-    """choose_backend itself: "quack" or None (the device's default), as the table says."""
+    """choose_backend itself: "quack" or None (the device's default), as QUACK_COLUMNS says."""
     problem = S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cuda")
     assert S.choose_backend(problem) == "quack"
-    assert S.choose_backend(S._describe("softmax", (4, LONG - 1), -1, torch.bfloat16, "cuda")) is None
+    assert S.choose_backend(S._describe("softmax", (4, SHORT), -1, torch.bfloat16, "cuda")) is None
+    assert S.choose_backend(S._describe("softmax_backward", (4, 16384), -1, torch.bfloat16, "cuda")) is None
     assert S.choose_backend(S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cpu")) is None
 
 
@@ -398,11 +425,23 @@ def test_cpu_tensors_never_reach_quack(fake_quack):
 
 # ---- the GPU: quack itself --------------------------------------------------------------------------
 
+@pytest.fixture
+def real_quack():
+    """quack-kernels itself, on CUDA. Decided when the test runs, by the loader (register_quack), not from
+    ``S._quack`` at collection, which is None until the lazy loader has run (so quack's tests were
+    skipped where it is installed). Skips without CUDA (no import tried) or where quack does not import
+    (the reason says why)."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    if not S.register_quack():
+        pytest.skip(f"needs quack-kernels (trainops[quack]); quack.softmax did not import: {S.quack_import_error}")
+    return S._quack
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or S._quack is None, reason="needs CUDA and quack-kernels (trainops[quack])")
 @pytest.mark.parametrize("shape", [(2048, 151936), (4096, 32768)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_quack_against_float64(shape, dtype):
+def test_gpu_quack_against_float64(real_quack, shape, dtype):
     if torch.cuda.get_device_capability() not in S.QUACK_MEASURED_CAPABILITIES:
         pytest.skip("the rule puts quack on sm_90 only")
     gen = torch.Generator(device="cuda").manual_seed(0)

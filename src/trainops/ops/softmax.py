@@ -68,19 +68,23 @@ QUACK_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # Chosen for bf16 (measured) and fp16 (the same bytes an element, so the same memory-bound traffic;
 # the sweep in benchmarks/notes/quack-backend.md checks it); float32 was not measured: Triton.
 QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
-# issue 42's table, H200, quack-kernels 0.6.5 (torch 2.11, Triton 3.6), bf16 softmax forward, trainops vs
-# quack: 4096x32768 0.178 vs 0.134 ms, 1024x131072 0.190 vs 0.134, 128x262144 0.055 vs 0.041, 2048x151936
-# 0.463 vs 0.337; the backward at 2048x151936 ran at 0.81x quack's speed; shorter rows: trainops level or
-# ahead (no measured quack win below 32768 columns). So rows of 32768 (the smallest measured win) to 262144
-# columns (the longest measured: quack keeps a row in its cluster's shared memory, so longer rows are not
-# safe to assume), forward and backward (the backward's range is the forward's: one measured point).
-QUACK_MIN_COLUMNS = 32768
-QUACK_MAX_COLUMNS = 262144
+# Per op, the (fewest, most) columns of a row put on quack: benchmarks/probe_quack_softmax.py on the H200,
+# 2026-11-30 (torch 2.11, Triton 3.6, quack-kernels 0.6.5; bf16, rows = 2^27 / N, both through trainops with
+# the backend pinned; benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.{json,log}), ms Triton / quack:
+#   N         8192   16384  24576  32760  32768  49152  65536  131072 151936 262144 524288
+#   forward   .1348  .1446  .2109  .1916  .1772  .2015  .1913  .1886  .2046  .1868  .2547   (Triton)
+#             .1354  .1349  .1350  .1348  .1342  .1346  .1330  .1351  .1499  .1412  .2264   (quack)
+#   backward  .1917  .2020  .2308  .3361  .2243  .2583  .2549  .2650  .2741  .2690  .2764   (Triton)
+#             .1917  .2049  .1912  .2175  .2135  .1920  .2319  .2387  .2244  .2667  .2516   (quack)
+# quack is faster from 16384 columns forward and from 24576 backward (nothing measured between 16384 and
+# 24576 backward: the measured 24576), up to 524288, the longest measured (not assumed beyond: quack keeps
+# a row in its cluster's shared memory). quack's forward at 883x151936 measured err nan (Triton: 1.7e-3).
+QUACK_COLUMNS: Mapping[str, tuple[int, int]] = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
 # The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
 # (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
 QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
 # quack-kernels 0.6.5 loads rows in 16-byte vectors: its ReductionBase._get_tiled_copy asserts N % (16 bytes /
-# element size) == 0, and Softmax.compile declares every operand 16-byte aligned (assumed_align) when it is
+# element size) == 0, and Softmax.compile declares every operand 16-byte aligned (assumed_align) when it compiles.
 QUACK_ALIGN = 16
 
 
@@ -116,9 +120,10 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         0.98x at 4x131072, 0.92x / 0.91x at 16x65536, 0.90x / 0.84x at 64x32768, 1.00x at
         8x1048576 and 32x151936 (benchmarks/NOTES.md).
         sms and row_exchange: ExchangeHeuristics.
-        quack_columns: (fewest, most) columns of a row that choose_backend puts on the quack backend
-        (where it is registered; QUACK_MIN_COLUMNS, QUACK_MAX_COLUMNS: issue 42's H200 table).
-        ``(0, -1)`` keeps every problem on Triton; a pinned backend ignores it.
+        quack_columns: per op (softmax, softmax_backward), the (fewest, most) columns of a row that
+        choose_backend puts on the quack backend (where it is registered; QUACK_COLUMNS: the H200
+        probe of 2026-11-30). An op left out, or ``(0, -1)``, stays on Triton; a pinned backend
+        ignores it.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -134,7 +139,7 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     fill_per_sm: int = 0
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
-    quack_columns: tuple[int, int] = (QUACK_MIN_COLUMNS, QUACK_MAX_COLUMNS)
+    quack_columns: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(QUACK_COLUMNS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,15 +326,16 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def quack_beats_triton(problem: SoftmaxProblem) -> bool:
-    """Whether issue 42's measurements put this problem on quack's kernels: the quack backend is
+    """Whether the H200 measurements (QUACK_COLUMNS) put this problem on quack's kernels: the quack backend is
     registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
     contiguous rows, last axis, output in the input's dtype, N a multiple of 16 bytes, 16-byte
     aligned inputs), the dtype is bfloat16 or float16, the
-    GPU is the measured architecture (sm_90) and a row has ``heuristics.quack_columns`` columns
-    (QUACK_MIN_COLUMNS to QUACK_MAX_COLUMNS by default)."""
+    GPU is the measured architecture (sm_90) and a row has as many columns as
+    ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384 to 524288,
+    softmax_backward 24576 to 524288)."""
     if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
         return False
-    low, high = problem.heuristics.quack_columns
+    low, high = problem.heuristics.quack_columns.get(problem.op, (0, -1))
     if quack_unsupported(problem) is not None or not low <= problem.shape[-1] <= high:
         return False
     return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and register_quack()
@@ -337,8 +343,9 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
     """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
-    16-byte aligned rows of 32768 to 262144 columns (a multiple of 8), where quack-kernels imports
-    (issue 42's H200 table); else the device type's default (Triton on CUDA)."""
+    16-byte aligned rows (N a multiple of 8) of 16384 to 524288 columns forward, 24576 to 524288
+    backward (QUACK_COLUMNS: the H200 probe of 2026-11-30), where quack-kernels imports; else the
+    device type's default (Triton on CUDA)."""
     return "quack" if quack_beats_triton(problem) else None
 
 
