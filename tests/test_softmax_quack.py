@@ -17,13 +17,16 @@ from trainops.plan import clear_plan_cache
 from conftest import HAS_CUDA
 from numerics import assert_close
 
-# The rule's ends per op, as the H200 probe of 2026-11-30 measured them (S.QUACK_COLUMNS), written out so
-# that a change of the constant fails here. Every length the boundary tests try is a multiple of 8
-# elements (rows of whole 16-byte vectors in bf16 / fp16): one quack's kernels could run, kept off quack
-# only by the range.
+# The rule's ends per op, as the H200 probe of 2026-11-30 measured them (S.QUACK_COLUMNS), and the row
+# length's multiple (S.QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936 columns), written out
+# so that a change of the constants fails here. Each boundary test tries lengths the other conditions
+# allow, so that it fails only for its own reason: the range's ends on multiples of 8192, the multiple on
+# in-range lengths that are multiples of 8 elements (rows of whole 16-byte vectors in bf16 / fp16: ones
+# quack's kernels could run).
 BOUNDS = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
-LONG = 24576                # a row length the rule puts on quack, forward and backward
-SHORT = 16376               # a runnable row length the rule keeps on Triton, forward and backward
+MULTIPLE = 8192
+LONG = 24576                # a row length the rule puts on quack, forward and backward (3 x 8192)
+SHORT = 8192                # a multiple of 8192 the range keeps on Triton, forward and backward
 
 
 def _fake_quack_modules(calls: list, fail: bool = False):
@@ -191,14 +194,16 @@ def _backend(op="softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device
 def test_choice_on_the_rule_boundary(fake_quack, op):
     # the H200 probe of 2026-11-30: quack faster from 16384 columns forward, 24576 backward, to 524288 (the longest)
     first, last = BOUNDS[op]
-    for n in (first - 8, first, last, last + 8):          # lengths quack's kernels run: only the range decides
+    below, above = first - MULTIPLE, last + MULTIPLE       # forward 8192 / 532480, backward 16384 / 532480
+    for n in (below, first, last, above):     # lengths quack's kernels run, multiples of 8192: only the range decides
         assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
-    assert _backend(op, (4, first - 8)) == "triton"
+        assert n % MULTIPLE == 0, n
+    assert _backend(op, (4, below)) == "triton"
     assert _backend(op, (4, first)) == "quack"
     assert _backend(op, (4, last)) == "quack"
-    assert _backend(op, (4, last + 8)) == "triton"
+    assert _backend(op, (4, above)) == "triton"
     assert _backend(op, (4, SHORT)) == "triton"
-    assert _backend(op, (2, 3, 151936)) == "quack"                       # any rank, viewed as (rows, N)
+    assert _backend(op, (2, 3, 40960)) == "quack"                        # any rank, viewed as (rows, N)
     assert _backend(op, (LONG,)) == "quack"                              # one row
     assert _backend(op, (2, 1, LONG), strides=(LONG, 7, 1)) == "quack"   # a size-1 axis's stride does not matter
     assert _backend(op, (4, LONG), dtype=torch.float16) == "quack"
@@ -217,16 +222,54 @@ def test_choice_on_the_rule_boundary(fake_quack, op):
         with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=columns)):
             assert _backend(op, (4, LONG)) == "triton"
     other = "softmax_backward" if op == "softmax" else "softmax"
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns={op: (64, 128), other: (0, -1)})):
+    # 128 columns: the multiple turned off (1), so that only the moved range decides
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns={op: (64, 128), other: (0, -1)},
+                                                 quack_column_multiple=1)):
         assert _backend(op, (4, 128)) == "quack" and _backend(op, (4, LONG)) == "triton"
         assert _backend(other, (4, 128)) == "triton"      # per op: the other op's range is its own
 
 
+@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
+def test_choice_row_length_multiple(fake_quack, op):
+    """Inside both ops' ranges, among lengths quack's kernels run (multiples of 8), only multiples of
+    8192 go to quack: quack's forward returned NaN at 151936 (18.5 x 8192) on the H200; 32760 (correct
+    there, and faster) is lost with it. quack_column_multiple=1 turns the condition off; a pinned quack
+    ignores it."""
+    off, on = (151936, 24584, 32760), (40960, 57344)
+    for n in off + on:
+        assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
+        low, high = BOUNDS[op]
+        assert low <= n <= high, n                        # inside the range: only the multiple decides
+    for n in off:
+        assert _backend(op, (4, n)) == "triton", n
+        assert _backend(op, (4, n), dtype=torch.float16) == "triton", n
+        assert S.choose_backend(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
+    for n in on:
+        assert _backend(op, (4, n)) == "quack", n
+    assert S.QUACK_COLUMN_MULTIPLE == MULTIPLE == S.SoftmaxHeuristics().quack_column_multiple
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
+        for n in (151936, 32760, 24584, 40960):
+            assert _backend(op, (4, n)) == "quack", n
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=8)):
+        assert _backend(op, (4, 151936)) == "quack"
+    with trainops.backend("quack"):                       # pinned: the rule is not asked
+        assert _backend(op, (4, 151936)) == "quack"
+        assert _backend(op, (4, 32760)) == "quack"
+    for bad in (0, -8192, 8192.0, True):
+        with pytest.raises(trainops.InvalidProblemError, match="quack_column_multiple"):
+            S.SoftmaxHeuristics(quack_column_multiple=bad)
+
+
 def test_choice_forward_and_backward_ranges_differ(fake_quack):
-    """16384 to 24568 columns (multiples of 8): quack forward, Triton backward (quack's backward was
-    not faster at 16384; nothing measured between 16384 and 24576)."""
-    for n in (16384, 16392, 24568):
-        assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "triton"), n
+    """16384 columns: quack forward, Triton backward (quack's backward was not faster at 16384;
+    nothing measured between 16384 and 24576)."""
+    assert (_backend("softmax", (4, 16384)), _backend("softmax_backward", (4, 16384))) == ("quack", "triton")
+    # 16392 and 24568 are in the forward range but not multiples of 8192: Triton both ways by the multiple
+    # rule; with the multiple off, the ranges alone again put them on quack forward and Triton backward
+    for n in (16392, 24568):
+        assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("triton", "triton"), n
+        with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
+            assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "triton"), n
     for n in (24576, 524288):
         assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "quack"), n
     assert S.SoftmaxHeuristics().quack_columns == BOUNDS == S.QUACK_COLUMNS
@@ -260,6 +303,7 @@ def test_choice_function_on_problems(fake_quack):
     assert S.choose_backend(problem) == "quack"
     assert S.choose_backend(S._describe("softmax", (4, SHORT), -1, torch.bfloat16, "cuda")) is None
     assert S.choose_backend(S._describe("softmax_backward", (4, 16384), -1, torch.bfloat16, "cuda")) is None
+    assert S.choose_backend(S._describe("softmax", (4, 151936), -1, torch.bfloat16, "cuda")) is None
     assert S.choose_backend(S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cpu")) is None
 
 
@@ -307,11 +351,14 @@ def test_wrapper_empty_problem_calls_nothing(fake_quack):
 
 def test_rows_quack_cannot_load_in_vectors_stay_on_triton(fake_quack):
     """quack loads rows in 16-byte vectors (it asserts N % (16 / element size) == 0 when it compiles):
-    a row length off it inside the rule's range goes to Triton, and a pinned quack refuses it."""
-    for n in (LONG + 1, LONG + 4, 151937, 262144 - 2):
-        assert _backend("softmax", (4, n)) == "triton", n
-        assert _backend("softmax_backward", (4, n)) == "triton", n
-    assert _backend("softmax", (4, LONG + 8)) == "quack"
+    a row length off it inside the rule's range goes to Triton, and a pinned quack refuses it. (The
+    multiple of 8192 turned off, so that only the vectors decide.)"""
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
+        for n in (LONG + 1, LONG + 4, 151937, 262144 - 2):
+            assert _backend("softmax", (4, n)) == "triton", n
+            assert _backend("softmax_backward", (4, n)) == "triton", n
+        assert _backend("softmax", (4, LONG + 8)) == "quack"
+        assert _backend("softmax_backward", (4, LONG + 8)) == "quack"
     with trainops.backend("quack"):
         assert _backend("softmax", (4, 1004), dtype=torch.float32) == "quack"     # float32: vectors of 4
         for dtype in (torch.bfloat16, torch.float16):
@@ -438,29 +485,60 @@ def real_quack():
     return S._quack
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2048, 151936), (4096, 32768)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_quack_against_float64(real_quack, shape, dtype):
+# Row lengths the rule puts on quack forward (all) and backward (24576 and up): multiples of 8192 from
+# 16384 to 524288, among them lengths never probed (40960, 57344, 98304, 163840).
+GPU_SHAPES = [(512, 16384), (256, 24576), (128, 40960), (128, 57344), (64, 98304), (32, 163840), (16, 524288)]
+
+
+def _needs_sm90():
     if torch.cuda.get_device_capability() not in S.QUACK_MEASURED_CAPABILITIES:
         pytest.skip("the rule puts quack on sm_90 only")
+
+
+def _run_against_float64(shape, dtype, what):
+    """trainops.softmax forward and backward on random rows: the kernels used (track_kernels), and the
+    results finite and within the dtype's tolerance of float64."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype).requires_grad_()
     dy = torch.randn(shape, device="cuda", generator=gen).to(dtype)
-    for op in ("softmax", "softmax_backward"):
-        p = trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda")
-        assert p.info.backend == "quack", p.kernel
     with trainops.track_kernels() as used:
         y = trainops.softmax(x, -1)
         y.backward(dy)
-    assert {(op, backend) for op, backend, _, _ in used} == {("softmax", "quack"), ("softmax_backward", "quack")}
-    xd = x.detach().double()
-    yd = torch.softmax(xd, -1)
-    assert_close(y, yd, dtype, "quack forward")
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all(), f"{what} forward: {(~torch.isfinite(y)).sum().item()} non-finite"
+    assert torch.isfinite(x.grad).all(), f"{what} backward: {(~torch.isfinite(x.grad)).sum().item()} non-finite"
+    assert_close(y, torch.softmax(x.detach().double(), -1), dtype, f"{what} forward")
     dyd = dy.double()
     # the reference backward from the kernel's own y (what autograd saved), in float64
     y64 = y.detach().double()
-    assert_close(x.grad, y64 * (dyd - (y64 * dyd).sum(-1, keepdim=True)), dtype, "quack backward")
+    assert_close(x.grad, y64 * (dyd - (y64 * dyd).sum(-1, keepdim=True)), dtype, f"{what} backward")
+    return {(op, backend) for op, backend, _, _ in used}, x, y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_quack_against_float64(real_quack, shape, dtype):
+    _needs_sm90()
+    expected = {"softmax": "quack", "softmax_backward": "quack" if shape[-1] >= 24576 else "triton"}
+    for op, backend in expected.items():
+        p = trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda")
+        assert p.info.backend == backend, (op, p.kernel)
+    used, x, y = _run_against_float64(shape, dtype, f"{shape} {dtype}")
+    assert used == set(expected.items())
     again = trainops.softmax(x.detach(), -1)
     assert torch.equal(again, y.detach())              # bit-identical run to run
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_151936_columns_stay_on_triton(real_quack):
+    """quack-kernels 0.6.5's forward returned NaN at 883x151936 and 2048x151936 bf16 on the H200
+    (2026-11-30; cause not found): the rule (the multiple of 8192) keeps such rows on Triton both
+    ways, and the default path's results are finite and within tolerance."""
+    _needs_sm90()
+    shape, dtype = (64, 151936), torch.bfloat16
+    for op in ("softmax", "softmax_backward"):
+        assert trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda").info.backend == "triton", op
+    used, _, _ = _run_against_float64(shape, dtype, "64x151936 bfloat16")
+    assert used == {("softmax", "triton"), ("softmax_backward", "triton")}

@@ -78,8 +78,16 @@ QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
 #             .1917  .2049  .1912  .2175  .2135  .1920  .2319  .2387  .2244  .2667  .2516   (quack)
 # quack is faster from 16384 columns forward and from 24576 backward (nothing measured between 16384 and
 # 24576 backward: the measured 24576), up to 524288, the longest measured (not assumed beyond: quack keeps
-# a row in its cluster's shared memory). quack's forward at 883x151936 measured err nan (Triton: 1.7e-3).
+# a row in its cluster's shared memory).
+# quack's FORWARD returned NaN at 151936 columns: in that probe (the .log above, 2026-11-30) at 883x151936
+# bf16 (relative error nan against float64; Triton 1.7e-3), and in the same day's bench --sweep at
+# 2048x151936; its backward at 883x151936 was correct (1.7e-3), as were both ops at every other length above.
+# The cause in quack-kernels 0.6.5 was not found. So a row goes to quack only where its length is also a
+# multiple of QUACK_COLUMN_MULTIPLE: every measured multiple of 8192 (8192, 16384, 24576, 32768, 49152, 65536,
+# 131072, 262144, 524288) was correct both ways; 151936 = 18.5 x 8192 was not. 32760 (correct, faster) is
+# lost with it: unmeasured lengths between the multiples are not assumed safe.
 QUACK_COLUMNS: Mapping[str, tuple[int, int]] = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
+QUACK_COLUMN_MULTIPLE = 8192
 # The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
 # (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
 QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
@@ -124,6 +132,10 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         choose_backend puts on the quack backend (where it is registered; QUACK_COLUMNS: the H200
         probe of 2026-11-30). An op left out, or ``(0, -1)``, stays on Triton; a pinned backend
         ignores it.
+        quack_column_multiple: choose_backend puts a row on quack only where its length is a
+        multiple of this too, both ops (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN
+        at 151936 columns on the H200; every measured multiple of 8192 was correct). 1 turns the
+        condition off; a pinned backend ignores it.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -140,6 +152,13 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
     quack_columns: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(QUACK_COLUMNS))
+    quack_column_multiple: int = QUACK_COLUMN_MULTIPLE
+
+    def __post_init__(self):
+        value = self.quack_column_multiple
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_column_multiple",
+                                 f"must be an int >= 1 (1: any length), got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,22 +349,27 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
     contiguous rows, last axis, output in the input's dtype, N a multiple of 16 bytes, 16-byte
     aligned inputs), the dtype is bfloat16 or float16, the
-    GPU is the measured architecture (sm_90) and a row has as many columns as
+    GPU is the measured architecture (sm_90), a row has as many columns as
     ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384 to 524288,
-    softmax_backward 24576 to 524288)."""
+    softmax_backward 24576 to 524288) and a multiple of ``heuristics.quack_column_multiple``
+    (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN at 151936 columns; 1 turns it off).
+    A pinned quack (``trainops.backend("quack")``) does not ask this rule."""
     if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
         return False
-    low, high = problem.heuristics.quack_columns.get(problem.op, (0, -1))
-    if quack_unsupported(problem) is not None or not low <= problem.shape[-1] <= high:
+    heuristics = problem.heuristics
+    low, high = heuristics.quack_columns.get(problem.op, (0, -1))
+    n = problem.shape[-1]
+    if quack_unsupported(problem) is not None or not low <= n <= high or n % heuristics.quack_column_multiple:
         return False
     return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and register_quack()
 
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
     """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
-    16-byte aligned rows (N a multiple of 8) of 16384 to 524288 columns forward, 24576 to 524288
-    backward (QUACK_COLUMNS: the H200 probe of 2026-11-30), where quack-kernels imports; else the
-    device type's default (Triton on CUDA)."""
+    16-byte aligned rows of 16384 to 524288 columns forward, 24576 to 524288 backward
+    (QUACK_COLUMNS: the H200 probe of 2026-11-30) and a multiple of 8192 columns
+    (QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936), where quack-kernels imports;
+    else the device type's default (Triton on CUDA)."""
     return "quack" if quack_beats_triton(problem) else None
 
 
