@@ -223,6 +223,57 @@ def test_bench_optim_front_end(tmp_path, capsys):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs Triton's interpreter")
+def test_probe_quack_softmax_front_end(tmp_path, capsys):
+    """The quack rule's probe on the CPU: trainops (its row says the backend it ran), Triton pinned and
+    torch per case; without quack, no quack rows, and the agreement table says so."""
+    script = _script("probe_quack_softmax")
+    result = _run_script("probe_quack_softmax", ["OUT", "--cpu"], tmp_path, capsys)
+    grouped = {}
+    for r in result["rows"]:
+        grouped.setdefault((r["op"], r["case"]), []).append(r)
+    assert len(grouped) == len(script.OPS) * len(script.CPU_COLUMNS)
+    for impls in grouped.values():
+        assert [r["impl"] for r in impls] == ["trainops", "trainops triton", "torch"]
+        assert (impls[0]["backend"], impls[1]["backend"]) == ("cpu", "triton") and impls[1]["kernel"]
+
+
+def test_probe_quack_softmax_agreement():
+    """The agreement table: the faster of Triton and quack (both pinned) against the rule's choice."""
+    script = _script("probe_quack_softmax")
+
+    def row(impl, ms, backend=None):
+        return Row("softmax", "4x32768 bfloat16", impl, ms, 1.0, None, 0.0, fields={"backend": backend or impl[9:]})
+    agree = script.agreement_table([row("trainops", 1.0, "quack"), row("trainops triton", 2.0), row("trainops quack", 1.0)])
+    disagree = script.agreement_table([row("trainops", 2.0, "triton"), row("trainops triton", 2.0),
+                                       row("trainops quack", 1.0)])
+    assert agree[1].split()[-3:] == ["quack", "quack", "yes"] and disagree[1].split()[-3:] == ["quack", "triton", "NO"]
+    assert "no quack row" in script.agreement_table([row("trainops", 1.0, "triton"), row("trainops triton", 1.0)])[1]
+
+
+def test_softmax_case_rows_say_which_backend_ran(monkeypatch):
+    """Where the registry's choice is not Triton (quack on long rows), the case also times trainops
+    with Triton pinned; each trainops row carries its backend and kernel."""
+    import trainops
+
+    case = cases._softmax_case("softmax", (2, 64), -1, torch.float32, "cpu")
+    impls, _ = case.build(False)
+    assert list(impls) == ["trainops", "torch"] and impls["trainops"].fields["backend"] == "cpu"
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    real_plan = trainops.plan
+
+    def chosen_elsewhere(op, **descriptor):   # as if the rule had put the problem on another backend
+        p = real_plan(op, **descriptor)
+        if trainops.registry.pinned_backend() is None:
+            return types.SimpleNamespace(info=types.SimpleNamespace(backend="quack"), kernel=p.kernel)
+        return p
+    monkeypatch.setattr(trainops, "plan", chosen_elsewhere)
+    impls, _ = cases._softmax_case("softmax", (2, 64), -1, torch.float32, "cpu").build(False)
+    assert list(impls) == ["trainops", "trainops triton", "torch"]
+    assert impls["trainops"].fields["backend"] == "quack" and impls["trainops triton"].fields["backend"] == "triton"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs Triton's interpreter")
 def test_sweep_softmax_front_end(tmp_path, capsys):
     result = _run_script("sweep_softmax", ["OUT", "--cpu"], tmp_path, capsys)
     grouped = _by_case(result["rows"])

@@ -60,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         import trainops
         from .compiled import CompiledChoices
         from .plan import heuristics_for
+        from .registry import backend_notes, op_spec, ops
         _print_table([k.row() for k in trainops.kernels()])
+        chooses = [(op, op_spec(op).choose_backend) for op in ops() if op_spec(op).choose_backend is not None]
+        print("\nwith no backend pinned, the backend chosen per problem (register_op's choose_backend; every "
+              "other op: triton on CUDA, cpu on the CPU):")
+        for op, choose in chooses:
+            print(f"  {op}: {' '.join((choose.__doc__ or choose.__qualname__).split())}")
+        for name, note in backend_notes().items():
+            print(f"  the {name} backend: {note}")
         print("\nunder torch.compile, Inductor's fusion of the op's decomposition instead of our kernel "
               "(trainops.compiled; every other problem runs our kernel):")
         _print_table(heuristics_for(CompiledChoices).rows())

@@ -130,7 +130,8 @@ def collect() -> dict:
         "CUDA devices": devices or ["none"],
         "Triton interpreter": "on (TRITON_INTERPRET=1: Triton kernels run on CPU tensors)" if interpreting else "off",
         "TRAINOPS_ROW_EXCHANGE": os.environ.get("TRAINOPS_ROW_EXCHANGE", "unset (row exchange on)"),
-        "warnings": warnings_for(torch.__version__, triton_version, numpy_version, interpreting),
+        "warnings": warnings_for(torch.__version__, triton_version, numpy_version, interpreting)
+                    + [f"the {name} backend: {note}" for name, note in registry.backend_notes().items()],
         "kernels": kernel_table(),
     }
 

@@ -28,7 +28,9 @@ import torch
 
 from .errors import InvalidProblemError, UnsupportedError
 
-BACKENDS = ("triton", "cudnn", "cpu")   # cudnn: torch's own CUDA kernels (its convolutions: cuDNN)
+# cudnn: torch's own CUDA kernels (its convolutions: cuDNN); quack: quack-kernels' CUDA kernels, registered
+# only where the optional extra trainops[quack] imports (ops/softmax.py)
+BACKENDS = ("triton", "cudnn", "quack", "cpu")
 DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 INDEX_DTYPES = frozenset({torch.int32, torch.int64})
@@ -132,6 +134,8 @@ class OpSpec:
 
 _KERNELS: dict[tuple[str, str, bool], KernelInfo] = {}
 _OPS: dict[str, OpSpec] = {}
+_LOADERS: dict[str, list[Callable[[], object]]] = {}
+_BACKEND_NOTES: dict[str, str] = {}
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainops_backend", default=None)
 
 
@@ -172,15 +176,15 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
              name: str | None = None, index_dtypes=(), device_types: tuple[str, ...] | None = None):
     """Decorator: register ``prepare`` as the ``backend`` kernel of ``op``.
 
-    ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter)
-    and cuDNN, and ``("cpu",)`` for the CPU backend.
+    ``device_types`` defaults to ``("cuda",)`` for Triton (plus ``"cpu"`` under the interpreter),
+    cuDNN and quack, and ``("cpu",)`` for the CPU backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if device_types is None:
         if backend == "triton":
             device_types = ("cuda", "cpu") if triton_interpreting() else ("cuda",)
-        elif backend == "cudnn":
+        elif backend in ("cudnn", "quack"):
             device_types = ("cuda",)
         else:
             device_types = ("cpu",)
@@ -200,8 +204,45 @@ def register(op: str, *, backend: str, dtypes, deterministic: bool, accumulator:
     return decorate
 
 
+def register_loader(backend: str, load: Callable[[], object]) -> None:
+    """Defer the registration of ``backend``'s kernels that need an optional package costly to import
+    (quack: ops/softmax.py): the registry calls ``load()`` once, before the first listing
+    (``kernels()``) and before the first look-up of that backend (pinned, or chosen by an op's
+    ``choose_backend``, which may call it itself). ``load`` registers nothing where the package does
+    not import, and raises nothing: the registry is then as it would be without the package."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _LOADERS.setdefault(backend, []).append(load)
+
+
+def note_backend(backend: str, note: str | None) -> None:
+    """Record (or clear, with None) why a deferred backend registered nothing: a loader whose package is
+    on the path but did not import says so here, and ``python -m trainops kernels`` / ``env`` print it."""
+    if note is None:
+        _BACKEND_NOTES.pop(backend, None)
+    else:
+        _BACKEND_NOTES[backend] = note
+
+
+def backend_notes() -> dict[str, str]:
+    """{backend: why it registered nothing} for the deferred backends that were tried and failed
+    (their loaders run first)."""
+    if _LOADERS:
+        _run_loaders()
+    return dict(_BACKEND_NOTES)
+
+
+def _run_loaders(backend: str | None = None) -> None:
+    """Call (once) the pending loaders of ``backend``, or of every backend."""
+    for name in [backend] if backend is not None else list(_LOADERS):
+        for load in _LOADERS.pop(name, ()):
+            load()
+
+
 def kernels() -> list[KernelInfo]:
-    """Every registered kernel, sorted by op and backend."""
+    """Every registered kernel, sorted by op and backend (deferred registrations made first)."""
+    if _LOADERS:
+        _run_loaders()
     return sorted(_KERNELS.values(), key=lambda k: (k.op, BACKENDS.index(k.backend), not k.deterministic))
 
 
@@ -223,8 +264,9 @@ def pinned_backend() -> str | None:
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
-    """Pin the backend (``"triton"``, ``"cudnn"`` or ``"cpu"``) for every trainops op run inside
-    the block (an op with no kernel of that backend then raises UnsupportedError).
+    """Pin the backend (``"triton"``, ``"cudnn"``, ``"quack"`` or ``"cpu"``) for every trainops op
+    run inside the block (an op with no kernel of that backend then raises UnsupportedError; quack
+    has kernels only where trainops[quack] is installed and imports).
 
     Pinning ``"triton"`` on CPU tensors works only with ``TRITON_INTERPRET=1`` set before import.
     """
@@ -253,6 +295,8 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         where += f", index dtype {dtype_name(index_dtype)}"
     if chosen is None:
         raise UnsupportedError(f"trainops.{op}: no backend runs on {where}")
+    if chosen in _LOADERS:
+        _run_loaders(chosen)
     info = _KERNELS.get((op, chosen, True))
     if not deterministic:
         info = _KERNELS.get((op, chosen, False), info)
@@ -260,6 +304,8 @@ def lookup(op: str, device_type: str, dtype: torch.dtype, index_dtype: torch.dty
         raise UnsupportedError(f"trainops.{op}: the {chosen} backend has no deterministic kernel; asked for {where}")
     if info is None:
         hint = " (is triton installed?)" if chosen == "triton" and not triton_available() else ""
+        if chosen == "quack":
+            hint = " (the quack backend registers kernels only where quack-kernels imports: pip install 'trainops[quack]')"
         raise UnsupportedError(f"trainops.{op}: no {chosen} kernel is registered{hint}; asked for {where}")
     if not info.supports(device_type, dtype, index_dtype):
         hint = ""

@@ -36,7 +36,12 @@ from .case import (Case, Impl, Timing, _dt, _heuristics_impls, _peer, _randn, de
 
 # -- softmax family ------------------------------------------------------------------------------
 
-def _softmax_case(op: str, shape, dim: int, dtype, device) -> Case:
+def _softmax_case(op: str, shape, dim: int, dtype, device, *, compiled: bool = True, pinned=None) -> Case:
+    """One softmax-family problem: trainops (the registry's choice: its row's ``backend`` and
+    ``kernel`` say which ran), torch, and with peers torch.compile (``compiled``), Liger and quack.
+    ``pinned``: backends to time trainops under as well (rows ``trainops <backend>``, with
+    ``trainops.backend(...)``); by default Triton where the choice is another backend on the GPU
+    (quack's on long rows), so the bench keeps timing our kernel next to quack's own call."""
     backward = op.endswith("_backward")
     log = op.startswith("log_")
 
@@ -62,16 +67,32 @@ def _softmax_case(op: str, shape, dim: int, dtype, device) -> Case:
                     return dyd - yd.exp() * dyd.sum(dim, keepdim=True)
                 return yd * (dyd - (yd * dyd).sum(dim, keepdim=True))
         ours = getattr(trainops, op)
-        impls = {"trainops": lambda: (lambda: ours(*inputs, dim)), "torch": lambda: (lambda: torch_fn(*inputs))}
+        strides = tuple(t.stride() for t in inputs)
+        chosen = trainops.plan(op, shape=shape, dim=dim, dtype=dtype, device=device, strides=strides)
+        impls = {"trainops": Impl(lambda: (lambda: ours(*inputs, dim)),
+                                  fields={"backend": chosen.info.backend, "kernel": chosen.kernel.name})}
+        others = pinned if pinned is not None else (() if chosen.info.backend in ("triton", "cpu") else ("triton",))
+        for backend in others:
+            with trainops.backend(backend):
+                forced = trainops.plan(op, shape=shape, dim=dim, dtype=dtype, device=device, strides=strides)
+            impls[f"trainops {backend}"] = Impl(lambda: (lambda: ours(*inputs, dim)),
+                                                context=functools.partial(trainops.backend, backend),
+                                                fields={"backend": backend, "kernel": forced.kernel.name})
+        impls["torch"] = lambda: (lambda: torch_fn(*inputs))
         if peers:
-            compiled = torch.compile(torch_fn, dynamic=False)
-            impls["torch.compile"] = lambda: (lambda: compiled(*inputs))
+            if compiled:
+                compiled_fn = torch.compile(torch_fn, dynamic=False)
+                impls["torch.compile"] = lambda: (lambda: compiled_fn(*inputs))
             liger = _peer("liger_kernel.ops.softmax", "LigerSoftmaxFunction")
             if liger is not None and op == "softmax" and dim in (-1, len(shape) - 1):
                 impls["liger"] = lambda: (lambda: liger.apply(*inputs))
+            last_of_2d = dim in (-1, len(shape) - 1) and len(shape) == 2
             quack_softmax = _peer("quack", "softmax")
-            if quack_softmax is not None and op == "softmax" and dim in (-1, len(shape) - 1) and len(shape) == 2:
+            if quack_softmax is not None and op == "softmax" and last_of_2d:
                 impls["quack"] = lambda: (lambda: quack_softmax(*inputs))
+            quack_backward = _peer("quack.softmax", "softmax_bwd")   # quack's own allocating call, as ours
+            if quack_backward is not None and op == "softmax_backward" and last_of_2d:
+                impls["quack"] = lambda: (lambda: quack_backward(*inputs))
         return impls, reference
 
     nbytes = math.prod(shape) * dtype.itemsize * (3 if backward else 2)

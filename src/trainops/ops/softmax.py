@@ -27,11 +27,22 @@ Triton plans (chosen in ``_choose_config``):
              newest-chunk-first so its reads hit L2.
     split    few long rows: two launches, per-chunk partial stats into a workspace, then each
              chunk combines its row's partials (fixed order) and writes its part.
+
+The quack backend (the optional extra ``trainops[quack]``: quack-kernels' CuTe DSL kernels) runs
+softmax and its backward on long contiguous rows, and is registered only when ``quack.softmax``
+imports. ``import trainops`` does not import quack (seconds: its CUDA DSL): where a ``quack``
+package is on the path, the registry imports it at the first listing (``trainops.kernels()``), the
+first look-up of the quack backend, or the first problem ``quack_beats_triton`` would put on it.
+With no backend pinned, ``choose_backend`` puts a problem on it only where it was measured faster
+than the Triton plans (``quack_beats_triton``); everything else stays on Triton.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
@@ -43,13 +54,46 @@ from ..launch import launcher
 from ..layout import REGISTER_TILE, ReductionLayout, next_pow2, reduction_layout
 from ..library import custom_op
 from ..plan import KernelChoice, Launch, cached_plan, check_tensor, checked_shape, heuristics_for
-from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, register, register_op,
-                        triton_available)
+from ..registry import (ACCUMULATOR, FLOATS, accumulator_dtype, normalize_device, note_backend, register,
+                        register_loader, register_op, triton_available)
 from .exchange import ExchangeGrid, ExchangeHeuristics, fill_tile, launch_exchange
 
 MAX_RANK = 8
 FORWARD_OPS = ("softmax", "log_softmax")
 BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
+
+# The quack backend: the ops it runs, the dtypes its kernels take, and where it is chosen (quack_beats_triton).
+QUACK_OPS = ("softmax", "softmax_backward")
+QUACK_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# Chosen for bf16 (measured) and fp16 (the same bytes an element, so the same memory-bound traffic;
+# the sweep in benchmarks/notes/quack-backend.md checks it); float32 was not measured: Triton.
+QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
+# Per op, the (fewest, most) columns of a row put on quack: benchmarks/probe_quack_softmax.py on the H200,
+# 2026-11-30 (torch 2.11, Triton 3.6, quack-kernels 0.6.5; bf16, rows = 2^27 / N, both through trainops with
+# the backend pinned; benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.{json,log}), ms Triton / quack:
+#   N         8192   16384  24576  32760  32768  49152  65536  131072 151936 262144 524288
+#   forward   .1348  .1446  .2109  .1916  .1772  .2015  .1913  .1886  .2046  .1868  .2547   (Triton)
+#             .1354  .1349  .1350  .1348  .1342  .1346  .1330  .1351  .1499  .1412  .2264   (quack)
+#   backward  .1917  .2020  .2308  .3361  .2243  .2583  .2549  .2650  .2741  .2690  .2764   (Triton)
+#             .1917  .2049  .1912  .2175  .2135  .1920  .2319  .2387  .2244  .2667  .2516   (quack)
+# quack is faster from 16384 columns forward and from 24576 backward (nothing measured between 16384 and
+# 24576 backward: the measured 24576), up to 524288, the longest measured (not assumed beyond: quack keeps
+# a row in its cluster's shared memory).
+# quack's FORWARD returned NaN at 151936 columns: in that probe (the .log above, 2026-11-30) at 883x151936
+# bf16 (relative error nan against float64; Triton 1.7e-3), and in the same day's bench --sweep at
+# 2048x151936; its backward at 883x151936 was correct (1.7e-3), as were both ops at every other length above.
+# The cause in quack-kernels 0.6.5 was not found. So a row goes to quack only where its length is also a
+# multiple of QUACK_COLUMN_MULTIPLE: every measured multiple of 8192 (8192, 16384, 24576, 32768, 49152, 65536,
+# 131072, 262144, 524288) was correct both ways; 151936 = 18.5 x 8192 was not. 32760 (correct, faster) is
+# lost with it: unmeasured lengths between the multiples are not assumed safe.
+QUACK_COLUMNS: Mapping[str, tuple[int, int]] = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
+QUACK_COLUMN_MULTIPLE = 8192
+# The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
+# (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
+QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
+# quack-kernels 0.6.5 loads rows in 16-byte vectors: its ReductionBase._get_tiled_copy asserts N % (16 bytes /
+# element size) == 0, and Softmax.compile declares every operand 16-byte aligned (assumed_align) when it compiles.
+QUACK_ALIGN = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,6 +136,14 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         0.98x at 4x131072, 0.92x / 0.91x at 16x65536, 0.90x / 0.84x at 64x32768, 1.00x at
         8x1048576 and 32x151936 (benchmarks/NOTES.md).
         sms and row_exchange: ExchangeHeuristics.
+        quack_columns: per op (softmax, softmax_backward), the (fewest, most) columns of a row that
+        choose_backend puts on the quack backend (where it is registered; QUACK_COLUMNS: the H200
+        probe of 2026-11-30). An op left out, or ``(0, -1)``, stays on Triton; a pinned backend
+        ignores it.
+        quack_column_multiple: choose_backend puts a row on quack only where its length is a
+        multiple of this too, both ops (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN
+        at 151936 columns on the H200; every measured multiple of 8192 was correct). 1 turns the
+        condition off; a pinned backend ignores it.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -109,6 +161,14 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     fill_per_sm: int = 0
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
+    quack_columns: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(QUACK_COLUMNS))
+    quack_column_multiple: int = QUACK_COLUMN_MULTIPLE
+
+    def __post_init__(self):
+        value = self.quack_column_multiple
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_column_multiple",
+                                 f"must be an int >= 1 (1: any length), got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +192,7 @@ class SoftmaxProblem:
     strides: tuple[tuple[int, ...], ...]
     out_strides: tuple[int, ...]
     heuristics: SoftmaxHeuristics
+    align: int = QUACK_ALIGN
     index_dtype = None
 
     @property
@@ -166,13 +227,17 @@ class SoftmaxProblem:
 
 
 def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
-              heuristics=None) -> SoftmaxProblem:
+              heuristics=None, align=QUACK_ALIGN) -> SoftmaxProblem:
     """Validate a softmax-family descriptor.
 
     shape: sizes (rank 0..8). dim: the reduced axis, negative counts from the end.
     dtype: the inputs' dtype. out_dtype: the output's (default: dtype). device: where it runs.
     strides: None (contiguous), one stride tuple for every input, or one tuple per input.
     heuristics: a SoftmaxHeuristics (default: the one in force, trainops.heuristics).
+    align: the largest power of two, up to 16, that divides every input's data pointer in bytes
+    (default 16, as a fresh allocation; ``descriptor_of`` measures it). Only the choice of backend
+    reads it: quack's kernels assume 16-byte aligned operands (a view at an odd storage offset runs
+    on Triton, and its plan says so).
     """
     names = ("x",) if op in FORWARD_OPS else ("dy", "y")
     shape = checked_shape(op, "shape", shape)
@@ -216,18 +281,110 @@ def _describe(op: str, shape, dim, dtype, device="cuda", *, out_dtype=None, stri
     elif not isinstance(heuristics, SoftmaxHeuristics):
         raise argument_error(InvalidProblemError, op, "heuristics", f"must be a SoftmaxHeuristics, got "
                              f"{type(heuristics).__name__}")
-    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides, heuristics)
+    if isinstance(align, bool) or not isinstance(align, int) or align not in (1, 2, 4, 8, 16):
+        raise argument_error(InvalidProblemError, op, "align", f"must be 1, 2, 4, 8 or 16 (bytes), got {align!r}")
+    return SoftmaxProblem(op, shape, dim, dtype, out_dtype, device, strides, out_strides, heuristics, align)
 
 
 def _describer(op: str):
     def describe(shape, dim, dtype, device="cuda", *, out_dtype=None, strides=None,
-                 heuristics=None) -> SoftmaxProblem:
-        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides, heuristics=heuristics)
+                 heuristics=None, align=QUACK_ALIGN) -> SoftmaxProblem:
+        return _describe(op, shape, dim, dtype, device, out_dtype=out_dtype, strides=strides, heuristics=heuristics,
+                         align=align)
     describe.__doc__ = _describe.__doc__
     return describe
 
 
-DESCRIPTORS = {op: register_op(op, _describer(op)) for op in FORWARD_OPS + BACKWARD_OPS}
+def quack_unsupported(problem: SoftmaxProblem) -> tuple[str, str] | None:
+    """Why quack's kernels cannot run this problem, as (argument, reason), or None when they can:
+    plain softmax or its backward on CUDA, float32 / float16 / bfloat16, the output in the input's
+    dtype, along the last axis of tensors that are contiguous (any rank, viewed as (rows, N)), rows
+    of a whole number of 16-byte vectors (N a multiple of 8 in fp16 / bf16, of 4 in float32), every
+    input starting on a 16-byte boundary (``problem.align``)."""
+    first = problem.names[0]
+    if problem.op not in QUACK_OPS:
+        return "op", f"is {problem.op}; quack's kernels run {' and '.join(QUACK_OPS)}"
+    if problem.device.type != "cuda":
+        return first, f"is on device {problem.device}; quack's kernels run on CUDA"
+    if problem.dtype not in QUACK_DTYPES:
+        return first, f"has dtype {problem.dtype}; quack's kernels take float32, float16 and bfloat16"
+    if problem.out_dtype != problem.dtype:
+        return "dtype", f"is {problem.out_dtype}; quack's kernels write the input's dtype ({problem.dtype})"
+    rank = len(problem.shape)
+    if rank == 0 or problem.dim != rank - 1:
+        return "dim", f"is {problem.dim}; quack's kernels reduce the last axis (of a tensor of rank >= 1)"
+    for name, strides in zip(problem.names, problem.strides):
+        if not _contiguous(problem.shape, strides):
+            return name, (f"has strides {strides}; quack's kernels take contiguous tensors (viewed as (rows, "
+                          f"{problem.shape[-1]}))")
+    vector = QUACK_ALIGN // problem.dtype.itemsize
+    if problem.shape[-1] % vector:
+        return "shape", (f"is {problem.shape}: rows of {problem.shape[-1]} elements; quack's kernels load rows in "
+                         f"16-byte vectors, so N must be a multiple of {vector} in {problem.dtype}")
+    if problem.align < QUACK_ALIGN:
+        return "align", (f"is {problem.align}: an input starts off a 16-byte boundary (a view at an odd storage "
+                         "offset); quack's kernels assume 16-byte aligned operands")
+    return None
+
+
+def pointer_align(tensors: Sequence[torch.Tensor]) -> int:
+    """The largest power of two, up to 16, that divides every tensor's data pointer (bytes)."""
+    align = QUACK_ALIGN
+    for t in tensors:
+        ptr = t.data_ptr()
+        if ptr % align:
+            align = min(align, ptr & -ptr)
+    return align
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Row-major contiguous, as torch.Tensor.is_contiguous (the strides of size-1 axes do not matter)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``, None without CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def quack_beats_triton(problem: SoftmaxProblem) -> bool:
+    """Whether the H200 measurements (QUACK_COLUMNS) put this problem on quack's kernels: the quack backend is
+    registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
+    contiguous rows, last axis, output in the input's dtype, N a multiple of 16 bytes, 16-byte
+    aligned inputs), the dtype is bfloat16 or float16, the
+    GPU is the measured architecture (sm_90), a row has as many columns as
+    ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384 to 524288,
+    softmax_backward 24576 to 524288) and a multiple of ``heuristics.quack_column_multiple``
+    (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN at 151936 columns; 1 turns it off).
+    A pinned quack (``trainops.backend("quack")``) does not ask this rule."""
+    if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
+        return False
+    heuristics = problem.heuristics
+    low, high = heuristics.quack_columns.get(problem.op, (0, -1))
+    n = problem.shape[-1]
+    if quack_unsupported(problem) is not None or not low <= n <= high or n % heuristics.quack_column_multiple:
+        return False
+    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and register_quack()
+
+
+def choose_backend(problem: SoftmaxProblem) -> str | None:
+    """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
+    16-byte aligned rows of 16384 to 524288 columns forward, 24576 to 524288 backward
+    (QUACK_COLUMNS: the H200 probe of 2026-11-30) and a multiple of 8192 columns
+    (QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936), where quack-kernels imports;
+    else the device type's default (Triton on CUDA)."""
+    return "quack" if quack_beats_triton(problem) else None
+
+
+DESCRIPTORS = {op: register_op(op, _describer(op), choose_backend=choose_backend if op in QUACK_OPS else None)
+               for op in FORWARD_OPS + BACKWARD_OPS}
 
 
 def _raise_mismatch(op: str, dy: torch.Tensor, y: torch.Tensor):
@@ -240,15 +397,16 @@ def _raise_mismatch(op: str, dy: torch.Tensor, y: torch.Tensor):
 
 def descriptor_of(op: str, tensors: Sequence[torch.Tensor], dim: int, out_dtype=None) -> tuple:
     """The descriptor (and plan-cache key) of a call on concrete tensors; backward inputs must agree
-    in shape, dtype and device."""
+    in shape, dtype and device. It holds the inputs' pointer alignment (``pointer_align``): the
+    backend chosen can depend on it (quack: 16-byte aligned inputs only)."""
     ref = tensors[-1]
     if len(tensors) == 2:
         dy = tensors[0]
         if dy.shape != ref.shape or dy.dtype != ref.dtype or dy.device != ref.device:
             _raise_mismatch(op, dy, ref)
-    # positionally: (shape, dim, dtype, device, out_dtype, strides, heuristics), the hot path's cheapest build
+    # positionally: (shape, dim, dtype, device, out_dtype, strides, heuristics, align), the hot path's cheapest build
     return DESCRIPTORS[op](ref.shape, dim, ref.dtype, ref.device, out_dtype, tuple(t.stride() for t in tensors),
-                           heuristics_for(SoftmaxHeuristics))
+                           heuristics_for(SoftmaxHeuristics), pointer_align(tensors))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1022,6 +1180,85 @@ if triton_available():
     for _op in FORWARD_OPS + BACKWARD_OPS:
         register(_op, backend="triton", dtypes=FLOATS, deterministic=True, accumulator=ACCUMULATOR,
                  name=f"{_op}_triton")(_prepare_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# quack backend: quack-kernels' softmax and its backward (the optional extra trainops[quack])
+# ----------------------------------------------------------------------------------------------
+
+_quack = None                               # quack.softmax, once register_quack has registered it
+quack_import_error: str | None = None       # why it did not, when it was tried and failed
+
+
+def _prepare_quack(problem: SoftmaxProblem) -> Launch:
+    """quack's ``_softmax_fwd(x, out)`` / ``_softmax_backward(dy, y, dx)`` on the (rows, N) views
+    of the contiguous operands. quack compiles its kernels for 16-byte aligned operands (rows of a
+    whole number of 16-byte vectors, ``quack_unsupported``); the plan is made for aligned inputs
+    (``problem.align``: the choice sends a view at an odd storage offset to Triton, and a pinned
+    quack refuses it), and its launch refuses operands off a 16-byte boundary (``Plan.run`` on other
+    tensors than planned, or a misaligned ``out``) rather than run another kernel in its name.
+    Errors of quack's own are raised, never retried."""
+    why = quack_unsupported(problem)
+    if why is not None:
+        raise argument_error(UnsupportedError, problem.op, *why)
+    n = problem.shape[-1]
+    rows = problem.numel // n if n else 0
+    function = _quack._softmax_backward if problem.backward else _quack._softmax_fwd
+    names = problem.names + ("out",)
+
+    def run(tensors, out):
+        if problem.numel == 0:
+            return
+        operands = (*tensors, out)
+        for name, t in zip(names, operands):
+            if t.data_ptr() % QUACK_ALIGN:
+                raise argument_error(InvalidProblemError, problem.op, name,
+                                     f"starts off a {QUACK_ALIGN}-byte boundary; the plan (quack's kernels) is for "
+                                     f"aligned operands (make a plan with align={pointer_align((t,))}: Triton)")
+        function(*(t.view(rows, n) for t in operands))
+
+    params = (("rows", rows), ("N", n), ("align_bytes", QUACK_ALIGN))
+    name = "quack_softmax_backward" if problem.backward else "quack_softmax_fwd"
+    return Launch(run, KernelChoice(name, "quack", params), torch.float32)
+
+
+def register_quack() -> bool:
+    """Register the quack kernels of softmax and its backward when ``quack.softmax`` imports (with
+    ``_softmax_fwd`` and ``_softmax_backward``, quack-kernels 0.6.5's); True when they are
+    registered. Deferred (``registry.register_loader``; quack_beats_triton calls it too): the import
+    is tried once; a failure registers nothing, raises nothing, and leaves its reason in
+    ``quack_import_error`` and ``registry.backend_notes()`` (printed by ``python -m trainops kernels``
+    and ``env``): with no quack kernels, the rule puts every problem on Triton."""
+    global _quack, quack_import_error
+    if _quack is not None:
+        return True
+    if quack_import_error is not None:
+        return False
+    try:
+        module = importlib.import_module("quack.softmax")
+        module._softmax_fwd, module._softmax_backward  # noqa: B018 (the API this backend calls)
+    except Exception as e:   # not installed, or its CUDA libraries / DSL did not load: no quack backend
+        quack_import_error = f"{type(e).__name__}: {e}"
+        note_backend("quack", f"not registered: a quack package is on the path but quack.softmax (quack-kernels "
+                              f"0.6.5's _softmax_fwd / _softmax_backward) did not import ({quack_import_error}); "
+                              "softmax runs on Triton")
+        return False
+    _quack, quack_import_error = module, None
+    for op in QUACK_OPS:
+        register(op, backend="quack", dtypes=QUACK_DTYPES, deterministic=True,
+                 accumulator="float32 (quack's)", name=f"{op}_quack")(_prepare_quack)
+    return True
+
+
+def _quack_findable() -> bool:
+    """Whether there is a ``quack`` package to import: a look at the import path, no import."""
+    if "quack" in sys.modules:
+        return sys.modules["quack"] is not None
+    return importlib.util.find_spec("quack") is not None
+
+
+if _quack_findable():
+    register_loader("quack", register_quack)
 
 
 # ----------------------------------------------------------------------------------------------
