@@ -744,6 +744,24 @@ def test_column_backward_splits_at_real_sizes():
     assert config("softmax_backward", (1024, 8192))[0] == "fused"   # fits a register tile: no split
 
 
+def test_fused_backward_warps_leave_column_tiles_alone():
+    """fused_backward_warps was measured on rows of 32000 only: column-layout fused backward tiles
+    over 16384 elements (dim=0 of 1024x8192: 32 x 1024; dim=1 of 32x512x4096: 64 x 512) keep the
+    8 warps they were measured at (probe-softmax-classes-2: 1024x8192 dim=0 0.0246 ms, w8)."""
+    from trainops.layout import reduction_layout
+
+    def config(op, shape, dim):
+        problem = softmax_ops._describe(op, shape, dim, torch.bfloat16, "cpu",
+                                        heuristics=softmax_ops.SoftmaxHeuristics(sms=132))
+        layout = reduction_layout(problem.shape, problem.dim, problem.strides + (problem.out_strides,))
+        c = softmax_ops._choose_config(problem, layout)
+        return c.kind, c.block_i * c.block_n, c.num_warps
+    for op in ("softmax_backward", "log_softmax_backward"):
+        assert config(op, (1024, 8192), 0) == ("fused", 32768, 8)
+        assert config(op, (32, 512, 4096), 1) == ("fused", 32768, 8)
+        assert config(op, (4096, 32000), -1) == ("fused", 32768, 16)    # the measured row layout
+
+
 def test_fused_backward_warps_at_real_sizes():
     """The fused backward: one warp per 256 tile elements, 4 to 8, and up to fused_backward_warps
     (16) for tiles over 16384 elements (bf16 rows of 32000 on the H200); the forward unchanged."""

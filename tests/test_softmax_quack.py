@@ -124,6 +124,18 @@ def test_without_quack_nothing_is_registered(monkeypatch):
     assert p.info.backend == "triton"
 
 
+def test_no_quack_package_leaves_no_note(monkeypatch):
+    """Without any quack package, the rule's own register_quack() call (quack_beats_triton on an sm_90
+    long bf16 row) registers nothing and notes nothing: no "a quack package is on the path" warning
+    in ``backend_notes()`` / ``python -m trainops env``."""
+    _isolated_registry(monkeypatch)
+    monkeypatch.setitem(sys.modules, "quack", None)   # `import quack` raises ModuleNotFoundError(name="quack")
+    monkeypatch.setattr(S, "_capability", lambda device: (9, 0))
+    p = S._describe("softmax", (4, LONG), -1, torch.bfloat16, "cuda")
+    assert S.choose_backend(p) is None
+    assert "quack" not in registry.backend_notes()
+
+
 def test_a_quack_without_the_softmax_api_registers_nothing(monkeypatch):
     before = [r for r in _rows() if r["backend"] != "quack"]
     _isolated_registry(monkeypatch)

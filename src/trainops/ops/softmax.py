@@ -371,7 +371,9 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     n = problem.shape[-1]
     if quack_unsupported(problem) is not None or not low <= n <= high or n % heuristics.quack_column_multiple:
         return False
-    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and register_quack()
+    # no import tried (and no "a quack package is on the path" note) where there is no quack package at all
+    return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and (
+        _quack is not None or (_quack_findable() and register_quack()))
 
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
@@ -995,7 +997,7 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     of h.column_block contiguous positions (backward: h.column_bytes_backward bytes of them) by
     BLOCK_N reduced positions; the reduced axis is walked through its stride, never transposed.
     Warps: forward one per 1024 tile elements (4 to 32); backward one per 256, 4 to 8 (to
-    h.fused_backward_warps for tiles over 16384 elements);
+    h.fused_backward_warps for row-major tiles over 16384 elements);
     exchange h.exchange_warps; streaming 16 forward, 32 backward; split 8 forward, 16 backward.
     """
     h = problem.heuristics
@@ -1005,14 +1007,16 @@ def _choose_config(problem: SoftmaxProblem, layout: ReductionLayout) -> TritonCo
     block_n_full = next_pow2(n)
     backward = problem.backward
 
+    column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
+
     def fused(block_i: int) -> TritonConfig:
         tile = block_i * block_n_full
-        most = h.fused_backward_warps if tile > 16384 else 8
+        # fused_backward_warps was measured on row-major tiles (rows of 32000) only; column tiles keep 8
+        most = h.fused_backward_warps if tile > 16384 and not column else 8
         warps = min(most, max(4, tile // 256)) if backward else min(32, max(4, tile // 1024))
         return TritonConfig("fused", block_i, block_n_full, warps)
 
     sms = h.sm_count(problem.device)
-    column = inner > 1 and layout.stride_inner[-1] < layout.stride_n[-1]
     # fewer rows than SMs: chunks that give every SM programs (0: one row, or exchange_tile, a program)
     largest = h.exchange_tile[itemsize] if h.exchange_on() else stream_tile // 2
     fill = 0 if column else fill_tile(layout.rows, n, itemsize, sms, h.fill_per_sm, h.fill_min_bytes, largest,
