@@ -115,10 +115,11 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         matrix): 2, fewer and longer chunks (H200, dim=0 backward, benchmarks/probe_softmax_classes.py,
         2026-11-30, at 16 / 4 / 2: bf16 4096x4096 0.0740 / 0.0628 / 0.0571 ms, 32000x512 0.0751 /
         0.0616 / 0.0553, 8192x1024 0.0399 (16 and 4) / 0.0343; float32 4096x4096 0.1028 / 0.0987 /
-        0.1013). fused_backward_warps: the most warps of a fused backward whose tile is over 16384
-        elements (one warp per 256 tile elements, at least 4; at most 8 for smaller tiles, where more
-        was slower on the H100): 16 (same probe, bf16 rows of 32000: 4096 rows 0.2043 ms at 8 warps,
-        0.1904 at 16, 0.2038 at 32; 8192 rows 0.4112 / 0.3713 / 0.3975).
+        0.1013). fused_backward_warps: the most warps of a fused backward whose row-major tile is
+        over 16384 elements (one warp per 256 tile elements, at least 4; at most 8 for smaller tiles,
+        where more was slower on the H100, and for column tiles, not measured at more): 16 (same
+        probe, bf16 rows of 32000: 4096 rows 0.2043 ms at 8 warps, 0.1904 at 16, 0.2038 at 32; 8192
+        rows 0.4112 / 0.3713 / 0.3975).
         exchange_tile, exchange_warps (by op), exchange_per_sm (by backward): the exchange plan's
         chunk elements per program, warps and programs per SM; best of 12 settings on bf16
         128x262144 and 1024x131072: softmax forward at 16 warps (40 registers a thread once rows
