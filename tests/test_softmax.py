@@ -782,6 +782,19 @@ def test_fused_backward_warps_at_real_sizes():
     assert warps("softmax_backward", (1, 512)) == 4
     assert warps("softmax", (4096, 32000)) == 32                   # the forward: one per 1024, 4 to 32
 
+
+@pytest.mark.parametrize("field, bad", [("column_backward_split_per_sm", 0), ("column_backward_split_per_sm", 2.0),
+                                        ("column_backward_split_per_sm", True), ("fused_backward_warps", 12),
+                                        ("fused_backward_warps", 0), ("fused_backward_warps", 64),
+                                        ("quack_columns", {"softmax": (16384, None)}),
+                                        ("quack_columns", {"softmax": 16384}), ("quack_columns", (16384, 524288))])
+def test_backward_and_quack_heuristics_are_checked(field, bad):
+    """The newer SoftmaxHeuristics fields refuse values a rule or a launch could not use, naming the field."""
+    with pytest.raises(trainops.InvalidProblemError, match=field):
+        softmax_ops.SoftmaxHeuristics(**{field: bad})
+    softmax_ops.SoftmaxHeuristics(column_backward_split_per_sm=1, fused_backward_warps=32,
+                                  quack_columns={"softmax": (0, -1)})
+
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 
 GPU_CASES = [((4096, 32768), -1), ((1024, 131072), -1), ((128, 262144), -1), ((32, 512, 4096), 1),

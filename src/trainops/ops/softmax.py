@@ -166,10 +166,29 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     quack_column_multiple: int = QUACK_COLUMN_MULTIPLE
 
     def __post_init__(self):
+        """The fields added with the quack backend and the backward's H200 defaults, checked here (a
+        wrong one would otherwise fail inside a rule or a kernel launch without naming itself)."""
+        def whole(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
         value = self.quack_column_multiple
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not whole(value) or value < 1:
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_column_multiple",
                                  f"must be an int >= 1 (1: any length), got {value!r}")
+        value = self.column_backward_split_per_sm
+        if not whole(value) or value < 1:
+            raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "column_backward_split_per_sm",
+                                 f"must be an int >= 1, got {value!r}")
+        value = self.fused_backward_warps
+        if not whole(value) or value not in (4, 8, 16, 32):
+            raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "fused_backward_warps",
+                                 f"must be 4, 8, 16 or 32 (a warp count), got {value!r}")
+        columns = self.quack_columns
+        if not isinstance(columns, Mapping) or not all(
+                isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(whole(b) for b in bounds)
+                for bounds in columns.values()):
+            raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_columns",
+                                 f"must map op names to (fewest, most) int pairs, got {columns!r}")
 
 
 # ----------------------------------------------------------------------------------------------
