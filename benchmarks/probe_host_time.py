@@ -92,26 +92,36 @@ def _stub_launches() -> None:
     _STUB[0] = True
 
 
+_COPY: list = []   # the floors' Triton copy kernel, made on first use (Triton is imported only then)
+
+
+def _copy_launcher(grid: int, block: int):
+    """trainops.launch.launcher of a plain Triton copy y[i] = x[i] over ``grid`` programs of ``block``
+    elements (the floors' one kernel)."""
+    from trainops.launch import launcher
+
+    if not _COPY:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+        _COPY.append(_copy)
+    return launcher(_COPY[0], (grid,), BLOCK=block, num_warps=4)
+
+
 def _floor_case(device: torch.device, dtype: torch.dtype, rand):
     """The issue's floor: a minimal autograd.Function launching one Triton kernel (a copy) each way
     through trainops.launch.launcher, one output allocated each way; torch's softmax 64x4096 forward
     + backward beside it. None where no Triton kernel can run (CPU without --python-only)."""
     if not _STUB[0] and device.type != "cuda":
         return None
-    import triton
-    import triton.language as tl
-
-    from trainops.launch import launcher
-
-    @triton.jit
-    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
-
     x = rand(64, 4096, grad=True)
     dy = rand(64, 4096)
     n, block = x.numel(), 4096
-    launch = (lambda *a: None) if _STUB[0] else launcher(_copy, (triton.cdiv(n, block),), BLOCK=block, num_warps=4)
+    launch = (lambda *a: None) if _STUB[0] else _copy_launcher(-(-n // block), block)
 
     class Floor(torch.autograd.Function):
         @staticmethod
@@ -147,19 +157,9 @@ def _floor_forward_case(device: torch.device, dtype: torch.dtype, rand, custom_o
     no Triton kernel can run (CPU without --python-only)."""
     if not _STUB[0] and device.type != "cuda":
         return None
-    import triton
-    import triton.language as tl
-
-    from trainops.launch import launcher
-
-    @triton.jit
-    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
-
     x = rand(64, 64)
     n = x.numel()
-    launch = (lambda *a: None) if _STUB[0] else launcher(_copy, (1,), BLOCK=4096, num_warps=4)
+    launch = (lambda *a: None) if _STUB[0] else _copy_launcher(1, 4096)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(t)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import (RunResult, autocast_dtype, checked_plot_path, curves_table, median, parameter_groups,
-                     peak_memory_mb, plot_curves, results_table, show_progress)
+                     parse_runs, peak_memory_mb, plot_curves, results_table, show_progress)
 
 CNN_CONFIGS = {
     # tiny: CI. small: the CPU default, about a minute on 2 cores. resnet18: ResNet-18's widths (GPU).
@@ -339,13 +339,7 @@ def main_cnn(parser, args) -> int:
     if args.runs is not None:
         if args.compare:
             parser.error("argument --runs: names the runs itself; leave out --compare")
-        runs = [name.strip() for name in args.runs.split(",")]
-        unknown = [name for name in runs if name not in CNN_RUNS]
-        if unknown or not runs:
-            parser.error(f"argument --runs: {', '.join(map(repr, unknown)) or 'nothing'} is not a --model cnn run; "
-                         f"choose from {', '.join(CNN_RUNS)} (comma-separated)")
-        if len(set(runs)) != len(runs):
-            parser.error(f"argument --runs: a run is named twice in {args.runs!r}")
+        runs = parse_runs(parser, args.runs, CNN_RUNS, "a --model cnn run")
     else:
         runs = ["trainops"] + (["pytorch", "pytorch-compile"] if args.compare else [])
     device = args.device

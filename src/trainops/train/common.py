@@ -130,6 +130,19 @@ def learning_rate(cfg, step: int) -> float:
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def parse_runs(parser: argparse.ArgumentParser, text: str, choices, kind: str = "a run") -> list[str]:
+    """``--runs``'s comma-separated names, each one of ``choices`` and none twice, or parser.error
+    naming the argument (``kind``: what a name must be, e.g. "a --model cnn run")."""
+    runs = [name.strip() for name in text.split(",")]
+    unknown = [name for name in runs if name not in choices]
+    if unknown or not runs:
+        parser.error(f"argument --runs: {', '.join(map(repr, unknown)) or 'nothing'} is not {kind}; "
+                     f"choose from {', '.join(choices)} (comma-separated)")
+    if len(set(runs)) != len(runs):
+        parser.error(f"argument --runs: a run is named twice in {text!r}")
+    return runs
+
+
 def check_optimizer_options(parser: argparse.ArgumentParser, args: argparse.Namespace, amp: str) -> None:
     """parser.error naming the flag for the optimizer options' combinations the trainops run
     cannot do (``amp``: the run's autocast, none | fp16 | bf16, defaults resolved), before any work.

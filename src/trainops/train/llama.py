@@ -299,13 +299,7 @@ def _runs_to_train(parser, args, device: torch.device) -> tuple[list[str], list[
             parser.error("argument --runs: names the runs itself; leave out --compare")
         if args.compile:
             parser.error("argument --compile: with --runs, name trainops-compile or pytorch-compile instead")
-        runs = [name.strip() for name in args.runs.split(",")]
-        unknown = [name for name in runs if name not in RUNS]
-        if unknown or not runs:
-            parser.error(f"argument --runs: {', '.join(map(repr, unknown)) or 'nothing'} is not a run; "
-                         f"choose from {', '.join(RUNS)} (comma-separated)")
-        if len(set(runs)) != len(runs):
-            parser.error(f"argument --runs: a run is named twice in {args.runs!r}")
+        runs = common.parse_runs(parser, args.runs, RUNS)
         if "liger" in runs:
             reason = liger_unavailable_reason(device)
             if reason:
