@@ -339,9 +339,16 @@ def test_sweep_command_on_the_cpu_writes_rows_summary_and_chart(tmp_path, capsys
     assert saved["issue42_problems_run"] == {family: n for family, n in fixed.items() if n}
     assert {c for s in saved["summary"].values() for c in s["issue42_classes"]} == set(sweep.ISSUE42_CLASSES)
     assert "issue 42's shape classes against the best peer" in printed
+    assert "kernel time: rows by method: none" in printed   # no GPU: no kernel time, and the summary says so
+    for family, s in saved["summary"].items():
+        assert s["kernel_problems"] == 0 and s["geomean_speedup_kernel_best_of"] is None
+        assert s["worst_kernel_best_of"] is None and s["kernel_methods"] == {"none": len(
+            [r for r in saved["rows"] if r["family"] == family])}
+        assert all(c["kernel_geomean"] is None and c["kernel_worst"] is None for c in s["issue42_classes"].values())
     for row in saved["rows"]:   # every implementation checked against float64 before it was timed
         assert row["error"] is not None and row["error"] < sweep.TOLERANCE[getattr(torch, row["dtype"])]
         assert row["family"] == row["op"] and row["impl"] in ("trainops", "torch")
+        assert row["kernel_ms"] is None and row["kernel_method"] is None and row["kernel_reason"] == "cpu"
     rows = sweep.load_rows(out)
     assert json.loads(json.dumps(sweep.summarise(rows))) == saved["summary"]
     assert os.path.getsize(out[:-5] + ".png") > 1000
@@ -421,13 +428,14 @@ def _no_quack(monkeypatch):
     monkeypatch.setitem(sys.modules, "quack.softmax", None)
 
 
-def _sweep_rows(family, shape, dim=-1, dtype=torch.bfloat16, issue42_class=None):
+def _sweep_rows(family, shape, dim=-1, dtype=torch.bfloat16, issue42_class=None, kernel_timer=None):
     from trainops.bench import sweep
 
     length = shape[dim]
     problem = dict(shape=shape, dim=dim, dtype=dtype, row_length=length, rows=shape[0] * shape[-1] // length,
                    issue42_class=issue42_class)
-    return sweep.run_problem(family, problem, "cpu", compiled=False, peers=True, ceiling=None, log=lambda *a: None)
+    return sweep.run_problem(family, problem, "cpu", compiled=False, peers=True, ceiling=None, log=lambda *a: None,
+                             kernel_timer=kernel_timer)
 
 
 SWEEP_QUACK_FAMILIES = [("softmax", "softmax"), ("softmax_backward", "softmax_bwd"),
@@ -506,7 +514,8 @@ def test_sweep_summary_best_of_peers_and_issue42_classes():
     assert summary["peer_failed"] == {"quack": 1}
     assert summary["geomean_speedup_best_of"] == round((0.5 * 2.0 * 0.8 * 2.0) ** 0.25, 3)
     assert summary["worst_best_of"] == (0.5, "a", "quack") and summary["slower_best_of"] == 2
-    assert summary["issue42_classes"] == {
+    host_keys = ("problems", "geomean_speedup_best_of", "worst_best_of")
+    assert {cls: {k: c[k] for k in host_keys} for cls, c in summary["issue42_classes"].items()} == {
         "quack_table": {"problems": 2, "geomean_speedup_best_of": 1.0, "worst_best_of": (0.5, "a", "quack")},
         "few_long_rows": {"problems": 1, "geomean_speedup_best_of": 0.8, "worst_best_of": (0.8, "c", "torch")}}
     text = "\n".join(sweep.summary_lines({"softmax": summary}))
@@ -519,6 +528,7 @@ def test_sweep_summary_best_of_peers_and_issue42_classes():
     (["--sweep", "--sweep-seconds", "-1"], "argument --sweep-seconds: must be above 0"),
     (["--sweep", "--ops", "softmax,layer_norm"], "argument --ops: layer_norm not among the sweep's families"),
     (["--sweep-shapes", "5"], "only with --sweep"),
+    (["--no-sweep-kernel-time"], "only with --sweep"),
     (["--sweep", "--ops", "softmax,softmax"], "argument --ops: a family is named twice"),
     (["--sweep", "--quick"], "argument --sweep: times torch.compile on every shape"),
 ])
@@ -537,3 +547,132 @@ def test_relative_error_of_tuples_is_the_largest_pair():
     ref = (torch.ones(3, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
     assert _relative_error((torch.ones(3), torch.ones(2)), ref) == 0.0
     assert _relative_error((torch.ones(3), torch.tensor([1.0, 1.5])), ref) > 0.3   # a gradient off is caught
+
+
+# ---- the sweep's GPU kernel time (host left out) -------------------------------------------------
+
+def _fake_cudagraph(monkeypatch, result):
+    """triton.testing.do_bench_cudagraph replaced: calls fn once, then returns ``result(fn)`` or raises it."""
+    import triton.testing
+
+    seen = []
+
+    def fake(fn, rep=20, grad_to_none=None, quantiles=None, return_mode="mean"):
+        seen.append((rep, return_mode))
+        fn()
+        if isinstance(result, Exception):
+            raise result
+        return result
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake)
+    return seen
+
+
+def test_sweep_row_records_kernel_time_and_method(monkeypatch):
+    """Each implementation's row: the host-inclusive ms from the timer, and beside it the CUDA
+    graph's kernel time (kernel_ms, kernel_method "cudagraph", no reason); on the CPU, None and why."""
+    from trainops.bench import sweep
+
+    seen = _fake_cudagraph(monkeypatch, 0.0123)
+    monkeypatch.setattr(bench, "kernel_ms", lambda *a, **k: pytest.fail("the profiler ran though capture worked"))
+    rows = _sweep_rows("softmax", (4, 64), kernel_timer=sweep.kernel_time)
+    assert {r.impl for r in rows} == {"trainops", "torch"} and len(seen) == 2
+    assert seen[0] == (sweep.KERNEL_REP_MS, "median")
+    for r in rows:
+        assert r.fields["kernel_ms"] == 0.0123 and r.fields["kernel_method"] == "cudagraph"
+        assert r.fields["kernel_reason"] is None and r.ms != 0.0123   # the host-inclusive ms is the timer's
+    for r in _sweep_rows("softmax", (4, 64)):   # the CPU: no kernel time, never the host's
+        assert (r.fields["kernel_ms"], r.fields["kernel_method"], r.fields["kernel_reason"]) == (None, None, "cpu")
+
+
+def test_sweep_kernel_time_falls_back_to_the_profiler_when_capture_fails(monkeypatch):
+    """A call a CUDA graph cannot capture: the profiler's kernel sum, method "profiler", the capture's
+    error as the reason; where the profiler fails or sees no kernel, None with both reasons."""
+    from trainops.bench import sweep
+
+    _fake_cudagraph(monkeypatch, RuntimeError("operation not permitted when stream is capturing"))
+    profiled = []
+
+    def fake_kernel_ms(fn, steps=20, windows=1, warmup=1):
+        profiled.append((steps, windows))
+        fn()
+        return 0.0042
+    monkeypatch.setattr(bench, "kernel_ms", fake_kernel_ms)
+    rows = _sweep_rows("cross_entropy", (4, 64), kernel_timer=sweep.kernel_time)
+    assert len(rows) == 2 and profiled == [(sweep.PROFILER_STEPS, sweep.PROFILER_WINDOWS)] * 2
+    for r in rows:
+        assert r.fields["kernel_ms"] == 0.0042 and r.fields["kernel_method"] == "profiler"
+        assert r.fields["kernel_reason"] == "cudagraph: RuntimeError: operation not permitted when stream is capturing"
+    monkeypatch.setattr(bench, "kernel_ms", lambda *a, **k: 0.0)   # no CUDA kernel seen
+    got = sweep.kernel_time(lambda: None)
+    assert got["kernel_ms"] is None and got["kernel_method"] is None
+    assert got["kernel_reason"].startswith("cudagraph: RuntimeError") and "the profiler saw no CUDA kernel" in got[
+        "kernel_reason"]
+
+    def broken(*a, **k):
+        raise RuntimeError("CUPTI unavailable")
+    monkeypatch.setattr(bench, "kernel_ms", broken)
+    got = sweep.kernel_time(lambda: None)
+    assert got["kernel_ms"] is None and "profiler: RuntimeError: CUPTI unavailable" in got["kernel_reason"]
+
+
+def _kernel_rows(case, ms, kernel, cls=None):
+    fields = {"family": "softmax", "row_length": 64, "rows": 4, "dtype": "bfloat16", "dim": -1,
+              "issue42_class": cls, "peers_failed": {}}
+    return [Row("softmax", case, impl, t, 1.0, None, 0.0, None,
+                {**fields, "kernel_ms": kernel.get(impl), "kernel_method": "cudagraph" if kernel.get(impl) else None})
+            for impl, t in ms.items()]
+
+
+def test_sweep_summary_kernel_time_best_of_beside_host_inclusive():
+    """summarise's kernel-time figures come from kernel_ms against the same peers, beside the
+    host-inclusive ones (unchanged); a peer without a kernel time is left out of that problem's
+    kernel best-of, a problem where trainops has none is left out, and both are counted."""
+    from trainops.bench import sweep
+
+    rows = (_kernel_rows("a", {"trainops": 1.0, "torch": 2.0, "torch.compile": 1.5, "quack": 0.5},
+                         {"trainops": 0.4, "torch": 0.5, "torch.compile": 0.6, "quack": 0.45}, "quack_table")
+            + _kernel_rows("b", {"trainops": 1.0, "torch": 4.0, "torch.compile": 3.0, "quack": 2.0},
+                           {"trainops": 0.5, "torch": 0.45, "torch.compile": 0.9, "quack": None}, "quack_table")
+            + _kernel_rows("c", {"trainops": 1.0, "torch": 0.8, "torch.compile": 1.2},
+                           {"torch": 0.1, "torch.compile": 0.2}, "few_long_rows")
+            + _kernel_rows("d", {"trainops": 1.0, "torch": 2.0, "torch.compile": 2.0},
+                           {"trainops": 0.2, "torch": 0.3, "torch.compile": 0.25}))
+    s = sweep.summarise(rows)["softmax"]
+    # host-inclusive: as before
+    assert s["worst_best_of"] == (0.5, "a", "quack") and s["slower_best_of"] == 2
+    assert s["geomean_speedup_best_of"] == round((0.5 * 2.0 * 0.8 * 2.0) ** 0.25, 3)
+    # kernel time: a 0.45/0.4 (quack), b 0.45/0.5 (torch; quack has none), d 0.25/0.2 (torch.compile); c left out
+    assert s["kernel_problems"] == 3 and s["slower_kernel_best_of"] == 1
+    assert s["geomean_speedup_kernel_best_of"] == round((1.125 * 0.9 * 1.25) ** (1 / 3), 3)
+    assert s["worst_kernel_best_of"] == (0.9, "b", "torch") != s["worst_best_of"]
+    assert s["kernel_missing"] == {"quack": 1, "trainops": 1}
+    assert s["kernel_methods"] == {"cudagraph": 12, "none": 2}
+    qt, flr = s["issue42_classes"]["quack_table"], s["issue42_classes"]["few_long_rows"]
+    assert qt["worst_best_of"] == (0.5, "a", "quack") and qt["kernel_worst"] == (0.9, "b", "torch")
+    assert qt["kernel_problems"] == 2 and qt["kernel_geomean"] == round((1.125 * 0.9) ** 0.5, 3)
+    assert flr["worst_best_of"] == (0.8, "c", "torch") and flr["problems"] == 1
+    assert flr["kernel_problems"] == 0 and flr["kernel_geomean"] is None and flr["kernel_worst"] is None
+    text = "\n".join(sweep.summary_lines({"softmax": s}))
+    assert "(0.5, 'a', 'quack'); (0.9, 'b', 'torch')" in text and f"{s['geomean_speedup_kernel_best_of']:.2f}x" in text
+    assert "without one (problems): quack 1, trainops 1" in text
+
+
+def test_sweep_summary_leaves_out_problems_whose_peers_have_no_kernel_time():
+    from trainops.bench import sweep
+
+    s = sweep.summarise(_kernel_rows("a", {"trainops": 1.0, "torch": 2.0}, {"trainops": 0.3}, "vocab_rows"))["softmax"]
+    assert s["problems"] == 1 and s["worst_best_of"] == (2.0, "a", "torch")
+    assert s["kernel_problems"] == 0 and s["geomean_speedup_kernel_best_of"] is None
+    assert s["worst_kernel_best_of"] is None and s["kernel_missing"] == {"torch": 1}
+    assert s["issue42_classes"]["vocab_rows"]["kernel_worst"] is None
+    assert sweep.summary_lines({"softmax": s})[-1].split()[3:5] == ["2.00x", "-"]   # host geomean; kernel: none
+
+
+def test_sweep_kernel_time_flag_reaches_the_sweep(monkeypatch):
+    from trainops.__main__ import main
+    from trainops.bench import sweep
+
+    got = []
+    monkeypatch.setattr(sweep, "main", lambda *a, **k: got.append(k["kernel"]) or 0)
+    for argv, kernel in (([], True), (["--sweep-kernel-time"], True), (["--no-sweep-kernel-time"], False)):
+        assert main(["bench", "--sweep"] + argv) == 0 and got.pop() is kernel

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sweep-shapes", type=int, default=200, help="with --sweep: problems per family (default 200)")
     bench.add_argument("--sweep-seconds", type=float, default=None,
                        help="with --sweep: start no new problem after this many seconds")
+    bench.add_argument("--sweep-kernel-time", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --sweep: also time each implementation's GPU kernels without the host (a CUDA "
+                            "graph's replay, or torch.profiler's kernel sum where capture fails), reported beside "
+                            "the host-inclusive time (default on; about doubles each problem's timing)")
     bench.add_argument("--compiled-choice", action="store_true",
                        help="measure our kernels against Inductor's fusion of their decompositions under "
                             "torch.compile (trainops.compiled); --write-table PATH writes the table trainops ships; "
@@ -91,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return compiled_choice.main(args.out, args.write_table, chosen)
     if step.given(args):
         return step.main(args, bench.error)
-    if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None):
-        bench.error("argument --sweep-shapes/--sweep-seconds: only with --sweep")
+    if not args.sweep and (args.sweep_shapes != 200 or args.sweep_seconds is not None
+                           or args.sweep_kernel_time is not None):
+        bench.error("argument --sweep-shapes/--sweep-seconds/--sweep-kernel-time: only with --sweep")
     if args.sweep:
         from .bench import sweep
         if args.quick or args.no_peers:
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             bench.error(f"argument --ops: {', '.join(unknown)} not among the sweep's families "
                         f"({', '.join(sweep.FAMILIES)}), or 'all'")
-        return sweep.main(args.sweep_shapes, args.sweep_seconds, families, args.out)
+        return sweep.main(args.sweep_shapes, args.sweep_seconds, families, args.out,
+                          kernel=args.sweep_kernel_time is not False)
     if args.ops != "all":
         from .registry import ops as registered_ops
         unknown = sorted(set(args.ops.split(",")) - set(registered_ops()))

@@ -201,7 +201,8 @@ def _free_device_memory() -> None:
 
 def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
               timer: Callable[[Callable, Timing], float] | None = None, same_copy: bool = True,
-              failed: list | None = None) -> list[Row]:
+              failed: list | None = None, kernel_timer: Callable[[Callable, Timing], dict] | None = None
+              ) -> list[Row]:
     """Build each case, check each implementation against the reference, time it, free it.
 
     ``ceiling``: the large copy's GB/s (None: the CPU path, no % of copy, CPU timing). ``timer``:
@@ -210,7 +211,10 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
     own get None there). A failing implementation is reported and left out, but "trainops"
     itself, and a trainops implementation outside its case's tolerance, stop the run. ``failed``:
     a list that receives ``(op, label, impl, "ExceptionType: message")`` for each implementation
-    left out (the sweep records its failed peers from it).
+    left out (the sweep records its failed peers from it). ``kernel_timer``: ``kernel_timer(call,
+    timing) -> dict`` of extra row fields, called after ``timer`` in the implementation's context
+    (the sweep's GPU kernel time: ``kernel_ms``, ``kernel_method``, ``kernel_reason``); it reports
+    its own failures in those fields rather than raising.
     """
     timer = timer or (time_cpu if ceiling is None else time_gpu)
     rows: list[Row] = []
@@ -236,6 +240,8 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
                     if tolerance is not None and error is not None and not error <= tolerance:
                         raise CheckFailed(f"relative error {error:.2e} > tolerance {tolerance:.1e}")
                     ms = timer(call, timing)
+                    if kernel_timer is not None:
+                        fields = {**fields, **kernel_timer(call, timing)}
             except Exception as e:  # a peer that fails on a shape is reported, not fatal
                 log(f"  {case.op} {case.label}: {name} failed: {type(e).__name__}: {str(e)[:160]}")
                 if failed is not None:
@@ -254,7 +260,9 @@ def run_cases(cases, *, peers: bool, ceiling: float | None, log=print,
             err = "-" if error is None else f"{error:.1e}"
             log(f"  {case.op:20s} {case.label:40s} {name:28s} {ms:9.4f} ms {gbps:7.0f} GB/s"
                 + (f" {pct:5.1f}%" if pct is not None else "")
-                + (f" ({same:5.1f}% of same-size copy)" if same is not None else "") + f"  err {err}")
+                + (f" ({same:5.1f}% of same-size copy)" if same is not None else "") + f"  err {err}"
+                + (f"  kernel {fields['kernel_ms']:.4f} ms ({fields.get('kernel_method')})"
+                   if fields.get("kernel_ms") is not None else ""))
         del impls, ref, built
         _free_device_memory()
     return rows

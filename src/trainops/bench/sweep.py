@@ -45,11 +45,24 @@ slower on, and the median % of the copy ceiling of odd and of even row lengths (
 against the best of every peer that ran (``best_of``: which peers; ``geomean_speedup_best_of``,
 ``worst_best_of``, ``slower_best_of``, ``peer_problems``, ``peer_failed``) and per issue 42 class
 the worst ratio against the best peer (``issue42_classes``). ``chart`` draws the best peer's ms /
-trainops ms against row length, one panel per family.
+trainops ms against row length, one panel per family (host-inclusive).
+
+Kernel time (issue 42's target is in GPU kernel time; do_bench's median includes the host's
+launch cost, which dominates small problems): each implementation is also timed without the host
+(``kernel_time``): ``triton.testing.do_bench_cudagraph`` (calls captured in a CUDA graph and
+replayed; no L2 flush between calls), and where capture fails the CUDA kernels' device time
+summed per call under torch.profiler (``trainops.bench.kernel_ms``). Rows carry ``kernel_ms``,
+``kernel_method`` ("cudagraph", "profiler" or None) and ``kernel_reason`` (why not a graph: the
+capture's error, "cpu", "off"; None for a graph); kernel_ms is None, never the host time, where
+neither worked. ``summarise`` puts the kernel-time best-of beside the host-inclusive one
+(``geomean_speedup_kernel_best_of``, ``worst_kernel_best_of``, per class ``kernel_geomean`` and
+``kernel_worst``; rows without a kernel time left out and counted in ``kernel_missing``). It
+about doubles each problem's timing (``--no-sweep-kernel-time`` leaves it out).
 
 ``seconds``: no new problem starts after that much time (the run says how many ran, of the
 classes and of the draws). Without a GPU (``cpu=True``) the same code runs the CPU path on a few
-small shapes, eager only, no peers: a self-check of the harness, not a benchmark. There issue 42's
+small shapes, eager only, no peers, no kernel time (kernel_reason "cpu"): a self-check of the
+harness, not a benchmark. There issue 42's
 classes are scaled down (``_scaled_down``: the largest axis halved until the shape fits the CPU's
 1 << 14 elements) to one problem per family and class (8, the dim=0 backward among them), which
 checks their path, not their sizes.
@@ -77,6 +90,10 @@ ROW_COUNTS = (1, 2, 7, 32, 64, 100, 255, 512, 1000, 2048, 4097, 8192, 16384, 327
 DTYPES = (torch.bfloat16, torch.bfloat16, torch.float16, torch.float32)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 SWEEP_TIMING = Timing(warmup=10, rep=60)
+# do_bench_cudagraph replays its graph (about ``rep`` ms of calls) 10 times: a tenth of the host-inclusive
+# timing's ms keeps the kernel time of a row about as long as its host-inclusive time
+KERNEL_REP_MS = SWEEP_TIMING.rep / 10
+PROFILER_STEPS, PROFILER_WINDOWS = 10, 3   # the fallback: kernels summed over 10 calls, median of 3 profiles
 LARGE_BYTES = 64 << 20   # shapes moving at least this much are judged against the copy ceiling
 
 
@@ -352,17 +369,63 @@ def sweep_case(family: str, problem: dict, device, compiled: bool) -> Case:
     return Case(family, label, nbytes, build, fields, SWEEP_TIMING, TOLERANCE[dtype])
 
 
+def kernel_time(call, timing: Timing = SWEEP_TIMING) -> dict:
+    """The GPU kernel time of one call, without the host: row fields ``kernel_ms``,
+    ``kernel_method`` and ``kernel_reason``. First ``triton.testing.do_bench_cudagraph`` (the calls
+    captured in a CUDA graph and replayed: GPU time only, median of its replays, ``KERNEL_REP_MS``;
+    unlike do_bench it flushes no L2 between calls), method "cudagraph", reason None. Where capture
+    fails (a call that synchronises, or allocates or launches through a path a graph cannot
+    capture), ``trainops.bench.kernel_ms``: the CUDA kernels' device time summed per call under
+    torch.profiler (``PROFILER_STEPS`` calls, median of ``PROFILER_WINDOWS``), method "profiler",
+    the capture's error as the reason. Where that fails too (or sees no kernel), kernel_ms and
+    method None, both errors the reason: never the host-inclusive time."""
+    import triton.testing
+
+    from . import kernel_ms
+
+    try:
+        ms = triton.testing.do_bench_cudagraph(call, rep=KERNEL_REP_MS, return_mode="median")
+        return {"kernel_ms": round(ms, 4), "kernel_method": "cudagraph", "kernel_reason": None}
+    except Exception as e:   # not capturable: fall back to the profiler's kernel sum
+        reason = f"cudagraph: {type(e).__name__}: {str(e)[:160]}"
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()   # what the failed capture left queued
+        except Exception:
+            pass
+    try:
+        ms = kernel_ms(call, steps=PROFILER_STEPS, windows=PROFILER_WINDOWS)
+        if not ms > 0:
+            raise RuntimeError("the profiler saw no CUDA kernel")
+        return {"kernel_ms": round(ms, 4), "kernel_method": "profiler", "kernel_reason": reason}
+    except Exception as e:
+        return {"kernel_ms": None, "kernel_method": None,
+                "kernel_reason": f"{reason}; profiler: {type(e).__name__}: {str(e)[:160]}"}
+
+
+def no_kernel_time(reason: str):
+    """A kernel timer that measures nothing: kernel_ms and kernel_method None, ``reason`` ("cpu":
+    the CPU self-check; "off": ``--no-sweep-kernel-time``)."""
+    def timer(call, timing=None) -> dict:
+        return {"kernel_ms": None, "kernel_method": None, "kernel_reason": reason}
+    return timer
+
+
 def run_problem(family: str, problem: dict, device, *, compiled: bool, peers: bool, ceiling: float | None,
-                log=print, timer=None) -> list:
+                log=print, timer=None, kernel_timer=None) -> list:
     """The rows of one problem (``run_cases`` on its ``sweep_case``), each carrying which peers
     ran and their ms (``peers_ms``), which failed and why (``peers_failed``: an error, or a result
     outside the tolerance; left out of every best-of) and which are installed but have no call for
-    the problem (``peers_unavailable``: quack's softmax backward where quack lacks ``softmax_bwd``)."""
+    the problem (``peers_unavailable``: quack's softmax backward where quack lacks ``softmax_bwd``),
+    and the implementation's GPU kernel time (``kernel_timer``, default ``kernel_time`` on a GPU,
+    ``no_kernel_time("cpu")`` on the CPU: ``kernel_ms``, ``kernel_method``, ``kernel_reason``)."""
     from . import run_cases
 
+    if kernel_timer is None:
+        kernel_timer = no_kernel_time("cpu") if torch.device(device).type == "cpu" else kernel_time
     failed: list = []
     rows = run_cases([sweep_case(family, problem, device, compiled)], peers=peers, ceiling=ceiling, log=log,
-                     timer=timer, same_copy=False, failed=failed)
+                     timer=timer, same_copy=False, failed=failed, kernel_timer=kernel_timer)
     ran = {r.impl: r.ms for r in rows if r.impl != "trainops"}
     lost = {impl: why for _, _, impl, why in failed}
     for r in rows:
@@ -398,7 +461,15 @@ def summarise(rows) -> dict:
     it ran; a failed peer has no row and is never the best): ``best_of`` (the peers that entered
     it), ``peer_problems`` / ``peer_failed`` (problems each peer ran / failed on),
     ``geomean_speedup_best_of``, ``worst_best_of``, ``slower_best_of``, and per issue 42 class
-    (``issue42_classes``): problems, geomean and the worst (ratio, shape, fastest peer)."""
+    (``issue42_classes``): problems, geomean and the worst (ratio, shape, fastest peer).
+
+    The same best-of in GPU kernel time (the rows' ``kernel_ms``, the same peers): a peer without
+    a kernel time is left out of the problem's kernel best-of, a problem where trainops or every
+    peer has none is left out of the kernel figures, and each is counted (``kernel_missing``:
+    implementation -> problems). ``kernel_problems``, ``geomean_speedup_kernel_best_of``,
+    ``worst_kernel_best_of``, ``slower_kernel_best_of``, ``kernel_methods`` (method -> rows, "none"
+    for rows without a kernel time), and per class ``kernel_problems``, ``kernel_geomean``,
+    ``kernel_worst``; None where no problem had kernel times (the CPU self-check)."""
     by_case: dict = {}
     for r in rows:
         by_case.setdefault((r.op, r.case), {})[r.impl] = r
@@ -409,7 +480,9 @@ def summarise(rows) -> dict:
         if ours is None or not others:
             continue
         s = out.setdefault(family, {**_ratios(), "odd_pct": [], "even_pct": [], "best_of": set(), "peer_problems": {},
-                                    "peer_failed": {}, "best_of_ratios": _ratios(), "classes": {}})
+                                    "peer_failed": {}, "best_of_ratios": _ratios(), "classes": {},
+                                    "kernel_ratios": _ratios(), "kernel_classes": {}, "kernel_missing": {},
+                                    "kernel_methods": {}})
         torch_peers = [r for r in others if r.impl in PEERS_TORCH]
         if torch_peers:
             best = min(torch_peers, key=lambda r: r.ms)
@@ -424,6 +497,18 @@ def summarise(rows) -> dict:
             s["peer_problems"][r.impl] = s["peer_problems"].get(r.impl, 0) + 1
         for impl in ours.fields.get("peers_failed") or {}:
             s["peer_failed"][impl] = s["peer_failed"].get(impl, 0) + 1
+        for r in (ours, *others):
+            method = r.fields.get("kernel_method") if r.fields.get("kernel_ms") is not None else None
+            s["kernel_methods"][method or "none"] = s["kernel_methods"].get(method or "none", 0) + 1
+            if r.fields.get("kernel_ms") is None:
+                s["kernel_missing"][r.impl] = s["kernel_missing"].get(r.impl, 0) + 1
+        timed = [r for r in others if r.fields.get("kernel_ms") is not None]
+        if ours.fields.get("kernel_ms") is not None and timed:
+            best = min(timed, key=lambda r: r.fields["kernel_ms"])
+            ratio = best.fields["kernel_ms"] / ours.fields["kernel_ms"]
+            _add_ratio(s["kernel_ratios"], ratio, case, best.impl)
+            if cls is not None:
+                _add_ratio(s["kernel_classes"].setdefault(cls, _ratios()), ratio, case, best.impl)
         nbytes = ours.gbps * 1e6 * ours.ms
         if ours.pct_of_copy is not None and nbytes >= LARGE_BYTES:
             s["odd_pct" if ours.fields["row_length"] % 2 else "even_pct"].append(ours.pct_of_copy)
@@ -435,9 +520,16 @@ def summarise(rows) -> dict:
         s["best_of"] = sorted(s["best_of"])
         b = s.pop("best_of_ratios")
         s["geomean_speedup_best_of"], s["worst_best_of"], s["slower_best_of"] = _geomean(b), b["worst"], b["slower"]
-        classes = s.pop("classes")
+        k = s.pop("kernel_ratios")
+        s["kernel_problems"] = k["problems"]
+        s["geomean_speedup_kernel_best_of"], s["worst_kernel_best_of"] = _geomean(k), k["worst"]
+        s["slower_kernel_best_of"] = k["slower"]
+        classes, kernel_classes = s.pop("classes"), s.pop("kernel_classes")
         s["issue42_classes"] = {cls: {"problems": c["problems"], "geomean_speedup_best_of": _geomean(c),
                                       "worst_best_of": c["worst"]} for cls, c in classes.items()}
+        for cls, c in s["issue42_classes"].items():
+            kc = kernel_classes.get(cls, _ratios())
+            c.update(kernel_problems=kc["problems"], kernel_geomean=_geomean(kc), kernel_worst=kc["worst"])
     return out
 
 
@@ -449,6 +541,10 @@ def best_of_words(summary: dict) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
+def _x(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def summary_lines(summary: dict) -> list[str]:
     lines = [f"{'family':18s} {'shapes':>6s} {'geomean':>8s} {'slower':>6s} {'odd %copy':>9s} {'even %copy':>10s}  "
              "worst (ratio, shape, fastest torch)"]
@@ -458,22 +554,32 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"{family:18s} {s['problems']:6d} {geomean:>8s} {s['slower']:6d} "
                      f"{'-' if odd is None else f'{odd:.1f}':>9s} {'-' if even is None else f'{even:.1f}':>10s}  "
                      f"{s['worst']}")
-    lines += ["", f"against the best of {best_of_words(summary)} (per problem, the peers that ran and passed):",
-              f"{'family':18s} {'geomean':>8s} {'slower':>6s}  {'best of (problems run, failed)':44s}  "
-              "worst (ratio, shape, fastest peer)"]
+    lines += ["", f"against the best of {best_of_words(summary)} (per problem, the peers that ran and passed; "
+              "kernel: GPU kernel time, host left out):",
+              f"{'family':18s} {'geomean':>8s} {'slower':>6s} {'kernel':>8s} {'slower':>6s}  "
+              f"{'best of (problems run, failed)':44s}  worst (ratio, shape, fastest peer); kernel worst"]
     for family, s in summary.items():
         peers = ", ".join(f"{p} {s['peer_problems'][p]}" + (f" ({s['peer_failed'][p]} failed)" if p in s["peer_failed"]
                                                             else "") for p in s["best_of"])
         failed_only = [p for p in s["peer_failed"] if p not in s["best_of"]]
         peers += "".join(f", {p} 0 ({s['peer_failed'][p]} failed)" for p in failed_only)
-        lines.append(f"{family:18s} {s['geomean_speedup_best_of']:7.2f}x {s['slower_best_of']:6d}  {peers:44s}  "
-                     f"{s['worst_best_of']}")
+        kernel = _x(s.get("geomean_speedup_kernel_best_of"))
+        kernel_slower = "-" if not s.get("kernel_problems") else str(s["slower_kernel_best_of"])
+        lines.append(f"{family:18s} {s['geomean_speedup_best_of']:7.2f}x {s['slower_best_of']:6d} {kernel:>8s} "
+                     f"{kernel_slower:>6s}  {peers:44s}  {s['worst_best_of']}; {s.get('worst_kernel_best_of')}")
+    for family, s in summary.items():
+        if s.get("kernel_missing"):
+            methods = ", ".join(f"{m} {n}" for m, n in s["kernel_methods"].items())
+            missing = ", ".join(f"{impl} {n}" for impl, n in s["kernel_missing"].items())
+            lines.append(f"{family:18s} kernel time: rows by method: {methods}; without one (problems): {missing}")
     classes = [(family, cls, c) for family, s in summary.items() for cls, c in s["issue42_classes"].items()]
     if classes:
         lines += ["", "issue 42's shape classes against the best peer:",
-                  f"{'family':18s} {'class':16s} {'shapes':>6s} {'geomean':>8s}  worst (ratio, shape, fastest peer)"]
-        lines += [f"{family:18s} {cls:16s} {c['problems']:6d} {c['geomean_speedup_best_of']:7.2f}x  "
-                  f"{c['worst_best_of']}" for family, cls, c in classes]
+                  f"{'family':18s} {'class':16s} {'shapes':>6s} {'geomean':>8s} {'kernel':>8s}  "
+                  "worst (ratio, shape, fastest peer); kernel worst"]
+        lines += [f"{family:18s} {cls:16s} {c['problems']:6d} {c['geomean_speedup_best_of']:7.2f}x "
+                  f"{_x(c.get('kernel_geomean')):>8s}  {c['worst_best_of']}; {c.get('kernel_worst')}"
+                  for family, cls, c in classes]
     return lines
 
 
@@ -531,8 +637,9 @@ def load_rows(path: str) -> list:
 
 
 def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed: int = 0, cpu: bool = False,
-        log=print) -> tuple[list, dict, dict]:
-    """(rows, summary, meta) of a sweep; see the module docstring."""
+        log=print, kernel: bool = True) -> tuple[list, dict, dict]:
+    """(rows, summary, meta) of a sweep; see the module docstring. ``kernel``: also time each
+    implementation's GPU kernels (``kernel_time``); off, or on the CPU, rows say why not."""
     from . import _free_device_memory, start
 
     env, ceiling = start(cpu, log=log)
@@ -542,6 +649,7 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
               if hasattr(torch._dynamo.config, name)}
     for name in limits:
         setattr(torch._dynamo.config, name, 4096)
+    kernel_timer = no_kernel_time("cpu") if cpu else kernel_time if kernel else no_kernel_time("off")
     started, rows = time.perf_counter(), []
     ran: dict = {}
     skipped: dict = {}
@@ -562,7 +670,7 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
                     not_started[family] = not_started.get(family, 0) + 1
                     continue
                 rows += run_problem(family, problem, device, compiled=not cpu, peers=not cpu, ceiling=ceiling,
-                                    log=log)
+                                    log=log, kernel_timer=kernel_timer)
                 done[family] = done.get(family, 0) + 1
         _free_device_memory()
     finally:
@@ -575,17 +683,17 @@ def run(families=FAMILIES, shapes: int = 200, seconds: float | None = None, seed
             "problems_drawn_as_issue42": repeats,
             "issue42_problems": {family: sum(f == family for f, _ in fixed) for family in families},
             "issue42_problems_run": fixed_ran, "issue42_problems_not_started": fixed_skipped,
-            "issue42_scaled_down": cpu,
+            "issue42_scaled_down": cpu, "kernel_time": None if cpu else kernel,
             "seconds": round(time.perf_counter() - started, 1)}
     return rows, summarise(rows), meta
 
 
 __all__ = ["FAMILIES", "ISSUE42_CLASSES", "ROW_COUNTS", "ROW_LENGTHS", "best_of_words", "chart", "fixed_problems",
-           "load_rows", "plan", "problems", "run", "run_problem", "summarise", "summary_lines", "sweep_case"]
+           "kernel_time", "load_rows", "no_kernel_time", "plan", "problems", "run", "run_problem", "summarise", "summary_lines", "sweep_case"]
 
 
 def main(shapes: int = 200, seconds: float | None = None, families=FAMILIES, out: str | None = None,
-         seed: int = 0) -> int:
+         seed: int = 0, kernel: bool = True) -> int:
     """``python -m trainops bench --sweep``: run, print the per-family summary, write JSON and the chart."""
     import datetime as _dt_module
     import os
@@ -593,7 +701,7 @@ def main(shapes: int = 200, seconds: float | None = None, families=FAMILIES, out
     from . import write_results
 
     cpu = not torch.cuda.is_available()
-    rows, summary, meta = run(families, shapes, seconds, seed, cpu)
+    rows, summary, meta = run(families, shapes, seconds, seed, cpu, kernel=kernel)
     print()
     print("\n".join(summary_lines(summary)))
     if meta["problems_not_started"] or meta["issue42_problems_not_started"]:
