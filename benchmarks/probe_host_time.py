@@ -75,8 +75,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if error != error else error
 
 
-def _stub_launches() -> None:
-    """Every op module's ``launcher`` made a no-op factory (--python-only)."""
+def stub_op_launchers() -> None:
+    """Every op module's ``launcher`` made a no-op factory: the ops' Python layers run, their Triton
+    launches do not (also benchmarks/probe_cnn_host.py's)."""
     import importlib
     import pkgutil
 
@@ -89,6 +90,11 @@ def _stub_launches() -> None:
         module = importlib.import_module(f"trainops.ops.{info.name}")
         if hasattr(module, "launcher"):
             module.launcher = launcher
+
+
+def _stub_launches() -> None:
+    """--python-only: the ops' launches stubbed (stub_op_launchers), and the floors told so."""
+    stub_op_launchers()
     _STUB[0] = True
 
 
