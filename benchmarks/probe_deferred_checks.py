@@ -46,14 +46,10 @@ CASES = ("softmax 64x64", "cross_entropy, no grad", "embedding forward", "cross_
 
 
 def _us(fn, calls: int = 1000) -> float:
+    """us a call after 50 warm-up calls (probe_host_time's timer: wall clock, one sync at each end)."""
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return P._time_us(fn, calls, torch.device("cuda"))
 
 
 def _calls(device) -> dict:
