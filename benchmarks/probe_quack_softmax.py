@@ -1,6 +1,7 @@
 """Check the softmax family's quack rule on the GPU: Triton against quack over row lengths, both ways.
 
-    PYTHONPATH=src python benchmarks/probe_quack_softmax.py [OUT.json] [--dtype bfloat16] [--elements 134217728] [--cpu]
+    PYTHONPATH=src python benchmarks/probe_quack_softmax.py [OUT.json] [--dtype bfloat16] [--elements 134217728]
+        [--columns 32000,151936] [--ops softmax_backward] [--cpu]
 
 ops/softmax.py puts softmax and its backward on quack's kernels for bf16 / fp16 rows of
 QUACK_COLUMNS[op] columns on sm_90 (softmax 16384 to 524288, softmax_backward 24576 to 524288: this
@@ -61,15 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--elements", type=int, default=ELEMENTS, help="rows x columns of each case")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes under Triton's interpreter (a self-check)")
+    parser.add_argument("--columns", default=None, help="comma-separated row lengths (default: COLUMNS)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
     args = parser.parse_args(argv)
     if args.elements < 1:
         parser.error(f"argument --elements: must be positive, got {args.elements}")
+    ops = tuple(args.ops.split(","))
+    if not set(ops) <= set(OPS):
+        parser.error(f"argument --ops: {args.ops!r}; the ops are {', '.join(OPS)}")
+    try:
+        chosen = [int(n) for n in args.columns.split(",")] if args.columns else None
+    except ValueError:
+        parser.error(f"argument --columns: {args.columns!r} is not a comma-separated list of integers")
+    if chosen is not None and min(chosen) < 1:
+        parser.error(f"argument --columns: row lengths must be positive, got {args.columns}")
     if args.cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         parser.error("--cpu runs the Triton kernels under Triton's interpreter: set TRITON_INTERPRET=1")
     log = lambda s: print(s, flush=True)  # noqa: E731
     env, ceiling = bench.start(args.cpu, log)
     dtype = getattr(torch, args.dtype)
     device, columns, elements = ("cpu", CPU_COLUMNS, CPU_ELEMENTS) if args.cpu else ("cuda", COLUMNS, args.elements)
+    columns = chosen or columns
     pinned = ("triton",) if args.cpu else ("triton", "quack")
     if not args.cpu:
         try:
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         except trainops.UnsupportedError as e:
             log(f"no quack backend here ({e}); install the quack extra first (benchmarks/notes/quack-backend.md)")
             return 1
-    problems = [(op, (max(1, elements // n), n)) for op in OPS for n in columns]
+    problems = [(op, (max(1, elements // n), n)) for op in ops for n in columns]
     case_list = [cases._softmax_case(op, shape, -1, dtype, device, compiled=False, pinned=pinned)
                  for op, shape in problems]
     rows = bench.run_cases(case_list, peers=True, ceiling=ceiling, log=log)

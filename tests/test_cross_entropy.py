@@ -412,6 +412,14 @@ def test_plan_reports_the_row_plan():
         assert plan(131072) == "exchange"  # 4 chunks of 32768 classes
         assert plan(131072, label_smoothing=0.1) == plan(131072, dtype=torch.float64) == "two-pass"
         assert plan(131072, target_dtype=torch.bfloat16, target_shape=(512, 131072)) == "two-pass"  # probabilities
+        warps = lambda classes, dtype=torch.bfloat16: trainops.plan(  # noqa: E731
+            "cross_entropy", shape=(512, classes), dtype=dtype, target_dtype=torch.int64, device=device).kernel["num_warps"]
+        defaults = ce_ops.CrossEntropyHeuristics()
+        assert warps(32000) == defaults.pipelined_warps[2] == 32      # pipelined bf16: its own warps
+        assert warps(8193, torch.float32) == defaults.exchange_warps == 16   # no pipelined entry for 4 bytes
+        assert warps(131072) == defaults.exchange_warps                   # several chunks: the exchange's
+        with trainops.heuristics(ce_ops.CrossEntropyHeuristics(pipelined_warps={})):
+            assert warps(32000) == defaults.exchange_warps
         short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
                               device=device)
     assert short.precision.deterministic and short.precision.accumulator == torch.float32

@@ -787,13 +787,15 @@ def test_fused_backward_warps_at_real_sizes():
                                         ("column_backward_split_per_sm", True), ("fused_backward_warps", 12),
                                         ("fused_backward_warps", 0), ("fused_backward_warps", 64),
                                         ("quack_columns", {"softmax": (16384, None)}),
-                                        ("quack_columns", {"softmax": 16384}), ("quack_columns", (16384, 524288))])
+                                        ("quack_columns", {"softmax": 16384}), ("quack_columns", (16384, 524288)),
+                                        ("quack_columns", {"softmax": (16384, 524288)}),
+                                        ("quack_column_multiple", 8192), ("quack_column_multiple", {"softmax": 0})])
 def test_backward_and_quack_heuristics_are_checked(field, bad):
     """The newer SoftmaxHeuristics fields refuse values a rule or a launch could not use, naming the field."""
     with pytest.raises(trainops.InvalidProblemError, match=field):
         softmax_ops.SoftmaxHeuristics(**{field: bad})
     softmax_ops.SoftmaxHeuristics(column_backward_split_per_sm=1, fused_backward_warps=32,
-                                  quack_columns={"softmax": (0, -1)})
+                                  quack_columns={"softmax": ()}, quack_column_multiple={})
 
 # ---- real sizes on the GPU machine ------------------------------------------------------------
 

@@ -17,14 +17,16 @@ from trainops.plan import clear_plan_cache
 from conftest import HAS_CUDA
 from numerics import assert_close
 
-# The rule's ends per op, as the H200 probe of 2026-11-30 measured them (S.QUACK_COLUMNS), and the row
-# length's multiple (S.QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936 columns), written out
-# so that a change of the constants fails here. Each boundary test tries lengths the other conditions
-# allow, so that it fails only for its own reason: the range's ends on multiples of 8192, the multiple on
-# in-range lengths that are multiples of 8 elements (rows of whole 16-byte vectors in bf16 / fp16: ones
-# quack's kernels could run).
-BOUNDS = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
-MULTIPLE = 8192
+# The rule's ranges per op, as the H200 probes of 2026-11-30 measured them (S.QUACK_COLUMNS), and the row
+# length's multiple per op (S.QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936 columns; its
+# backward never did), written out so that a change of the constants fails here. Each boundary test tries
+# lengths the other conditions allow, so that it fails only for its own reason: the ranges' ends on lengths
+# that pass the multiple, the multiple on in-range lengths that are multiples of 8 elements (rows of whole
+# 16-byte vectors in bf16 / fp16: ones quack's kernels could run).
+RANGES = {"softmax": ((16384, 524288),), "softmax_backward": ((24576, 28672), (32776, 524288))}
+MULTIPLES = {"softmax": 8192, "softmax_backward": 1}
+MULTIPLE = MULTIPLES["softmax"]
+NO_MULTIPLE = {"softmax": 1, "softmax_backward": 1}
 LONG = 24576                # a row length the rule puts on quack, forward and backward (3 x 8192)
 SHORT = 8192                # a multiple of 8192 the range keeps on Triton, forward and backward
 
@@ -204,16 +206,18 @@ def _backend(op="softmax", shape=(4, LONG), dim=-1, dtype=torch.bfloat16, device
 
 @pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
 def test_choice_on_the_rule_boundary(fake_quack, op):
-    # the H200 probe of 2026-11-30: quack faster from 16384 columns forward, 24576 backward, to 524288 (the longest)
-    first, last = BOUNDS[op]
-    below, above = first - MULTIPLE, last + MULTIPLE       # forward 8192 / 532480, backward 16384 / 532480
-    for n in (below, first, last, above):     # lengths quack's kernels run, multiples of 8192: only the range decides
-        assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
-        assert n % MULTIPLE == 0, n
-    assert _backend(op, (4, below)) == "triton"
-    assert _backend(op, (4, first)) == "quack"
-    assert _backend(op, (4, last)) == "quack"
-    assert _backend(op, (4, above)) == "triton"
+    # the H200 probes of 2026-11-30: quack faster from 16384 columns forward to 524288 (the longest); backward
+    # from 24576, except where Triton's one-tile backward (up to 32768) is faster (32000, 32768 measured)
+    step = MULTIPLES[op] if MULTIPLES[op] > 1 else 8     # the next length the multiple (or quack's vectors) allows
+    for first, last in RANGES[op]:
+        below, above = first - step, last + step
+        for n in (below, first, last, above):    # lengths quack's kernels run, on the multiple: only the range decides
+            assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
+            assert n % MULTIPLES[op] == 0, n
+        assert _backend(op, (4, below)) == "triton", below
+        assert _backend(op, (4, first)) == "quack", first
+        assert _backend(op, (4, last)) == "quack", last
+        assert _backend(op, (4, above)) == "triton", above
     assert _backend(op, (4, SHORT)) == "triton"
     assert _backend(op, (2, 3, 40960)) == "quack"                        # any rank, viewed as (rows, N)
     assert _backend(op, (LONG,)) == "quack"                              # one row
@@ -230,27 +234,26 @@ def test_choice_on_the_rule_boundary(fake_quack, op):
     assert _backend(op, (4, LONG), device="cpu") == "cpu"                # the CPU: its default
     with trainops.backend("triton"):
         assert _backend(op, (4, LONG)) == "triton"                       # a pinned backend wins
-    for columns in ({op: (0, -1)}, {}):                    # an empty range, or the op left out: Triton
+    for columns in ({op: ()}, {}):                         # no range, or the op left out: Triton
         with trainops.heuristics(S.SoftmaxHeuristics(quack_columns=columns)):
             assert _backend(op, (4, LONG)) == "triton"
     other = "softmax_backward" if op == "softmax" else "softmax"
     # 128 columns: the multiple turned off (1), so that only the moved range decides
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns={op: (64, 128), other: (0, -1)},
-                                                 quack_column_multiple=1)):
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_columns={op: ((64, 128),), other: ()},
+                                                 quack_column_multiple=NO_MULTIPLE)):
         assert _backend(op, (4, 128)) == "quack" and _backend(op, (4, LONG)) == "triton"
         assert _backend(other, (4, 128)) == "triton"      # per op: the other op's range is its own
 
 
-@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
-def test_choice_row_length_multiple(fake_quack, op):
-    """Inside both ops' ranges, among lengths quack's kernels run (multiples of 8), only multiples of
+def test_choice_row_length_multiple_forward(fake_quack):
+    """Inside the forward's range, among lengths quack's kernels run (multiples of 8), only multiples of
     8192 go to quack: quack's forward returned NaN at 151936 (18.5 x 8192) on the H200; 32760 (correct
-    there, and faster) is lost with it. quack_column_multiple=1 turns the condition off; a pinned quack
-    ignores it."""
+    there, and faster) is lost with it. A multiple of 1 turns the condition off; a pinned quack ignores it."""
+    op = "softmax"
     off, on = (151936, 24584, 32760), (40960, 57344)
     for n in off + on:
         assert S.quack_unsupported(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
-        low, high = BOUNDS[op]
+        (low, high), = RANGES[op]
         assert low <= n <= high, n                        # inside the range: only the multiple decides
     for n in off:
         assert _backend(op, (4, n)) == "triton", n
@@ -258,34 +261,53 @@ def test_choice_row_length_multiple(fake_quack, op):
         assert S.choose_backend(S._describe(op, (4, n), -1, torch.bfloat16, "cuda")) is None, n
     for n in on:
         assert _backend(op, (4, n)) == "quack", n
-    assert S.QUACK_COLUMN_MULTIPLE == MULTIPLE == S.SoftmaxHeuristics().quack_column_multiple
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
-        for n in (151936, 32760, 24584, 40960):
-            assert _backend(op, (4, n)) == "quack", n
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=8)):
+    assert S.QUACK_COLUMN_MULTIPLE == MULTIPLES == S.SoftmaxHeuristics().quack_column_multiple
+    for multiple in (NO_MULTIPLE, {"softmax_backward": 1}):   # 1, or the op left out: no condition
+        with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=multiple)):
+            for n in (151936, 32760, 24584, 40960):
+                assert _backend(op, (4, n)) == "quack", n
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple={op: 8})):
         assert _backend(op, (4, 151936)) == "quack"
     with trainops.backend("quack"):                       # pinned: the rule is not asked
         assert _backend(op, (4, 151936)) == "quack"
         assert _backend(op, (4, 32760)) == "quack"
-    for bad in (0, -8192, 8192.0, True):
+    for bad in ({op: 0}, {op: -8192}, {op: 8192.0}, {op: True}, 8192, (8192, 1)):
         with pytest.raises(trainops.InvalidProblemError, match="quack_column_multiple"):
             S.SoftmaxHeuristics(quack_column_multiple=bad)
 
 
+def test_choice_backward_has_no_multiple(fake_quack):
+    """quack's backward was correct at every length probed (151936 among them, where its forward was not):
+    in-range lengths that are no multiple of 8192 go to quack backward; a forward multiple moves nothing
+    backward."""
+    for n in (24584, 28672, 40968, 50264, 100352, 128256, 151936, 152064, 256000):
+        assert _backend("softmax_backward", (4, n)) == "quack", n
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple={"softmax": 8192})):
+        assert _backend("softmax_backward", (4, 151936)) == "quack"
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple={"softmax_backward": 8192})):
+        assert _backend("softmax_backward", (4, 151936)) == "triton"
+        assert _backend("softmax_backward", (4, 40960)) == "quack"
+
+
 def test_choice_forward_and_backward_ranges_differ(fake_quack):
-    """16384 columns: quack forward, Triton backward (quack's backward was not faster at 16384;
-    nothing measured between 16384 and 24576)."""
+    """16384 columns: quack forward, Triton backward (quack's backward was not faster at 16384; nothing
+    measured between 16384 and 24576); 32000 and 32768: Triton's one-tile backward beat quack's; 151936:
+    quack backward only (its forward's NaN)."""
     assert (_backend("softmax", (4, 16384)), _backend("softmax_backward", (4, 16384))) == ("quack", "triton")
-    # 16392 and 24568 are in the forward range but not multiples of 8192: Triton both ways by the multiple
-    # rule; with the multiple off, the ranges alone again put them on quack forward and Triton backward
+    # 16392 and 24568 are in the forward range but not multiples of 8192, and below the backward's range:
+    # Triton both ways; with the multiple off, the forward's range alone puts them on quack
     for n in (16392, 24568):
         assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("triton", "triton"), n
-        with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
+        with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=NO_MULTIPLE)):
             assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "triton"), n
-    for n in (24576, 524288):
+    assert (_backend("softmax", (4, 32768)), _backend("softmax_backward", (4, 32768))) == ("quack", "triton")
+    assert (_backend("softmax", (4, 32000)), _backend("softmax_backward", (4, 32000))) == ("triton", "triton")
+    assert (_backend("softmax", (4, 151936)), _backend("softmax_backward", (4, 151936))) == ("triton", "quack")
+    for n in (24576, 40960, 524288):
         assert (_backend("softmax", (4, n)), _backend("softmax_backward", (4, n))) == ("quack", "quack"), n
-    assert S.SoftmaxHeuristics().quack_columns == BOUNDS == S.QUACK_COLUMNS
+    assert S.SoftmaxHeuristics().quack_columns == RANGES == S.QUACK_COLUMNS
     assert S.SoftmaxHeuristics().quack_columns is not S.SoftmaxHeuristics().quack_columns   # a copy each
+    assert S.SoftmaxHeuristics().quack_column_multiple is not S.SoftmaxHeuristics().quack_column_multiple
 
 
 def test_choice_one_input_off_layout_backward(fake_quack):
@@ -365,7 +387,7 @@ def test_rows_quack_cannot_load_in_vectors_stay_on_triton(fake_quack):
     """quack loads rows in 16-byte vectors (it asserts N % (16 / element size) == 0 when it compiles):
     a row length off it inside the rule's range goes to Triton, and a pinned quack refuses it. (The
     multiple of 8192 turned off, so that only the vectors decide.)"""
-    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=1)):
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=NO_MULTIPLE)):
         for n in (LONG + 1, LONG + 4, 151937, 262144 - 2):
             assert _backend("softmax", (4, n)) == "triton", n
             assert _backend("softmax_backward", (4, n)) == "triton", n
@@ -497,7 +519,7 @@ def real_quack():
     return S._quack
 
 
-# Row lengths the rule puts on quack forward (all) and backward (24576 and up): multiples of 8192 from
+# Row lengths the rule puts on quack forward (all) and backward (all but 16384): multiples of 8192 from
 # 16384 to 524288, among them lengths never probed (40960, 57344, 98304, 163840).
 GPU_SHAPES = [(512, 16384), (256, 24576), (128, 40960), (128, 57344), (64, 98304), (32, 163840), (16, 524288)]
 
@@ -532,7 +554,7 @@ def _run_against_float64(shape, dtype, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_quack_against_float64(real_quack, shape, dtype):
     _needs_sm90()
-    expected = {"softmax": "quack", "softmax_backward": "quack" if shape[-1] >= 24576 else "triton"}
+    expected = {"softmax": "quack", "softmax_backward": "quack" if shape[-1] > 16384 else "triton"}
     for op, backend in expected.items():
         p = trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda")
         assert p.info.backend == backend, (op, p.kernel)
@@ -544,13 +566,15 @@ def test_gpu_quack_against_float64(real_quack, shape, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_151936_columns_stay_on_triton(real_quack):
+@pytest.mark.parametrize("n", [151936, 128256, 50264])
+def test_gpu_vocabulary_rows_forward_on_triton_backward_on_quack(real_quack, n):
     """quack-kernels 0.6.5's forward returned NaN at 883x151936 and 2048x151936 bf16 on the H200
-    (2026-11-30; cause not found): the rule (the multiple of 8192) keeps such rows on Triton both
-    ways, and the default path's results are finite and within tolerance."""
+    (2026-11-30; cause not found): the forward's multiple of 8192 keeps such rows on Triton; quack's
+    backward was right at every length probed, so it runs them. Results finite and within tolerance."""
     _needs_sm90()
-    shape, dtype = (64, 151936), torch.bfloat16
-    for op in ("softmax", "softmax_backward"):
-        assert trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda").info.backend == "triton", op
-    used, _, _ = _run_against_float64(shape, dtype, "64x151936 bfloat16")
-    assert used == {("softmax", "triton"), ("softmax_backward", "triton")}
+    shape, dtype = (64, n), torch.bfloat16
+    expected = {"softmax": "triton", "softmax_backward": "quack"}
+    for op, backend in expected.items():
+        assert trainops.plan(op, shape=shape, dim=-1, dtype=dtype, device="cuda").info.backend == backend, op
+    used, _, _ = _run_against_float64(shape, dtype, f"64x{n} bfloat16")
+    assert used == set(expected.items())

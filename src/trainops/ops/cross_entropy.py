@@ -133,6 +133,9 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         2026-11-29) against the plans without it: 1x262144 1.37x faster (label smoothing 0.1: 7.2x),
         4x131072 1.34x (4.2x), 16x65536 1.29x (1.9x), 64x32768 1.11x (0.96x: the one case it
         costs, 4%), 32x151936 1.00x (2.4x), 8x1048576 bf16 and float32 1.00x (8.0x and 7.8x).
+    pipelined_warps: warps of the pipelined plan (a row in one exchange block, one program), by
+        element size; sizes left out take exchange_warps. bf16 32: 10240x32000 forward + backward
+        0.455 ms against 0.557 at 16 warps (quack 0.526; H200, 2026-11-30, benchmarks/NOTES.md).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -146,6 +149,7 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     grad_store: str = ".cs"
     exchange_block: Mapping[int, int] = field(default_factory=lambda: {2: 32768, 4: 16384})
     exchange_warps: int = 16
+    pipelined_warps: Mapping[int, int] = field(default_factory=lambda: {2: 32})
     exchange_per_sm: int = 1
     fill_per_sm: int = 4
     fill_min_bytes: int = 4096
@@ -922,6 +926,8 @@ def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] 
     elif not fill and next_pow2(c) < block:
         return None
     splits = -(-c // block)
+    if splits == 1 and not fill:
+        warps = h.pipelined_warps.get(size, warps)
     return (block, splits, warps, per_sm) if splits <= sms else None
 
 

@@ -68,26 +68,36 @@ QUACK_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # Chosen for bf16 (measured) and fp16 (the same bytes an element, so the same memory-bound traffic;
 # the sweep in benchmarks/notes/quack-backend.md checks it); float32 was not measured: Triton.
 QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
-# Per op, the (fewest, most) columns of a row put on quack: benchmarks/probe_quack_softmax.py on the H200,
-# 2026-11-30 (torch 2.11, Triton 3.6, quack-kernels 0.6.5; bf16, rows = 2^27 / N, both through trainops with
-# the backend pinned; benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.{json,log}), ms Triton / quack:
+# Per op, the ranges of (fewest, most) columns of a row put on quack: benchmarks/probe_quack_softmax.py on the
+# H200, 2026-11-30 (torch 2.11, Triton 3.6, quack-kernels 0.6.5; bf16, rows = 2^27 / N, both through trainops
+# with the backend pinned; benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.{json,log}), ms Triton / quack:
 #   N         8192   16384  24576  32760  32768  49152  65536  131072 151936 262144 524288
 #   forward   .1348  .1446  .2109  .1916  .1772  .2015  .1913  .1886  .2046  .1868  .2547   (Triton)
 #             .1354  .1349  .1350  .1348  .1342  .1346  .1330  .1351  .1499  .1412  .2264   (quack)
-#   backward  .1917  .2020  .2308  .3361  .2243  .2583  .2549  .2650  .2741  .2690  .2764   (Triton)
-#             .1917  .2049  .1912  .2175  .2135  .1920  .2319  .2387  .2244  .2667  .2516   (quack)
-# quack is faster from 16384 columns forward and from 24576 backward (nothing measured between 16384 and
-# 24576 backward: the measured 24576), up to 524288, the longest measured (not assumed beyond: quack keeps
-# a row in its cluster's shared memory).
-# quack's FORWARD returned NaN at 151936 columns: in that probe (the .log above, 2026-11-30) at 883x151936
-# bf16 (relative error nan against float64; Triton 1.7e-3), and in the same day's bench --sweep at
-# 2048x151936; its backward at 883x151936 was correct (1.7e-3), as were both ops at every other length above.
-# The cause in quack-kernels 0.6.5 was not found. So a row goes to quack only where its length is also a
-# multiple of QUACK_COLUMN_MULTIPLE: every measured multiple of 8192 (8192, 16384, 24576, 32768, 49152, 65536,
-# 131072, 262144, 524288) was correct both ways; 151936 = 18.5 x 8192 was not. 32760 (correct, faster) is
-# lost with it: unmeasured lengths between the multiples are not assumed safe.
-QUACK_COLUMNS: Mapping[str, tuple[int, int]] = {"softmax": (16384, 524288), "softmax_backward": (24576, 524288)}
-QUACK_COLUMN_MULTIPLE = 8192
+# quack is faster forward from 16384 columns up to 524288, the longest measured (not assumed beyond: quack
+# keeps a row in its cluster's shared memory).
+# The backward again after the Triton backward's 16-warp row tiles (the ninth session's probe,
+# benchmarks/results/probe-quack-bwd-h200-20261130-s9.{json,log}), ms Triton / quack:
+#   N         24576  32000  32768  40960  50264  65536  100352 128256 151936 152064 256000
+#             .1982  .1960  .1955  .2608  .2821  .2553  .2702  .2693  .2750  .2745  .2720   (Triton)
+#             .1908  .2153  .2135  .1939  .1932  .2324  .1947  .2428  .2248  .2250  .2677   (quack)
+# Triton's one-tile backward (rows up to 32768) now beats quack's from 32000 to 32768; quack wins at 24576
+# (Triton's tile is a quarter empty there) and on every length past the tile. The backward's lower range
+# ends at 28672, between the measured 24576 and 32000 (BACKWARD_TILE_SPLIT below); the upper one starts at
+# 32776, the first length past the tile (32768) whose rows quack's 16-byte vectors load in bf16 / fp16.
+# quack's FORWARD returned NaN at 151936 columns: in the eighth session's probe at 883x151936 bf16 (relative
+# error nan against float64; Triton 1.7e-3), and in the same day's bench --sweep at 2048x151936; its backward
+# was correct at every length measured (the eleven above, 1.7e-3 to 1.8e-3). The cause in quack-kernels 0.6.5
+# was not found. So a forward row goes to quack only where its length is also a multiple of 8192
+# (QUACK_COLUMN_MULTIPLE): every measured multiple of 8192 (8192, 16384, 24576, 32768, 49152, 65536, 131072,
+# 262144, 524288) was correct; 151936 = 18.5 x 8192 was not. The backward has no such condition (1): quack's
+# 16-byte vectors (QUACK_ALIGN) are its only limit there.
+BACKWARD_TILE_SPLIT = 28672
+QUACK_COLUMNS: Mapping[str, tuple[tuple[int, int], ...]] = {
+    "softmax": ((16384, 524288),),
+    "softmax_backward": ((24576, BACKWARD_TILE_SPLIT), (32776, 524288)),
+}
+QUACK_COLUMN_MULTIPLE: Mapping[str, int] = {"softmax": 8192, "softmax_backward": 1}
 # The measurements' GPU: the H200 (sm_90, as the H100). quack picks its cluster size by architecture
 # (none before sm_90, at most 8 on sm_12x), so elsewhere the table says nothing: Triton.
 QUACK_MEASURED_CAPABILITIES = frozenset({(9, 0)})
@@ -137,14 +147,14 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         0.98x at 4x131072, 0.92x / 0.91x at 16x65536, 0.90x / 0.84x at 64x32768, 1.00x at
         8x1048576 and 32x151936 (benchmarks/NOTES.md).
         sms and row_exchange: ExchangeHeuristics.
-        quack_columns: per op (softmax, softmax_backward), the (fewest, most) columns of a row that
-        choose_backend puts on the quack backend (where it is registered; QUACK_COLUMNS: the H200
-        probe of 2026-11-30). An op left out, or ``(0, -1)``, stays on Triton; a pinned backend
+        quack_columns: per op (softmax, softmax_backward), the ranges of (fewest, most) columns of a
+        row that choose_backend puts on the quack backend (where it is registered; QUACK_COLUMNS: the
+        H200 probes of 2026-11-30). An op left out, or no range, stays on Triton; a pinned backend
         ignores it.
-        quack_column_multiple: choose_backend puts a row on quack only where its length is a
-        multiple of this too, both ops (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN
-        at 151936 columns on the H200; every measured multiple of 8192 was correct). 1 turns the
-        condition off; a pinned backend ignores it.
+        quack_column_multiple: per op, choose_backend puts a row on quack only where its length is a
+        multiple of this too (QUACK_COLUMN_MULTIPLE: forward 8192, since quack's forward returned NaN
+        at 151936 columns on the H200 and every measured multiple of 8192 was correct; backward 1, no
+        condition). An op left out, or 1, has no condition; a pinned backend ignores it.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -162,8 +172,8 @@ class SoftmaxHeuristics(ExchangeHeuristics):
     fill_per_sm: int = 0
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
-    quack_columns: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(QUACK_COLUMNS))
-    quack_column_multiple: int = QUACK_COLUMN_MULTIPLE
+    quack_columns: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=lambda: dict(QUACK_COLUMNS))
+    quack_column_multiple: Mapping[str, int] = field(default_factory=lambda: dict(QUACK_COLUMN_MULTIPLE))
 
     def __post_init__(self):
         """The fields added with the quack backend and the backward's H200 defaults, checked here (a
@@ -172,9 +182,9 @@ class SoftmaxHeuristics(ExchangeHeuristics):
             return isinstance(value, int) and not isinstance(value, bool)
 
         value = self.quack_column_multiple
-        if not whole(value) or value < 1:
+        if not isinstance(value, Mapping) or not all(whole(m) and m >= 1 for m in value.values()):
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_column_multiple",
-                                 f"must be an int >= 1 (1: any length), got {value!r}")
+                                 f"must map op names to ints >= 1 (1: any length), got {value!r}")
         value = self.column_backward_split_per_sm
         if not whole(value) or value < 1:
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "column_backward_split_per_sm",
@@ -185,10 +195,12 @@ class SoftmaxHeuristics(ExchangeHeuristics):
                                  f"must be 4, 8, 16 or 32 (a warp count), got {value!r}")
         columns = self.quack_columns
         if not isinstance(columns, Mapping) or not all(
-                isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(whole(b) for b in bounds)
-                for bounds in columns.values()):
+                isinstance(ranges, (tuple, list)) and all(
+                    isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(whole(b) for b in bounds)
+                    for bounds in ranges)
+                for ranges in columns.values()):
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_columns",
-                                 f"must map op names to (fewest, most) int pairs, got {columns!r}")
+                                 f"must map op names to tuples of (fewest, most) int pairs, got {columns!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,16 +392,18 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     contiguous rows, last axis, output in the input's dtype, N a multiple of 16 bytes, 16-byte
     aligned inputs), the dtype is bfloat16 or float16, the
     GPU is the measured architecture (sm_90), a row has as many columns as
-    ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384 to 524288,
-    softmax_backward 24576 to 524288) and a multiple of ``heuristics.quack_column_multiple``
-    (QUACK_COLUMN_MULTIPLE, 8192: quack's forward returned NaN at 151936 columns; 1 turns it off).
-    A pinned quack (``trainops.backend("quack")``) does not ask this rule."""
+    one of the ranges ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384
+    to 524288, softmax_backward 24576 to 28672 and 32776 to 524288) and a multiple of
+    ``heuristics.quack_column_multiple[op]`` (QUACK_COLUMN_MULTIPLE: softmax 8192, as quack's forward
+    returned NaN at 151936 columns; softmax_backward 1). A pinned quack (``trainops.backend("quack")``)
+    does not ask this rule."""
     if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
         return False
     heuristics = problem.heuristics
-    low, high = heuristics.quack_columns.get(problem.op, (0, -1))
     n = problem.shape[-1]
-    if quack_unsupported(problem) is not None or not low <= n <= high or n % heuristics.quack_column_multiple:
+    if (quack_unsupported(problem) is not None
+            or not any(low <= n <= high for low, high in heuristics.quack_columns.get(problem.op, ()))
+            or n % heuristics.quack_column_multiple.get(problem.op, 1)):
         return False
     # no import tried (and no "a quack package is on the path" note) where there is no quack package at all
     return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and (
@@ -398,10 +412,10 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
     """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
-    16-byte aligned rows of 16384 to 524288 columns forward, 24576 to 524288 backward
-    (QUACK_COLUMNS: the H200 probe of 2026-11-30) and a multiple of 8192 columns
-    (QUACK_COLUMN_MULTIPLE: quack's forward returned NaN at 151936), where quack-kernels imports;
-    else the device type's default (Triton on CUDA)."""
+    16-byte aligned rows of 16384 to 524288 columns forward (a multiple of 8192: quack's forward
+    returned NaN at 151936), 24576 to 28672 and 32776 to 524288 backward (QUACK_COLUMNS,
+    QUACK_COLUMN_MULTIPLE: the H200 probes of 2026-11-30), where quack-kernels imports; else the
+    device type's default (Triton on CUDA)."""
     return "quack" if quack_beats_triton(problem) else None
 
 
