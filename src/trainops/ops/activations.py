@@ -47,7 +47,10 @@ run to run on one device (the number of programs depends on its SM count).
 Triton plans (``_prepare_triton``): forward reads each input once and writes y once; backward reads
 dy and the saved inputs once and writes each needed gradient once. 1-D blocks of
 ``ActivationHeuristics.block`` elements (flat), or tiles of that many elements (rows x columns)
-for strided layouts; offsets in int64 where an operand's extent can pass 2^31.
+for strided layouts; offsets in int64 where an operand's extent can pass 2^31. Flat whole blocks
+run unmasked and only the last, partial one masked: a mask against a numel that is not a multiple
+of 16 made every access one element wide (swiglu 4097 x 1000 fp16: 2-byte loads and stores, 0.052
+ms forward + backward on the H200 against torch.compile's 0.020).
 """
 
 from __future__ import annotations
@@ -498,23 +501,62 @@ if triton_available():
         return f, df
 
     @triton.jit
+    def _act_fwd_block(A, B, Y, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr,
+                       PRECISE: tl.constexpr, DIV_RN: tl.constexpr, MASKED: tl.constexpr):
+        if MASKED:  # the last, partial block
+            mask = offs < numel
+            other = 0.0
+        else:
+            mask = None
+            other = None
+        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
+        y, _ = _act(a, ACT, PRECISE, DIV_RN)
+        if GATED:
+            y = y * tl.load(B + offs, mask=mask, other=other).to(ACC)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _act_fwd_flat(
         A, B, Y,                  # input (gate), up (GATED) and y: contiguous, numel elements each
         numel,
         ACT: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr, PRECISE: tl.constexpr,
         DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """y = f(a) (* b) over BLOCK elements a program: one flat offset for every operand."""
+        """y = f(a) (* b) over BLOCK elements a program: one flat offset for every operand. Whole
+        blocks are unmasked: Triton vectorises a masked access only where it can prove the mask
+        constant over the vector, which a numel that is not a multiple of 16 (unknown divisibility)
+        denies, so every access of every block would be one element wide (4097 x 1000 fp16: 2-byte
+        loads and stores); only the last, partial block is masked."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        a = tl.load(A + offs, mask=mask, other=0.0).to(ACC)
-        y, _ = _act(a, ACT, PRECISE, DIV_RN)
+        if (pid + 1) * BLOCK <= numel:
+            _act_fwd_block(A, B, Y, offs, numel, ACT, GATED, ACC, PRECISE, DIV_RN, False)
+        else:
+            _act_fwd_block(A, B, Y, offs, numel, ACT, GATED, ACC, PRECISE, DIV_RN, True)
+
+    @triton.jit
+    def _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr,
+                       NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr, PRECISE: tl.constexpr,
+                       DIV_RN: tl.constexpr, MASKED: tl.constexpr):
+        if MASKED:  # the last, partial block
+            mask = offs < numel
+            other = 0.0
+        else:
+            mask = None
+            other = None
+        dy = tl.load(DY + offs, mask=mask, other=other).to(ACC)
+        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
+        f, df = _act(a, ACT, PRECISE, DIV_RN)
         if GATED:
-            y = y * tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            b = tl.load(B + offs, mask=mask, other=other).to(ACC)
+            if NEED_A:
+                tl.store(DA + offs, (dy * b * df).to(DA.dtype.element_ty), mask=mask)
+            if NEED_B:
+                tl.store(DB + offs, (dy * f).to(DB.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DA + offs, (dy * df).to(DA.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _act_bwd_flat(
@@ -523,23 +565,16 @@ if triton_available():
         ACT: tl.constexpr, GATED: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr,
         PRECISE: tl.constexpr, DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """da = dy * f'(a) (* b), db = dy * f(a) over BLOCK elements a program."""
+        """da = dy * f'(a) (* b), db = dy * f(a) over BLOCK elements a program; whole blocks
+        unmasked, as the forward's."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-        a = tl.load(A + offs, mask=mask, other=0.0).to(ACC)
-        f, df = _act(a, ACT, PRECISE, DIV_RN)
-        if GATED:
-            b = tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-            if NEED_A:
-                tl.store(DA + offs, (dy * b * df).to(DA.dtype.element_ty), mask=mask)
-            if NEED_B:
-                tl.store(DB + offs, (dy * f).to(DB.dtype.element_ty), mask=mask)
+        if (pid + 1) * BLOCK <= numel:
+            _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT, GATED, NEED_A, NEED_B, ACC, PRECISE, DIV_RN, False)
         else:
-            tl.store(DA + offs, (dy * df).to(DA.dtype.element_ty), mask=mask)
+            _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT, GATED, NEED_A, NEED_B, ACC, PRECISE, DIV_RN, True)
 
     @triton.jit
     def _offsets(r, c, O1, O2, s0, s1, s2, sc):
