@@ -139,7 +139,7 @@ _FLAT_ACTIVATION_SCRIPT = textwrap.dedent('''
     warps = h.num_warps(block)
     numel = 4097 * 1000   # swiglu 4097 x 1000 fp16: 8 mod 16, so Triton marks no divisibility on it
     meta = dict(ACT=SILU, GATED=True, NEED_A=True, NEED_B=True, ACC=tl.float32, PRECISE=True, DIV_RN=True,
-                INT64=False, BLOCK=block)
+                INT64=False, BLOCK=block, TAIL_APART=numel % 16 != 0)   # as _prepare_triton's flat plan
     for kernel in (_act_fwd_flat, _act_bwd_flat):
         signature, constants, attrs = {}, {}, {}
         for p in kernel.params:   # the launch's specialisation: 16-byte aligned pointers, numel plain
@@ -165,8 +165,9 @@ def test_flat_activation_blocks_vectorise_when_numel_is_not_a_multiple_of_16_wit
     H200 (the sweep's kernel time): its numel, 4,097,000, is 8 mod 16, so Triton's launch marks no
     divisibility on it, the mask ``offs < numel`` is not provably constant over a vector, and every
     load and store of the flat kernels was one 2-byte element (0 ``ld.global.v4`` in the sm_90 PTX).
-    Whole blocks now run unmasked: each operand of a whole block moves in 16-byte vectors, as with a
-    numel divisible by 16; only the last, partial block's accesses are masked."""
+    Whole blocks now run unmasked (TAIL_APART, set by the plan where numel is not a multiple of 16):
+    each operand of a whole block moves in 16-byte vectors, as with a numel divisible by 16; only the
+    last, partial block's accesses are masked."""
     script = tmp_path / "flat_activation.py"
     script.write_text(_FLAT_ACTIVATION_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
