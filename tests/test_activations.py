@@ -217,6 +217,12 @@ def test_contiguous_inputs_take_the_flat_plan():
     device = "cuda" if HAS_CUDA else "cpu"
     flat = trainops.plan("swiglu", shape=(64, 96), dtype=torch.bfloat16, device=device)
     assert flat.kernel["plan"] == "flat" and flat.kernel["BLOCK"] == 4096 and not flat.kernel["int64"]
+    # a numel that is not a multiple of 16 (4,097,000 is 8 mod 16): whole blocks unmasked, the last one
+    # masked apart (test_compile_for_gpu: their accesses vectorise); a multiple of 16 keeps one path
+    assert not flat.kernel["tail_apart"]
+    for op in ("swiglu", "swiglu_backward"):
+        odd = trainops.plan(op, shape=(4097, 1000), dtype=torch.float16, device=device)
+        assert odd.kernel["plan"] == "flat" and odd.kernel["tail_apart"], odd.kernel
     packed = trainops.plan("swiglu", shape=(64, 96), dtype=torch.bfloat16, device=device, packed=True,
                            strides=((96, 1), None))
     assert packed.kernel["plan"] == "strided" and packed.kernel["BLOCK_C"] == 16  # 48 columns: 3 blocks of 16

@@ -123,3 +123,59 @@ def test_softmax_exchange_fits_its_programs_per_sm_with_triton(tmp_path):
     for used, (op, splits, per_sm, warps) in zip(registers, asked):
         allocated = -(-used // 8) * 8
         assert 65536 // (allocated * 32 * int(warps)) >= int(per_sm), (op, splits, used, done.stdout[-2000:])
+
+
+_FLAT_ACTIVATION_SCRIPT = textwrap.dedent('''
+    import re
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trainops.ops.activations import SILU, ActivationHeuristics, _act_bwd_flat, _act_fwd_flat
+
+    h = ActivationHeuristics()
+    block = h.block
+    warps = h.num_warps(block)
+    numel = 4097 * 1000   # swiglu 4097 x 1000 fp16: 8 mod 16, so Triton marks no divisibility on it
+    meta = dict(ACT=SILU, GATED=True, NEED_A=True, NEED_B=True, ACC=tl.float32, PRECISE=True, DIV_RN=True,
+                INT64=False, BLOCK=block, TAIL_APART=numel % 16 != 0)   # as _prepare_triton's flat plan
+    for kernel in (_act_fwd_flat, _act_bwd_flat):
+        signature, constants, attrs = {}, {}, {}
+        for p in kernel.params:   # the launch's specialisation: 16-byte aligned pointers, numel plain
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+                constants[(p.num,)] = meta[p.name]
+            elif p.name == "numel":
+                signature[p.name] = "i32"
+            else:
+                signature[p.name] = "*fp16"
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=1))
+        ptx = compiled.asm["ptx"]
+        print(kernel.__name__, block, warps, len(re.findall(r"ld\\.global\\.v4\\.b32", ptx)),
+              len(re.findall(r"st\\.global\\.v4\\.b32", ptx)))
+''')
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_flat_activation_blocks_vectorise_when_numel_is_not_a_multiple_of_16_with_triton(tmp_path):
+    """swiglu 4097 x 1000 fp16 forward + backward took 0.052 ms against torch.compile's 0.020 on the
+    H200 (the sweep's kernel time): its numel, 4,097,000, is 8 mod 16, so Triton's launch marks no
+    divisibility on it, the mask ``offs < numel`` is not provably constant over a vector, and every
+    load and store of the flat kernels was one 2-byte element (0 ``ld.global.v4`` in the sm_90 PTX).
+    Whole blocks now run unmasked (TAIL_APART, set by the plan where numel is not a multiple of 16):
+    each operand of a whole block moves in 16-byte vectors, as with a numel divisible by 16; only the
+    last, partial block's accesses are masked."""
+    script = tmp_path / "flat_activation.py"
+    script.write_text(_FLAT_ACTIVATION_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["_act_fwd_flat", "_act_bwd_flat"], done.stdout
+    for (name, block, warps, loads, stores), operands in zip(rows, ((2, 1), (3, 2))):
+        vectors = int(block) * 2 // (32 * int(warps) * 16)   # 16-byte vectors of fp16 a thread, per operand
+        assert int(loads) >= operands[0] * vectors and int(stores) >= operands[1] * vectors, (name, done.stdout)

@@ -47,7 +47,10 @@ run to run on one device (the number of programs depends on its SM count).
 Triton plans (``_prepare_triton``): forward reads each input once and writes y once; backward reads
 dy and the saved inputs once and writes each needed gradient once. 1-D blocks of
 ``ActivationHeuristics.block`` elements (flat), or tiles of that many elements (rows x columns)
-for strided layouts; offsets in int64 where an operand's extent can pass 2^31.
+for strided layouts; offsets in int64 where an operand's extent can pass 2^31. Where numel is not
+a multiple of 16, flat whole blocks run unmasked and only the last, partial one masked: a mask
+against such a numel made every access one element wide (swiglu 4097 x 1000 fp16: 2-byte loads
+and stores, 0.052 ms forward + backward on the H200 against torch.compile's 0.020).
 """
 
 from __future__ import annotations
@@ -498,23 +501,68 @@ if triton_available():
         return f, df
 
     @triton.jit
+    def _act_fwd_block(A, B, Y, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr,
+                       PRECISE: tl.constexpr, DIV_RN: tl.constexpr, MASKED: tl.constexpr):
+        if MASKED:  # the last, partial block
+            mask = offs < numel
+            other = 0.0
+        else:
+            mask = None
+            other = None
+        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
+        y, _ = _act(a, ACT, PRECISE, DIV_RN)
+        if GATED:
+            y = y * tl.load(B + offs, mask=mask, other=other).to(ACC)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _act_fwd_flat(
         A, B, Y,                  # input (gate), up (GATED) and y: contiguous, numel elements each
         numel,
         ACT: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr, PRECISE: tl.constexpr,
-        DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
+        DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr, TAIL_APART: tl.constexpr,
     ):
-        """y = f(a) (* b) over BLOCK elements a program: one flat offset for every operand."""
+        """y = f(a) (* b) over BLOCK elements a program: one flat offset for every operand.
+
+        TAIL_APART (the plan sets it where numel is not a multiple of 16): whole blocks unmasked,
+        only the last, partial block masked. Triton vectorises a masked access only where it can
+        prove the mask constant over the vector; a numel that is not a multiple of 16 carries no
+        divisibility, so masking every block made every access one element wide (4097 x 1000 fp16:
+        2-byte loads and stores). Elsewhere the launch marks numel divisible by 16 and every block
+        takes the masked path, vectorised (one path: fewer registers than the two)."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        a = tl.load(A + offs, mask=mask, other=0.0).to(ACC)
-        y, _ = _act(a, ACT, PRECISE, DIV_RN)
+        if TAIL_APART:
+            if (pid + 1) * BLOCK <= numel:
+                _act_fwd_block(A, B, Y, offs, numel, ACT, GATED, ACC, PRECISE, DIV_RN, False)
+            else:
+                _act_fwd_block(A, B, Y, offs, numel, ACT, GATED, ACC, PRECISE, DIV_RN, True)
+        else:
+            _act_fwd_block(A, B, Y, offs, numel, ACT, GATED, ACC, PRECISE, DIV_RN, True)
+
+    @triton.jit
+    def _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr,
+                       NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr, PRECISE: tl.constexpr,
+                       DIV_RN: tl.constexpr, MASKED: tl.constexpr):
+        if MASKED:  # the last, partial block
+            mask = offs < numel
+            other = 0.0
+        else:
+            mask = None
+            other = None
+        dy = tl.load(DY + offs, mask=mask, other=other).to(ACC)
+        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
+        f, df = _act(a, ACT, PRECISE, DIV_RN)
         if GATED:
-            y = y * tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            b = tl.load(B + offs, mask=mask, other=other).to(ACC)
+            if NEED_A:
+                tl.store(DA + offs, (dy * b * df).to(DA.dtype.element_ty), mask=mask)
+            if NEED_B:
+                tl.store(DB + offs, (dy * f).to(DB.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DA + offs, (dy * df).to(DA.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _act_bwd_flat(
@@ -522,24 +570,23 @@ if triton_available():
         numel,
         ACT: tl.constexpr, GATED: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr,
         PRECISE: tl.constexpr, DIV_RN: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
+        TAIL_APART: tl.constexpr,
     ):
-        """da = dy * f'(a) (* b), db = dy * f(a) over BLOCK elements a program."""
+        """da = dy * f'(a) (* b), db = dy * f(a) over BLOCK elements a program; TAIL_APART as the
+        forward's."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(ACC)
-        a = tl.load(A + offs, mask=mask, other=0.0).to(ACC)
-        f, df = _act(a, ACT, PRECISE, DIV_RN)
-        if GATED:
-            b = tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-            if NEED_A:
-                tl.store(DA + offs, (dy * b * df).to(DA.dtype.element_ty), mask=mask)
-            if NEED_B:
-                tl.store(DB + offs, (dy * f).to(DB.dtype.element_ty), mask=mask)
+        if TAIL_APART:
+            if (pid + 1) * BLOCK <= numel:
+                _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT, GATED, NEED_A, NEED_B, ACC, PRECISE, DIV_RN,
+                               False)
+            else:
+                _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT, GATED, NEED_A, NEED_B, ACC, PRECISE, DIV_RN,
+                               True)
         else:
-            tl.store(DA + offs, (dy * df).to(DA.dtype.element_ty), mask=mask)
+            _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT, GATED, NEED_A, NEED_B, ACC, PRECISE, DIV_RN, True)
 
     @triton.jit
     def _offsets(r, c, O1, O2, s0, s1, s2, sc):
@@ -755,7 +802,8 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
 
     if layout.flat:
         block = min(h.block, max(64, next_pow2(layout.numel)))
-        meta.update(BLOCK=block, num_warps=h.num_warps(block), num_stages=1)
+        # numel not a multiple of 16: the launch marks no divisibility on it, so whole blocks go unmasked
+        meta.update(BLOCK=block, TAIL_APART=layout.numel % 16 != 0, num_warps=h.num_warps(block), num_stages=1)
         grid = (triton.cdiv(layout.numel, block),)
         numel = layout.numel
         if not backward:
@@ -776,7 +824,8 @@ def _prepare_triton(problem: ActivationProblem) -> Launch:
                     launch_bwd(dy, a, tensors[2], da if need_a else None, db if need_b else None)
                 else:
                     launch_bwd(dy, a, None, outputs, None)
-        params = (("plan", "flat"), ("BLOCK", block), ("num_warps", meta["num_warps"]), ("int64", meta["INT64"]))
+        params = (("plan", "flat"), ("BLOCK", block), ("num_warps", meta["num_warps"]), ("int64", meta["INT64"]),
+                  ("tail_apart", meta["TAIL_APART"]))
         return Launch(run, KernelChoice(f"{_base(problem.op)}_{'bwd' if backward else 'fwd'}_flat", "triton", params),
                       acc)
 
