@@ -236,8 +236,8 @@ def test_fill_choices_at_real_sizes():
     assert config((8, 16000)) == (2048, 8, 4, 4)         # short of half a block: was fused, 8 programs
     assert config((8, 1048576), torch.float32) == (16384, 64, 16, 1)   # 512 chunks already: unchanged
     assert config((8, 1048576)) == (32768, 32, 16, 1)
-    assert config((64, 32768), fill_per_sm=0) == (32768, 1, 16, 1)
-    assert config((200, 32768)) == (32768, 1, 16, 1)     # more rows than SMs
+    assert config((64, 32768), fill_per_sm=0) == (32768, 1, 32, 1)   # pipelined bf16: pipelined_warps
+    assert config((200, 32768)) == (32768, 1, 32, 1)     # more rows than SMs
     assert config((8, 16000), fill_per_sm=0) is None
     assert config((8, 8191)) is None                     # rows under 16 KiB: latency-bound, one a program
     assert config((8, 16000), label_smoothing=0.1) == (2048, 8, 4, 4)   # few rows: label smoothing too
