@@ -135,7 +135,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         costs, 4%), 32x151936 1.00x (2.4x), 8x1048576 bf16 and float32 1.00x (8.0x and 7.8x).
     pipelined_warps: warps of the pipelined plan (a row in one exchange block, one program), by
         element size; sizes left out take exchange_warps. bf16 32: 10240x32000 forward + backward
-        0.455 ms against 0.557 at 16 warps (quack 0.526; H200, 2026-11-30, benchmarks/NOTES.md).
+        0.453 ms of kernel time against 0.485 at 16 warps (quack 0.516; H200, 2026-11-30, bench
+        --sweep's CUDA-graph replays; benchmarks/NOTES.md, ninth session).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
