@@ -249,6 +249,187 @@ def test_fill_choices_at_real_sizes():
     assert config((512, 131072)) == (32768, 4, 16, 1)
 
 
+# ---- aligned windows (exchange.window): rows off a multiple of 16 elements --------------------------
+
+WINDOW_VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}   # elements in 16 bytes
+WINDOW_ROWS = 11   # rows of an odd length start at every offset from a 16-byte boundary (8 rows suffice)
+
+
+@pytest.fixture
+def launched_windows(monkeypatch):
+    """The VEC each exchange-plan launch ran with (0: the plain chunks), in launch order."""
+    seen = []
+    original = ce_ops.launch_exchange
+
+    def record(fn, grid, args, meta, device):
+        seen.append(meta.get("VEC", 0))
+        return original(fn, grid, args, meta, device)
+    monkeypatch.setattr(ce_ops, "launch_exchange", record)
+    return seen
+
+
+def window_heuristics(block, **options):
+    """The exchange plan at ``block`` classes a chunk (half and float32 logits) on 16 SMs: rows of
+    more than block / 2 classes take it, one chunk a row ("pipelined") up to ``block``."""
+    return ce_ops.CrossEntropyHeuristics(exchange_block={2: block, 4: block}, sms=16, **options)
+
+
+def window_logits(rows, classes, dtype, gen, pad=0, edges=True):
+    """Logits of ``rows`` rows; ``pad``: the rows of a wider tensor (row stride classes + pad);
+    ``edges``: -inf at row 1's first class and row 2's last (in their windows' first and last
+    partial vectors)."""
+    x = make_logits([rows, classes + pad], dtype, "cpu", gen)[:, :classes]
+    if edges:
+        x[1, 0] = float("-inf")
+        x[2, -1] = float("-inf")
+    return x
+
+
+def window_targets(rows, classes, gen):
+    """Class indices with the first class (rows 0 and 5) and the last (rows 3 and 6), ignored rows
+    (4 and 9), and rows 1 and 2 off their -inf logits (window_logits)."""
+    target = torch.randint(1, classes - 1, (rows,), generator=gen)
+    target[[0, 5]] = 0
+    target[[3, 6]] = classes - 1
+    target[[4, 9]] = -100
+    target[1], target[2] = 2, 1
+    return target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("classes,block", [(37, 16), (41, 16), (33, 16), (45, 64)])
+def test_exchange_plan_aligned_windows(launched_windows, dtype, classes, block):
+    """Rows of a length off a multiple of 16 elements (odd, prime, 8k + 1) through the aligned
+    windows of the exchange plan (3 chunks of 16 classes a row) and of the pipelined plan (one of
+    64): 11 rows, so that the rows start at every offset from a 16-byte boundary; targets in the
+    windows' first and last partial vectors and in their bodies, ignored rows (-100 and a class
+    index), class weights, z-loss, every reduction, float16's scaled gradient; against float64."""
+    gen = torch.Generator().manual_seed(seed_of("windows", dtype, classes, block))
+    vec = WINDOW_VEC[dtype]
+    x = window_logits(WINDOW_ROWS, classes, dtype, gen)
+    target = window_targets(WINDOW_ROWS, classes, gen)
+    weight = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    with trainops.backend("triton"), trainops.heuristics(window_heuristics(block)):
+        kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                               strides=x.stride()).kernel
+        assert kernel["plan"] == ("pipelined" if block == 64 else "exchange") and kernel["window"] == vec, kernel
+        for t, options in ((target, dict(weight=weight)),
+                           (target, dict(reduction="sum", z_loss=1e-3)),
+                           (torch.where(target == -100, 7, target), dict(reduction="none", ignore_index=7,
+                                                                          weight=weight))):
+            launched_windows.clear()
+            check(x, t, dtype, f"windows, {classes} classes, {options.keys()}", **options)
+            assert launched_windows and set(launched_windows) == {vec}, launched_windows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("classes", [1499, 1497])
+def test_few_long_rows_with_label_smoothing_through_windows(launched_windows, dtype, classes):
+    """Few long rows (exchange.fill_tile: 6 chunks of 256 a row) of a prime and an 8k + 1 length:
+    label smoothing's sum_c w_c x_c and the class weights taken from the windows' three parts."""
+    gen = torch.Generator().manual_seed(seed_of("windows, few rows", dtype, classes))
+    vec = WINDOW_VEC[dtype]
+    x = window_logits(11, classes, dtype, gen, edges=False)   # a -inf logit would make a smoothed loss inf
+    target = window_targets(11, classes, gen)
+    weight = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    heuristics = ce_ops.CrossEntropyHeuristics(sms=32, fill_per_sm=4, fill_min_bytes=256, fill_min_row_bytes=0)
+    with trainops.backend("triton"), trainops.heuristics(heuristics):
+        for options in (dict(label_smoothing=0.1, weight=weight), dict(label_smoothing=0.3, z_loss=1e-3,
+                                                                       reduction="none"),
+                        dict(weight=weight, reduction="sum")):
+            kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                                   has_weight="weight" in options,
+                                   **{k: v for k, v in options.items() if k != "weight"}).kernel
+            assert kernel["plan"] == "exchange" and kernel["splits"] == 6 and kernel["BLOCK_C"] == 256, kernel
+            assert kernel["window"] == vec, kernel
+            launched_windows.clear()
+            check(x, target, dtype, f"few rows through windows {options}", **options)
+            assert launched_windows == [vec], launched_windows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aligned_windows_only_where_they_fit(launched_windows, dtype):
+    """Windows need logits and gradient rows at one offset from a 16-byte boundary, unit class
+    stride, 16-byte aligned pointers (else the call runs the plain chunks of the same plan), no
+    more chunks than the plain plan, and rows that the plain chunks would not keep aligned;
+    ``aligned_windows=False`` turns them off. Every case against float64."""
+    vec = WINDOW_VEC[dtype]
+    gen = torch.Generator().manual_seed(seed_of("windows where they fit", dtype))
+    flat = make_logits([WINDOW_ROWS * 37 + 1], dtype, "cpu", gen)
+    cases = [  # (what, logits, heuristics' options, the plan's window, the launches' VEC)
+        ("packed rows", window_logits(WINDOW_ROWS, 37, dtype, gen), {}, vec, vec),
+        ("rows a whole number of vectors apart from the gradient's",
+         window_logits(WINDOW_ROWS, 37, dtype, gen, pad=vec), {}, vec, vec),
+        ("rows at other offsets than the gradient's", window_logits(WINDOW_ROWS, 37, dtype, gen, pad=3), {}, 0, 0),
+        ("logits off a 16-byte boundary", flat[1:].view(WINDOW_ROWS, 37), {}, vec, 0),
+        ("transposed: class stride 11", make_logits([WINDOW_ROWS, 37], dtype, "cpu", gen, layout="transposed"), {},
+         0, 0),
+        ("48 classes: aligned rows", window_logits(WINDOW_ROWS, 48, dtype, gen), {}, 0, 0),
+        ("switched off", window_logits(WINDOW_ROWS, 37, dtype, gen), dict(aligned_windows=False), 0, 0),
+        # 45 + 7 bfloat16 positions need a 4th chunk of 16 (the plain plan has 3): the windows give way
+        ("45 classes", window_logits(WINDOW_ROWS, 45, dtype, gen), {}, 4 if dtype == torch.float32 else 0,
+         4 if dtype == torch.float32 else 0),
+    ]
+    with trainops.backend("triton"):
+        for what, x, options, window, launched in cases:
+            classes = x.shape[1]
+            with trainops.heuristics(window_heuristics(16, **options)):
+                kernel = trainops.plan("cross_entropy", shape=x.shape, dtype=dtype, target_dtype=torch.int64,
+                                       strides=x.stride()).kernel
+                assert kernel["plan"] == "exchange" and kernel["splits"] == -(-classes // 16), (what, kernel)
+                assert kernel["window"] == window, (what, kernel)
+                launched_windows.clear()
+                check(x, window_targets(WINDOW_ROWS, classes, gen), dtype, what, reduction="sum")
+                assert launched_windows == [launched], (what, launched_windows)
+
+
+def test_inplace_backward_through_windows(launched_windows):
+    """The gradient written over channels-last logits (N, C, S) of unit class stride: its rows are
+    the logits' own (N and S strides alike), so they take the windows, which the plain gradient
+    (class stride S) does not."""
+    gen = torch.Generator().manual_seed(seed_of("windows in place"))
+    dtype = torch.bfloat16
+    leaf = make_logits([3, 5, 37], dtype, "cpu", gen).requires_grad_()   # (N, S, C)
+    target = torch.randint(0, 37, (3, 5), generator=gen)
+    target[0, 0], target[1, 2], target[2, 4] = 0, 36, -100
+    with trainops.backend("triton"), trainops.heuristics(window_heuristics(16)):
+        logits = (leaf * 1.0).permute(0, 2, 1)  # (N, C, S), strides (185, 1, 37)
+        describe = dict(shape=logits.shape, dtype=dtype, target_dtype=torch.int64, strides=logits.stride())
+        assert trainops.plan("cross_entropy", **describe, grad_into_input=True).kernel["window"] == 8
+        assert trainops.plan("cross_entropy", **describe).kernel["window"] == 0   # the gradient: class stride 5
+        for reduction in ("mean", "none"):
+            leaf.grad = None
+            logits = (leaf * 1.0).permute(0, 2, 1)
+            ref_loss, _, ref_grad = reference(logits, target, reduction=reduction, z_loss=1e-3)
+            launched_windows.clear()
+            loss = trainops.cross_entropy(logits, target, reduction=reduction, z_loss=1e-3, inplace_backward=True)
+            assert launched_windows == [8], launched_windows
+            loss.sum().backward()
+            assert_close(loss, ref_loss, dtype, f"in place through windows, {reduction}: loss")
+            assert_close(leaf.grad.permute(0, 2, 1), ref_grad, dtype, f"in place through windows, {reduction}: grad")
+            plain = make_logits([3, 37, 5], dtype, "cpu", gen).requires_grad_()   # class stride 5: the plain chunks
+            check(plain, target, dtype, f"plain gradient rows, {reduction}", reduction=reduction)
+
+
+def test_bad_target_flagged_through_windows(launched_windows):
+    """The kernel's bad-target flag from a windowed launch: the row counts for nothing, and the
+    deferred check raises at the backward (on the CPU)."""
+    gen = torch.Generator().manual_seed(seed_of("windows, bad target"))
+    x = window_logits(WINDOW_ROWS, 41, torch.bfloat16, gen)
+    target = window_targets(WINDOW_ROWS, 41, gen)
+    bad = target.clone()
+    bad[7] = 41
+    with trainops.backend("triton"), trainops.heuristics(window_heuristics(16)):
+        loss = trainops.cross_entropy(x, bad, reduction="none", check_target=False)
+        assert launched_windows == [8] and loss[7] == 0
+        ref_loss, _, _ = reference(x, torch.where(bad == 41, -100, bad), reduction="none")
+        assert_close(loss, ref_loss, torch.bfloat16, "unchecked bad class through windows")
+        logits = x.detach().requires_grad_()
+        loss = trainops.cross_entropy(logits, bad)
+        with pytest.raises(IndexError, match="found by the fused kernel"):
+            loss.backward()
+
+
 # ---- probability targets ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FLOATS)

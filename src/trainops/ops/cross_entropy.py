@@ -25,13 +25,19 @@ half or 8192 float32 classes) by a persistent grid that loads the next row while
 ("pipelined"), longer ones cut into chunks held by programs that trade partial sums ("exchange",
 exchange.py). Where those plans would give fewer programs than SMs (a few long rows), the rows are
 cut into smaller chunks of the exchange plan, so that every SM gets programs (exchange.fill_tile),
-label smoothing included (its chunks also trade sum_c w_c x_c). Other rows longer than a register
-row (probability targets, label smoothing, float64) are read twice, the second time newest chunk
-first so that the re-read hits L2.
+label smoothing included (its chunks also trade sum_c w_c x_c). Rows of the exchange plans whose
+length (or row stride) is no multiple of 16 elements, GPT-2's 50257 classes say, are cut from the
+16-byte boundary at or below each row's start ("aligned windows", exchange.window,
+CrossEntropyHeuristics.aligned_windows), so that their loads and stores stay 16-byte vectors.
+Other rows longer than a register row (probability targets, label smoothing, float64) are read
+twice, the second time newest chunk first so that the re-read hits L2.
 
 Dtypes: float32, float16, bfloat16, float64 logits (float32 math, float64 for float64); int32 or
 int64 targets; the loss in the logits' dtype or ``loss_dtype``; the logsumexp in float32 (float64).
-Deterministic: fixed reduction order, no atomics.
+Deterministic: fixed reduction order, no atomics. Through aligned windows a row's sums are grouped
+by its offset from a 16-byte boundary, and only 16-byte aligned pointers take them: the same row
+can round differently (a few ulp) at another position in the batch or another address, as between
+any two plans; run to run the bits are the same.
 """
 
 from __future__ import annotations
@@ -137,6 +143,14 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         element size; sizes left out take exchange_warps. bf16 32: 10240x32000 forward + backward
         0.453 ms of kernel time against 0.485 at 16 warps (quack 0.516; H200, 2026-11-30, bench
         --sweep's CUDA-graph replays; benchmarks/NOTES.md, ninth session).
+    aligned_windows: the exchange and pipelined plans read and write rows whose length or stride is
+        no multiple of 16 elements through aligned windows (exchange.window: chunks cut from the
+        16-byte boundary at or below each row's start, so that loads and stores stay 16-byte
+        vectors; GPT-2's 50257 classes, say), where logits and gradient rows have unit class stride
+        and start at one offset from a 16-byte boundary, the pointers are 16-byte aligned (else
+        that call takes the plain chunks), and the windows need no more chunks than the plain plan
+        (a row whose window overflows by up to 7 classes keeps the plain chunks). False: always the
+        plain chunks (the plan before the windows, for measuring them against each other).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
     """
@@ -155,6 +169,7 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     fill_per_sm: int = 4
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
+    aligned_windows: bool = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,7 +554,7 @@ if triton_available():
     import triton.language as tl
 
     from ._common import from_bits
-    from .exchange import merge_max_sum, pack_flagged, place_in_group, poll_flagged
+    from .exchange import load_window, merge_max_sum, pack_flagged, place_in_group, poll_flagged, store_window, window
 
     _GRAD_HEADROOM_BITS = tl.constexpr(GRAD_HEADROOM_BITS)
 
@@ -777,6 +792,32 @@ if triton_available():
         row_mask = mask & tl.where(r < R, True, False)  # not `mask & (r < R)`: see softmax's _chunk (Triton 3.9)
         return tl.load(x_ptr + n * x_sn + (r % S) * x_ss + c * x_sc, mask=row_mask, other=float("-inf"))
 
+    @triton.jit
+    def _ce_window(r, R, S, x_sn, x_ss, split, C, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr):
+        """Chunk ``split`` of row r's aligned window (exchange.window; unit class stride, everything
+        masked when r >= R): (w0, head, j, body, v, first, t, last), class c of the row sitting at
+        window position c + head."""
+        n = (r + tl.zeros([], tl.int64)) // S
+        start = n * x_sn + (r % S) * x_ss
+        w0, j, body, v, first, t, last = window(start, split, C, tl.where(r < R, True, False), BLOCK_C, SPLITS, VEC)
+        return w0, (start % VEC).to(tl.int32), j, body, v, first, t, last
+
+    @triton.jit
+    def _ce_window_parts(x_ptr, r, R, S, x_sn, x_ss, split, C, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr,
+                         VEC: tl.constexpr):
+        """The logits of chunk ``split`` of row r's window (``_ce_window``): body, first and last vector."""
+        w0, head, j, body, v, first, t, last = _ce_window(r, R, S, x_sn, x_ss, split, C, BLOCK_C, SPLITS, VEC)
+        return load_window(x_ptr, w0, j, body, v, first, t, last, float("-inf"))
+
+    @triton.jit
+    def _nearest(v, DT: tl.constexpr):
+        """v in DT, rounded to nearest for half types (as _store_nearest)."""
+        if DT.primitive_bitwidth == 16:
+            out = v.to(DT, fp_downcast_rounding="rtne")
+        else:
+            out = v.to(DT)
+        return out
+
     @triton.jit(do_not_specialize=["z_bits", "norm_bits", "z_bound_bits", "smoothing_bits"])
     def _ce_rows_exchange(x_ptr, t_ptr, w_ptr, g_ptr, rows_ptr, ticket_ptr, loss_ptr, lse_ptr, flags_ptr,
                           z_bits, norm_bits, z_bound_bits, words_ptr, R, C, S, x_sn, x_sc, x_ss, t_sn, t_sc, t_ss, g_sn, g_sc, g_ss, ignore_index,
@@ -784,7 +825,7 @@ if triton_available():
                           HAS_WEIGHT: tl.constexpr, GRAD: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GRAD_STORE: tl.constexpr,
                           MEAN_BY_TARGETS: tl.constexpr, REDUCE: tl.constexpr, SCALE_GRAD: tl.constexpr,
-                          PHASE: tl.constexpr, SMOOTH: tl.constexpr = False):
+                          PHASE: tl.constexpr, SMOOTH: tl.constexpr = False, VEC: tl.constexpr = 0):
         """Class-index targets, float32 math: rows cut into SPLITS chunks of BLOCK_C classes, one per
         program of a group, which trade (max, sum exp) as flagged words [R, SPLITS] (exchange.py);
         with SPLITS == 1 a program holds whole rows and trades nothing. Program 0 of a group writes
@@ -793,13 +834,23 @@ if triton_available():
 
         SMOOTH (label smoothing eps > 0): the chunks also trade sum_c w_c x_c as a second flagged
         word [R, SPLITS] after the first R * SPLITS; w_total_ptr holds sum_c w_c (float32, summed by
-        the launcher; C without a weight, when it is not read)."""
+        the launcher; C without a weight, when it is not read).
+
+        VEC > 0 (VEC elements in 16 bytes; unit class stride, logits and gradient rows starting at one
+        offset from a 16-byte boundary, 16-byte aligned pointers, SPLITS * BLOCK_C >= C + VEC - 1):
+        the chunks are those of each row's aligned window (exchange.window), a body masked only at
+        multiples of VEC plus the window's first and last partial vectors, so that rows of a length
+        (or stride) off a multiple of 16 elements keep their 16-byte accesses."""
         z_coef = from_bits(z_bits, tl.float32)
         split, group, groups = place_in_group(SPLITS)
         c = split * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = c < C
         if PHASE == 0:
-            x_next = _ce_chunk(x_ptr, group, R, S, x_sn, x_ss, x_sc, c, mask)
+            if VEC == 0:
+                x_next = _ce_chunk(x_ptr, group, R, S, x_sn, x_ss, x_sc, c, mask)
+            else:
+                x_next, first_next, last_next = _ce_window_parts(x_ptr, group, R, S, x_sn, x_ss, split, C, BLOCK_C,
+                                                                 SPLITS, VEC)
         if MEAN_BY_TARGETS and PHASE != 1:  # every program sums the same way, while its first chunk loads
             ce_norm, z_norm = _ce_target_weight(t_ptr, w_ptr, R, C, ignore_index, HAS_WEIGHT, tl.float32, 2048)
         else:
@@ -812,12 +863,26 @@ if triton_available():
         for r in range(group, R, groups):
             if PHASE == 0:
                 x_raw = x_next
-            else:
+                if VEC != 0:
+                    first_raw, last_raw = first_next, last_next
+            elif VEC == 0:
                 x_raw = _ce_chunk(x_ptr, r, R, S, x_sn, x_ss, x_sc, c, mask)
-            if SMOOTH:   # the chunk's class weights (the same every row)
+            else:
+                x_raw, first_raw, last_raw = _ce_window_parts(x_ptr, r, R, S, x_sn, x_ss, split, C, BLOCK_C,
+                                                              SPLITS, VEC)
+            if VEC != 0:   # this row's window: masks, and the offset of its classes (class c at position c + head)
+                w0, head, j, body, v, first, t, last = _ce_window(r, R, S, x_sn, x_ss, split, C, BLOCK_C, SPLITS,
+                                                                  VEC)
+            if SMOOTH:   # the chunk's class weights (the same every row, but for the window's offset)
                 w_c = 1.0
+                w_first = 1.0
+                w_last = 1.0
                 if HAS_WEIGHT:
-                    w_c = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    if VEC == 0:
+                        w_c = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    else:
+                        w_c, w_first, w_last = load_window(w_ptr, -head, j, body, v, first, t, last, 0.0)
+                        w_c, w_first, w_last = w_c.to(tl.float32), w_first.to(tl.float32), w_last.to(tl.float32)
             if PHASE != 1:
                 # The target's logit is read before this program publishes: when the gradient is
                 # written over the logits, the program holding the target's chunk writes it as
@@ -832,17 +897,33 @@ if triton_available():
                               other=0.0).to(tl.float32)
             if PHASE != 2:
                 x = x_raw.to(tl.float32)
-                m = tl.max(x, axis=0)
+                if VEC == 0:
+                    m = tl.max(x, axis=0)
+                else:
+                    x_first = first_raw.to(tl.float32)
+                    x_last = last_raw.to(tl.float32)
+                    m = tl.maximum(tl.max(x, axis=0), tl.maximum(tl.max(x_first, axis=0), tl.max(x_last, axis=0)))
                 m_ref = tl.where(m == float("-inf"), 0.0, m)
                 total = tl.sum(tl.exp(x - m_ref), axis=0)
+                if VEC != 0:
+                    total += tl.sum(tl.exp(x_first - m_ref), axis=0) + tl.sum(tl.exp(x_last - m_ref), axis=0)
                 if SMOOTH:
-                    wx = tl.sum(tl.where(mask, w_c * x, 0.0), axis=0)
+                    if VEC == 0:
+                        wx = tl.sum(tl.where(mask, w_c * x, 0.0), axis=0)
+                    else:
+                        wx = (tl.sum(tl.where(body, w_c * x, 0.0), axis=0)
+                              + (tl.sum(tl.where(first, w_first * x_first, 0.0), axis=0)
+                                 + tl.sum(tl.where(last, w_last * x_last, 0.0), axis=0)))
                 if SPLITS > 1:
                     if SMOOTH:
                         tl.store(words_ptr + (R + r) * SPLITS + split, pack_flagged(wx, tl.zeros([], tl.float32)))
                     tl.store(words_ptr + r * SPLITS + split, pack_flagged(m, total))
             if PHASE == 0:  # the next row's chunk loads while this one waits
-                x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
+                if VEC == 0:
+                    x_next = _ce_chunk(x_ptr, r + groups, R, S, x_sn, x_ss, x_sc, c, mask)
+                else:
+                    x_next, first_next, last_next = _ce_window_parts(x_ptr, r + groups, R, S, x_sn, x_ss, split, C,
+                                                                     BLOCK_C, SPLITS, VEC)
             if PHASE != 1:
                 w_t = 1.0
                 if HAS_WEIGHT:
@@ -876,12 +957,29 @@ if triton_available():
                     tl.store(lse_ptr + r, lse)
                 if GRAD:
                     a = (scale / ce_norm + 2.0 * z_coef * lse / z_norm) * unit
-                    hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
-                    g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_hit / ce_norm * unit, 0.0)
-                    if SMOOTH:
-                        g -= eps_c * w_c * unit / ce_norm
-                    g = tl.where(valid, g, 0.0)
-                    _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
+                    if VEC == 0:
+                        hit = tl.arange(0, BLOCK_C) == (target - split * BLOCK_C).to(tl.int32)  # 32-bit compares
+                        g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(hit, w_hit / ce_norm * unit, 0.0)
+                        if SMOOTH:
+                            g -= eps_c * w_c * unit / ce_norm
+                        g = tl.where(valid, g, 0.0)
+                        _store_nearest(g_ptr + n * g_sn + row_s * g_ss + c * g_sc, g, mask, GRAD_STORE)
+                    else:
+                        at = (target + head).to(tl.int32)   # the target's window position (32-bit compares)
+                        hit_g = w_hit / ce_norm * unit
+                        g = tl.exp(x_raw.to(tl.float32) - lse) * a - tl.where(j == at, hit_g, 0.0)
+                        g_first = tl.exp(first_raw.to(tl.float32) - lse) * a - tl.where(v == at, hit_g, 0.0)
+                        g_last = tl.exp(last_raw.to(tl.float32) - lse) * a - tl.where(t == at, hit_g, 0.0)
+                        if SMOOTH:
+                            g -= eps_c * w_c * unit / ce_norm
+                            g_first -= eps_c * w_first * unit / ce_norm
+                            g_last -= eps_c * w_last * unit / ce_norm
+                        DT: tl.constexpr = g_ptr.dtype.element_ty
+                        # the gradient's rows start as far past a 16-byte boundary as the logits' (the plan checks)
+                        g_w0 = tl.multiple_of(n * g_sn + row_s * g_ss - head, VEC)
+                        store_window(g_ptr, g_w0, j, body, v, first, t, last,
+                                     _nearest(tl.where(valid, g, 0.0), DT), _nearest(tl.where(valid, g_first, 0.0), DT),
+                                     _nearest(tl.where(valid, g_last, 0.0), DT), GRAD_STORE)
         if REDUCE and PHASE != 1:
             _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, 1024)
 
@@ -930,6 +1028,37 @@ def _exchange_config(problem: CrossEntropyProblem) -> tuple[int, int, int, int] 
     if splits == 1 and not fill:
         warps = h.pipelined_warps.get(size, warps)
     return (block, splits, warps, per_sm) if splits <= sms else None
+
+
+def _window_vec(problem: CrossEntropyProblem, x_strides: Sequence[int], g_strides: Sequence[int], block: int,
+                splits: int) -> int:
+    """VEC, the elements in 16 bytes, when the exchange plan (``block`` classes a chunk, ``splits``
+    chunks a row; pipelined or not) reads and writes its rows through aligned windows
+    (exchange.window, CrossEntropyHeuristics.aligned_windows), else 0. ``plan.kernel["window"]``
+    reports it; a call whose logits or gradient pointer is not 16-byte aligned runs the plain
+    chunks of the same plan. Windows need a unit class stride in the logits and the gradient
+    (x_strides, g_strides: (row, class, spatial) strides), every row of the gradient starting as
+    far past a 16-byte boundary as the same row of the logits (strides congruent modulo VEC), and
+    no more chunks than the plain ones (``splits * block >= classes + VEC - 1``: a window starts up
+    to VEC - 1 classes early; a chunk more would be nearly empty and idle a program a row). They
+    are used only where the plain chunks lose vectorised access: a row length, or a stride of a
+    batch axis, that is no multiple of 16 elements."""
+    if not problem.heuristics.aligned_windows:
+        return 0
+    c = problem.classes
+    vec = 16 // problem.dtype.itemsize
+    operands = [x_strides] + ([g_strides] if problem.compute_grad else [])   # no gradient: nothing written
+    if any(strides[1] != 1 for strides in operands):
+        return 0
+    batch = problem.batch_shape
+    n, spatial = (batch[0] if batch else 1), math.prod(batch[1:])
+    # per operand: the strides its rows start at combinations of (those of axes with more than one entry)
+    starts = [(sn if n > 1 else 0, ss if spatial > 1 else 0) for sn, _, ss in operands]
+    if c % 16 == 0 and all(o % 16 == 0 for operand in starts for o in operand):
+        return 0
+    if any(a % vec != b % vec for a, b in zip(starts[0], starts[-1])):
+        return 0
+    return vec if splits * block >= c + vec - 1 else 0
 
 
 def _choose_block(problem: CrossEntropyProblem) -> tuple[int, int, int, int]:
@@ -1026,6 +1155,8 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], str
     grid = ExchangeGrid(_ce_rows_exchange, rows, splits, per_sm, h.sm_count(problem.device))
     words_per_row = splits * (2 if smooth else 1)   # (max, sum exp), then sum w x with label smoothing
     smoothing_bits = float_bits(problem.label_smoothing, torch.float32)
+    vec = _window_vec(problem, strides[:3], strides[6:], block, splits)
+    window_meta = dict(meta, VEC=vec)
 
     def run(tensors, _):
         out, operands = _kernel_operands(problem, tensors, torch.float32)
@@ -1035,11 +1166,13 @@ def _prepare_exchange(problem: CrossEntropyProblem, consts: tuple[int, ...], str
             # sum of the class weights (label smoothing's eps / C * sum w), one float32 sum in torch's fixed order
             w_total = operands[2].sum(dtype=torch.float32) if smooth and problem.has_weight else flags
             args = (*operands, *consts, words, rows, c, s, *strides, problem.ignore_index, smoothing_bits, w_total)
-            launch_exchange(_ce_rows_exchange, grid, args, meta, flags.device)
+            # windows start at 16-byte boundaries of the rows' offsets: the logits' and gradient's pointers too
+            aligned = vec and operands[0].data_ptr() % 16 == 0 and operands[3].data_ptr() % 16 == 0
+            launch_exchange(_ce_rows_exchange, grid, args, window_meta if aligned else meta, flags.device)
         return out
 
     params = (("BLOCK_C", block), ("splits", splits), ("num_warps", warps), ("per_sm", per_sm),
-              ("plan", "exchange" if splits > 1 else "pipelined"))
+              ("plan", "exchange" if splits > 1 else "pipelined"), ("window", vec))
     return Launch(run, KernelChoice("ce_rows_exchange", "triton", params), torch.float32,
                   workspace_bytes=(rows + 1) * 4 * (problem.reduction != "none")
                   + rows * words_per_row * 8 * (splits > 1),

@@ -28,6 +28,16 @@ Triton's interpreter runs programs one after another, so a waiter would wait for
 Under the interpreter the same kernel runs as two launches instead: PHASE 1 publishes every
 partial, PHASE 2 waits (the wait then returns at once), merges, reads its chunk again and writes
 it. PHASE 0 is the one-launch kernel the GPU runs.
+
+Aligned windows (``window``, ``load_window``, ``store_window``): where a row's length or its
+start is no multiple of 16 elements, a chunk masked against the length (or reached through a
+stride the compiler cannot divide) loses its 16-byte vector accesses (benchmarks/NOTES.md, "Odd
+row lengths of softmax"). The row is then read and written from the 16-byte boundary at or below
+its start, its window cut into the chunks: each chunk's body is masked only at multiples of the
+vector, the window's first and last partial vectors apart. A window can cover up to VEC - 1 more
+positions than the row. Used by the softmax family's exchange and fused plans and by
+cross-entropy's exchange plan, on 16-byte aligned pointers, where every operand's rows start at
+one offset from a 16-byte boundary.
 """
 
 from __future__ import annotations
@@ -203,3 +213,40 @@ if triton_available():
         lo = (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
         hi = ((w >> 32) & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
         return lo, hi
+
+    @triton.jit
+    def window(start, split, N, valid, BLOCK: tl.constexpr, SPLITS: tl.constexpr, VEC: tl.constexpr):
+        """Chunk ``split`` (of SPLITS chunks of BLOCK positions) of a row of N elements that starts
+        ``start`` elements past a 16-byte aligned pointer, in the row's window: the row read from the
+        VEC-element (16-byte) boundary at or below its start, so that whole vectors are aligned
+        (SPLITS * BLOCK >= N + VEC - 1). ``valid``: a scalar bool, False for a row past the last one
+        (everything masked). Returns the window's first element offset w0 (a multiple of VEC; the
+        row's element i sits at window position i + start - w0) and three masked parts: the chunk's
+        body (positions j), whose mask changes only at multiples of VEC (so the compiler keeps its
+        accesses vectorised), and the window's first and last partial vectors (positions v and t),
+        masked element by element and held by the first split and the split of the last whole
+        vector. Every position of the row is in exactly one part of exactly one chunk."""
+        head = (start % VEC).to(tl.int32)
+        end = head + N
+        end_vec = tl.multiple_of((end // VEC) * VEC, VEC)
+        j = split * BLOCK + tl.arange(0, BLOCK)
+        body = (j >= VEC) & (j < end_vec) & valid
+        v = tl.arange(0, VEC)
+        first = (v >= head) & (v < end) & valid & tl.where(split == 0, True, False)
+        t = end_vec + v
+        last = (t >= VEC) & (t < end) & valid & tl.where(split == tl.minimum(end_vec // BLOCK, SPLITS - 1), True, False)
+        return tl.multiple_of(start - head, VEC), j, body, v, first, t, last
+
+    @triton.jit
+    def load_window(ptr, w0, j, body, v, first, t, last, OTHER: tl.constexpr):
+        """The three parts of a window's chunk (``window``'s w0 and masks), ``OTHER`` where masked."""
+        return (tl.load(ptr + w0 + j, mask=body, other=OTHER), tl.load(ptr + w0 + v, mask=first, other=OTHER),
+                tl.load(ptr + w0 + t, mask=last, other=OTHER))
+
+    @triton.jit
+    def store_window(ptr, w0, j, body, v, first, t, last, body_values, first_values, last_values,
+                     CACHE: tl.constexpr):
+        """Store the three parts of a window's chunk (``window``'s w0 and masks); CACHE: the stores' cache modifier."""
+        tl.store(ptr + w0 + j, body_values, mask=body, cache_modifier=CACHE)
+        tl.store(ptr + w0 + v, first_values, mask=first, cache_modifier=CACHE)
+        tl.store(ptr + w0 + t, last_values, mask=last, cache_modifier=CACHE)

@@ -484,7 +484,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .exchange import arrive, merge_max_sum, place_in_group, wait_for
+    from .exchange import arrive, load_window, merge_max_sum, place_in_group, store_window, wait_for, window
 
     @triton.jit
     def _coords(pid, I_BLOCKS, OUTER1):
@@ -724,25 +724,10 @@ if triton_available():
     @triton.jit
     def _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N: tl.constexpr,
                 SPLITS: tl.constexpr, VEC: tl.constexpr):
-        """Chunk ``split`` of row r in its window: the row read from the VEC-element (16-byte) boundary
-        at or below its start, so that whole vectors are aligned. Returns the window's first element
-        offset (a multiple of VEC) and three masked parts: the chunk's body (positions j), whose
-        mask changes only at multiples of VEC (so the compiler keeps its accesses vectorised), and
-        the window's first and last partial vectors (positions v and t), masked element by element
-        and held by the first split and the split of the last whole vector."""
+        """Chunk ``split`` of row r in its aligned window (exchange.window): (w0, j, body, v, first, t, last)."""
         o0, o1, i = _coords(r, INNER, OUTER1)
-        start = _row(o0, o1, i, base, s_o0, s_o1, s_i)
-        head = (start % VEC).to(tl.int32)
-        end = head + N
-        end_vec = tl.multiple_of((end // VEC) * VEC, VEC)
         valid = tl.where(r < ROWS, True, False)  # `where`: see _chunk
-        j = split * BLOCK_N + tl.arange(0, BLOCK_N)
-        body = (j >= VEC) & (j < end_vec) & valid
-        v = tl.arange(0, VEC)
-        first = (v >= head) & (v < end) & valid & tl.where(split == 0, True, False)
-        t = end_vec + v
-        last = (t >= VEC) & (t < end) & valid & tl.where(split == tl.minimum(end_vec // BLOCK_N, SPLITS - 1), True, False)
-        return tl.multiple_of(start - head, VEC), j, body, v, first, t, last
+        return window(_row(o0, o1, i, base, s_o0, s_o1, s_i), split, N, valid, BLOCK_N, SPLITS, VEC)
 
     @triton.jit
     def _window_parts(ptr, r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, OTHER: tl.constexpr,
@@ -750,8 +735,7 @@ if triton_available():
         """The three parts of chunk ``split`` of row r in its window (``_window``): body, first and last vector."""
         w0, j, body, v, first, t, last = _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N,
                                                  SPLITS, VEC)
-        return (tl.load(ptr + w0 + j, mask=body, other=OTHER), tl.load(ptr + w0 + v, mask=first, other=OTHER),
-                tl.load(ptr + w0 + t, mask=last, other=OTHER))
+        return load_window(ptr, w0, j, body, v, first, t, last, OTHER)
 
     @triton.jit
     def _store_window(ptr, r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, body_values, first_values,
@@ -760,9 +744,8 @@ if triton_available():
         w0, j, body, v, first, t, last = _window(r, base, s_o0, s_o1, s_i, split, N, INNER, OUTER1, ROWS, BLOCK_N,
                                                  SPLITS, VEC)
         out_t: tl.constexpr = ptr.dtype.element_ty
-        tl.store(ptr + w0 + j, body_values.to(out_t), mask=body)
-        tl.store(ptr + w0 + v, first_values.to(out_t), mask=first)
-        tl.store(ptr + w0 + t, last_values.to(out_t), mask=last)
+        store_window(ptr, w0, j, body, v, first, t, last, body_values.to(out_t), first_values.to(out_t),
+                     last_values.to(out_t), "")
 
     @triton.jit
     def _softmax_fwd_row_window(
