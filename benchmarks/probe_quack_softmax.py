@@ -3,11 +3,12 @@
     PYTHONPATH=src python benchmarks/probe_quack_softmax.py [OUT.json] [--dtype bfloat16] [--elements 134217728]
         [--columns 32000,151936] [--ops softmax_backward] [--cpu]
 
-ops/softmax.py puts softmax and its backward on quack's kernels for bf16 / fp16 rows of
-QUACK_COLUMNS[op] columns on sm_90 (softmax 16384 to 524288, softmax_backward 24576 to 524288: this
-probe's H200 run of 2026-11-30, benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.json)
-that are a multiple of QUACK_COLUMN_MULTIPLE (8192: quack's forward returned NaN at 151936 there), so
-its "agrees" column says "no" at 32760 and 151936 by design.
+ops/softmax.py puts softmax and its backward on quack's kernels for bf16 / fp16 rows in the ranges
+QUACK_COLUMNS[op] on sm_90 (softmax 16384 to 524288, softmax_backward 24576 to 28672 and 32776 to
+524288: this probe's H200 runs of 2026-11-30, benchmarks/results/probe-quack-softmax-bf16-h200-20261130-s8.json
+and probe-quack-bwd{,-split}-h200-20261130-s9.json), forward only where the length is a multiple of
+QUACK_COLUMN_MULTIPLE["softmax"] (8192) and quack_forward_fills_every_warp (quack's forward returned
+NaN at 151936 and 152064), so the forward's "agrees" column says "no" at such lengths by design.
 This times, per op (softmax, softmax_backward) and row length N in COLUMNS (8192 to 524288, around
 and past both ends), rows = elements // N of contiguous inputs: trainops (the rule's choice; the
 row's ``backend`` says which), trainops with Triton pinned, trainops with quack pinned (our wrapper

@@ -604,6 +604,9 @@ def test_plan_reports_the_row_plan():
         short = trainops.plan("cross_entropy", shape=(8, 32000), dtype=torch.bfloat16, target_dtype=torch.int64,
                               device=device)
     assert short.precision.deterministic and short.precision.accumulator == torch.float32
+    for bad in ({2: 12}, {2: 64}, {2: 32.0}, {2: True}, 32, {"bf16": 32}):
+        with pytest.raises(trainops.InvalidProblemError, match="pipelined_warps"):
+            ce_ops.CrossEntropyHeuristics(pipelined_warps=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -789,7 +789,9 @@ def test_fused_backward_warps_at_real_sizes():
                                         ("quack_columns", {"softmax": (16384, None)}),
                                         ("quack_columns", {"softmax": 16384}), ("quack_columns", (16384, 524288)),
                                         ("quack_columns", {"softmax": (16384, 524288)}),
-                                        ("quack_column_multiple", 8192), ("quack_column_multiple", {"softmax": 0})])
+                                        ("quack_column_multiple", 8192), ("quack_column_multiple", {"softmax": 0}),
+                                        ("quack_columns", {"log_softmax": ((1, 2),)}),
+                                        ("quack_column_multiple", {"log_softmax": 1})])
 def test_backward_and_quack_heuristics_are_checked(field, bad):
     """The newer SoftmaxHeuristics fields refuse values a rule or a launch could not use, naming the field."""
     with pytest.raises(trainops.InvalidProblemError, match=field):

@@ -262,18 +262,50 @@ def test_choice_row_length_multiple_forward(fake_quack):
     for n in on:
         assert _backend(op, (4, n)) == "quack", n
     assert S.QUACK_COLUMN_MULTIPLE == MULTIPLES == S.SoftmaxHeuristics().quack_column_multiple
-    for multiple in (NO_MULTIPLE, {"softmax_backward": 1}):   # 1, or the op left out: no condition
-        with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=multiple)):
-            for n in (151936, 32760, 24584, 40960):
-                assert _backend(op, (4, n)) == "quack", n
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple=NO_MULTIPLE)):   # 1: no condition
+        for n in (32760, 24584, 40960):
+            assert _backend(op, (4, n)) == "quack", n
+        assert _backend(op, (4, 151936)) == "triton"      # quack_forward_fills_every_warp still says no
+    with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple={"softmax_backward": 1})):
+        assert _backend(op, (4, 32760)) == "triton"       # the op left out: QUACK_COLUMN_MULTIPLE's 8192
+        assert _backend(op, (4, 40960)) == "quack"
     with trainops.heuristics(S.SoftmaxHeuristics(quack_column_multiple={op: 8})):
-        assert _backend(op, (4, 151936)) == "quack"
+        assert _backend(op, (4, 32760)) == "quack"
+        assert _backend(op, (4, 151936)) == "triton"
     with trainops.backend("quack"):                       # pinned: the rule is not asked
         assert _backend(op, (4, 151936)) == "quack"
         assert _backend(op, (4, 32760)) == "quack"
-    for bad in ({op: 0}, {op: -8192}, {op: 8192.0}, {op: True}, 8192, (8192, 1)):
+    for bad in ({op: 0}, {op: -8192}, {op: 8192.0}, {op: True}, 8192, (8192, 1), {"log_softmax": 8192},
+                {"Softmax": 8192}):
         with pytest.raises(trainops.InvalidProblemError, match="quack_column_multiple"):
             S.SoftmaxHeuristics(quack_column_multiple=bad)
+
+
+# quack-kernels 0.6.5's forward at each row length measured on the H200 (2026-11-30, bf16): right or NaN
+QUACK_FORWARD_MEASURED = {8192: True, 16384: True, 24576: True, 32000: True, 32760: True, 32768: True, 40960: True,
+                          49152: True, 50264: True, 57344: True, 65536: True, 98304: True, 128256: True,
+                          131072: True, 151936: False, 152064: False, 163840: True, 262144: True, 524288: True}
+
+
+def test_quack_forward_model_explains_every_measured_length():
+    """quack_forward_fills_every_warp (quack's tiling: a warp with no column of the row makes the row
+    NaN) says right / NaN exactly where the H200 measured it, in both 16-bit dtypes; and it puts the
+    multiples of 8192 it predicts NaN at (139264 = 17 x 8192, never measured) on Triton forward."""
+    for n, right in QUACK_FORWARD_MEASURED.items():
+        assert S.quack_forward_fills_every_warp(n, 2) is right, n
+    unsafe = [n for n in range(16384, 524289, 8192) if not S.quack_forward_fills_every_warp(n, 2)]
+    assert unsafe == [139264, 147456, 172032, 180224, 204800, 212992, 237568, 245760, 270336, 303104, 335872,
+                      368640]
+
+
+def test_choice_forward_follows_the_model(fake_quack):
+    for n in (139264, 245760, 368640):          # multiples of 8192 in range, NaN by the model
+        assert S.quack_unsupported(S._describe("softmax", (4, n), -1, torch.bfloat16, "cuda")) is None, n
+        assert _backend("softmax", (4, n)) == "triton", n
+        assert _backend("softmax", (4, n), dtype=torch.float16) == "triton", n
+        assert _backend("softmax_backward", (4, n)) == "quack", n   # no exp of a -inf maximum backward
+    for n in (131072, 163840, 262144, 376832):
+        assert _backend("softmax", (4, n)) == "quack", n
 
 
 def test_choice_backward_has_no_multiple(fake_quack):
@@ -563,6 +595,22 @@ def test_gpu_quack_against_float64(real_quack, shape, dtype):
     again = trainops.softmax(x.detach(), -1)
     assert torch.equal(again, y.detach())              # bit-identical run to run
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [139264, 147456, 163840, 32000])
+def test_gpu_quack_forward_matches_the_model(real_quack, n):
+    """quack_forward_fills_every_warp against quack's own forward (pinned) on the GPU: NaN exactly where
+    the model says a warp gets no column (139264, 147456: multiples of 8192 never measured before the
+    model), right elsewhere; trainops's default forward is finite either way."""
+    _needs_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((64, n), device="cuda", generator=gen).to(torch.bfloat16)
+    with trainops.backend("quack"):
+        y = trainops.softmax(x, -1)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(y).all()) is S.quack_forward_fills_every_warp(n, 2), n
+    assert torch.isfinite(trainops.softmax(x, -1)).all()
 
 
 @pytest.mark.gpu

@@ -140,7 +140,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         4x131072 1.34x (4.2x), 16x65536 1.29x (1.9x), 64x32768 1.11x (0.96x: the one case it
         costs, 4%), 32x151936 1.00x (2.4x), 8x1048576 bf16 and float32 1.00x (8.0x and 7.8x).
     pipelined_warps: warps of the pipelined plan (a row in one exchange block, one program), by
-        element size; sizes left out take exchange_warps. bf16 32: 10240x32000 forward + backward
+        element size; sizes left out take exchange_warps. 2 bytes (bf16 measured; fp16 moves the
+        same bytes) 32: 10240x32000 forward + backward
         0.453 ms of kernel time against 0.485 at 16 warps (quack 0.516; H200, 2026-11-30, bench
         --sweep's CUDA-graph replays; benchmarks/NOTES.md, ninth session).
     aligned_windows: the exchange and pipelined plans read and write rows whose length or stride is
@@ -149,7 +150,8 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
         vectors; GPT-2's 50257 classes, say), where logits and gradient rows have unit class stride
         and start at one offset from a 16-byte boundary, the pointers are 16-byte aligned (else
         that call takes the plain chunks), and the windows need no more chunks than the plain plan
-        (a row whose window overflows by up to 7 classes keeps the plain chunks). False: always the
+        (a row whose window overflows by up to VEC - 1 classes, 7 in 2-byte types and 3 in float32,
+        keeps the plain chunks). False: always the
         plain chunks (the plan before the windows, for measuring them against each other).
     sms and row_exchange: ExchangeHeuristics.
     Compared by identity (a plan's cache key holds the object it was made with).
@@ -170,6 +172,16 @@ class CrossEntropyHeuristics(ExchangeHeuristics):
     fill_min_bytes: int = 4096
     fill_min_row_bytes: int = 16384
     aligned_windows: bool = True
+
+    def __post_init__(self):
+        """pipelined_warps checked here, naming the field (a wrong warp count would otherwise fail
+        inside a Triton launch)."""
+        warps = self.pipelined_warps
+        if not isinstance(warps, Mapping) or not all(
+                isinstance(size, int) and isinstance(w, int) and not isinstance(w, bool) and w in (4, 8, 16, 32)
+                for size, w in warps.items()):
+            raise argument_error(InvalidProblemError, "CrossEntropyHeuristics", "pipelined_warps",
+                                 f"must map element sizes to 4, 8, 16 or 32 warps, got {warps!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,11 +635,7 @@ if triton_available():
     def _store_nearest(ptrs, v, mask, CACHE: tl.constexpr):
         """Store v in the pointers' dtype rounded to nearest: the GPU's rounding for half types, which
         Triton's interpreter would otherwise replace by truncation."""
-        DT: tl.constexpr = ptrs.dtype.element_ty
-        if DT.primitive_bitwidth == 16:
-            tl.store(ptrs, v.to(DT, fp_downcast_rounding="rtne"), mask=mask, cache_modifier=CACHE)
-        else:
-            tl.store(ptrs, v.to(DT), mask=mask, cache_modifier=CACHE)
+        tl.store(ptrs, _nearest(v, ptrs.dtype.element_ty), mask=mask, cache_modifier=CACHE)
 
     @triton.jit
     def _sum_row_losses(rows_ptr, ticket_ptr, loss_ptr, R, BLOCK: tl.constexpr):
@@ -811,7 +819,8 @@ if triton_available():
 
     @triton.jit
     def _nearest(v, DT: tl.constexpr):
-        """v in DT, rounded to nearest for half types (as _store_nearest)."""
+        """v in DT, rounded to nearest for half types: the GPU's rounding, which Triton's interpreter
+        would otherwise replace by truncation (_store_nearest stores it)."""
         if DT.primitive_bitwidth == 16:
             out = v.to(DT, fp_downcast_rounding="rtne")
         else:

@@ -36,7 +36,7 @@ row lengths of softmax"). The row is then read and written from the 16-byte boun
 its start, its window cut into the chunks: each chunk's body is masked only at multiples of the
 vector, the window's first and last partial vectors apart. A window can cover up to VEC - 1 more
 positions than the row. Used by the softmax family's exchange and fused plans and by
-cross-entropy's exchange plan, on 16-byte aligned pointers, where every operand's rows start at
+cross-entropy's exchange and pipelined plans, on 16-byte aligned pointers, where every operand's rows start at
 one offset from a 16-byte boundary.
 """
 

@@ -81,18 +81,26 @@ QUACK_CHOSEN_DTYPES = frozenset({torch.bfloat16, torch.float16})
 #   N         24576  32000  32768  40960  50264  65536  100352 128256 151936 152064 256000
 #             .1982  .1960  .1955  .2608  .2821  .2553  .2702  .2693  .2750  .2745  .2720   (Triton)
 #             .1908  .2153  .2135  .1939  .1932  .2324  .1947  .2428  .2248  .2250  .2677   (quack)
-# Triton's one-tile backward (rows up to 32768) now beats quack's from 32000 to 32768; quack wins at 24576
-# (Triton's tile is a quarter empty there) and on every length past the tile. The backward's lower range
-# ends at 28672, between the measured 24576 and 32000 (BACKWARD_TILE_SPLIT below); the upper one starts at
-# 32776, the first length past the tile (32768) whose rows quack's 16-byte vectors load in bf16 / fp16.
-# quack's FORWARD returned NaN at 151936 columns: in the eighth session's probe at 883x151936 bf16 (relative
-# error nan against float64; Triton 1.7e-3), and in the same day's bench --sweep at 2048x151936; its backward
-# was correct at every length measured (the eleven above, 1.7e-3 to 1.8e-3). The cause in quack-kernels 0.6.5
-# was not found. So a forward row goes to quack only where its length is also a multiple of 8192
-# (QUACK_COLUMN_MULTIPLE): every measured multiple of 8192 (8192, 16384, 24576, 32768, 49152, 65536, 131072,
-# 262144, 524288) was correct; 151936 = 18.5 x 8192 was not. The backward has no such condition (1): quack's
-# 16-byte vectors (QUACK_ALIGN) are its only limit there.
+# Triton's one-tile backward (rows up to 32768) now beats quack's from 30720 to 32768; quack wins at 24576
+# (Triton's tile is a quarter empty there) and on every length past the tile. The split probe of the same
+# session (benchmarks/results/probe-quack-bwd-split-h200-20261130-s9.log: 24576 .1989/.1904, 26624
+# .1972/.1912, 28672 .1963/.1910, 30720 .1955/.2210) puts the lower range's end at 28672
+# (BACKWARD_TILE_SPLIT); the upper one starts at 32776, the first length past the tile (32768) whose rows
+# quack's 16-byte vectors load in bf16 / fp16.
+# quack's FORWARD returned NaN at 151936 columns (the eighth session's probe at 883x151936 bf16 and its bench
+# --sweep at 2048x151936) and at 152064 (the ninth session's, benchmarks/results/probe-quack-fwd-odd-...),
+# and was right at 32000, 50264 and 128256; its backward was right at every length measured (the fourteen
+# above, 1.7e-3 to 1.8e-3). The cause, read in quack-kernels 0.6.5's source (softmax.py, reduce.py) and
+# consistent with all seventeen lengths measured: quack_forward_fills_every_warp. A forward row goes to
+# quack only where that says so AND its length is a multiple of 8192 (QUACK_COLUMN_MULTIPLE, the eighth
+# session's guard: every multiple of 8192 measured was right; the model, not yet checked on a GPU, says
+# multiples such as 139264 are not). The backward has no such condition (1): no exp of a -inf maximum,
+# quack's 16-byte vectors (QUACK_ALIGN) its only limit.
 BACKWARD_TILE_SPLIT = 28672
+# quack-kernels 0.6.5's softmax forward tiling on sm_90 for 16-bit dtypes (Softmax._threads_per_row,
+# Softmax._set_cluster_n): threads a row by the row's length, and the cluster of CTAs a row is cut across.
+QUACK_FORWARD_THREADS = ((64, 8), (128, 16), (3072, 32), (6144, 64), (16384, 128))   # (most columns, threads); else 256
+QUACK_FORWARD_CLUSTER = ((16384, 1), (32768, 2), (65536, 4), (131072, 8))            # (most columns, CTAs); else 16
 QUACK_COLUMNS: Mapping[str, tuple[tuple[int, int], ...]] = {
     "softmax": ((16384, 524288),),
     "softmax_backward": ((24576, BACKWARD_TILE_SPLIT), (32776, 524288)),
@@ -154,7 +162,9 @@ class SoftmaxHeuristics(ExchangeHeuristics):
         quack_column_multiple: per op, choose_backend puts a row on quack only where its length is a
         multiple of this too (QUACK_COLUMN_MULTIPLE: forward 8192, since quack's forward returned NaN
         at 151936 columns on the H200 and every measured multiple of 8192 was correct; backward 1, no
-        condition). An op left out, or 1, has no condition; a pinned backend ignores it.
+        condition). An op left out takes QUACK_COLUMN_MULTIPLE's; 1 is no condition; a pinned backend
+        ignores it. The forward also needs quack_forward_fills_every_warp, whatever this says.
+        Each new row length quack runs compiles its kernel once (a few seconds; jit_cache).
     Compared by identity (a plan's cache key holds the object it was made with).
     """
 
@@ -182,9 +192,10 @@ class SoftmaxHeuristics(ExchangeHeuristics):
             return isinstance(value, int) and not isinstance(value, bool)
 
         value = self.quack_column_multiple
-        if not isinstance(value, Mapping) or not all(whole(m) and m >= 1 for m in value.values()):
+        if not isinstance(value, Mapping) or not set(value) <= set(QUACK_OPS) or not all(
+                whole(m) and m >= 1 for m in value.values()):
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_column_multiple",
-                                 f"must map op names to ints >= 1 (1: any length), got {value!r}")
+                                 f"must map {' / '.join(QUACK_OPS)} to ints >= 1 (1: any length), got {value!r}")
         value = self.column_backward_split_per_sm
         if not whole(value) or value < 1:
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "column_backward_split_per_sm",
@@ -194,13 +205,14 @@ class SoftmaxHeuristics(ExchangeHeuristics):
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "fused_backward_warps",
                                  f"must be 4, 8, 16 or 32 (a warp count), got {value!r}")
         columns = self.quack_columns
-        if not isinstance(columns, Mapping) or not all(
+        if not isinstance(columns, Mapping) or not set(columns) <= set(QUACK_OPS) or not all(
                 isinstance(ranges, (tuple, list)) and all(
                     isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(whole(b) for b in bounds)
                     for bounds in ranges)
                 for ranges in columns.values()):
             raise argument_error(InvalidProblemError, "SoftmaxHeuristics", "quack_columns",
-                                 f"must map op names to tuples of (fewest, most) int pairs, got {columns!r}")
+                                 f"must map {' / '.join(QUACK_OPS)} to tuples of (fewest, most) int pairs, "
+                                 f"got {columns!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +398,25 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def quack_forward_fills_every_warp(n: int, itemsize: int) -> bool:
+    """Whether quack-kernels 0.6.5's softmax forward (sm_90, 16-bit dtypes) gives every warp of a row at
+    least one column of a row of ``n`` columns. Its kernel cuts a row across ``cluster`` CTAs of
+    ``threads`` threads (QUACK_FORWARD_CLUSTER, QUACK_FORWARD_THREADS), each CTA a tile of ``blocks``
+    x ``threads`` 16-byte vectors (blocks = ceil(vectors / (threads x cluster))), vector b x threads +
+    t of a CTA to thread t; the last CTA holds the vectors left, ``r``. A warp whose columns all lie past
+    the row has a maximum of -inf, and its online-softmax partial sum exp(-inf - -inf) is NaN, which the
+    cross-CTA merge (NaN x 0) spreads to the whole row. Warp w's first vector in the last CTA is its
+    32 w-th, so every warp has a column iff r > threads - 32. Consistent with the forward's H200
+    results: NaN at 151936 and 152064 (r < 0), right at 32000, 32760, 50264, 128256, 163840 and every
+    multiple of 8192 measured (8192-131072, 262144, 524288)."""
+    vectors = n * itemsize // QUACK_ALIGN
+    threads = next((t for most, t in QUACK_FORWARD_THREADS if n <= most), 256)
+    cluster = next((c for most, c in QUACK_FORWARD_CLUSTER if n <= most), 16)
+    blocks = -(-vectors // (threads * cluster))
+    left = vectors - (cluster - 1) * blocks * threads
+    return left > threads - 32
+
+
 def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     """Whether the H200 measurements (QUACK_COLUMNS) put this problem on quack's kernels: the quack backend is
     registered, the op is softmax or its backward, quack can run it (``quack_unsupported``: CUDA,
@@ -395,15 +426,17 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
     one of the ranges ``heuristics.quack_columns[op]`` allows (QUACK_COLUMNS by default: softmax 16384
     to 524288, softmax_backward 24576 to 28672 and 32776 to 524288) and a multiple of
     ``heuristics.quack_column_multiple[op]`` (QUACK_COLUMN_MULTIPLE: softmax 8192, as quack's forward
-    returned NaN at 151936 columns; softmax_backward 1). A pinned quack (``trainops.backend("quack")``)
-    does not ask this rule."""
+    returned NaN at 151936 columns; softmax_backward 1; an op the mapping leaves out takes
+    QUACK_COLUMN_MULTIPLE's) and, forward, where ``quack_forward_fills_every_warp`` (quack's forward
+    is NaN elsewhere). A pinned quack (``trainops.backend("quack")``) does not ask this rule."""
     if problem.op not in QUACK_OPS or problem.dtype not in QUACK_CHOSEN_DTYPES:
         return False
     heuristics = problem.heuristics
     n = problem.shape[-1]
     if (quack_unsupported(problem) is not None
             or not any(low <= n <= high for low, high in heuristics.quack_columns.get(problem.op, ()))
-            or n % heuristics.quack_column_multiple.get(problem.op, 1)):
+            or n % heuristics.quack_column_multiple.get(problem.op, QUACK_COLUMN_MULTIPLE[problem.op])
+            or problem.op == "softmax" and not quack_forward_fills_every_warp(n, problem.dtype.itemsize)):
         return False
     # no import tried (and no "a quack package is on the path" note) where there is no quack package at all
     return _capability(problem.device) in QUACK_MEASURED_CAPABILITIES and (
@@ -412,10 +445,10 @@ def quack_beats_triton(problem: SoftmaxProblem) -> bool:
 
 def choose_backend(problem: SoftmaxProblem) -> str | None:
     """quack's kernels on bf16 / fp16 CUDA (sm_90) softmax and its backward, last axis of contiguous
-    16-byte aligned rows of 16384 to 524288 columns forward (a multiple of 8192: quack's forward
-    returned NaN at 151936), 24576 to 28672 and 32776 to 524288 backward (QUACK_COLUMNS,
-    QUACK_COLUMN_MULTIPLE: the H200 probes of 2026-11-30), where quack-kernels imports; else the
-    device type's default (Triton on CUDA)."""
+    16-byte aligned rows of 16384 to 524288 columns forward (a multiple of 8192, and where
+    quack_forward_fills_every_warp: quack's forward returned NaN at 151936), 24576 to 28672 and 32776
+    to 524288 backward (QUACK_COLUMNS, QUACK_COLUMN_MULTIPLE: the H200 probes of 2026-11-30), where
+    quack-kernels imports; else the device type's default (Triton on CUDA)."""
     return "quack" if quack_beats_triton(problem) else None
 
 
