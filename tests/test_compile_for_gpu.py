@@ -18,6 +18,18 @@ import pytest
 
 from trainops.registry import triton_available
 
+
+def _compile_offline(tmp_path, name: str, source: str, **env_extra: str) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script in a fresh process without Triton's interpreter (its own Triton
+    cache under tmp_path, plus ``env_extra``) and check that it exited 0; returns the process."""
+    script = tmp_path / name
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), **env_extra)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
 _SCRIPT = textwrap.dedent('''
     import triton
     import triton.language as tl
@@ -52,12 +64,7 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 def test_helpers_of_two_return_types_compile_for_the_gpu_with_triton(tmp_path):
-    script = tmp_path / "compile_helpers.py"
-    script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _compile_offline(tmp_path, "compile_helpers.py", _SCRIPT)
     assert done.stdout.split("\n")[:4] == ["compiled fp64", "compiled fp32", "compiled tile True",
                                            "compiled tile False"], done.stdout
 
@@ -111,12 +118,7 @@ def test_softmax_exchange_fits_its_programs_per_sm_with_triton(tmp_path):
     16 chunks a row: 2 programs per SM instead of 3, softmax 1024x131072 bf16 0.255 ms against 0.225
     on the H100 (benchmarks/NOTES.md). Registers as ptxas reports them compiling for sm_90 (Triton's
     own ptxas, log dumped); 65536 a SM, allocated 8 a thread at a time."""
-    script = tmp_path / "occupancy.py"
-    script.write_text(_OCCUPANCY_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DUMP_PTXAS_LOG="1")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _compile_offline(tmp_path, "occupancy.py", _OCCUPANCY_SCRIPT, TRITON_DUMP_PTXAS_LOG="1")
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", done.stdout)]
     asked = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("asked")]
     assert len(registers) == len(asked) == 4, done.stdout[-3000:]
@@ -168,12 +170,7 @@ def test_flat_activation_blocks_vectorise_when_numel_is_not_a_multiple_of_16_wit
     Whole blocks now run unmasked (TAIL_APART, set by the plan where numel is not a multiple of 16):
     each operand of a whole block moves in 16-byte vectors, as with a numel divisible by 16; only the
     last, partial block's accesses are masked."""
-    script = tmp_path / "flat_activation.py"
-    script.write_text(_FLAT_ACTIVATION_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _compile_offline(tmp_path, "flat_activation.py", _FLAT_ACTIVATION_SCRIPT)
     rows = [line.split() for line in done.stdout.splitlines()]
     assert [r[0] for r in rows] == ["_act_fwd_flat", "_act_bwd_flat"], done.stdout
     for (name, block, warps, loads, stores), operands in zip(rows, ((2, 1), (3, 2))):

@@ -501,19 +501,29 @@ if triton_available():
         return f, df
 
     @triton.jit
+    def _flat_load(P, offs, numel, ACC: tl.constexpr, MASKED: tl.constexpr):
+        """P[offs] in ACC; MASKED (the last, partial block): offsets past numel read 0."""
+        if MASKED:
+            v = tl.load(P + offs, mask=offs < numel, other=0.0)
+        else:
+            v = tl.load(P + offs)
+        return v.to(ACC)
+
+    @triton.jit
+    def _flat_store(P, offs, v, numel, MASKED: tl.constexpr):
+        """P[offs] = v in P's dtype; MASKED (the last, partial block): offsets past numel untouched."""
+        if MASKED:
+            tl.store(P + offs, v.to(P.dtype.element_ty), mask=offs < numel)
+        else:
+            tl.store(P + offs, v.to(P.dtype.element_ty))
+
+    @triton.jit
     def _act_fwd_block(A, B, Y, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr,
                        PRECISE: tl.constexpr, DIV_RN: tl.constexpr, MASKED: tl.constexpr):
-        if MASKED:  # the last, partial block
-            mask = offs < numel
-            other = 0.0
-        else:
-            mask = None
-            other = None
-        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
-        y, _ = _act(a, ACT, PRECISE, DIV_RN)
+        y, _ = _act(_flat_load(A, offs, numel, ACC, MASKED), ACT, PRECISE, DIV_RN)
         if GATED:
-            y = y * tl.load(B + offs, mask=mask, other=other).to(ACC)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            y = y * _flat_load(B, offs, numel, ACC, MASKED)
+        _flat_store(Y, offs, y, numel, MASKED)
 
     @triton.jit
     def _act_fwd_flat(
@@ -546,23 +556,16 @@ if triton_available():
     def _act_bwd_block(DY, A, B, DA, DB, offs, numel, ACT: tl.constexpr, GATED: tl.constexpr,
                        NEED_A: tl.constexpr, NEED_B: tl.constexpr, ACC: tl.constexpr, PRECISE: tl.constexpr,
                        DIV_RN: tl.constexpr, MASKED: tl.constexpr):
-        if MASKED:  # the last, partial block
-            mask = offs < numel
-            other = 0.0
-        else:
-            mask = None
-            other = None
-        dy = tl.load(DY + offs, mask=mask, other=other).to(ACC)
-        a = tl.load(A + offs, mask=mask, other=other).to(ACC)
-        f, df = _act(a, ACT, PRECISE, DIV_RN)
+        dy = _flat_load(DY, offs, numel, ACC, MASKED)
+        f, df = _act(_flat_load(A, offs, numel, ACC, MASKED), ACT, PRECISE, DIV_RN)
         if GATED:
-            b = tl.load(B + offs, mask=mask, other=other).to(ACC)
+            b = _flat_load(B, offs, numel, ACC, MASKED)
             if NEED_A:
-                tl.store(DA + offs, (dy * b * df).to(DA.dtype.element_ty), mask=mask)
+                _flat_store(DA, offs, dy * b * df, numel, MASKED)
             if NEED_B:
-                tl.store(DB + offs, (dy * f).to(DB.dtype.element_ty), mask=mask)
+                _flat_store(DB, offs, dy * f, numel, MASKED)
         else:
-            tl.store(DA + offs, (dy * df).to(DA.dtype.element_ty), mask=mask)
+            _flat_store(DA, offs, dy * df, numel, MASKED)
 
     @triton.jit
     def _act_bwd_flat(
